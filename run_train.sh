@@ -1,0 +1,18 @@
+#!/usr/bin/env bash
+# Launch training with torchrun on this machine.
+#   NGPU         processes to start (default: the GPUs present, else 1)
+#   CONFIG_FILE  TOML config (default: the debug model)
+#   LOG_RANK     comma-separated ranks whose output is shown (default: 0)
+# Extra arguments go to the trainer, e.g.  ./run_train.sh --training.steps 20 --parallelism.tensor_parallel_degree 2
+set -euo pipefail
+
+if [ -z "${NGPU:-}" ]; then
+  NGPU=$(python -c "import torch; print(torch.cuda.device_count())" 2>/dev/null || echo 0)
+  [ "$NGPU" -gt 0 ] 2>/dev/null || NGPU=1
+fi
+CONFIG_FILE=${CONFIG_FILE:-"$(dirname "$0")/train_configs/debug_model.toml"}
+LOG_RANK=${LOG_RANK:-0}
+
+exec torchrun --nproc_per_node="$NGPU" --rdzv_backend c10d --rdzv_endpoint="localhost:0" \
+  --local-ranks-filter "$LOG_RANK" --role rank --tee 3 \
+  -m torchtitan.train --job.config_file "$CONFIG_FILE" "$@"

@@ -1,0 +1,148 @@
+"""Context parallel on CPU (gloo) against a single-process reference, with real processes."""
+
+import inspect
+import os
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+import torch.nn.functional as F
+
+from torchtitan.distributed import context_parallel as cp
+from torchtitan.errors import UserError
+from torchtitan.models.llama3.args import model_args_for
+from torchtitan.models.llama3.model import Transformer
+
+BATCH, SEQ_LEN = 2, 64
+ROTATE_METHODS = ("allgather", "alltoall")
+
+
+def build_model() -> Transformer:
+    model = Transformer(model_args_for("tiny", SEQ_LEN))
+    model.init_weights(seed=0)
+    return model
+
+
+def batch() -> tuple[torch.Tensor, torch.Tensor]:
+    tokens = torch.randint(0, model_args_for("tiny", SEQ_LEN).vocab_size, (BATCH, SEQ_LEN + 1),
+                           generator=torch.Generator().manual_seed(1))
+    return tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous()
+
+
+def loss_and_grads(model: Transformer, inputs: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    model.zero_grad(set_to_none=True)
+    logits = model(inputs)
+    loss = F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten(0, 1), reduction="sum")
+    loss.backward()
+    return loss.detach()
+
+
+def cp_worker(rank: int, world_size: int, store_path: str, out_dir: str) -> None:
+    torch.set_num_threads(1)
+    store = dist.FileStore(store_path, world_size)
+    dist.init_process_group("gloo", store=store, rank=rank, world_size=world_size)
+    try:
+        mesh = dist.device_mesh.DeviceMesh("cpu", list(range(world_size)), mesh_dim_names=("cp",))
+        model = build_model()
+        full_rope = model.rope.clone()
+        for method in ROTATE_METHODS:
+            inputs, labels = batch()
+            # Head-tail load balancing: rank r holds chunks r and 2n-1-r of the sequence cut in 2n.
+            chunks = inputs.chunk(2 * world_size, dim=1)
+            head_tail = torch.cat([chunks[rank], chunks[-1 - rank]], dim=1)
+            with cp.context_parallel_context(mesh["cp"], [inputs, labels, model.rope], [1, 1, 0],
+                                             {inputs, labels}, method):
+                assert torch.equal(inputs, head_tail), "the sequence is not sharded head-tail"
+                loss = loss_and_grads(model, inputs, labels)
+            assert inputs.shape == (BATCH, SEQ_LEN // world_size), inputs.shape
+            assert torch.equal(model.rope, full_rope), "the rope buffer was not restored after the CP context"
+            dist.all_reduce(loss)
+            grads = {name: p.grad for name, p in model.named_parameters()}
+            for grad in grads.values():
+                dist.all_reduce(grad)
+            if rank == 0:
+                torch.save({"loss": loss, "grads": grads}, Path(out_dir) / f"{method}.pt")
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.fixture(scope="module")
+def reference() -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    model = build_model()
+    loss = loss_and_grads(model, *batch())
+    return loss, {name: p.grad for name, p in model.named_parameters()}
+
+
+@pytest.fixture(scope="module", params=[2, 4], ids=lambda n: f"{n}ranks")
+def cp_results(request, tmp_path_factory) -> dict[str, dict]:
+    """Both rotate methods, run by the same processes: starting them is most of the cost, so they are forked
+    (spawned ones would import torch again, seconds each on two cores)."""
+    world_size = request.param
+    tmp = tmp_path_factory.mktemp(f"cp{world_size}")
+    mp.start_processes(cp_worker, args=(world_size, str(tmp / "store"), str(tmp)), nprocs=world_size,
+                       start_method="fork")
+    return {method: torch.load(tmp / f"{method}.pt") for method in ROTATE_METHODS}
+
+
+@pytest.mark.parametrize("method", ROTATE_METHODS)
+def test_context_parallel_matches_single_process(cp_results, reference, method):
+    ref_loss, ref_grads = reference
+    result = cp_results[method]
+    assert torch.allclose(result["loss"], ref_loss, rtol=1e-5, atol=0), (result["loss"], ref_loss)
+    assert result["grads"].keys() == ref_grads.keys()
+    for name, grad in result["grads"].items():
+        diff = (grad - ref_grads[name]).abs().max().item()
+        assert diff <= 1e-5, f"{name}: gradient differs by {diff:.3g}"
+
+
+def test_validate_context_parallel():
+    cp.validate_context_parallel(64, 4, 2)
+    cp.validate_context_parallel(7, 1, 1)
+    with pytest.raises(UserError, match=r"training\.seq_len: 40 .* 2 x 4 x 2 = 16"):
+        cp.validate_context_parallel(40, 4, 2)
+
+
+def test_unknown_rotate_method():
+    with pytest.raises(UserError, match=r"context_parallel_rotate_method: 'ring' .* allgather, alltoall"):
+        with cp.context_parallel_context(None, [], [], set(), "ring"):
+            pass
+
+
+def test_private_torch_api_still_there():
+    """The CPU registration rests on these private torch symbols: a rename must fail here, not in a training run."""
+    from torch.distributed.tensor.experimental._context_parallel import _attention, _sharding_rules
+
+    def names(fn):
+        return list(inspect.signature(fn).parameters)
+
+    where = "torch.distributed.tensor.experimental._context_parallel"
+    assert isinstance(getattr(_attention, "custom_ops", None), dict), \
+        f"{where}._attention.custom_ops (the table CP dispatches SDPA ops through) is gone"
+    assert "custom_ops" in inspect.getsource(_attention._enable_cp_dtensor_dispatcher), \
+        f"{where}._attention._enable_cp_dtensor_dispatcher no longer installs custom_ops"
+    assert names(_attention._templated_ring_attention)[:6] == ["group", "seq_dim", "op", "query", "key", "value"], \
+        f"{where}._attention._templated_ring_attention changed its signature"
+    assert names(_attention._templated_ring_attention_backward)[:11] == [
+        "group", "seq_dim", "op", "grad_out", "grad_out_name", "query", "key", "value", "out", "logsumexp",
+        "is_causal"], f"{where}._attention._templated_ring_attention_backward changed its signature"
+    assert names(_attention.set_rotate_method) == ["rotate_method"], f"{where}._attention.set_rotate_method changed"
+    assert names(_sharding_rules._op_strategy_context)[:3] == ["op_overload", "strategy_func", "schema_info"], \
+        f"{where}._sharding_rules._op_strategy_context changed"
+    dispatcher = torch.distributed.tensor.DTensor._op_dispatcher
+    for attribute in ("unwrap_to_op_info", "wrap", "sharding_propagator"):
+        assert hasattr(dispatcher, attribute), f"DTensor._op_dispatcher.{attribute} is gone"
+
+    forward, backward = cp.CPU_SDPA._schema, cp.CPU_SDPA_BACKWARD._schema
+    assert [r.name for r in forward.returns] == ["output", "logsumexp"], forward
+    assert [a.name for a in backward.arguments] == [
+        "grad_out", "query", "key", "value", "out", "logsumexp", "dropout_p", "is_causal", "attn_mask", "scale"], \
+        backward
+    assert names(cp._ring_sdpa)[1:] == [a.name for a in forward.arguments], forward
+    assert names(cp._ring_sdpa_backward)[1:] == [a.name for a in backward.arguments], backward
+
+    cp.register_cpu_ring_attention()
+    cp.register_cpu_ring_attention()
+    assert _attention.custom_ops[cp.CPU_SDPA] is cp._cpu_sdpa_handler
+    assert _attention.custom_ops[cp.CPU_SDPA_BACKWARD] is cp._cpu_sdpa_handler

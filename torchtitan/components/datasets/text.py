@@ -1,0 +1,450 @@
+"""Packed next-token-prediction samples from a text dataset, sharded over data-parallel ranks.
+
+Every document is tokenized as `BOS text EOS` and the documents are concatenated, in dataset order,
+into one token stream. The stream is cut into consecutive, non-overlapping windows of `seq_len + 1`
+tokens; window `w` gives the sample `input = w[:-1]`, `label = w[1:]`. A partial window at the end
+of the data is dropped (or, when looping, continued by the next epoch's first documents).
+
+Windows are numbered 0, 1, 2, ... in the same way on every rank, and rank `r` of `D` data-parallel
+ranks takes windows `r, r + D, r + 2D, ...`. The global batch of every step is therefore the same
+whatever `D` is, which makes losses comparable across data-parallel degrees, and the data-parallel
+layout can change when a run resumes from a checkpoint.
+
+Trade-off: every rank reads and tokenizes the whole stream and throws away the windows of the other
+ranks, so tokenization costs `D` times the CPU work of a split-by-document scheme (and a streaming
+dataset is downloaded by every rank). Tokenization is usually much cheaper than a training step; in
+exchange there is no per-rank shard assignment to keep consistent, and the sample order does not
+depend on the layout.
+
+Checkpoint state (`TextDataset.state_dict()`, found under `dataset_state` in the data loader's
+state) holds `next_window`, the first window no rank of the group has consumed, which is the same on
+every rank after every batch, and an anchor: the stream position of the start of a window at or
+before it (it may differ between ranks, and any such anchor is valid). So one rank's state resumes
+every rank of a run, also one with another data-parallel degree or rank. Resuming seeks straight to
+the anchor instead of re-tokenizing everything before it: map-style datasets index the document
+directly, streaming datasets skip the documents before it without tokenizing them.
+
+Empty documents (and missing values) contribute nothing to the stream: a `BOS EOS` pair carries no
+text to learn from. Plain-text (.txt) files hold one document per line, as the Hugging Face `text`
+builder reads them.
+"""
+
+import glob
+import os
+import re
+from collections import deque
+from collections.abc import Callable, Iterator, Sequence
+from pathlib import Path
+from typing import Any, Protocol
+
+import torch
+from torch.distributed.checkpoint.stateful import Stateful
+from torch.utils.data import IterableDataset
+from torchdata.stateful_dataloader import StatefulDataLoader
+
+from torchtitan.components.datasets.corpus import embedded_corpus
+from torchtitan.errors import UserError
+from torchtitan.tools.logging import logger
+
+__all__ = ["DATASETS", "TextDataset", "build_dataloader"]
+
+DATASETS = ("embedded", "embedded_validation", "c4", "c4_validation")
+"""Names accepted for `training.dataset` when no `training.dataset_path` is given."""
+
+_BUILDERS = {".jsonl": "json", ".json": "json", ".parquet": "parquet", ".txt": "text"}
+# The Hugging Face `text` builder stores each line under this column, whatever the configured field.
+_TXT_FIELD = "text"
+_HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
+_GLOB_CHARS = re.compile(r"[*?[]")
+# Rows read per access when scanning a map-style dataset: one Arrow slice per document is much slower.
+_CHUNK = 256
+
+_STATE_KEYS = (
+    "next_window",
+    "anchor_window",
+    "anchor_epoch",
+    "anchor_document",
+    "anchor_token",
+    "seq_len",
+)
+
+
+# A place in the token stream: (epoch, document index, token index inside that document's tokens).
+_Position = tuple[int, int, int]
+
+
+class _Tokenizer(Protocol):
+    def encode(self, text: str, *, add_bos: bool, add_eos: bool) -> list[int]: ...
+
+
+class _Documents:
+    """The raw text values of a dataset, readable in order from any document index."""
+
+    def __init__(self, read_from: Callable[[int], Iterator[Any]], size: int | None) -> None:
+        self.read_from = read_from
+        self.size = size
+
+
+def _sized_documents(read: Callable[[int, int], Sequence[Any]], size: int) -> _Documents:
+    def read_from(start: int) -> Iterator[Any]:
+        for chunk_start in range(start, size, _CHUNK):
+            yield from read(chunk_start, min(chunk_start + _CHUNK, size))
+
+    return _Documents(read_from, size)
+
+
+def _streaming_documents(dataset: Any, field: str, field_option: str) -> _Documents:
+    def read_from(start: int) -> Iterator[Any]:
+        rows = dataset.skip(start) if start else dataset
+        for row in rows:
+            if field not in row:
+                raise UserError(
+                    f"{field_option}: the records have no field {field!r}; "
+                    f"they have {', '.join(map(repr, row))}"
+                )
+            yield row[field]
+
+    return _Documents(read_from, None)
+
+
+class _Source:
+    """Where the documents come from, and how to name that source in messages."""
+
+    def __init__(self, *, dataset: str, dataset_path: str | None, text_field: str, section: str):
+        self.dataset = dataset
+        self.dataset_path = dataset_path
+        self.text_field = text_field
+        self.section = section
+
+    @property
+    def label(self) -> str:
+        return self.dataset_path if self.dataset_path is not None else self.dataset
+
+    def option(self) -> str:
+        """The option that selected the data, with its value."""
+        if self.dataset_path is not None:
+            return f"{self.section}.dataset_path={self.dataset_path!r}"
+        return f"{self.section}.dataset={self.dataset!r}"
+
+    def field_option(self) -> str:
+        """The text field option, with its value and the data it applies to."""
+        return f"training.dataset_text_field={self.text_field!r} ({self.option()})"
+
+
+def _load_documents(source: _Source) -> _Documents:
+    if source.dataset_path is None:
+        if source.dataset == "embedded":
+            return _list_documents(embedded_corpus("train"))
+        if source.dataset == "embedded_validation":
+            return _list_documents(embedded_corpus("validation"))
+        if source.dataset in ("c4", "c4_validation"):
+            split = "validation" if source.dataset == "c4_validation" else "train"
+            return _hub_documents(source, "allenai/c4", "en", split)
+        raise UserError(
+            f"{source.option()} is not a known dataset; valid names are {', '.join(DATASETS)}, "
+            f"or set {source.section}.dataset_path to local files or a Hugging Face hub dataset id"
+        )
+    path = os.path.expanduser(source.dataset_path)
+    if not os.path.exists(path) and not _GLOB_CHARS.search(path):
+        if _HUB_ID.match(path) and Path(path).suffix not in _BUILDERS:
+            return _hub_documents(source, path, None, "train")
+        raise UserError(f"{source.option()} does not exist; give an existing file, folder or glob")
+    return _local_documents(source, _data_files(source, path))
+
+
+def _list_documents(texts: list[str]) -> _Documents:
+    return _sized_documents(lambda start, stop: texts[start:stop], len(texts))
+
+
+def _data_files(source: _Source, path: str) -> list[str]:
+    supported = ", ".join(_BUILDERS)
+    if os.path.isdir(path):
+        files = sorted(
+            str(p) for p in Path(path).rglob("*") if p.is_file() and p.suffix in _BUILDERS
+        )
+        if not files:
+            raise UserError(f"{source.option()} is a folder without {supported} files")
+        return files
+    if os.path.isfile(path):
+        files = [path]
+    else:
+        files = sorted(p for p in glob.glob(path, recursive=True) if os.path.isfile(p))
+        if not files:
+            raise UserError(
+                f"{source.option()} matches no files; give a glob that matches {supported} files"
+            )
+    unsupported = [f for f in files if Path(f).suffix not in _BUILDERS]
+    if unsupported:
+        raise UserError(
+            f"{source.option()} includes {unsupported[0]!r}, which has an unsupported extension; "
+            f"valid extensions are {supported}"
+        )
+    return files
+
+
+def _local_documents(source: _Source, files: list[str]) -> _Documents:
+    # Imported here because `datasets` takes seconds to import and the embedded corpus does not need it.
+    import datasets
+
+    builders = sorted({_BUILDERS[Path(f).suffix] for f in files})
+    if len(builders) > 1:
+        raise UserError(
+            f"{source.option()} mixes file types ({', '.join(builders)}); use files of one type"
+        )
+    builder = builders[0]
+    # The builders cannot infer a schema from no rows, and fail with a message about `features`.
+    if all(os.path.getsize(f) == 0 for f in files):
+        raise UserError(f"{source.option()} has no documents: its files are empty")
+    field = _TXT_FIELD if builder == "text" else source.text_field
+    try:
+        dataset = datasets.load_dataset(builder, data_files=files, split="train")
+    except datasets.exceptions.DatasetGenerationError as e:
+        raise UserError(f"{source.option()} could not be read as {builder}: {e.__cause__ or e}") from e
+    if dataset.num_rows and field not in dataset.column_names:
+        raise UserError(
+            f"{source.field_option()}: the records have no field {field!r}; "
+            f"they have {', '.join(map(repr, dataset.column_names))}"
+        )
+    if dataset.num_rows:
+        dataset = dataset.select_columns([field])
+    documents = _sized_documents(lambda start, stop: dataset[start:stop][field], dataset.num_rows)
+    logger.info(f"dataset {source.label}: {dataset.num_rows} documents from {len(files)} file(s)")
+    return documents
+
+
+def _hub_documents(source: _Source, repo: str, config: str | None, split: str) -> _Documents:
+    import datasets
+
+    try:
+        dataset = datasets.load_dataset(repo, config, split=split, streaming=True)
+    except datasets.exceptions.DatasetNotFoundError as e:
+        raise UserError(
+            f"{source.option()} is neither an existing local path nor a dataset on the Hugging Face hub "
+            f"({e})"
+        ) from e
+    if dataset.column_names is not None and source.text_field not in dataset.column_names:
+        raise UserError(
+            f"{source.field_option()}: the records have no field {source.text_field!r}; "
+            f"they have {', '.join(map(repr, dataset.column_names))}"
+        )
+    logger.info(f"dataset {source.label}: streaming {repo} split {split} from the Hugging Face hub")
+    return _streaming_documents(dataset, source.text_field, source.field_option())
+
+
+class TextDataset(IterableDataset, Stateful):
+    """Yields `(input, label)` LongTensors of length `seq_len` for one data-parallel rank.
+
+    `dataset`, `dataset_path` and `text_field` select the documents as the `training.dataset*`
+    options do; `config_section` names the config section ("training" or "validation") in error
+    messages. With `infinite`, the data repeats in epochs; without, iteration stops after the last
+    full window, and starting a new iteration starts a new pass from the beginning.
+    """
+
+    def __init__(
+        self,
+        *,
+        dataset: str,
+        dataset_path: str | None,
+        text_field: str,
+        tokenizer: _Tokenizer,
+        seq_len: int,
+        dp_rank: int,
+        dp_degree: int,
+        infinite: bool,
+        config_section: str = "training",
+    ) -> None:
+        if seq_len < 1:
+            raise UserError(f"{config_section}.seq_len={seq_len} must be at least 1")
+        if not 0 <= dp_rank < dp_degree:
+            raise ValueError(f"dp_rank={dp_rank} must be in [0, dp_degree={dp_degree})")
+        self._source = _Source(
+            dataset=dataset, dataset_path=dataset_path, text_field=text_field, section=config_section
+        )
+        self._documents = _load_documents(self._source)
+        self._tokenizer = tokenizer
+        self._seq_len = seq_len
+        self._dp_rank = dp_rank
+        self._dp_degree = dp_degree
+        self._infinite = infinite
+        self._check_has_text()
+        self._rewind()
+
+    def _rewind(self) -> None:
+        self._next_window = 0
+        self._anchor_window = 0
+        self._anchor: _Position = (0, 0, 0)
+
+    def _check_has_text(self) -> None:
+        """Fail at construction, not at the first step, when a dataset of known size has no text."""
+        if self._documents.size is None:
+            return
+        if self._documents.size == 0:
+            raise UserError(f"{self._source.option()} has no documents")
+        for index, value in enumerate(self._documents.read_from(0)):
+            if self._text(value, index):
+                return
+        raise UserError(f"{self._source.option()} has only empty documents")
+
+    def _text(self, value: Any, index: int) -> str:
+        if value is None:
+            return ""
+        if not isinstance(value, str):
+            raise UserError(
+                f"{self._source.field_option()}: document {index} holds a "
+                f"{type(value).__name__}, not text; name a field that holds strings"
+            )
+        return value
+
+    def _tokenized(self, epoch: int, start: int) -> Iterator[tuple[int, int, list[int]]]:
+        """(epoch, document index, tokens) of every non-empty document from the given position on."""
+        while True:
+            seen_tokens = False
+            for index, value in enumerate(self._documents.read_from(start), start=start):
+                text = self._text(value, index)
+                if not text:
+                    continue
+                tokens = self._tokenizer.encode(text, add_bos=True, add_eos=True)
+                if tokens:
+                    seen_tokens = True
+                    yield epoch, index, tokens
+            # Only a pass over a whole epoch proves there is no text; it would otherwise loop forever.
+            if start == 0 and not seen_tokens:
+                raise UserError(f"{self._source.option()} has no documents with text")
+            if not self._infinite:
+                return
+            epoch, start = epoch + 1, 0
+            logger.info(f"dataset {self._source.label}: starting epoch {epoch + 1}")
+
+    def _windows(self, epoch: int, document: int, token: int) -> Iterator[tuple[list[int], _Position]]:
+        """Windows of `seq_len + 1` tokens from a stream position, each with the next window's start."""
+        span = self._seq_len + 1
+        # Not yet consumed documents, as [epoch, document index, tokens, first unconsumed token].
+        pending: deque[list] = deque()
+        buffered = 0
+        first = True
+        for e, d, tokens in self._tokenized(epoch, document):
+            start = 0
+            if first:
+                first = False
+                if token and ((e, d) != (epoch, document) or token >= len(tokens)):
+                    raise UserError(
+                        f"the data loader checkpoint resumes at token {token} of document {document}, "
+                        f"which {self._source.option()} does not have with this tokenizer; resume with "
+                        f"the data and tokenizer of the checkpointed run, or without its data loader state"
+                    )
+                start = token
+            pending.append([e, d, tokens, start])
+            buffered += len(tokens) - start
+            while buffered >= span:
+                window: list[int] = []
+                while len(window) < span:
+                    segment = pending[0]
+                    seg_tokens, seg_start = segment[2], segment[3]
+                    take = min(span - len(window), len(seg_tokens) - seg_start)
+                    window.extend(seg_tokens[seg_start : seg_start + take])
+                    segment[3] += take
+                    if segment[3] == len(seg_tokens):
+                        pending.popleft()
+                buffered -= span
+                if pending:
+                    following = (pending[0][0], pending[0][1], pending[0][3])
+                else:
+                    following = (e, d + 1, 0)
+                yield window, following
+
+    def __iter__(self) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+        degree, rank = self._dp_degree, self._dp_rank
+        base = self._next_window
+        index = self._anchor_window
+        for window, following in self._windows(*self._anchor):
+            offset = index - base
+            if offset >= 0 and offset % degree == rank:
+                # Updated before yielding: the loader may save the state right after this sample.
+                self._next_window = base + (offset // degree + 1) * degree
+                self._anchor_window = index + 1
+                self._anchor = following
+                sample = torch.tensor(window, dtype=torch.long)
+                yield sample[:-1], sample[1:]
+            index += 1
+        if base == 0 and index < degree:
+            num_tokens = sum(len(tokens) for _, _, tokens in self._tokenized(0, 0))
+            raise UserError(
+                f"{self._source.option()} has {num_tokens} tokens, {index} window(s) of "
+                f"{self._source.section}.seq_len + 1 = {self._seq_len + 1} tokens, but each of the "
+                f"{degree} data-parallel ranks needs at least one window; use more data or a smaller "
+                f"{self._source.section}.seq_len"
+            )
+        self._rewind()
+
+    def state_dict(self) -> dict[str, int]:
+        anchor_epoch, anchor_document, anchor_token = self._anchor
+        return {
+            "next_window": self._next_window,
+            "anchor_window": self._anchor_window,
+            "anchor_epoch": anchor_epoch,
+            "anchor_document": anchor_document,
+            "anchor_token": anchor_token,
+            "seq_len": self._seq_len,
+        }
+
+    def load_state_dict(self, state_dict: dict[str, int]) -> None:
+        missing = [key for key in _STATE_KEYS if key not in state_dict]
+        if missing:
+            raise UserError(
+                f"the data loader checkpoint lacks {', '.join(missing)}; it was not written by "
+                f"TextDataset, resume without its data loader state"
+            )
+        if state_dict["seq_len"] != self._seq_len:
+            raise UserError(
+                f"{self._source.section}.seq_len={self._seq_len}, but the data loader checkpoint was "
+                f"saved with seq_len={state_dict['seq_len']}; resume with that seq_len, or without "
+                f"the data loader state"
+            )
+        self._next_window = int(state_dict["next_window"])
+        self._anchor_window = int(state_dict["anchor_window"])
+        self._anchor = (
+            int(state_dict["anchor_epoch"]),
+            int(state_dict["anchor_document"]),
+            int(state_dict["anchor_token"]),
+        )
+
+
+def _collate(samples: list[tuple[torch.Tensor, torch.Tensor]]) -> tuple[torch.Tensor, torch.Tensor]:
+    inputs, labels = zip(*samples)
+    return torch.stack(inputs), torch.stack(labels)
+
+
+def build_dataloader(
+    *,
+    dataset: str,
+    dataset_path: str | None,
+    text_field: str,
+    tokenizer: _Tokenizer,
+    seq_len: int,
+    local_batch_size: int,
+    dp_rank: int,
+    dp_degree: int,
+    infinite: bool,
+    config_section: str = "training",
+) -> StatefulDataLoader:
+    """A loader of `(inputs, labels)` batches of shape `[local_batch_size, seq_len]` for one rank.
+
+    One rank's `state_dict()` after any batch can be loaded into the loaders of every rank, also of
+    a run with another data-parallel degree (see the module docstring).
+    """
+    if local_batch_size < 1:
+        raise UserError(f"{config_section}.local_batch_size={local_batch_size} must be at least 1")
+    text_dataset = TextDataset(
+        dataset=dataset,
+        dataset_path=dataset_path,
+        text_field=text_field,
+        tokenizer=tokenizer,
+        seq_len=seq_len,
+        dp_rank=dp_rank,
+        dp_degree=dp_degree,
+        infinite=infinite,
+        config_section=config_section,
+    )
+    return StatefulDataLoader(
+        text_dataset, batch_size=local_batch_size, num_workers=0, collate_fn=_collate
+    )

@@ -1,0 +1,162 @@
+"""Per-step training metrics to the console, a JSON-lines file, TensorBoard and Weights & Biases."""
+
+import json
+import math
+import os
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from torchtitan.config.job_config import Metrics
+from torchtitan.errors import UserError
+from torchtitan.tools.logging import logger
+
+_JSONL_FILE_NAME = "metrics.jsonl"
+_RESET = "\033[0m"
+
+
+@dataclass(frozen=True)
+class _ConsoleField:
+    label: str
+    render: Callable[[float], str]
+    color: str
+
+
+# Metric key -> how the console shows it, in console order. The first key present of each group is shown.
+_CONSOLE_FIELDS: tuple[tuple[tuple[str, ...], _ConsoleField], ...] = (
+    (("loss",), _ConsoleField("loss", lambda v: f"{v:7.4f}", "\033[36m")),
+    (("grad_norm",), _ConsoleField("grad_norm", lambda v: f"{v:7.4f}", "\033[36m")),
+    (("lr",), _ConsoleField("lr", lambda v: f"{v:.1e}", "\033[33m")),
+    (("max_allocated_gib", "max_rss_gib"), _ConsoleField("memory", lambda v: f"{v:5.2f}GiB", "\033[33m")),
+    (("tps",), _ConsoleField("tps", lambda v: f"{v:,.0f}", "\033[34m")),
+    (("tflops",), _ConsoleField("tflops", lambda v: f"{v:.2f}", "\033[34m")),
+    (("mfu_pct",), _ConsoleField("mfu", lambda v: f"{v:.2f}%", "\033[35m")),
+    (("data_loading_pct",), _ConsoleField("data", lambda v: f"{v:.1f}%", "\033[32m")),
+)
+_STEP_COLOR = "\033[31m"
+_OTHER_COLOR = "\033[37m"
+# memory_stats() keys that stay off the console: the line shows the peak, the sinks get all of them.
+# Allocator retries and OOMs are shown (as "key: value") only when they happened.
+_CONSOLE_HIDDEN = frozenset({"max_reserved_gib", "max_allocated_pct", "rss_gib"})
+_CONSOLE_HIDDEN_WHEN_ZERO = frozenset({"num_alloc_retries", "num_ooms"})
+
+
+class MetricsLogger:
+    """Sends each step's metrics to every enabled sink; create one per rank and close() it at the end.
+
+    Keys the console line knows (any other key is appended as `key: value`):
+        loss, grad_norm, lr, tps (tokens/s per device), tflops (achieved per device),
+        mfu_pct (model FLOPs utilisation, 0-100), data_loading_pct (share of step time spent waiting
+        for data, 0-100), and memory_stats()'s keys: max_allocated_gib (CUDA) or max_rss_gib (CPU) as
+        `memory`, num_alloc_retries and num_ooms when non-zero.
+
+    The console line and `<dump_folder>/metrics.jsonl` are written on the logging rank only;
+    TensorBoard and W&B (when enabled) on the logging rank, or on every rank with
+    metrics.save_for_all_ranks. In metrics.jsonl each line is `{"step": ..., "time": unix seconds,
+    **metrics}`; NaN and infinities, which JSON cannot hold, are written as the strings "nan", "inf"
+    and "-inf".
+    """
+
+    def __init__(
+        self, config: Metrics, dump_folder: str, rank: int, is_logging_rank: bool, run_config: dict | None = None
+    ):
+        self._is_logging_rank = is_logging_rank
+        self._colored = not config.disable_color_printing
+        writes_sinks = is_logging_rank or config.save_for_all_ranks
+        self._jsonl_file = None
+        self._tensorboard = None
+        self._wandb_run = None
+
+        if is_logging_rank:
+            os.makedirs(dump_folder, exist_ok=True)
+            # Line-buffered, so every record is in the file as soon as log() returns.
+            self._jsonl_file = open(os.path.join(dump_folder, _JSONL_FILE_NAME), "a", buffering=1)
+
+        if config.enable_tensorboard and writes_sinks:
+            from torch.utils.tensorboard import SummaryWriter
+
+            tensorboard_dir = os.path.join(dump_folder, config.save_tb_folder)
+            if config.save_for_all_ranks:
+                tensorboard_dir = os.path.join(tensorboard_dir, f"rank_{rank}")
+            self._tensorboard = SummaryWriter(log_dir=tensorboard_dir)
+            logger.info(f"TensorBoard metrics go to {tensorboard_dir}")
+
+        if config.enable_wandb and writes_sinks:
+            run_name = os.path.basename(os.path.abspath(dump_folder))
+            if config.save_for_all_ranks:
+                run_name = f"{run_name}-rank{rank}"
+            self._wandb_run = _start_wandb(dump_folder, run_name, run_config)
+
+    def log(self, step: int, metrics: dict[str, float]) -> None:
+        """Record `metrics` for `step` in every sink this rank writes."""
+        metrics = {key: value if isinstance(value, int) else float(value) for key, value in metrics.items()}
+        if self._is_logging_rank:
+            logger.info(self._console_line(step, metrics))
+        if self._jsonl_file is not None:
+            record = {"step": step, "time": time.time(), **{key: _json_safe(value) for key, value in metrics.items()}}
+            self._jsonl_file.write(json.dumps(record, allow_nan=False) + "\n")
+        if self._tensorboard is not None:
+            for key, value in metrics.items():
+                self._tensorboard.add_scalar(key, value, step)
+            # Flushed per call (calls come every metrics.log_freq steps) so a crash keeps the curves so far.
+            self._tensorboard.flush()
+        if self._wandb_run is not None:
+            self._wandb_run.log(metrics, step=step)
+
+    def close(self) -> None:
+        """Flush and close every sink; later calls do nothing."""
+        if self._jsonl_file is not None:
+            self._jsonl_file.close()
+            self._jsonl_file = None
+        if self._tensorboard is not None:
+            self._tensorboard.close()
+            self._tensorboard = None
+        if self._wandb_run is not None:
+            self._wandb_run.finish()
+            self._wandb_run = None
+
+    def _console_line(self, step: int, metrics: dict[str, float]) -> str:
+        fields = [self._paint(_STEP_COLOR, f"step: {step:3d}")]
+        handled = set(_CONSOLE_HIDDEN)
+        for keys, field in _CONSOLE_FIELDS:
+            handled.update(keys)
+            key = next((key for key in keys if key in metrics), None)
+            if key is not None:
+                fields.append(self._paint(field.color, f"{field.label}: {field.render(metrics[key])}"))
+        for key, value in metrics.items():
+            if key in handled or (key in _CONSOLE_HIDDEN_WHEN_ZERO and value == 0):
+                continue
+            rendered = f"{value:.4g}" if isinstance(value, float) else str(value)
+            fields.append(self._paint(_OTHER_COLOR, f"{key}: {rendered}"))
+        return "  ".join(fields)
+
+    def _paint(self, color: str, text: str) -> str:
+        return f"{color}{text}{_RESET}" if self._colored else text
+
+
+def _json_safe(value: float) -> float | str:
+    if isinstance(value, float) and not math.isfinite(value):
+        return str(value)
+    return value
+
+
+def _start_wandb(dump_folder: str, run_name: str, run_config: dict | None):
+    # wandb is imported only when enabled: it is slow to import and optional. It reads the API key
+    # (WANDB_API_KEY) and the mode (WANDB_MODE=offline) from the environment itself.
+    try:
+        import wandb
+    except ImportError as exc:
+        raise UserError(
+            f"metrics.enable_wandb is true but wandb cannot be imported ({exc}); pip install wandb or turn it off."
+        ) from exc
+    try:
+        run = wandb.init(
+            project=os.environ.get("WANDB_PROJECT", "torchtitan"), dir=dump_folder, config=run_config, name=run_name
+        )
+    except Exception as exc:
+        raise UserError(
+            f"metrics.enable_wandb is true but W&B failed to start ({type(exc).__name__}: {exc}). Set "
+            "WANDB_API_KEY in the environment, or WANDB_MODE=offline to log without a network."
+        ) from exc
+    logger.info(f"W&B run {run.name} logs to {run.dir}")
+    return run

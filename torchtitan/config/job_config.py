@@ -1,0 +1,388 @@
+"""The job configuration: one typed dataclass per TOML section.
+
+Section and option names follow TorchTitan v0.2 so that its TOML files run here unchanged. The docstring under each
+option is its `--help` text and its entry in `docs/config_reference.md`.
+"""
+
+from dataclasses import dataclass, field
+from typing import Literal
+
+
+@dataclass
+class Job:
+    config_file: str | None = None
+    """TOML file to read options from; command-line flags override it."""
+
+    dump_folder: str = "./outputs"
+    """Folder for everything the run writes: config.toml, metrics.jsonl, checkpoints, TensorBoard logs, traces."""
+
+    description: str = "default job"
+    """Free-text description of the job, logged at start."""
+
+    print_args: bool = False
+    """Print the resolved configuration at start (it is always saved to <dump_folder>/config.toml)."""
+
+
+@dataclass
+class Profiling:
+    enable_profiling: bool = False
+    """Record torch profiler traces."""
+
+    save_traces_folder: str = "profile_traces"
+    """Folder (under dump_folder) for profiler traces, one file per rank and profiled step."""
+
+    profile_freq: int = 10
+    """Profile one step every this many steps."""
+
+    enable_memory_snapshot: bool = False
+    """Record memory snapshots: the CUDA caching allocator's history on GPUs, a CPU memory profile elsewhere."""
+
+    save_memory_snapshot_folder: str = "memory_snapshot"
+    """Folder (under dump_folder) for memory snapshots."""
+
+
+@dataclass
+class Metrics:
+    log_freq: int = 10
+    """Log metrics every this many steps (and at the first and last step)."""
+
+    enable_tensorboard: bool = False
+    """Write TensorBoard event files."""
+
+    disable_color_printing: bool = False
+    """Print the per-step console line without ANSI colours."""
+
+    save_tb_folder: str = "tb"
+    """Folder (under dump_folder) for TensorBoard event files."""
+
+    save_for_all_ranks: bool = False
+    """Write TensorBoard/W&B metrics from every rank, not only the rank that holds the loss."""
+
+    enable_wandb: bool = False
+    """Log metrics to Weights & Biases (the API key comes from the environment only; WANDB_MODE=offline works without a network)."""
+
+    peak_flops: float = 0.0
+    """Peak FLOP/s of one device for the MFU figure. 0 = the datasheet value on known GPUs, a measured matmul peak on CPU."""
+
+
+@dataclass
+class Model:
+    name: str = "llama3"
+    """Model family to train."""
+
+    flavor: str = "debugmodel"
+    """Model size: debugmodel, 8B, 70B or 405B (see torchtitan/models/llama3/args.py)."""
+
+    hf_assets_path: str = ""
+    """Folder (or file) with the tokenizer: tokenizer.json, or a tiktoken tokenizer.model as Meta ships it. Empty = the small tokenizer bundled with torchtitan."""
+
+    tokenizer_path: str | None = None
+    """Deprecated alias of hf_assets_path that points at the tokenizer file itself; used when set."""
+
+    converters: list[str] = field(default_factory=list)
+    """Module swaps applied to the model before parallelism, comma separated. Valid: quantize.linear.float8."""
+
+    print_after_conversion: bool = False
+    """Print the model after converters have been applied."""
+
+
+@dataclass
+class Optimizer:
+    name: Literal["AdamW", "Adam"] = "AdamW"
+    """Optimizer: AdamW (decoupled weight decay) or Adam (L2 penalty added to the gradient)."""
+
+    lr: float = 8e-4
+    """Peak learning rate."""
+
+    beta1: float = 0.9
+    """Adam beta1."""
+
+    beta2: float = 0.95
+    """Adam beta2."""
+
+    eps: float = 1e-8
+    """Adam epsilon."""
+
+    weight_decay: float = 0.1
+    """Weight decay of matrices (see decay_norms_and_embeddings)."""
+
+    decay_norms_and_embeddings: bool = False
+    """Also apply weight decay to normalisation weights and embeddings."""
+
+    implementation: Literal["for-loop", "foreach", "fused"] = "fused"
+    """Optimizer kernel: fused (fastest, falls back to foreach where the device has no fused kernel), foreach, for-loop."""
+
+
+@dataclass
+class LRScheduler:
+    warmup_steps: int = 200
+    """Steps of linear warmup from near zero to optimizer.lr."""
+
+    decay_ratio: float | None = None
+    """Fraction of the steps spent decaying at the end (warmup-stable-decay). None = decay right after warmup."""
+
+    decay_type: Literal["linear", "sqrt", "cosine"] = "linear"
+    """Shape of the decay: linear, sqrt (1 - sqrt) or cosine."""
+
+    min_lr_factor: float = 0.0
+    """The learning rate decays to optimizer.lr * min_lr_factor."""
+
+
+@dataclass
+class Training:
+    dataset: str = "embedded"
+    """Dataset: embedded (offline corpus built from Python's own documentation), c4 (HF hub, streamed), or any name when dataset_path is set."""
+
+    dataset_path: str | None = None
+    """Local data (a .jsonl/.json/.parquet/.txt file, a folder of them, or a glob) or an HF hub dataset id."""
+
+    dataset_text_field: str = "text"
+    """Field of each record that holds the document text."""
+
+    dataset_loop: bool = True
+    """At the end of the data start a new epoch; when false, training stops there with a message."""
+
+    local_batch_size: int = 8
+    """Sequences per data-parallel rank per micro-step."""
+
+    global_batch_size: int = -1
+    """Sequences per optimizer step; a multiple of local_batch_size x data-parallel degree (the quotient is the gradient accumulation). -1 = no accumulation."""
+
+    seq_len: int = 2048
+    """Tokens per training sequence."""
+
+    max_norm: float = 1.0
+    """Clip gradients to this total L2 norm (0 disables clipping)."""
+
+    steps: int = 10000
+    """Optimizer steps to train."""
+
+    enable_cpu_offload: bool = False
+    """Keep FSDP-sharded parameters, gradients and optimizer state in CPU memory (GPU runs with FSDP)."""
+
+    mixed_precision_param: Literal["bfloat16", "float32"] = "bfloat16"
+    """Compute dtype of parameters: through FSDP's MixedPrecisionPolicy when FSDP is applied, through autocast otherwise."""
+
+    mixed_precision_reduce: Literal["float32", "bfloat16"] = "float32"
+    """Dtype of FSDP gradient reductions."""
+
+    gc_freq: int = 50
+    """Run Python's garbage collector every this many steps (automatic collection is disabled during training)."""
+
+    gc_debug: bool = False
+    """Collect garbage at every step to find reference cycles."""
+
+
+@dataclass
+class Parallelism:
+    data_parallel_replicate_degree: int = 1
+    """Replicas of the model (DDP, or the replicate dimension of HSDP). 1 = disabled."""
+
+    data_parallel_shard_degree: int = -1
+    """Ranks that shard parameters with FSDP2. -1 = whatever the other degrees leave of the world size."""
+
+    fsdp_reshard_after_forward: Literal["default", "always", "never"] = "default"
+    """Free gathered parameters after forward: always, never, or default (always except under pipeline parallelism)."""
+
+    tensor_parallel_degree: int = 1
+    """Tensor (and sequence) parallel degree. 1 = disabled."""
+
+    disable_loss_parallel: bool = False
+    """Gather the vocabulary-sharded logits before the loss instead of computing the loss in parallel."""
+
+    enable_async_tensor_parallel: bool = False
+    """Overlap TP communication with matmuls (GPUs with NCCL and compile.enable only)."""
+
+    pipeline_parallel_degree: int = 1
+    """Pipeline stages' ranks. 1 = disabled."""
+
+    pipeline_parallel_split_points: list[str] = field(default_factory=list)
+    """Module names that start a new stage, e.g. layers.4,layers.8. Empty = an even split."""
+
+    pipeline_parallel_layers_per_stage: int | None = None
+    """Transformer blocks per (virtual) stage; the embedding and output count as one block each. None = derived."""
+
+    pipeline_parallel_schedule: str = "1F1B"
+    """Schedule: GPipe, 1F1B, Interleaved1F1B, LoopedBFS, InterleavedZeroBubble, ZBVZeroBubble, DualPipeV."""
+
+    pipeline_parallel_schedule_csv: str | None = ""
+    """CSV file with a custom schedule (the schedule option then names its runtime class)."""
+
+    pipeline_parallel_microbatch_size: int = 1
+    """Sequences per pipeline micro-batch; local_batch_size must be a multiple."""
+
+    context_parallel_degree: int = 1
+    """Context parallel degree: the sequence is sharded across this many ranks. 1 = disabled."""
+
+    context_parallel_rotate_method: Literal["allgather", "alltoall"] = "allgather"
+    """How context parallel attention exchanges key/value shards."""
+
+
+@dataclass
+class Checkpoint:
+    enable: bool = False
+    """Save distributed checkpoints, and resume from the latest one at start."""
+
+    folder: str = "checkpoint"
+    """Folder (under dump_folder) with one step-N subfolder per checkpoint."""
+
+    interval: int = 500
+    """Save every this many steps (and at the last step)."""
+
+    initial_load_path: str | None = None
+    """Checkpoint to start from when folder has none (a step-N folder, or an HF folder with initial_load_in_hf)."""
+
+    initial_load_model_only: bool = True
+    """Load only the model weights from initial_load_path."""
+
+    initial_load_in_hf: bool = False
+    """initial_load_path is a Hugging Face folder (config.json + safetensors)."""
+
+    last_save_model_only: bool = True
+    """The last checkpoint holds only the model weights (in export_dtype)."""
+
+    last_save_in_hf: bool = False
+    """Write the last checkpoint as Hugging Face safetensors + config.json."""
+
+    export_dtype: Literal["float16", "bfloat16", "float32"] = "float32"
+    """Dtype of model-only checkpoints."""
+
+    async_mode: Literal["disabled", "async", "async_with_pinned_mem"] = "disabled"
+    """disabled (synchronous), async (a background thread writes), async_with_pinned_mem (a background process with pinned staging)."""
+
+    keep_latest_k: int = 10
+    """Keep this many latest complete checkpoints (0 = all)."""
+
+    load_step: int = -1
+    """Resume from this step's checkpoint instead of the latest (-1 = latest)."""
+
+    exclude_from_loading: list[str] = field(default_factory=list)
+    """Parts not to load when resuming, comma separated: model, optimizer, lr_scheduler, dataloader, train_state."""
+
+    enable_first_step_checkpoint: bool = False
+    """Also save a checkpoint after the first step."""
+
+    create_seed_checkpoint: bool = False
+    """Initialise the model, save it as step-0 and exit (run with one process)."""
+
+    load_only: bool = False
+    """Load checkpoints but never save."""
+
+
+@dataclass
+class ActivationCheckpoint:
+    mode: Literal["none", "full", "selective"] = "selective"
+    """none, full (recompute every block), or selective (see selective_ac_option)."""
+
+    selective_ac_option: str = "2"
+    """For selective: an integer N (checkpoint every N-th block) or 'op' (save the outputs of expensive ops, recompute the rest)."""
+
+
+@dataclass
+class Compile:
+    enable: bool = False
+    """Compile with torch.compile (each transformer block separately, and the loss)."""
+
+    components: list[str] = field(default_factory=lambda: ["model", "loss"])
+    """What to compile, comma separated: model, loss."""
+
+    backend: str = "inductor"
+    """torch.compile backend."""
+
+
+@dataclass
+class Float8:
+    enable_fsdp_float8_all_gather: bool = False
+    """All-gather FSDP parameters in float8 (tensorwise recipe)."""
+
+    precompute_float8_dynamic_scale_for_fsdp: bool = False
+    """Compute float8 scales of all FSDP parameters in one all-reduce after each optimizer step."""
+
+    recipe_name: Literal["tensorwise", "rowwise", "rowwise_with_gw_hp"] | None = None
+    """torchao float8 recipe. None = tensorwise."""
+
+    filter_fqns: list[str] = field(default_factory=lambda: ["output"])
+    """Linear layers whose name contains one of these are kept in high precision (layers too small or misaligned for float8 are skipped as well)."""
+
+    emulate: bool = False
+    """Emulate float8 matmuls in high precision (any device); without it CUDA needs compute capability 8.9+."""
+
+
+@dataclass
+class QuantizeLinear:
+    float8: Float8 = field(default_factory=Float8)
+
+
+@dataclass
+class Quantize:
+    linear: QuantizeLinear = field(default_factory=QuantizeLinear)
+
+
+@dataclass
+class Comm:
+    init_timeout_seconds: int = 300
+    """Timeout of process-group initialisation and of the first steps."""
+
+    train_timeout_seconds: int = 100
+    """Timeout of every collective after the first step: a stalled peer becomes an error, not a hang."""
+
+    trace_buf_size: int = 20000
+    """Entries of the NCCL flight recorder (GPU runs)."""
+
+
+@dataclass
+class Debug:
+    seed: int | None = None
+    """Seed of all random number generators. None = a random seed, logged."""
+
+    deterministic: bool = False
+    """Use deterministic algorithms only (slower)."""
+
+    deterministic_warn_only: bool = False
+    """With deterministic, warn instead of failing on an op without a deterministic implementation."""
+
+    on_nonfinite: Literal["stop", "skip"] = "stop"
+    """On a NaN/Inf loss or gradient norm: stop with an error naming the step, or skip that update."""
+
+
+@dataclass
+class Validation:
+    enable: bool = False
+    """Compute the validation loss and perplexity."""
+
+    dataset: str = "embedded_validation"
+    """Validation dataset (the held-out split of the embedded corpus by default)."""
+
+    dataset_path: str | None = None
+    """Local data or HF hub id for validation, as training.dataset_path."""
+
+    local_batch_size: int = 8
+    """Validation sequences per data-parallel rank per step."""
+
+    seq_len: int = 2048
+    """Tokens per validation sequence."""
+
+    freq: int = 500
+    """Validate every this many training steps."""
+
+    steps: int = -1
+    """Validation batches per evaluation; -1 = the whole validation set."""
+
+
+@dataclass
+class JobConfig:
+    job: Job = field(default_factory=Job)
+    profiling: Profiling = field(default_factory=Profiling)
+    metrics: Metrics = field(default_factory=Metrics)
+    model: Model = field(default_factory=Model)
+    optimizer: Optimizer = field(default_factory=Optimizer)
+    lr_scheduler: LRScheduler = field(default_factory=LRScheduler)
+    training: Training = field(default_factory=Training)
+    parallelism: Parallelism = field(default_factory=Parallelism)
+    checkpoint: Checkpoint = field(default_factory=Checkpoint)
+    activation_checkpoint: ActivationCheckpoint = field(default_factory=ActivationCheckpoint)
+    compile: Compile = field(default_factory=Compile)
+    quantize: Quantize = field(default_factory=Quantize)
+    comm: Comm = field(default_factory=Comm)
+    debug: Debug = field(default_factory=Debug)
+    validation: Validation = field(default_factory=Validation)

@@ -1,0 +1,442 @@
+"""Builds a `JobConfig` from defaults, a TOML file and command-line flags (in rising precedence).
+
+Flags are `--section.option value` or `--section.option=value`; booleans are flags (`--compile.enable`,
+`--compile.no_enable`, or an explicit `=true/false`); lists are comma separated. Every mistake (an unknown or
+misspelt option, a value of the wrong type, a TorchTitan option this project does not implement) raises a
+`UserError` that names the option, the value and what would be valid.
+"""
+
+import ast
+import dataclasses
+import difflib
+import inspect
+import os
+import sys
+import types
+import typing
+from pathlib import Path
+from typing import Any, Literal
+
+from torchtitan.config import job_config as job_config_module
+from torchtitan.config.job_config import JobConfig
+from torchtitan.errors import UserError
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:
+    import tomli as tomllib
+
+# TorchTitan options that this project does not implement, with the value that leaves the feature off.
+# Setting one to that value is accepted (it changes nothing); any other value is an error naming it.
+UNSUPPORTED_TORCHTITAN_OPTIONS: dict[str, Any] = {
+    "job.use_for_integration_test": False,
+    "job.custom_config_module": "",
+    "optimizer.early_step_in_backward": False,
+    "parallelism.enable_compiled_autograd": False,
+    "parallelism.expert_parallel_degree": 1,
+    "parallelism.expert_tensor_parallel_degree": 1,
+    "parallelism.module_fqns_per_model_part": [],
+    "parallelism.pipeline_parallel_first_stage_less_layers": 1,
+    "parallelism.pipeline_parallel_last_stage_less_layers": 1,
+    "activation_checkpoint.per_op_sac_force_recompute_mm_shapes_by_fqns": ["moe.router.gate"],
+    "activation_checkpoint.early_stop": False,
+    "activation_checkpoint.memory_budget": 0.5,
+    "activation_checkpoint.visualize_memory_budget_pareto": False,
+    "activation_checkpoint.preserve_rng_state": False,
+    "activation_checkpoint.determinism_check": "default",
+    "activation_checkpoint.debug": False,
+    "comm.save_traces_folder": "comm_traces",
+    "fault_tolerance.enable": False,
+    "memory_estimation.enabled": False,
+    "memory_estimation.disable_fake_mode": False,
+    "experimental.custom_import": "",
+    "experimental.custom_args_module": "",
+}
+UNSUPPORTED_TORCHTITAN_SECTIONS = ("fault_tolerance", "memory_estimation", "experimental", "quantize.linear.mx",
+                                   "quantize.grouped_mm")
+
+# Names from earlier TorchTitan releases and where the option lives now.
+RENAMED_OPTIONS = {
+    "checkpoint.enable_checkpoint": "checkpoint.enable",
+    "lr_scheduler.lr_min": "lr_scheduler.min_lr_factor",
+    "training.seed": "debug.seed",
+    "training.deterministic": "debug.deterministic",
+    "training.compile": "compile.enable",
+    "training.tensor_parallel_degree": "parallelism.tensor_parallel_degree",
+    "training.data_parallel_shard_degree": "parallelism.data_parallel_shard_degree",
+    "training.data_parallel_replicate_degree": "parallelism.data_parallel_replicate_degree",
+    "training.batch_size": "training.local_batch_size",
+    "training.warmup_steps": "lr_scheduler.warmup_steps",
+    "experimental.pipeline_parallel_degree": "parallelism.pipeline_parallel_degree",
+    "float8.enable_fsdp_float8_all_gather": "quantize.linear.float8.enable_fsdp_float8_all_gather",
+    "float8.precompute_float8_dynamic_scale_for_fsdp": "quantize.linear.float8.precompute_float8_dynamic_scale_for_fsdp",
+    "float8.recipe_name": "quantize.linear.float8.recipe_name",
+    "float8.filter_fqns": "quantize.linear.float8.filter_fqns",
+    "float8.emulate": "quantize.linear.float8.emulate",
+}
+
+_TRUE = ("true", "1", "yes", "on")
+_FALSE = ("false", "0", "no", "off")
+
+
+@dataclasses.dataclass
+class OptionSpec:
+    """One leaf option: its dotted key, type, default and help text."""
+
+    key: str
+    type: Any
+    default: Any
+    doc: str
+
+
+def _field_docs() -> dict[str, dict[str, str]]:
+    """Map class name -> option -> the docstring written under it in job_config.py."""
+    tree = ast.parse(inspect.getsource(job_config_module))
+    docs: dict[str, dict[str, str]] = {}
+    for node in tree.body:
+        if not isinstance(node, ast.ClassDef):
+            continue
+        class_docs = docs.setdefault(node.name, {})
+        for prev, cur in zip(node.body, node.body[1:]):
+            if (isinstance(prev, ast.AnnAssign) and isinstance(prev.target, ast.Name)
+                    and isinstance(cur, ast.Expr) and isinstance(cur.value, ast.Constant)
+                    and isinstance(cur.value.value, str)):
+                class_docs[prev.target.id] = inspect.cleandoc(cur.value.value)
+    return docs
+
+
+def option_specs(config_class: type = JobConfig) -> dict[str, OptionSpec]:
+    """Every leaf option of the config, keyed `section.option` (nested sections joined with dots)."""
+    docs = _field_docs()
+    specs: dict[str, OptionSpec] = {}
+
+    def walk(cls: type, prefix: str) -> None:
+        hints = typing.get_type_hints(cls)
+        for f in dataclasses.fields(cls):
+            key = f"{prefix}{f.name}"
+            ftype = hints[f.name]
+            if dataclasses.is_dataclass(ftype):
+                walk(ftype, key + ".")
+                continue
+            default = f.default if f.default is not dataclasses.MISSING else f.default_factory()
+            specs[key] = OptionSpec(key, ftype, default, docs.get(cls.__name__, {}).get(f.name, ""))
+
+    walk(config_class, "")
+    return specs
+
+
+def _sections(specs: dict[str, OptionSpec]) -> set[str]:
+    return {key.rsplit(".", 1)[0] for key in specs}
+
+
+def type_name(tp: Any) -> str:
+    """A readable name of an option's type, as shown in errors and --help."""
+    origin = typing.get_origin(tp)
+    if origin is Literal:
+        return " | ".join(repr(a) for a in typing.get_args(tp))
+    if origin in (typing.Union, types.UnionType):
+        return " | ".join(type_name(a) for a in typing.get_args(tp))
+    if origin is list:
+        return f"list[{type_name(typing.get_args(tp)[0])}] (comma separated)"
+    if tp is type(None):
+        return "none"
+    return getattr(tp, "__name__", str(tp))
+
+
+def _convert(key: str, value: Any, tp: Any, from_cli: bool) -> Any:
+    """Check (and, for command-line strings, parse) one value against the option's type."""
+
+    def bad() -> UserError:
+        return UserError(f"option {key}: {value!r} is not a valid value; expected {type_name(tp)}")
+
+    origin = typing.get_origin(tp)
+    if origin in (typing.Union, types.UnionType):
+        args = typing.get_args(tp)
+        if type(None) in args and (value is None or (from_cli and str(value).lower() in ("none", "null"))):
+            return None
+        for arg in (a for a in args if a is not type(None)):
+            try:
+                return _convert(key, value, arg, from_cli)
+            except UserError:
+                continue
+        raise bad()
+    if origin is Literal:
+        choices = typing.get_args(tp)
+        if value in choices:
+            return value
+        raise UserError(f"option {key}: {value!r} is not one of {', '.join(repr(c) for c in choices)}")
+    if origin is list:
+        (item_type,) = typing.get_args(tp)
+        if from_cli or isinstance(value, str):
+            value = [v.strip() for v in str(value).split(",") if v.strip()]
+        if not isinstance(value, list):
+            raise bad()
+        return [_convert(key, v, item_type, from_cli or isinstance(v, str) and item_type is not str) for v in value]
+    if tp is bool:
+        if isinstance(value, bool):
+            return value
+        if from_cli and str(value).lower() in _TRUE + _FALSE:
+            return str(value).lower() in _TRUE
+        raise bad()
+    if tp is int:
+        if isinstance(value, int) and not isinstance(value, bool):
+            return value
+        if from_cli:
+            try:
+                return int(str(value))
+            except ValueError:
+                pass
+        raise bad()
+    if tp is float:
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            return float(value)
+        if from_cli:
+            try:
+                return float(str(value))
+            except ValueError:
+                pass
+        raise bad()
+    if tp is str:
+        if isinstance(value, str):
+            return value
+        raise bad()
+    raise TypeError(f"option {key}: unhandled type {tp}")
+
+
+def _closest(key: str, specs: dict[str, OptionSpec]) -> str:
+    matches = difflib.get_close_matches(key, list(specs), n=1, cutoff=0.5)
+    if not matches:
+        section = key.rsplit(".", 1)[0]
+        matches = difflib.get_close_matches(key.rsplit(".", 1)[-1], [k for k in specs if k.startswith(section + ".")],
+                                            n=1, cutoff=0.0)
+    return f"; did you mean {matches[0]}?" if matches else ""
+
+
+def _check_key(key: str, value: Any, specs: dict[str, OptionSpec], where: str) -> bool:
+    """True if `key` is an option of this project; False if it is a TorchTitan option left off; else an error."""
+    if key in specs:
+        return True
+    if key in RENAMED_OPTIONS:
+        raise UserError(f"{where}: option {key} is now {RENAMED_OPTIONS[key]} (TorchTitan v0.2 naming); rename it")
+    if key in UNSUPPORTED_TORCHTITAN_OPTIONS or key.rsplit(".", 1)[0] in UNSUPPORTED_TORCHTITAN_SECTIONS:
+        off = UNSUPPORTED_TORCHTITAN_OPTIONS.get(key, object())
+        if value == off or (isinstance(value, str) and value.lower() == _toml_value(off).strip('"').lower()):
+            return False
+        raise UserError(f"{where}: TorchTitan option {key} = {value!r} is not supported by this project"
+                        + (f" (only {off!r}, which leaves the feature off)" if key in UNSUPPORTED_TORCHTITAN_OPTIONS
+                           else ""))
+    raise UserError(f"{where}: unknown option {key}{_closest(key, specs)}")
+
+
+def _flatten_toml(data: dict, specs: dict[str, OptionSpec], prefix: str = "") -> dict[str, Any]:
+    sections = _sections(specs)
+    flat: dict[str, Any] = {}
+    for name, value in data.items():
+        key = prefix + name
+        if isinstance(value, dict) and (key in sections or any(s.startswith(key + ".") for s in sections)
+                                        or key in UNSUPPORTED_TORCHTITAN_SECTIONS
+                                        or any(s.startswith(key + ".") for s in UNSUPPORTED_TORCHTITAN_SECTIONS)
+                                        or any(r.startswith(key + ".") for r in RENAMED_OPTIONS)):
+            flat.update(_flatten_toml(value, specs, key + "."))
+        elif isinstance(value, dict):
+            raise UserError(f"config file: unknown section [{key}]{_closest(key + '.', specs)}")
+        else:
+            flat[key] = value
+    return flat
+
+
+def load_toml(path: str) -> dict:
+    """Read a TOML file, turning a missing file or a syntax error into a UserError naming the file."""
+    if not os.path.isfile(path):
+        raise UserError(f"option job.config_file: {path!r} does not exist (pass a TOML file, e.g. "
+                        f"train_configs/debug_model.toml)")
+    try:
+        with open(path, "rb") as f:
+            return tomllib.load(f)
+    except tomllib.TOMLDecodeError as e:
+        raise UserError(f"option job.config_file: {path} is not valid TOML: {e}") from None
+    except (OSError, UnicodeDecodeError) as e:
+        raise UserError(f"option job.config_file: cannot read {path}: {e}") from None
+
+
+def _parse_cli(argv: list[str], specs: dict[str, OptionSpec]) -> dict[str, Any]:
+    """Turn flags into {key: raw string or bool}, in order (a later flag wins)."""
+    values: dict[str, Any] = {}
+    i = 0
+    while i < len(argv):
+        arg = argv[i]
+        if not arg.startswith("--") or len(arg) == 2:
+            raise UserError(f"command line: unexpected argument {arg!r}; options look like --section.option value")
+        key, has_value, raw = arg[2:].partition("=")
+        section, _, name = key.rpartition(".")
+        if key not in specs and name.startswith("no_") and f"{section}.{name[3:]}" in specs \
+                and specs[f"{section}.{name[3:]}"].type is bool:
+            if has_value:
+                raise UserError(f"command line: {arg} takes no value; use --{key} or --{section}.{name[3:]}=false")
+            values[f"{section}.{name[3:]}"] = False
+            i += 1
+            continue
+        spec = specs.get(key)
+        if spec is None:
+            if not has_value:
+                takes_value = i + 1 < len(argv) and not argv[i + 1].startswith("--")
+                raw, i = (argv[i + 1], i + 1) if takes_value else ("true", i)
+            _check_key(key, raw, specs, "command line")
+            i += 1
+            continue
+        if spec.type is bool and not has_value:
+            if i + 1 < len(argv) and argv[i + 1].lower() in _TRUE + _FALSE:
+                raw, i = argv[i + 1], i + 1
+            else:
+                raw = "true"
+        elif not has_value:
+            if i + 1 >= len(argv) or (argv[i + 1].startswith("--") and len(argv[i + 1]) > 2):
+                raise UserError(f"command line: option {key} needs a value"
+                                + (f" ({type_name(spec.type)})" if spec else ""))
+            raw, i = argv[i + 1], i + 1
+        values[key] = raw
+        i += 1
+    return values
+
+
+def _set(config: Any, key: str, value: Any) -> None:
+    *path, name = key.split(".")
+    for part in path:
+        config = getattr(config, part)
+    setattr(config, name, value)
+
+
+def get_option(config: Any, key: str) -> Any:
+    """The value of `section.option` in `config`."""
+    for part in key.split("."):
+        config = getattr(config, part)
+    return config
+
+
+def parse_args(argv: list[str] | None = None) -> JobConfig:
+    """Defaults <- TOML (job.config_file) <- command-line flags, then validated. `--help` prints every option."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    specs = option_specs()
+    if "-h" in argv or "--help" in argv:
+        print(help_text(specs))
+        raise SystemExit(0)
+    cli = _parse_cli(argv, specs)
+    config = JobConfig()
+    config_file = cli.get("job.config_file")
+    if config_file:
+        for key, value in _flatten_toml(load_toml(config_file), specs).items():
+            if _check_key(key, value, specs, f"config file {config_file}"):
+                _set(config, key, _convert(key, value, specs[key].type, from_cli=False))
+    for key, raw in cli.items():
+        _set(config, key, _convert(key, raw, specs[key].type, from_cli=True))
+    validate(config)
+    return config
+
+
+def validate(config: JobConfig) -> None:
+    """Checks of single options and of options against each other that need no model or devices."""
+    positive = ["training.local_batch_size", "training.seq_len", "training.steps", "metrics.log_freq",
+                "training.gc_freq", "checkpoint.interval", "validation.local_batch_size", "validation.seq_len",
+                "validation.freq", "profiling.profile_freq", "comm.init_timeout_seconds",
+                "comm.train_timeout_seconds", "parallelism.data_parallel_replicate_degree",
+                "parallelism.tensor_parallel_degree", "parallelism.pipeline_parallel_degree",
+                "parallelism.context_parallel_degree", "parallelism.pipeline_parallel_microbatch_size"]
+    for key in positive:
+        value = get_option(config, key)
+        if value <= 0:
+            raise UserError(f"option {key}: {value} must be a positive integer")
+    shard = config.parallelism.data_parallel_shard_degree
+    if shard == 0 or shard < -1:
+        raise UserError(f"option parallelism.data_parallel_shard_degree: {shard} must be -1 (use the ranks left) "
+                        f"or a positive integer")
+    gbs = config.training.global_batch_size
+    if gbs != -1 and gbs <= 0:
+        raise UserError(f"option training.global_batch_size: {gbs} must be -1 (no accumulation) or positive")
+    for key in ("optimizer.lr", "optimizer.eps"):
+        if get_option(config, key) <= 0:
+            raise UserError(f"option {key}: {get_option(config, key)} must be positive")
+    for key in ("optimizer.weight_decay", "training.max_norm", "lr_scheduler.warmup_steps", "metrics.peak_flops"):
+        if get_option(config, key) < 0:
+            raise UserError(f"option {key}: {get_option(config, key)} must not be negative")
+    for key in ("optimizer.beta1", "optimizer.beta2"):
+        if not 0 <= get_option(config, key) < 1:
+            raise UserError(f"option {key}: {get_option(config, key)} must be in [0, 1)")
+    if not 0 <= config.lr_scheduler.min_lr_factor <= 1:
+        raise UserError(f"option lr_scheduler.min_lr_factor: {config.lr_scheduler.min_lr_factor} must be in [0, 1]")
+    ratio = config.lr_scheduler.decay_ratio
+    if ratio is not None and not 0 <= ratio <= 1:
+        raise UserError(f"option lr_scheduler.decay_ratio: {ratio} must be in [0, 1] (or unset)")
+    option = config.activation_checkpoint.selective_ac_option
+    if config.activation_checkpoint.mode == "selective" and option != "op" and not (option.isdigit() and
+                                                                                  int(option) > 0):
+        raise UserError(f"option activation_checkpoint.selective_ac_option: {option!r} must be 'op' or a positive "
+                        f"integer N (checkpoint every N-th block)")
+    for component in config.compile.components:
+        if component not in ("model", "loss"):
+            raise UserError(f"option compile.components: {component!r} is not one of 'model', 'loss'")
+    for part in config.checkpoint.exclude_from_loading:
+        if part not in ("model", "optimizer", "lr_scheduler", "dataloader", "train_state"):
+            raise UserError(f"option checkpoint.exclude_from_loading: {part!r} is not one of model, optimizer, "
+                            f"lr_scheduler, dataloader, train_state")
+    valid_converters = ("quantize.linear.float8", "float8")
+    for converter in config.model.converters:
+        if converter not in valid_converters:
+            raise UserError(f"option model.converters: {converter!r} is not a known converter; valid: "
+                            f"{', '.join(valid_converters)}")
+    if config.checkpoint.keep_latest_k < 0:
+        raise UserError(f"option checkpoint.keep_latest_k: {config.checkpoint.keep_latest_k} must be 0 (keep all) "
+                        f"or positive")
+
+
+def help_text(specs: dict[str, OptionSpec] | None = None) -> str:
+    """Every option, grouped by section, with its type, default and description."""
+    specs = specs or option_specs()
+    lines = ["usage: python -m torchtitan.train [--job.config_file FILE] [--section.option VALUE ...]",
+             "", "Precedence: command line > TOML file > defaults. Booleans: --x.y / --x.no_y. Lists: a,b,c.", ""]
+    section = None
+    for key, spec in specs.items():
+        this_section = key.rsplit(".", 1)[0]
+        if this_section != section:
+            section = this_section
+            lines.append(f"[{section}]")
+        doc = " ".join(spec.doc.split())
+        lines.append(f"  --{key} ({type_name(spec.type)}, default: {spec.default!r})")
+        lines.append(f"      {doc}")
+    return "\n".join(lines)
+
+
+def _toml_value(value: Any) -> str:
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, (int, float)):
+        return repr(value)
+    if isinstance(value, str):
+        return '"' + value.replace("\\", "\\\\").replace('"', '\\"') + '"'
+    if isinstance(value, list):
+        return "[" + ", ".join(_toml_value(v) for v in value) + "]"
+    raise TypeError(f"cannot write {value!r} as TOML")
+
+
+def to_toml(config: JobConfig) -> str:
+    """The config as TOML that `--job.config_file` reads back to the same config (unset options are omitted)."""
+    out: list[str] = []
+    section = None
+    for key, spec in option_specs().items():
+        value = get_option(config, key)
+        this_section, name = key.rsplit(".", 1)
+        if this_section != section:
+            section = this_section
+            out.append(f"\n[{section}]")
+        if value is not None:
+            out.append(f"{name} = {_toml_value(value)}")
+    return "\n".join(out).lstrip() + "\n"
+
+
+def save_config(config: JobConfig, folder: str) -> Path:
+    """Write the resolved config to <folder>/config.toml atomically."""
+    path = Path(folder) / "config.toml"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(".toml.tmp")
+    tmp.write_text(to_toml(config))
+    os.replace(tmp, path)
+    return path

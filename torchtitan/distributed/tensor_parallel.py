@@ -1,0 +1,58 @@
+"""Tensor + sequence parallelism for Llama blocks (Megatron-style), with the loss computed in parallel.
+
+Q/K/V and W1/W3 are split by output column, O and W2 by input row; norms run sequence-parallel on a slice of the
+sequence; the embedding is split by row and the output projection by vocabulary column, whose sharded logits feed
+`loss_parallel` directly.
+"""
+
+import torch
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import Replicate, Shard
+from torch.distributed.tensor.parallel import (ColwiseParallel, PrepareModuleInput, RowwiseParallel,
+                                               SequenceParallel, parallelize_module)
+
+from torchtitan.errors import UserError
+
+
+def apply_tp(model: nn.Module, tp_mesh: DeviceMesh, *, loss_parallel: bool, async_tp: bool) -> None:
+    top_plan = {}
+    if model.tok_embeddings is not None:
+        top_plan["tok_embeddings"] = RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(1))
+    if model.norm is not None:
+        top_plan["norm"] = SequenceParallel()
+    if model.output is not None:
+        top_plan["output"] = ColwiseParallel(input_layouts=Shard(1),
+                                             output_layouts=Shard(-1) if loss_parallel else Replicate(),
+                                             use_local_output=not loss_parallel)
+    if top_plan:
+        parallelize_module(model, tp_mesh, top_plan)
+    for block in model.layers.values():
+        parallelize_module(block, tp_mesh, {
+            "attention_norm": SequenceParallel(),
+            # The RoPE table (second input) stays a plain tensor: every rank needs all of it.
+            "attention": PrepareModuleInput(input_layouts=(Shard(1), None),
+                                            desired_input_layouts=(Replicate(), None)),
+            "attention.wq": ColwiseParallel(),
+            "attention.wk": ColwiseParallel(),
+            "attention.wv": ColwiseParallel(),
+            "attention.wo": RowwiseParallel(output_layouts=Shard(1)),
+            "ffn_norm": SequenceParallel(),
+            "feed_forward": PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),)),
+            "feed_forward.w1": ColwiseParallel(),
+            "feed_forward.w2": RowwiseParallel(output_layouts=Shard(1)),
+            "feed_forward.w3": ColwiseParallel(),
+        })
+    if async_tp:
+        enable_async_tp(tp_mesh)
+
+
+def enable_async_tp(tp_mesh: DeviceMesh) -> None:
+    """Let inductor fuse TP collectives with matmuls through symmetric memory (CUDA + NCCL + compile)."""
+    if tp_mesh.device_type != "cuda":
+        raise UserError("option parallelism.enable_async_tensor_parallel: async TP needs CUDA GPUs with NCCL "
+                        "(symmetric memory); this run is on the CPU. Turn it off, or run on GPUs")
+    from torch.distributed._symmetric_memory import enable_symm_mem_for_group
+
+    torch._inductor.config._micro_pipeline_tp = True
+    enable_symm_mem_for_group(tp_mesh.get_group().group_name)

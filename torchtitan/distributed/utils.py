@@ -1,0 +1,118 @@
+"""Process-group set-up, seeding, sharding-independent weight init and gradient clipping across meshes."""
+
+import datetime
+import os
+import random
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor, distribute_tensor
+
+from torchtitan.models.llama3.model import parameter_generator
+from torchtitan.tools.logging import logger
+
+
+def device_type() -> str:
+    """The one place that chooses the accelerator: CUDA when present, else the CPU."""
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def backend_for(device_kind: str) -> str:
+    return "nccl" if device_kind == "cuda" else "gloo"
+
+
+def init_distributed(init_timeout_seconds: int) -> torch.device:
+    """Join the process group that torchrun set up (or a one-process group without torchrun).
+
+    The store is prefixed with torchrun's restart count: after an elastic restart, the agent's store still holds
+    the previous attempt's addresses, and gloo would otherwise try to connect to the dead processes.
+    """
+    kind = device_type()
+    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    device = torch.device(kind, local_rank) if kind == "cuda" else torch.device("cpu")
+    if kind == "cuda":
+        torch.cuda.set_device(device)
+    timeout = datetime.timedelta(seconds=init_timeout_seconds)
+    if "WORLD_SIZE" in os.environ:
+        store, rank, world_size = next(dist.rendezvous("env://", timeout=timeout))
+        attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+        store = dist.PrefixStore(f"torchtitan/attempt{attempt}", store)
+    else:
+        store, rank, world_size = dist.HashStore(), 0, 1
+    dist.init_process_group(backend_for(kind), store=store, rank=rank, world_size=world_size, timeout=timeout,
+                            device_id=device if kind == "cuda" else None)
+    return device
+
+
+def set_train_timeout(seconds: int) -> None:
+    """After the first step, bound every collective by the (shorter) training timeout."""
+    timeout = datetime.timedelta(seconds=seconds)
+    for group in [dist.group.WORLD, *dist.distributed_c10d._world.pg_map]:
+        dist.distributed_c10d._set_pg_timeout(timeout, group)
+
+
+def set_determinism(seed: int | None, deterministic: bool, warn_only: bool, device: torch.device) -> int:
+    """Seed every generator with the same seed on all ranks (rank 0 draws one if none is given)."""
+    if seed is None:
+        drawn = torch.tensor([random.SystemRandom().randrange(2**31)], dtype=torch.int64, device=device)
+        dist.broadcast(drawn, src=0)
+        seed = int(drawn.item())
+        logger.info(f"Seed drawn: {seed} (set debug.seed to reproduce this run)")
+    random.seed(seed)
+    torch.manual_seed(seed)
+    if deterministic:
+        torch.use_deterministic_algorithms(True, warn_only=warn_only)
+        torch.backends.cudnn.deterministic = True
+        torch.backends.cudnn.benchmark = False
+        os.environ["CUBLAS_WORKSPACE_CONFIG"] = ":4096:8"
+    return seed
+
+
+@torch.no_grad()
+def init_model_weights(model: nn.Module, seed: int, device: torch.device) -> None:
+    """Initialise a materialised model part so that its values do not depend on the layout.
+
+    Each parameter is drawn from its own generator (seed, name) at its full shape; a sharded parameter then keeps
+    only its local slice. The transient full tensor costs one parameter's memory at a time.
+    """
+    for name, param, initializer in model.parameter_initializers():
+        if isinstance(param, DTensor):
+            full = torch.empty(param.shape, dtype=param.dtype, device=device)
+            initializer(full, parameter_generator(seed, name, device))
+            local = distribute_tensor(full, param.device_mesh, param.placements, src_data_rank=None).to_local()
+            param.to_local().copy_(local)
+        else:
+            initializer(param, parameter_generator(seed, name, device))
+    model.init_buffers(device)
+
+
+def _local_tensor(t: torch.Tensor) -> torch.Tensor:
+    return t.full_tensor() if isinstance(t, DTensor) else t
+
+
+@torch.no_grad()
+def clip_grad_norm_(parameters: list[nn.Parameter], max_norm: float, pp_mesh: DeviceMesh | None) -> torch.Tensor:
+    """Total L2 norm of all gradients across every mesh (DTensor reductions, plus a sum over pipeline stages),
+    then scale gradients down to `max_norm` if it is exceeded (max_norm = 0 only measures)."""
+    by_mesh: dict[object, list[nn.Parameter]] = {}
+    for p in parameters:
+        if p.grad is not None:
+            by_mesh.setdefault(p.grad.device_mesh if isinstance(p.grad, DTensor) else None, []).append(p)
+    # DTensors on different meshes cannot be stacked together: reduce each group to a plain scalar first.
+    squares = [_full(torch.nn.utils.get_total_norm([p.grad for p in group], 2.0, foreach=True)).float().square()
+               for group in by_mesh.values()]
+    device = parameters[0].device if parameters else torch.device("cpu")
+    total_sq = torch.stack(squares).sum() if squares else torch.zeros((), device=device)
+    if pp_mesh is not None and pp_mesh.size() > 1:
+        dist.all_reduce(total_sq, op=dist.ReduceOp.SUM, group=pp_mesh.get_group())
+    total_norm = total_sq.sqrt()
+    if max_norm > 0:
+        for group in by_mesh.values():
+            torch.nn.utils.clip_grads_with_norm_(group, max_norm, total_norm, foreach=True)
+    return total_norm
+
+
+def _full(t: torch.Tensor) -> torch.Tensor:
+    return t.full_tensor() if isinstance(t, DTensor) else t

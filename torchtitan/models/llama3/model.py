@@ -1,0 +1,179 @@
+"""The Llama 3.1 transformer as a plain `nn.Module`: GQA attention with RoPE, SwiGLU feed-forward, RMSNorm.
+
+It knows nothing of parallelism: `parallelize.py` and `pipeline.py` shard and split it. Built on the meta device,
+it is materialised with `to_empty` and then `init_weights`; every parameter's initial values depend only on the
+seed and the parameter's name, so any layout starts from the same weights.
+"""
+
+import math
+import zlib
+from collections.abc import Callable, Iterator
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from torchtitan.models.llama3.args import TransformerModelArgs
+
+Initializer = Callable[[torch.Tensor, torch.Generator], None]
+
+
+def rope_table(args: TransformerModelArgs, device: torch.device | None = None) -> torch.Tensor:
+    """cos/sin of the rotary angles, shape (rope_len, head_dim // 2, 2), with Llama 3.1's frequency scaling."""
+    freqs = 1.0 / (args.rope_theta ** (torch.arange(0, args.head_dim, 2, device=device,
+                                                    dtype=torch.float64) / args.head_dim))
+    if args.use_scaled_rope:
+        freqs = scale_rope_frequencies(freqs)
+    angles = torch.outer(torch.arange(args.rope_len, device=device, dtype=torch.float64), freqs)
+    return torch.stack([angles.cos(), angles.sin()], dim=-1).float()
+
+
+def scale_rope_frequencies(freqs: torch.Tensor, factor: float = 8.0, low_freq_factor: float = 1.0,
+                           high_freq_factor: float = 4.0, original_context: int = 8192) -> torch.Tensor:
+    """Llama 3.1: keep high frequencies, divide low ones by `factor`, interpolate smoothly in between."""
+    wavelen = 2 * math.pi / freqs
+    low_freq_wavelen = original_context / low_freq_factor
+    high_freq_wavelen = original_context / high_freq_factor
+    smooth = (original_context / wavelen - low_freq_factor) / (high_freq_factor - low_freq_factor)
+    interpolated = (1 - smooth) * freqs / factor + smooth * freqs
+    scaled = torch.where(wavelen > low_freq_wavelen, freqs / factor, freqs)
+    is_medium = (wavelen >= high_freq_wavelen) & (wavelen <= low_freq_wavelen)
+    return torch.where(is_medium, interpolated, scaled)
+
+
+def apply_rotary_emb(x: torch.Tensor, rope: torch.Tensor) -> torch.Tensor:
+    """Rotate consecutive pairs of `x` (batch, seq, heads, head_dim) by the angles in `rope` (seq, head_dim/2, 2)."""
+    pairs = x.float().unflatten(-1, (-1, 2))
+    x_even, x_odd = pairs[..., 0], pairs[..., 1]
+    cos, sin = rope[None, :, None, :, 0], rope[None, :, None, :, 1]
+    rotated = torch.stack([x_even * cos - x_odd * sin, x_even * sin + x_odd * cos], dim=-1)
+    return rotated.flatten(-2).type_as(x)
+
+
+class Attention(nn.Module):
+    def __init__(self, args: TransformerModelArgs):
+        super().__init__()
+        self.head_dim = args.head_dim
+        self.n_rep = args.n_heads // args.kv_heads
+        self.wq = nn.Linear(args.dim, args.n_heads * self.head_dim, bias=False)
+        self.wk = nn.Linear(args.dim, args.kv_heads * self.head_dim, bias=False)
+        self.wv = nn.Linear(args.dim, args.kv_heads * self.head_dim, bias=False)
+        self.wo = nn.Linear(args.n_heads * self.head_dim, args.dim, bias=False)
+
+    def forward(self, x: torch.Tensor, rope: torch.Tensor) -> torch.Tensor:
+        bsz, seqlen, _ = x.shape
+        # -1 heads: under tensor parallelism each rank holds only its share of the heads.
+        q = self.wq(x).view(bsz, seqlen, -1, self.head_dim)
+        k = self.wk(x).view(bsz, seqlen, -1, self.head_dim)
+        v = self.wv(x).view(bsz, seqlen, -1, self.head_dim)
+        q, k = apply_rotary_emb(q, rope), apply_rotary_emb(k, rope)
+        # Expanding the KV heads (rather than SDPA's enable_gqa) keeps the op that context parallel shards.
+        k = k.repeat_interleave(self.n_rep, dim=2)
+        v = v.repeat_interleave(self.n_rep, dim=2)
+        out = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
+                                             is_causal=True)
+        return self.wo(out.transpose(1, 2).reshape(bsz, seqlen, -1))
+
+
+class FeedForward(nn.Module):
+    def __init__(self, dim: int, hidden_dim: int):
+        super().__init__()
+        self.w1 = nn.Linear(dim, hidden_dim, bias=False)
+        self.w2 = nn.Linear(hidden_dim, dim, bias=False)
+        self.w3 = nn.Linear(dim, hidden_dim, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.w2(F.silu(self.w1(x)) * self.w3(x))
+
+
+class TransformerBlock(nn.Module):
+    def __init__(self, layer_id: int, args: TransformerModelArgs):
+        super().__init__()
+        self.layer_id = layer_id
+        self.attention_norm = nn.RMSNorm(args.dim, eps=args.norm_eps)
+        self.attention = Attention(args)
+        self.ffn_norm = nn.RMSNorm(args.dim, eps=args.norm_eps)
+        self.feed_forward = FeedForward(args.dim, args.ffn_hidden_dim)
+
+    def forward(self, x: torch.Tensor, rope: torch.Tensor) -> torch.Tensor:
+        h = x + self.attention(self.attention_norm(x), rope)
+        return h + self.feed_forward(self.ffn_norm(h))
+
+
+class Transformer(nn.Module):
+    """Token ids (batch, seq) -> logits (batch, seq, vocab).
+
+    A pipeline stage keeps only some of its parts: a missing `tok_embeddings` means the input is already hidden
+    states, a missing `norm`/`output` means the stage returns hidden states.
+    """
+
+    def __init__(self, args: TransformerModelArgs):
+        super().__init__()
+        self.args = args
+        self.tok_embeddings: nn.Embedding | None = nn.Embedding(args.vocab_size, args.dim)
+        # A ModuleDict keyed by the global layer index keeps parameter names stable when stages drop layers.
+        self.layers = nn.ModuleDict({str(i): TransformerBlock(i, args) for i in range(args.n_layers)})
+        self.norm: nn.RMSNorm | None = nn.RMSNorm(args.dim, eps=args.norm_eps)
+        self.output: nn.Linear | None = nn.Linear(args.dim, args.vocab_size, bias=False)
+        self.register_buffer("rope", rope_table(args, device=torch.device("meta")), persistent=False)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        h = self.tok_embeddings(tokens) if self.tok_embeddings is not None else tokens
+        rope = self.rope[: h.shape[1]]
+        for layer in self.layers.values():
+            h = layer(h, rope)
+        h = self.norm(h) if self.norm is not None else h
+        return self.output(h) if self.output is not None else h
+
+    def init_buffers(self, device: torch.device) -> None:
+        self.rope = rope_table(self.args, device=device)
+
+    def parameter_initializers(self) -> Iterator[tuple[str, nn.Parameter, Initializer]]:
+        """(name, parameter, how to initialise it) for every parameter, with depth-scaled output projections."""
+        output_std = self.args.dim ** -0.5
+        for wrapped_name, param in self.named_parameters():
+            # Activation-checkpoint and compile wrappers insert these into names; checkpoints omit them too.
+            name = wrapped_name.replace("_checkpoint_wrapped_module.", "").replace("_orig_mod.", "")
+            if name.endswith("norm.weight"):
+                yield name, param, lambda t, g: nn.init.ones_(t)
+            elif name == "tok_embeddings.weight":
+                yield name, param, lambda t, g: nn.init.normal_(t, generator=g)
+            elif name == "output.weight":
+                yield name, param, _trunc_normal(output_std, cutoff=3 * output_std)
+            else:
+                layer_id = int(name.split(".")[1])
+                depth_std = 0.02 / (2 * (layer_id + 1)) ** 0.5
+                is_residual_out = name.endswith(("attention.wo.weight", "feed_forward.w2.weight",
+                                                 "feed_forward.w3.weight"))
+                yield name, param, _trunc_normal(depth_std if is_residual_out else 0.02)
+
+    @torch.no_grad()
+    def init_weights(self, seed: int = 0, buffer_device: torch.device | None = None) -> None:
+        """Initialise a materialised (non-sharded) model in place."""
+        for name, param, initializer in self.parameter_initializers():
+            initializer(param, parameter_generator(seed, name, param.device))
+        self.init_buffers(buffer_device or next(self.parameters()).device)
+
+
+def _trunc_normal(std: float, cutoff: float | None = None) -> Initializer:
+    bound = cutoff if cutoff is not None else 2 * std
+    return lambda t, g: nn.init.trunc_normal_(t, mean=0.0, std=std, a=-bound, b=bound, generator=g)
+
+
+def parameter_generator(seed: int, name: str, device: torch.device) -> torch.Generator:
+    """A generator for one parameter, seeded from the run's seed and the parameter's name."""
+    return torch.Generator(device=device).manual_seed(seed * 1_000_003 + zlib.crc32(name.encode()))
+
+
+def count_parameters(model: nn.Module, exclude_embeddings: bool = False) -> int:
+    """Parameter count (on any device, meta included)."""
+    total = sum(p.numel() for p in model.parameters())
+    if exclude_embeddings and getattr(model, "tok_embeddings", None) is not None:
+        total -= model.tok_embeddings.weight.numel()
+    return total
+
+
+def flops_per_token(args: TransformerModelArgs, num_params_no_embedding: int, seq_len: int) -> int:
+    """Training FLOPs per token: 6 per non-embedding parameter (forward + backward matmuls) plus attention
+    scores and values, 12 * layers * heads * head_dim * seq_len (the full, unmasked attention square)."""
+    return 6 * num_params_no_embedding + 12 * args.n_layers * args.n_heads * args.head_dim * seq_len

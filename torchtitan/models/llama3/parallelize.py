@@ -1,0 +1,60 @@
+"""How the Llama model is parallelised: which `apply_*` runs, in which order.
+
+Order: tensor parallel -> activation checkpointing -> compile -> FSDP/HSDP (or DDP). Context parallelism needs no
+module change: the trainer shards the sequence around forward and backward (FSDP then shards over dp_shard x cp).
+Under pipeline parallelism this runs once per stage.
+"""
+
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+
+from torchtitan.config.job_config import JobConfig
+from torchtitan.distributed.activation_checkpoint import apply_ac
+from torchtitan.distributed.compile import apply_compile
+from torchtitan.distributed.fsdp import apply_ddp, apply_fsdp
+from torchtitan.distributed.parallel_dims import ParallelDims
+from torchtitan.distributed.tensor_parallel import apply_tp
+from torchtitan.errors import UserError
+from torchtitan.models.llama3.args import TransformerModelArgs
+
+
+def validate_parallelism(args: TransformerModelArgs, parallel_dims: ParallelDims, config: JobConfig) -> None:
+    """Reject layouts the model's shapes cannot be split into, naming the option to change."""
+    tp, cp = parallel_dims.tp, parallel_dims.cp
+    for what, size in (("n_heads", args.n_heads), ("n_kv_heads", args.kv_heads),
+                       ("the FFN width", args.ffn_hidden_dim), ("the vocabulary size", args.vocab_size)):
+        if size % tp:
+            raise UserError(f"option parallelism.tensor_parallel_degree: {tp} does not divide {what} ({size}) of "
+                            f"flavor {config.model.flavor}; use a divisor of {size}")
+    seq_len = config.training.seq_len
+    multiple = tp * (2 * cp if cp > 1 else 1)
+    if seq_len % multiple:
+        raise UserError(f"option training.seq_len: {seq_len} must be divisible by tensor_parallel_degree"
+                        + (" x 2 x context_parallel_degree" if cp > 1 else "") + f" = {multiple}")
+    if config.validation.enable and config.validation.seq_len % multiple:
+        raise UserError(f"option validation.seq_len: {config.validation.seq_len} must be divisible by {multiple} "
+                        f"(as training.seq_len)")
+    if config.parallelism.enable_async_tensor_parallel and not config.compile.enable:
+        raise UserError("option parallelism.enable_async_tensor_parallel: async TP is a compiler pass; it needs "
+                        "compile.enable = true")
+
+
+def parallelize_llama(model: nn.Module, world_mesh: DeviceMesh, parallel_dims: ParallelDims,
+                      config: JobConfig) -> nn.Module:
+    if parallel_dims.tp_enabled:
+        apply_tp(model, world_mesh["tp"], loss_parallel=not config.parallelism.disable_loss_parallel,
+                 async_tp=config.parallelism.enable_async_tensor_parallel)
+    apply_ac(model, config.activation_checkpoint)
+    if config.compile.enable and "model" in config.compile.components:
+        apply_compile(model, config.compile.backend)
+    precision = {"param_dtype": config.training.mixed_precision_param,
+                 "reduce_dtype": config.training.mixed_precision_reduce}
+    if parallel_dims.fsdp_enabled:
+        dp_mesh = world_mesh["dp_replicate", "dp_shard_cp"] if parallel_dims.hsdp_enabled \
+            else world_mesh["dp_shard_cp"]
+        apply_fsdp(model, dp_mesh, pp_enabled=parallel_dims.pp_enabled,
+                   cpu_offload=config.training.enable_cpu_offload,
+                   reshard_policy=config.parallelism.fsdp_reshard_after_forward, **precision)
+    elif parallel_dims.ddp_enabled:
+        apply_ddp(model, world_mesh["dp_replicate"], **precision)
+    return model

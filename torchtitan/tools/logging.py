@@ -1,0 +1,28 @@
+"""Rank-aware logging: every line is prefixed with the rank, and warnings can be issued once."""
+
+import logging
+import os
+import sys
+
+logger = logging.getLogger("torchtitan")
+
+_warned: set[str] = set()
+
+
+def init_logger(level: int = logging.INFO) -> None:
+    """Configure the `torchtitan` logger to print `[rank N] time level message` lines to stdout."""
+    rank = os.environ.get("RANK", "0")
+    handler = logging.StreamHandler(sys.stdout)
+    handler.setFormatter(
+        logging.Formatter(f"[rank{rank}] %(asctime)s %(levelname)s %(message)s", datefmt="%H:%M:%S")
+    )
+    logger.handlers[:] = [handler]
+    logger.setLevel(level)
+    logger.propagate = False
+
+
+def warn_once(message: str) -> None:
+    """Log `message` as a warning the first time it is seen in this process, and never again."""
+    if message not in _warned:
+        _warned.add(message)
+        logger.warning(message)

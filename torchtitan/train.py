@@ -1,0 +1,371 @@
+"""The trainer: build every component from the config, then run the training loop.
+
+Run with torchrun (see run_train.sh):  torchrun --nproc_per_node=N -m torchtitan.train --job.config_file FILE
+"""
+
+import contextlib
+import dataclasses
+import gc
+import os
+import signal
+import sys
+import time
+from collections.abc import Iterator
+
+import torch
+import torch.distributed as dist
+from torch.distributed.tensor.parallel import loss_parallel
+
+from torchtitan.components.checkpoint import CheckpointManager, TrainState
+from torchtitan.components.datasets import build_dataloader
+from torchtitan.components.float8 import apply_float8, precompute_float8_scales
+from torchtitan.components.loss import count_valid_tokens, cross_entropy_sum
+from torchtitan.components.lr_scheduler import build_lr_schedulers
+from torchtitan.components.metrics import MetricsLogger
+from torchtitan.components.optimizer import build_optimizers
+from torchtitan.components.profiling import maybe_enable_memory_snapshot, maybe_enable_profiling
+from torchtitan.components.tokenizer import build_tokenizer
+from torchtitan.config import JobConfig, parse_args, save_config, to_toml
+from torchtitan.distributed import utils as dist_utils
+from torchtitan.distributed.context_parallel import context_parallel_context
+from torchtitan.distributed.fsdp import TORCH_DTYPES
+from torchtitan.distributed.parallel_dims import ParallelDims
+from torchtitan.distributed.pipeline_parallel import pipeline_llama
+from torchtitan.errors import UserError
+from torchtitan.models.llama3.args import model_args_for
+from torchtitan.models.llama3.model import Transformer, count_parameters, flops_per_token
+from torchtitan.models.llama3.parallelize import parallelize_llama, validate_parallelism
+from torchtitan.tools.device_info import memory_stats, peak_flops, reset_peak_memory
+from torchtitan.tools.logging import init_logger, logger
+
+
+class NonFiniteError(UserError):
+    """The loss or gradient norm became NaN/Inf (with debug.on_nonfinite = stop)."""
+
+
+class Trainer:
+    def __init__(self, config: JobConfig):
+        self.config = config
+        self.device = dist_utils.init_distributed(config.comm.init_timeout_seconds)
+        self.rank, world_size = dist.get_rank(), dist.get_world_size()
+        self.parallel_dims = ParallelDims.from_config(config.parallelism, world_size)
+        self.world_mesh = self.parallel_dims.build_mesh(self.device.type)
+        logger.info(f"{config.job.description}: {world_size} process(es) on {self.device.type}, mesh "
+                    f"{self.parallel_dims.describe()}")
+        if self.rank == 0:
+            save_config(config, config.job.dump_folder)
+        if config.job.print_args:
+            logger.info("Config:\n" + to_toml(config))
+        self.seed = dist_utils.set_determinism(config.debug.seed, config.debug.deterministic,
+                                               config.debug.deterministic_warn_only, self.device)
+
+        self.tokenizer = build_tokenizer(config.model.tokenizer_path or config.model.hf_assets_path)
+        self.model_args = model_args_for(config.model.flavor, config.training.seq_len, self.tokenizer.vocab_size)
+        validate_parallelism(self.model_args, self.parallel_dims, config)
+        self.grad_accumulation_steps = self._grad_accumulation_steps()
+        self.dataloader = self._build_dataloader(config.training.dataset, config.training.dataset_path,
+                                                 config.training.local_batch_size, config.training.seq_len,
+                                                 infinite=config.training.dataset_loop, section="training")
+
+        with torch.device("meta"):
+            model = Transformer(self.model_args)
+        apply_float8(model, config)
+        if config.model.print_after_conversion:
+            logger.info(f"Model after conversion:\n{model}")
+        self.num_params = count_parameters(model)
+        self.flops_per_token = flops_per_token(self.model_args, count_parameters(model, exclude_embeddings=True),
+                                               config.training.seq_len)
+        logger.info(f"Model llama3 {config.model.flavor}: {self.num_params:,} parameters, "
+                    f"{self.flops_per_token / 1e9:.3f} GFLOPs per token")
+
+        self.pp_schedule = None
+        if self.parallel_dims.pp_enabled:
+            self.pp_schedule, self.model_parts, self.has_first_stage, self.has_last_stage = pipeline_llama(
+                model, self.world_mesh, self.parallel_dims, config, self.device, self._pipeline_loss)
+        else:
+            self.model_parts = [parallelize_llama(model, self.world_mesh, self.parallel_dims, config)]
+            self.has_first_stage = self.has_last_stage = True
+        for part in self.model_parts:
+            part.to_empty(device=self.device)
+            dist_utils.init_model_weights(part, self.seed, self.device)
+            part.train()
+
+        self.loss_fn = cross_entropy_sum
+        if config.compile.enable and "loss" in config.compile.components:
+            self.loss_fn = torch.compile(cross_entropy_sum, backend=config.compile.backend)
+        self.global_valid_tokens = torch.ones((), device=self.device)
+        self.optimizers = build_optimizers(self.model_parts, config.optimizer)
+        self.lr_schedulers = build_lr_schedulers(self.optimizers, config.lr_scheduler, config.training.steps)
+        self.train_state = TrainState()
+        self.checkpointer = CheckpointManager(config.checkpoint, config.job.dump_folder, self.model_parts,
+                                              self.optimizers, self.lr_schedulers, self.dataloader,
+                                              self.train_state, self.model_args)
+        # Mixed precision comes from FSDP/DDP's policy when they wrap the model, else from autocast.
+        wrapped = self.parallel_dims.fsdp_enabled or self.parallel_dims.ddp_enabled
+        param_dtype = TORCH_DTYPES[config.training.mixed_precision_param]
+        self.autocast = (torch.autocast(self.device.type, dtype=param_dtype)
+                         if not wrapped and param_dtype != torch.float32 else contextlib.nullcontext())
+        self.metrics = MetricsLogger(config.metrics, config.job.dump_folder, self.rank,
+                                     is_logging_rank=self.rank == 0 or config.metrics.save_for_all_ranks,
+                                     run_config=dataclasses.asdict(config))
+        self.peak_flops, peak_source = peak_flops(self.device, param_dtype, config.metrics.peak_flops)
+        logger.info(f"MFU is measured against {self.peak_flops / 1e12:.2f} TFLOP/s per device ({peak_source})")
+        self.preempt_requested = False
+        self.preempted = False
+
+    # ----------------------------------------------------------------------------------------------------------
+    # Building blocks
+
+    def _grad_accumulation_steps(self) -> int:
+        training = self.config.training
+        per_step = training.local_batch_size * self.parallel_dims.dp
+        if training.global_batch_size == -1:
+            return 1
+        if training.global_batch_size % per_step:
+            raise UserError(f"option training.global_batch_size: {training.global_batch_size} is not a multiple of "
+                            f"local_batch_size x data-parallel degree = {training.local_batch_size} x "
+                            f"{self.parallel_dims.dp} = {per_step}")
+        return training.global_batch_size // per_step
+
+    def _build_dataloader(self, dataset: str, dataset_path: str | None, batch_size: int, seq_len: int,
+                          infinite: bool, section: str):
+        dp_mesh = self.world_mesh["dp"]
+        return build_dataloader(dataset=dataset, dataset_path=dataset_path,
+                                text_field=self.config.training.dataset_text_field, tokenizer=self.tokenizer,
+                                seq_len=seq_len, local_batch_size=batch_size, dp_rank=dp_mesh.get_local_rank(),
+                                dp_degree=dp_mesh.size(), infinite=infinite, config_section=section)
+
+    def _pipeline_loss(self, pred: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        return self.loss_fn(pred, labels) / self.global_valid_tokens
+
+    @contextlib.contextmanager
+    def _train_context(self, inputs: torch.Tensor, labels: torch.Tensor) -> Iterator[None]:
+        """Context parallelism shards the sequence of the batch (and RoPE table); loss parallelism lets the
+        vocabulary-sharded logits enter the loss. Both must cover forward and backward."""
+        with contextlib.ExitStack() as stack:
+            if self.parallel_dims.cp_enabled:
+                ropes = [part.rope for part in self.model_parts]
+                stack.enter_context(context_parallel_context(
+                    self.world_mesh["cp"], buffers=[inputs, labels, *ropes], buffer_seq_dims=[1, 1, *[0] * len(ropes)],
+                    no_restore_buffers={inputs, labels},
+                    rotate_method=self.config.parallelism.context_parallel_rotate_method))
+            if self.parallel_dims.loss_parallel_enabled and not self.config.parallelism.disable_loss_parallel:
+                stack.enter_context(loss_parallel())
+            yield
+
+    def _next_batches(self, data_iterator: Iterator) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        batches = []
+        for _ in range(self.grad_accumulation_steps):
+            try:
+                inputs, labels = next(data_iterator)
+            except StopIteration:
+                raise UserError(f"option training.dataset_loop: the data ran out at step {self.train_state.step + 1}"
+                                f" (dataset_loop = false); use more data, fewer training.steps, or dataset_loop = "
+                                f"true") from None
+            batches.append((inputs.to(self.device), labels.to(self.device)))
+        return batches
+
+    # ----------------------------------------------------------------------------------------------------------
+    # One step
+
+    def forward_backward(self, inputs: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        """This rank's share of the loss (already divided by the global token count), after backward."""
+        with self._train_context(inputs, labels):
+            if self.pp_schedule is not None:
+                losses: list[torch.Tensor] | None = [] if self.has_last_stage else None
+                targets = labels if self.has_last_stage else None
+                with self.autocast:
+                    if self.has_first_stage:
+                        self.pp_schedule.step(inputs, target=targets, losses=losses)
+                    else:
+                        self.pp_schedule.step(target=targets, losses=losses)
+                return torch.stack(losses).sum() if losses else torch.zeros((), device=self.device)
+            with self.autocast:
+                pred = self.model_parts[0](inputs)
+                loss = self.loss_fn(pred, labels) / self.global_valid_tokens
+            del pred
+            loss.backward()
+        return loss.detach()
+
+    def train_step(self, batches: list[tuple[torch.Tensor, torch.Tensor]]) -> tuple[float, float]:
+        """One optimizer step over the accumulation micro-batches; returns (global mean loss, grad norm)."""
+        self.optimizers.zero_grad()
+        local_tokens = torch.stack([count_valid_tokens(labels) for _, labels in batches]).sum().float()
+        # Ranks of one data-parallel group hold the same sequences, so the global count sums over dp only.
+        dist.all_reduce(local_tokens, group=self.world_mesh["dp"].get_group())
+        self.global_valid_tokens = local_tokens
+        loss = sum(self.forward_backward(inputs, labels) for inputs, labels in batches)
+        parameters = [p for part in self.model_parts for p in part.parameters()]
+        grad_norm = dist_utils.clip_grad_norm_(parameters, self.config.training.max_norm,
+                                               self.world_mesh["pp"] if self.parallel_dims.pp_enabled else None)
+        # One all-reduce gives every rank the global loss (each TP rank holds a copy: divide by tp; stages
+        # without the loss add zero), whether any rank saw a non-finite value, and whether any rank was told to
+        # stop (SIGTERM may reach ranks at different steps; all must stop after the same one).
+        grad_norm_value = grad_norm.detach().float()
+        nonfinite = (~torch.isfinite(loss.float())) | (~torch.isfinite(grad_norm_value))
+        summary = torch.stack([loss.float() / self.parallel_dims.tp, nonfinite.float(),
+                               torch.tensor(float(self.preempt_requested), device=self.device)])
+        dist.all_reduce(summary)
+        global_loss, any_nonfinite, any_preempted = summary.tolist()
+        self.preempted = any_preempted > 0
+        step = self.train_state.step + 1
+        if any_nonfinite:
+            if self.config.debug.on_nonfinite == "stop":
+                raise NonFiniteError(f"step {step}: non-finite loss ({global_loss}) or gradient norm "
+                                     f"({grad_norm_value.item()}); stopping before the update (debug.on_nonfinite = "
+                                     f"stop). Lower optimizer.lr, check the data, or set debug.on_nonfinite = skip")
+            logger.warning(f"step {step}: non-finite loss or gradient norm; update skipped "
+                           f"(debug.on_nonfinite = skip)")
+            self.optimizers.zero_grad()
+        else:
+            self.optimizers.step()
+            precompute_float8_scales(self.model_parts, self.config)
+        self.lr_schedulers.step()
+        return global_loss, grad_norm_value.item()
+
+    # ----------------------------------------------------------------------------------------------------------
+    # Validation
+
+    @torch.no_grad()
+    def validate(self, step: int) -> dict[str, float]:
+        cfg = self.config.validation
+        loader = self._build_dataloader(cfg.dataset, cfg.dataset_path, cfg.local_batch_size, cfg.seq_len,
+                                        infinite=False, section="validation")
+        loss_sum = torch.zeros((), device=self.device)
+        tokens = torch.zeros((), device=self.device)
+        data_iterator = iter(loader)
+        batches = 0
+        while cfg.steps == -1 or batches < cfg.steps:
+            batch = next(data_iterator, None)
+            # Data-parallel ranks can hold one batch more or less: stop together when any rank runs out.
+            has_batch = torch.tensor(float(batch is not None), device=self.device)
+            dist.all_reduce(has_batch, op=dist.ReduceOp.MIN)
+            if not has_batch.item():
+                break
+            inputs, labels = batch[0].to(self.device), batch[1].to(self.device)
+            with self._train_context(inputs, labels), self.autocast:
+                if self.pp_schedule is not None:
+                    loss_sum += self._pipeline_eval(inputs, labels)
+                else:
+                    loss_sum += self.loss_fn(self.model_parts[0](inputs), labels)
+            tokens += count_valid_tokens(labels)
+            batches += 1
+        totals = torch.stack([loss_sum / self.parallel_dims.tp, tokens])
+        dist.all_reduce(totals)
+        # Tokens were counted on every rank that holds a batch: keep one count per data-parallel rank.
+        valid_tokens = totals[1].item() / (self.parallel_dims.world_size // self.parallel_dims.dp)
+        loss = totals[0].item() / max(valid_tokens, 1.0)
+        result = {"validation_loss": loss, "validation_perplexity": float(torch.tensor(loss).exp())}
+        logger.info(f"validation at step {step}: loss {loss:.4f}, perplexity {result['validation_perplexity']:.2f}"
+                    f" over {int(valid_tokens):,} tokens")
+        return result
+
+    def _pipeline_eval(self, inputs: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        losses: list[torch.Tensor] | None = [] if self.has_last_stage else None
+        targets = labels if self.has_last_stage else None
+        self.global_valid_tokens = torch.ones((), device=self.device)
+        if self.has_first_stage:
+            self.pp_schedule.eval(inputs, target=targets, losses=losses)
+        else:
+            self.pp_schedule.eval(target=targets, losses=losses)
+        return torch.stack(losses).sum() if losses else torch.zeros((), device=self.device)
+
+    # ----------------------------------------------------------------------------------------------------------
+    # The loop
+
+    def train(self) -> None:
+        config = self.config
+        if config.checkpoint.create_seed_checkpoint:
+            if self.parallel_dims.world_size != 1:
+                raise UserError("option checkpoint.create_seed_checkpoint: run it with one process (NGPU=1)")
+            self.checkpointer.save_seed()
+            logger.info("Seed checkpoint written; exiting")
+            return
+        self.checkpointer.load()
+        signal.signal(signal.SIGTERM, self._on_sigterm)
+        data_iterator = iter(self.dataloader)
+        gc.disable()
+        gc.collect(1)
+        batch_tokens = self.grad_accumulation_steps * config.training.local_batch_size * \
+            config.training.seq_len * self.parallel_dims.dp
+        window = {"time": time.perf_counter(), "steps": 0, "data_time": 0.0}
+        reset_peak_memory(self.device)
+        logger.info(f"Training {config.training.steps} steps from step {self.train_state.step}: global batch "
+                    f"{batch_tokens:,} tokens, {self.grad_accumulation_steps} accumulation step(s)")
+        with maybe_enable_profiling(config, self.rank, self.train_state.step) as profiler, \
+                maybe_enable_memory_snapshot(config, self.rank, self.device, self.train_state.step) as memory_profiler:
+            while self.train_state.step < config.training.steps:
+                step = self.train_state.step + 1
+                if step % config.training.gc_freq == 0 or config.training.gc_debug:
+                    gc.collect(1)
+                data_start = time.perf_counter()
+                batches = self._next_batches(data_iterator)
+                window["data_time"] += time.perf_counter() - data_start
+                loss, grad_norm = self.train_step(batches)
+                self.train_state.step = step
+                self.train_state.tokens_seen += batch_tokens
+                window["steps"] += 1
+                if step == 1:
+                    dist_utils.set_train_timeout(config.comm.train_timeout_seconds)
+                last_step = step == config.training.steps or self.preempted
+                if step == 1 or step % config.metrics.log_freq == 0 or last_step:
+                    self._log_step(step, loss, grad_norm, batch_tokens, window)
+                if config.validation.enable and (step % config.validation.freq == 0 or last_step):
+                    self.metrics.log(step, self.validate(step))
+                self.checkpointer.save(step, last_step=last_step and not self.preempted, force=self.preempted)
+                if profiler is not None:
+                    profiler.step()
+                if memory_profiler is not None:
+                    memory_profiler.step()
+                if self.preempted:
+                    logger.info(f"SIGTERM received: stopped after step {step} with a checkpoint; exiting")
+                    break
+        self.checkpointer.close()
+        self.metrics.close()
+        logger.info("Training finished")
+
+    def _log_step(self, step: int, loss: float, grad_norm: float, batch_tokens: int, window: dict) -> None:
+        elapsed = time.perf_counter() - window["time"]
+        tokens_per_device = batch_tokens * window["steps"] / self.parallel_dims.world_size
+        tps = tokens_per_device / elapsed
+        tflops = self.flops_per_token * tps / 1e12
+        memory = memory_stats(self.device)
+        peak_key = "max_reserved_gib" if self.device.type == "cuda" else "max_rss_gib"
+        peak = torch.tensor(memory[peak_key], device=self.device)
+        dist.all_reduce(peak, op=dist.ReduceOp.MAX)
+        self.metrics.log(step, {
+            "loss": loss, "grad_norm": grad_norm, "lr": self.lr_schedulers.last_lr, "tps": tps,
+            "tflops": tflops, "mfu": 100 * tflops * 1e12 / self.peak_flops, "memory_gib": peak.item(),
+            "data_pct": 100 * window["data_time"] / elapsed, "tokens_seen": self.train_state.tokens_seen,
+        })
+        window.update(time=time.perf_counter(), steps=0, data_time=0.0)
+        reset_peak_memory(self.device)
+
+    def _on_sigterm(self, signum, frame) -> None:
+        # Finish the current step, checkpoint it, and exit so that a requeued job continues from here.
+        self.preempt_requested = True
+
+    def close(self) -> None:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def main(argv: list[str] | None = None) -> int:
+    init_logger()
+    trainer = None
+    try:
+        config = parse_args(argv)
+        os.makedirs(config.job.dump_folder, exist_ok=True)
+        trainer = Trainer(config)
+        trainer.train()
+    except UserError as e:
+        logger.error(f"error: {e}")
+        return 2 if not isinstance(e, NonFiniteError) else 3
+    finally:
+        if trainer is not None:
+            trainer.close()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
