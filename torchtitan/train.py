@@ -14,6 +14,7 @@ from collections.abc import Iterator
 
 import torch
 import torch.distributed as dist
+from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import loss_parallel
 
 from torchtitan.components.checkpoint import CheckpointManager, TrainState
@@ -185,10 +186,11 @@ class Trainer:
                 loss = self.loss_fn(pred, labels) / self.global_valid_tokens
             del pred
             loss.backward()
-        return loss.detach()
+        # Under loss parallelism the loss is a replicated DTensor: keep a plain tensor for the reductions.
+        return loss.detach().full_tensor() if isinstance(loss, DTensor) else loss.detach()
 
-    def train_step(self, batches: list[tuple[torch.Tensor, torch.Tensor]]) -> tuple[float, float]:
-        """One optimizer step over the accumulation micro-batches; returns (global mean loss, grad norm)."""
+    def train_step(self, batches: list[tuple[torch.Tensor, torch.Tensor]]) -> tuple[float, float, float]:
+        """One optimizer step over the accumulation micro-batches; returns (global mean loss, grad norm, lr)."""
         self.optimizers.zero_grad()
         local_tokens = torch.stack([count_valid_tokens(labels) for _, labels in batches]).sum().float()
         # Ranks of one data-parallel group hold the same sequences, so the global count sums over dp only.
@@ -220,8 +222,9 @@ class Trainer:
         else:
             self.optimizers.step()
             precompute_float8_scales(self.model_parts, self.config)
+        lr = self.lr_schedulers.last_lr
         self.lr_schedulers.step()
-        return global_loss, grad_norm_value.item()
+        return global_loss, grad_norm_value.item(), lr
 
     # ----------------------------------------------------------------------------------------------------------
     # Validation
@@ -247,7 +250,8 @@ class Trainer:
                 if self.pp_schedule is not None:
                     loss_sum += self._pipeline_eval(inputs, labels)
                 else:
-                    loss_sum += self.loss_fn(self.model_parts[0](inputs), labels)
+                    loss = self.loss_fn(self.model_parts[0](inputs), labels)
+                    loss_sum += loss.full_tensor() if isinstance(loss, DTensor) else loss
             tokens += count_valid_tokens(labels)
             batches += 1
         totals = torch.stack([loss_sum / self.parallel_dims.tp, tokens])
@@ -301,7 +305,7 @@ class Trainer:
                 data_start = time.perf_counter()
                 batches = self._next_batches(data_iterator)
                 window["data_time"] += time.perf_counter() - data_start
-                loss, grad_norm = self.train_step(batches)
+                loss, grad_norm, lr = self.train_step(batches)
                 self.train_state.step = step
                 self.train_state.tokens_seen += batch_tokens
                 window["steps"] += 1
@@ -309,7 +313,7 @@ class Trainer:
                     dist_utils.set_train_timeout(config.comm.train_timeout_seconds)
                 last_step = step == config.training.steps or self.preempted
                 if step == 1 or step % config.metrics.log_freq == 0 or last_step:
-                    self._log_step(step, loss, grad_norm, batch_tokens, window)
+                    self._log_step(step, loss, grad_norm, lr, batch_tokens, window)
                 if config.validation.enable and (step % config.validation.freq == 0 or last_step):
                     self.metrics.log(step, self.validate(step))
                 self.checkpointer.save(step, last_step=last_step and not self.preempted, force=self.preempted)
@@ -324,7 +328,8 @@ class Trainer:
         self.metrics.close()
         logger.info("Training finished")
 
-    def _log_step(self, step: int, loss: float, grad_norm: float, batch_tokens: int, window: dict) -> None:
+    def _log_step(self, step: int, loss: float, grad_norm: float, lr: float, batch_tokens: int,
+                  window: dict) -> None:
         elapsed = time.perf_counter() - window["time"]
         tokens_per_device = batch_tokens * window["steps"] / self.parallel_dims.world_size
         tps = tokens_per_device / elapsed
@@ -333,13 +338,31 @@ class Trainer:
         peak_key = "max_reserved_gib" if self.device.type == "cuda" else "max_rss_gib"
         peak = torch.tensor(memory[peak_key], device=self.device)
         dist.all_reduce(peak, op=dist.ReduceOp.MAX)
+        state_gib = torch.tensor(self._model_state_bytes() / 2**30, device=self.device)
+        dist.all_reduce(state_gib, op=dist.ReduceOp.MAX)
         self.metrics.log(step, {
-            "loss": loss, "grad_norm": grad_norm, "lr": self.lr_schedulers.last_lr, "tps": tps,
+            "loss": loss, "grad_norm": grad_norm, "lr": lr, "tps": tps,
             "tflops": tflops, "mfu": 100 * tflops * 1e12 / self.peak_flops, "memory_gib": peak.item(),
             "data_pct": 100 * window["data_time"] / elapsed, "tokens_seen": self.train_state.tokens_seen,
+            "model_state_gib": state_gib.item(),
         })
         window.update(time=time.perf_counter(), steps=0, data_time=0.0)
         reset_peak_memory(self.device)
+
+    def _model_state_bytes(self) -> int:
+        """Bytes this rank holds of parameters, gradients and optimizer state (local shards only)."""
+        def local_bytes(t: torch.Tensor) -> int:
+            t = t.to_local() if isinstance(t, DTensor) else t
+            return t.numel() * t.element_size()
+
+        total = 0
+        for part in self.model_parts:
+            for p in part.parameters():
+                total += local_bytes(p) + (local_bytes(p.grad) if p.grad is not None else 0)
+        for optimizer in self.optimizers.optimizers:
+            for state in optimizer.state.values():
+                total += sum(local_bytes(v) for v in state.values() if isinstance(v, torch.Tensor))
+        return total
 
     def _on_sigterm(self, signum, frame) -> None:
         # Finish the current step, checkpoint it, and exit so that a requeued job continues from here.

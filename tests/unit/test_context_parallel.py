@@ -1,7 +1,8 @@
 """Context parallel on CPU (gloo) against a single-process reference, with real processes."""
 
+import datetime
 import inspect
-import os
+import time
 from pathlib import Path
 
 import pytest
@@ -42,7 +43,9 @@ def loss_and_grads(model: Transformer, inputs: torch.Tensor, labels: torch.Tenso
 def cp_worker(rank: int, world_size: int, store_path: str, out_dir: str) -> None:
     torch.set_num_threads(1)
     store = dist.FileStore(store_path, world_size)
-    dist.init_process_group("gloo", store=store, rank=rank, world_size=world_size)
+    # A collective that never completes fails the test instead of hanging it.
+    dist.init_process_group("gloo", store=store, rank=rank, world_size=world_size,
+                            timeout=datetime.timedelta(seconds=60))
     try:
         mesh = dist.device_mesh.DeviceMesh("cpu", list(range(world_size)), mesh_dim_names=("cp",))
         model = build_model()
@@ -81,8 +84,14 @@ def cp_results(request, tmp_path_factory) -> dict[str, dict]:
     (spawned ones would import torch again, seconds each on two cores)."""
     world_size = request.param
     tmp = tmp_path_factory.mktemp(f"cp{world_size}")
-    mp.start_processes(cp_worker, args=(world_size, str(tmp / "store"), str(tmp)), nprocs=world_size,
-                       start_method="fork")
+    workers = mp.start_processes(cp_worker, args=(world_size, str(tmp / "store"), str(tmp)), nprocs=world_size,
+                                 join=False, start_method="fork")
+    deadline = time.monotonic() + 120
+    while not workers.join(timeout=1):
+        if time.monotonic() > deadline:
+            for process in workers.processes:
+                process.kill()
+            pytest.fail(f"{world_size} context-parallel workers still running after 120 s")
     return {method: torch.load(tmp / f"{method}.pt") for method in ROTATE_METHODS}
 
 

@@ -22,33 +22,27 @@ class _ConsoleField:
     color: str
 
 
-# Metric key -> how the console shows it, in console order. The first key present of each group is shown.
-_CONSOLE_FIELDS: tuple[tuple[tuple[str, ...], _ConsoleField], ...] = (
-    (("loss",), _ConsoleField("loss", lambda v: f"{v:7.4f}", "\033[36m")),
-    (("grad_norm",), _ConsoleField("grad_norm", lambda v: f"{v:7.4f}", "\033[36m")),
-    (("lr",), _ConsoleField("lr", lambda v: f"{v:.1e}", "\033[33m")),
-    (("max_allocated_gib", "max_rss_gib"), _ConsoleField("memory", lambda v: f"{v:5.2f}GiB", "\033[33m")),
-    (("tps",), _ConsoleField("tps", lambda v: f"{v:,.0f}", "\033[34m")),
-    (("tflops",), _ConsoleField("tflops", lambda v: f"{v:.2f}", "\033[34m")),
-    (("mfu_pct",), _ConsoleField("mfu", lambda v: f"{v:.2f}%", "\033[35m")),
-    (("data_loading_pct",), _ConsoleField("data", lambda v: f"{v:.1f}%", "\033[32m")),
-)
+# Metric key -> how the console line shows it, in the order the line shows them.
+_CONSOLE_FIELDS = {
+    "loss": _ConsoleField("loss", lambda v: f"{v:7.4f}", "\033[36m"),
+    "grad_norm": _ConsoleField("grad_norm", lambda v: f"{v:7.4f}", "\033[36m"),
+    "lr": _ConsoleField("lr", lambda v: f"{v:.1e}", "\033[33m"),
+    "memory_gib": _ConsoleField("memory", lambda v: f"{v:5.2f}GiB", "\033[33m"),
+    "tps": _ConsoleField("tps", lambda v: f"{v:,.0f}", "\033[34m"),
+    "tflops": _ConsoleField("tflops", lambda v: f"{v:.2f}", "\033[34m"),
+    "mfu": _ConsoleField("mfu", lambda v: f"{v:.2f}%", "\033[35m"),
+    "data_pct": _ConsoleField("data", lambda v: f"{v:.1f}%", "\033[32m"),
+}
 _STEP_COLOR = "\033[31m"
 _OTHER_COLOR = "\033[37m"
-# memory_stats() keys that stay off the console: the line shows the peak, the sinks get all of them.
-# Allocator retries and OOMs are shown (as "key: value") only when they happened.
-_CONSOLE_HIDDEN = frozenset({"max_reserved_gib", "max_allocated_pct", "rss_gib"})
-_CONSOLE_HIDDEN_WHEN_ZERO = frozenset({"num_alloc_retries", "num_ooms"})
 
 
 class MetricsLogger:
     """Sends each step's metrics to every enabled sink; create one per rank and close() it at the end.
 
-    Keys the console line knows (any other key is appended as `key: value`):
-        loss, grad_norm, lr, tps (tokens/s per device), tflops (achieved per device),
-        mfu_pct (model FLOPs utilisation, 0-100), data_loading_pct (share of step time spent waiting
-        for data, 0-100), and memory_stats()'s keys: max_allocated_gib (CUDA) or max_rss_gib (CPU) as
-        `memory`, num_alloc_retries and num_ooms when non-zero.
+    Keys the console line knows (any other key is appended as `key: value`): loss, grad_norm, lr,
+    memory_gib (peak), tps (tokens/s per device), tflops (achieved per device), mfu (model FLOPs
+    utilisation in percent, 0-100) and data_pct (percent of the time spent waiting for data).
 
     The console line and `<dump_folder>/metrics.jsonl` are written on the logging rank only;
     TensorBoard and W&B (when enabled) on the logging rank, or on every rank with
@@ -89,6 +83,7 @@ class MetricsLogger:
 
     def log(self, step: int, metrics: dict[str, float]) -> None:
         """Record `metrics` for `step` in every sink this rank writes."""
+        # 0-d tensors and numpy scalars become plain numbers, which every sink (json included) accepts.
         metrics = {key: value if isinstance(value, int) else float(value) for key, value in metrics.items()}
         if self._is_logging_rank:
             logger.info(self._console_line(step, metrics))
@@ -117,17 +112,13 @@ class MetricsLogger:
 
     def _console_line(self, step: int, metrics: dict[str, float]) -> str:
         fields = [self._paint(_STEP_COLOR, f"step: {step:3d}")]
-        handled = set(_CONSOLE_HIDDEN)
-        for keys, field in _CONSOLE_FIELDS:
-            handled.update(keys)
-            key = next((key for key in keys if key in metrics), None)
-            if key is not None:
+        for key, field in _CONSOLE_FIELDS.items():
+            if key in metrics:
                 fields.append(self._paint(field.color, f"{field.label}: {field.render(metrics[key])}"))
         for key, value in metrics.items():
-            if key in handled or (key in _CONSOLE_HIDDEN_WHEN_ZERO and value == 0):
-                continue
-            rendered = f"{value:.4g}" if isinstance(value, float) else str(value)
-            fields.append(self._paint(_OTHER_COLOR, f"{key}: {rendered}"))
+            if key not in _CONSOLE_FIELDS:
+                rendered = f"{value:.4g}" if isinstance(value, float) else str(value)
+                fields.append(self._paint(_OTHER_COLOR, f"{key}: {rendered}"))
         return "  ".join(fields)
 
     def _paint(self, color: str, text: str) -> str:

@@ -205,7 +205,7 @@ class Parallelism:
     pipeline_parallel_schedule: str = "1F1B"
     """Schedule: GPipe, 1F1B, Interleaved1F1B, LoopedBFS, InterleavedZeroBubble, ZBVZeroBubble, DualPipeV."""
 
-    pipeline_parallel_schedule_csv: str | None = ""
+    pipeline_parallel_schedule_csv: str | None = None
     """CSV file with a custom schedule (the schedule option then names its runtime class)."""
 
     pipeline_parallel_microbatch_size: int = 1

@@ -219,9 +219,10 @@ def _check_key(key: str, value: Any, specs: dict[str, OptionSpec], where: str) -
     if key in RENAMED_OPTIONS:
         raise UserError(f"{where}: option {key} is now {RENAMED_OPTIONS[key]} (TorchTitan v0.2 naming); rename it")
     if key in UNSUPPORTED_TORCHTITAN_OPTIONS or key.rsplit(".", 1)[0] in UNSUPPORTED_TORCHTITAN_SECTIONS:
-        off = UNSUPPORTED_TORCHTITAN_OPTIONS.get(key, object())
-        if value == off or (isinstance(value, str) and value.lower() == _toml_value(off).strip('"').lower()):
-            return False
+        if key in UNSUPPORTED_TORCHTITAN_OPTIONS:
+            off = UNSUPPORTED_TORCHTITAN_OPTIONS[key]
+            if value == off or (isinstance(value, str) and value.lower() == _toml_value(off).strip('"').lower()):
+                return False
         raise UserError(f"{where}: TorchTitan option {key} = {value!r} is not supported by this project"
                         + (f" (only {off!r}, which leaves the feature off)" if key in UNSUPPORTED_TORCHTITAN_OPTIONS
                            else ""))

@@ -54,3 +54,5 @@ def _sum_gradient_reductions(model: nn.Module) -> None:
     for module in model.modules():
         if isinstance(module, FSDPModule):
             module.set_gradient_divide_factor(1.0)
+            # A plain SUM collective: gloo has no pre-multiplied sum, and a factor of 1 needs no scaling.
+            module.set_force_sum_reduction_for_comms(True)

@@ -47,6 +47,9 @@ _DATASHEETS = (
 # The measurement must stay well under the 2 s a trainer can spend on it at start-up.
 _MEASURE_BUDGET_S = 1.0
 _MEASURE_REPETITIONS = 5
+# Small matmuls are repeated for at least this long, so that one time slice lost to another process
+# cannot spoil every repetition.
+_MIN_SECONDS_PER_SIZE = 0.05
 # Bigger matmuls come closer to the peak; the small ones are there for dtypes the hardware only
 # emulates (CPU fp16 without native support runs at ~1 GFLOP/s, so one 1024 matmul takes 2 s).
 _CPU_MATMUL_SIZES = (256, 512, 1024, 2048)
@@ -60,7 +63,8 @@ def peak_flops(device: torch.device, dtype: torch.dtype, configured: float = 0.0
     figure (fp16 counts as bf16; fp32 counts as tf32 when TF32 matmuls are enabled). Anything else is
     measured with a square matmul, once per process; on CPU the result is also cached on disk under
     `$XDG_CACHE_HOME/torchtitan` (default `~/.cache/torchtitan`), keyed by CPU model, dtype and
-    torch.get_num_threads(), so later runs skip the measurement.
+    torch.get_num_threads(), so later runs skip the measurement; a figure measured while other
+    processes keep the CPU busy (1-minute load average above the CPU count) is used but not cached.
     """
     if configured > 0:
         return configured, "configured (metrics.peak_flops)"
@@ -144,12 +148,19 @@ def _cpu_peak_flops(dtype: torch.dtype, num_threads: int) -> tuple[float, str]:
     cached = _read_cached_flops(cache_file)
     if cached is not None:
         return cached, f"measured earlier on {cpu} ({dtype_name}, {num_threads} threads), cached in {cache_file}"
+    busy = _cpu_is_busy()
     flops, size = _measure_matmul_flops(torch.device("cpu"), dtype)
     source = f"measured: best {size}x{size} {dtype_name} matmul on {cpu}, {num_threads} threads"
     logger.info(f"CPU peak {flops / 1e12:.3f} TFLOP/s ({source})")
-    _write_cached_flops(
-        cache_file, {"cpu": cpu, "dtype": dtype_name, "num_threads": num_threads, "matmul_size": size, "flops": flops}
-    )
+    if busy:
+        # Other processes competing for the cores make the figure too low; a later run measures again.
+        warn_once(
+            f"Other processes keep the CPU busy (load average {os.getloadavg()[0]:.1f} on {os.cpu_count()} CPUs): "
+            "the measured peak FLOP/s is likely too low and is not cached. Set metrics.peak_flops to override."
+        )
+    else:
+        record = {"cpu": cpu, "dtype": dtype_name, "num_threads": num_threads, "matmul_size": size, "flops": flops}
+        _write_cached_flops(cache_file, record)
     return flops, source
 
 
@@ -170,31 +181,37 @@ def _measure_matmul_flops(device: torch.device, dtype: torch.dtype) -> tuple[flo
     deadline = time.perf_counter() + _MEASURE_BUDGET_S
     best_flops, best_size = 0.0, sizes[0]
     for size in sizes:
-        flops, best_s = _best_matmul_flops(device, dtype, size, _MEASURE_REPETITIONS, deadline)
+        flops, best_s = _best_matmul_flops(device, dtype, size, deadline)
         if flops > best_flops:
             best_flops, best_size = flops, size
-        next_size_estimate_s = 8 * best_s * _MEASURE_REPETITIONS
+        next_size_estimate_s = max(8 * best_s * _MEASURE_REPETITIONS, _MIN_SECONDS_PER_SIZE)
         if time.perf_counter() + next_size_estimate_s > deadline:
             break
     return best_flops, best_size
 
 
-def _best_matmul_flops(
-    device: torch.device, dtype: torch.dtype, size: int, repetitions: int, deadline: float
-) -> tuple[float, float]:
-    """FLOP/s and seconds of the fastest of up to `repetitions` size x size matmuls (fewer past `deadline`)."""
+def _best_matmul_flops(device: torch.device, dtype: torch.dtype, size: int, deadline: float) -> tuple[float, float]:
+    """FLOP/s and seconds of the fastest size x size matmul among _MEASURE_REPETITIONS or more.
+
+    Repeats until both _MEASURE_REPETITIONS runs and _MIN_SECONDS_PER_SIZE have gone by, or the
+    deadline has passed.
+    """
     a = torch.randn(size, size, device=device, dtype=dtype)
     b = torch.randn(size, size, device=device, dtype=dtype)
     best_s = math.inf
-    for _ in range(repetitions):
+    started = time.perf_counter()
+    repetitions = 0
+    while True:
         start = time.perf_counter()
         torch.matmul(a, b)
         if device.type != "cpu":
             torch.accelerator.synchronize(device)
-        best_s = min(best_s, time.perf_counter() - start)
-        if time.perf_counter() > deadline:
-            break
-    return 2 * size**3 / best_s, best_s
+        now = time.perf_counter()
+        best_s = min(best_s, now - start)
+        repetitions += 1
+        enough = repetitions >= _MEASURE_REPETITIONS and now - started >= _MIN_SECONDS_PER_SIZE
+        if enough or now > deadline:
+            return 2 * size**3 / best_s, best_s
 
 
 def _cpu_model_name() -> str:
@@ -206,6 +223,10 @@ def _cpu_model_name() -> str:
     except OSError:
         pass
     return platform.processor() or platform.machine() or "unknown-cpu"
+
+
+def _cpu_is_busy() -> bool:
+    return os.getloadavg()[0] > (os.cpu_count() or 1)
 
 
 def _cache_dir() -> Path:

@@ -66,6 +66,9 @@ class Attention(nn.Module):
         q = self.wq(x).view(bsz, seqlen, -1, self.head_dim)
         k = self.wk(x).view(bsz, seqlen, -1, self.head_dim)
         v = self.wv(x).view(bsz, seqlen, -1, self.head_dim)
+        # Sliced here, not in Transformer.forward: under sequence parallelism the blocks see the whole sequence
+        # while the embedding output holds only a slice of it.
+        rope = rope[:seqlen]
         q, k = apply_rotary_emb(q, rope), apply_rotary_emb(k, rope)
         # Expanding the KV heads (rather than SDPA's enable_gqa) keeps the op that context parallel shards.
         k = k.repeat_interleave(self.n_rep, dim=2)
@@ -119,9 +122,8 @@ class Transformer(nn.Module):
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
         h = self.tok_embeddings(tokens) if self.tok_embeddings is not None else tokens
-        rope = self.rope[: h.shape[1]]
         for layer in self.layers.values():
-            h = layer(h, rope)
+            h = layer(h, self.rope)
         h = self.norm(h) if self.norm is not None else h
         return self.output(h) if self.output is not None else h
 

@@ -88,8 +88,9 @@ def to_hf(state_dict: dict[str, torch.Tensor], model_args: TransformerModelArgs)
     """Our parameter names and layout -> `LlamaForCausalLM`'s."""
     hf_state_dict = {}
     for name, tensor in state_dict.items():
-        heads = _rope_heads(name.split(".", 2)[-1], model_args) if name.startswith("layers.") else None
-        hf_state_dict[hf_name(name)] = tensor if heads is None else _meta_to_hf_rows(tensor, heads)
+        target = hf_name(name)
+        heads = _rope_heads(name.split(".", 2)[-1], model_args)
+        hf_state_dict[target] = tensor if heads is None else _meta_to_hf_rows(tensor, heads)
     return hf_state_dict
 
 

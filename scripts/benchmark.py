@@ -1,0 +1,286 @@
+"""Training throughput of one configuration on the real Trainer, printed as one JSON line on stdout.
+
+From the repository root:
+
+    python scripts/benchmark.py --job.config_file train_configs/debug_model.toml --warmup 3 --steps 10
+    python scripts/benchmark.py --job.config_file train_configs/debug_model.toml --compile.enable --hf
+    torchrun --nproc_per_node=2 scripts/benchmark.py --job.config_file train_configs/debug_model.toml
+
+Every argument other than --warmup/--steps/--hf/--threads is a trainer option, exactly as `torchtitan.train`
+takes it. The Trainer is built in this process (under torchrun, one per rank); after --warmup steps (compile and
+allocator warm-up happen there) it times --steps calls of `Trainer.train_step`. Fetching the batches is not
+timed. The trainer's log goes to stderr, so stdout holds only the JSON line.
+
+What the line reports:
+- tokens_per_s_per_device: tokens of one step divided by the world size and by the median step time (a median,
+  not a mean, so that a moment of competing load on a shared machine does not move it much).
+- mfu_pct: model FLOPs (Trainer.flops_per_token) per second over the peak of one device: on NVIDIA GPUs the
+  datasheet's dense figure, on CPU a matmul measured at start-up in the compute dtype
+  (training.mixed_precision_param) with this process's threads; `peak` names which.
+- peak_memory_gib: per rank, the maximum over ranks. On CPU the peak resident set size over the timed steps
+  (libraries included), with `peak_memory_over_baseline_gib` the same minus the RSS before the Trainer was
+  built; on CUDA the caching allocator's peak reserved and allocated bytes.
+
+--hf (one process only) then trains Hugging Face `transformers.LlamaForCausalLM` of the same shape (config from
+`state_dict_adapter.hf_config`, our initial weights, fp32, no compile, SDPA attention, torch AdamW with its
+default implementation, the same clipping) on the same batches. After its own warm-up, its steps alternate with
+further steps of ours, one each, so that load from other processes falls on both alike: `hf.ratio` is our
+median step time over its, from those alternating steps. Both run with the same torch thread count (--threads).
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import gc
+import json
+import logging
+import os
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+# Running `python scripts/benchmark.py` puts scripts/ first on sys.path, not the checkout that holds torchtitan.
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
+from torch import nn  # noqa: E402
+from torch.distributed.tensor import DTensor  # noqa: E402
+
+from torchtitan.components.float8 import float8_enabled  # noqa: E402
+from torchtitan.components.loss import IGNORE_INDEX  # noqa: E402
+from torchtitan.config import JobConfig, parse_args  # noqa: E402
+from torchtitan.errors import UserError  # noqa: E402
+from torchtitan.models.llama3.state_dict_adapter import hf_config, to_hf  # noqa: E402
+from torchtitan.distributed.fsdp import TORCH_DTYPES  # noqa: E402
+from torchtitan.tools.device_info import memory_stats, peak_flops, reset_peak_memory  # noqa: E402
+from torchtitan.tools.logging import init_logger, logger  # noqa: E402
+from torchtitan.train import Trainer  # noqa: E402
+
+Batch = tuple[torch.Tensor, torch.Tensor]
+
+
+def parse_benchmark_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], add_help=False,
+                                     usage="benchmark.py [trainer options...] [--warmup N] [--steps N] [--hf] "
+                                           "[--threads N]")
+    parser.add_argument("--warmup", type=int, default=3, help="untimed steps first (compile happens here)")
+    parser.add_argument("--steps", type=int, default=10, help="timed steps")
+    parser.add_argument("--hf", action="store_true", help="also train transformers' LlamaForCausalLM")
+    parser.add_argument("--threads", type=int, default=None,
+                        help="torch threads per process (default: the usable cores / processes on this node)")
+    parser.add_argument("--benchmark-help", action="help", help="this help (--help lists the trainer's options)")
+    args, trainer_argv = parser.parse_known_args(argv)
+    if args.warmup < 1 or args.steps < 1:
+        raise UserError("--warmup and --steps must be at least 1 (the first step compiles and allocates)")
+    return args, trainer_argv
+
+
+def default_threads() -> int:
+    processes = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+    return max(1, len(os.sched_getaffinity(0)) // processes)
+
+
+def benchmark_config(trainer_argv: list[str], total_steps: int, dump_folder: str) -> JobConfig:
+    config = parse_args(trainer_argv)
+    # The LR schedule must cover every step run; nothing is checkpointed or validated.
+    config.training.steps = max(config.training.steps, total_steps)
+    config.checkpoint.enable = False
+    config.validation.enable = False
+    if not any(arg.split("=")[0] == "--job.dump_folder" for arg in trainer_argv):
+        config.job.dump_folder = dump_folder
+    return config
+
+
+def describe_config(config: JobConfig, trainer: Trainer, threads: int) -> dict:
+    ac = config.activation_checkpoint
+    cfg8 = config.quantize.linear.float8
+    dims = trainer.parallel_dims
+    return {
+        "flavor": config.model.flavor,
+        "seq_len": config.training.seq_len,
+        "local_batch_size": config.training.local_batch_size,
+        "grad_accumulation_steps": trainer.grad_accumulation_steps,
+        "dtype": config.training.mixed_precision_param,
+        "compile": ",".join(config.compile.components) if config.compile.enable else "none",
+        "ac": ac.mode if ac.mode != "selective" else f"selective {ac.selective_ac_option}",
+        "float8": (f"{cfg8.recipe_name or 'tensorwise'}{' emulated' if cfg8.emulate else ''}"
+                   if float8_enabled(config) else "none"),
+        "world_size": dims.world_size,
+        "mesh": {"pp": dims.pp, "dp_replicate": dims.dp_replicate, "dp_shard": dims.dp_shard, "cp": dims.cp,
+                 "tp": dims.tp},
+        "device": torch.cuda.get_device_name(trainer.device) if trainer.device.type == "cuda" else "cpu",
+        "threads": threads,
+    }
+
+
+def timed(step) -> tuple[float, float]:
+    """(seconds, loss) of one call; `step` returns the loss as a float, which waits for the device."""
+    start = time.perf_counter()
+    loss = step()
+    return time.perf_counter() - start, loss
+
+
+def peak_memory(device: torch.device, baseline_rss_gib: float) -> dict:
+    """This window's peak, as the maximum over ranks."""
+    stats = memory_stats(device)
+    if device.type == "cuda":
+        values = {"peak_memory_gib": stats["max_reserved_gib"], "peak_allocated_gib": stats["max_allocated_gib"]}
+        kind = "CUDA caching allocator: peak reserved (and allocated) bytes"
+    else:
+        values = {"peak_memory_gib": stats["max_rss_gib"],
+                  "peak_memory_over_baseline_gib": stats["max_rss_gib"] - baseline_rss_gib}
+        kind = "peak RSS of the process (over baseline: minus the RSS before the Trainer was built)"
+    reduced = torch.tensor(list(values.values()), dtype=torch.float64, device=device)
+    dist.all_reduce(reduced, op=dist.ReduceOp.MAX)
+    return {**dict(zip(values, reduced.tolist())), "memory_kind": kind}
+
+
+def initial_hf_state_dict(trainer: Trainer) -> dict[str, torch.Tensor]:
+    """A copy of our freshly initialised weights under Hugging Face names."""
+    ours = {}
+    for name, value in trainer.model_parts[0].state_dict().items():
+        name = name.replace("_checkpoint_wrapped_module.", "").replace("_orig_mod.", "")
+        value = value.full_tensor() if isinstance(value, DTensor) else value
+        ours[name] = value.detach().clone()
+    return to_hf(ours, trainer.model_args)
+
+
+class HFTraining:
+    """LlamaForCausalLM trained the way a plain transformers user would, with our loss on our batches."""
+
+    def __init__(self, trainer: Trainer, state_dict: dict[str, torch.Tensor]):
+        from transformers import LlamaConfig, LlamaForCausalLM
+        from transformers.utils import logging as hf_logging
+
+        # It warns that Llama 3.1's original context (8192) is not below max_position_embeddings; harmless.
+        hf_logging.set_verbosity_error()
+        config = LlamaConfig(**hf_config(trainer.model_args), use_cache=False)
+        config._attn_implementation = "sdpa"
+        self.model = LlamaForCausalLM(config).to(trainer.device)
+        self.model.load_state_dict(state_dict)
+        self.model.train()
+        opt = trainer.config.optimizer
+        self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=opt.lr, betas=(opt.beta1, opt.beta2),
+                                           eps=opt.eps, weight_decay=opt.weight_decay)
+        self.max_norm = trainer.config.training.max_norm
+
+    def step(self, inputs: torch.Tensor, labels: torch.Tensor) -> float:
+        self.optimizer.zero_grad(set_to_none=True)
+        logits = self.model(input_ids=inputs).logits
+        loss = F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten(), ignore_index=IGNORE_INDEX)
+        loss.backward()
+        if self.max_norm > 0:
+            nn.utils.clip_grad_norm_(self.model.parameters(), self.max_norm)
+        self.optimizer.step()
+        return loss.item()
+
+
+def run(argv: list[str]) -> dict:
+    args, trainer_argv = parse_benchmark_args(argv)
+    threads = args.threads or default_threads()
+    torch.set_num_threads(threads)
+    baseline_rss_gib = memory_stats(torch.device("cpu")).get("rss_gib", 0.0)
+    total_steps = args.warmup + args.steps + (args.steps if args.hf else 0)
+    with tempfile.TemporaryDirectory(prefix="benchmark-") as dump_folder:
+        config = benchmark_config(trainer_argv, total_steps, dump_folder)
+        trainer = Trainer(config)
+        try:
+            if args.hf and trainer.parallel_dims.world_size > 1:
+                raise UserError("--hf compares one process with one process: run it without torchrun")
+            return measure(trainer, args, threads, baseline_rss_gib)
+        finally:
+            trainer.metrics.close()
+            trainer.close()
+
+
+def measure(trainer: Trainer, args: argparse.Namespace, threads: int, baseline_rss_gib: float) -> dict:
+    config = trainer.config
+    hf_state = initial_hf_state_dict(trainer) if args.hf else None
+    data_iterator = iter(trainer.dataloader)
+    batches: list[list[Batch]] = []
+
+    def ours() -> float:
+        batches.append(trainer._next_batches(data_iterator))
+        return trainer.train_step(batches[-1])[0]
+
+    # As in Trainer.train: the collector runs only when asked, so that it never lands inside a timed step.
+    gc.disable()
+    warmup_losses = [ours() for _ in range(args.warmup)]
+    gc.collect()
+    reset_peak_memory(trainer.device)
+    times, losses = zip(*(timed(ours) for _ in range(args.steps)))
+    memory = peak_memory(trainer.device, baseline_rss_gib)
+
+    dims = trainer.parallel_dims
+    tokens_per_step = trainer.grad_accumulation_steps * config.training.local_batch_size * \
+        config.training.seq_len * dims.dp
+    step_time = statistics.median(times)
+    tokens_per_s = tokens_per_step / dims.world_size / step_time
+    dtype = config.training.mixed_precision_param
+    # The Trainer measured (or looked up) the same figure; asking again returns it with its description.
+    _, peak_source = peak_flops(trainer.device, TORCH_DTYPES[dtype], config.metrics.peak_flops)
+    result = {
+        "config": describe_config(config, trainer, threads),
+        "warmup": args.warmup, "steps": args.steps,
+        "tokens_per_s_per_device": tokens_per_s,
+        "step_time_s": step_time, "step_time_mean_s": statistics.fmean(times),
+        "mfu_pct": 100 * trainer.flops_per_token * tokens_per_s / trainer.peak_flops,
+        "peak": {"tflops": trainer.peak_flops / 1e12, "dtype": dtype, "source": peak_source},
+        **memory,
+        "first_loss": warmup_losses[0], "last_loss": losses[-1],
+    }
+    if args.hf:
+        result["hf"] = compare_with_hf(trainer, hf_state, batches, ours, args, tokens_per_step)
+    gc.enable()
+    return result
+
+
+def compare_with_hf(trainer: Trainer, state_dict: dict, batches: list[list[Batch]], ours, args: argparse.Namespace,
+                    tokens_per_step: int) -> dict:
+    hf = HFTraining(trainer, state_dict)
+    # Same weights, same first batch: in fp32 the first losses agree, which shows the two models are the same.
+    first_loss = hf.step(*batches[0][0])
+    for i in range(1, args.warmup):
+        hf.step(*batches[i][0])
+    gc.collect()
+    ours_times, hf_times = [], []
+    for i in range(args.steps):
+        ours_times.append(timed(ours)[0])
+        inputs, labels = batches[(args.warmup + i) % len(batches)][0]
+        hf_times.append(timed(lambda: hf.step(inputs, labels))[0])
+    ours_step, hf_step = statistics.median(ours_times), statistics.median(hf_times)
+    fp32_peak, fp32_peak_source = peak_flops(trainer.device, torch.float32, trainer.config.metrics.peak_flops)
+    hf_tokens_per_s = tokens_per_step / hf_step
+    return {
+        "model": "transformers.LlamaForCausalLM fp32 eager (sdpa attention), torch.optim.AdamW default",
+        "tokens_per_s_per_device": hf_tokens_per_s, "step_time_s": hf_step,
+        "ours_tokens_per_s_alternating": tokens_per_step / ours_step, "ours_step_time_s_alternating": ours_step,
+        "ratio": hf_step / ours_step,
+        "mfu_pct": 100 * trainer.flops_per_token * hf_tokens_per_s / fp32_peak,
+        "peak": {"tflops": fp32_peak / 1e12, "dtype": "float32", "source": fp32_peak_source},
+        "first_loss": first_loss,
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    init_logger()
+    # stdout carries only the JSON line.
+    logger.handlers[0].setStream(sys.stderr)
+    try:
+        result = run(sys.argv[1:] if argv is None else argv)
+    except UserError as e:
+        logger.error(f"error: {e}")
+        return 2
+    if int(os.environ.get("RANK", "0")) == 0:
+        print(json.dumps(result), flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    with contextlib.suppress(BrokenPipeError):
+        sys.exit(main())

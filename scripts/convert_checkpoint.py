@@ -1,0 +1,119 @@
+"""Convert checkpoints between our DCP format, Hugging Face safetensors and a single torch.save file.
+
+From the repository root:
+
+    python -m scripts.convert_checkpoint dcp-to-hf   outputs/checkpoint/step-1000 hf_out --flavor 8B [--dtype bfloat16]
+    python -m scripts.convert_checkpoint hf-to-dcp   Meta-Llama-3.1-8B dcp_out --flavor 8B
+    python -m scripts.convert_checkpoint dcp-to-torch outputs/checkpoint/step-1000 model.pt
+
+`hf-to-dcp` writes a model-only checkpoint (keys `model.*`) to start training from, with
+`checkpoint.initial_load_path` (its `initial_load_model_only` default). The vocabulary size is read from the
+checkpoint: training replaces the flavor's with the tokenizer's.
+"""
+
+import argparse
+import json
+import os
+import shutil
+import sys
+from pathlib import Path
+
+import torch
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+from torchtitan.components.checkpoint import EXPORT_DTYPES, INCOMPLETE_SUFFIX, read_full_model, read_metadata
+from torchtitan.errors import UserError
+from torchtitan.models.llama3.args import TransformerModelArgs, llama3_flavors, model_args_for
+from torchtitan.models.llama3.state_dict_adapter import CONFIG_FILE, expected_shapes, load_hf, save_hf
+from torchtitan.tools.logging import init_logger, logger
+
+
+def _model_args(flavor: str, vocab_size: int) -> TransformerModelArgs:
+    # seq_len only sizes the RoPE table, which checkpoints do not hold.
+    return model_args_for(flavor, seq_len=1, vocab_size=vocab_size)
+
+
+def _check_shapes(state_dict: dict[str, torch.Tensor], model_args: TransformerModelArgs, source: Path,
+                  flavor: str) -> None:
+    expected = expected_shapes(model_args)
+    for name, shape in expected.items():
+        if name not in state_dict:
+            raise UserError(f"{source} has no weight {name}; it does not match --flavor {flavor}")
+        if state_dict[name].shape != shape:
+            raise UserError(f"{source}: {name} has shape {list(state_dict[name].shape)}, --flavor {flavor} expects "
+                            f"{list(shape)}")
+
+
+def dcp_to_hf(source: Path, output: Path, flavor: str, dtype: str) -> None:
+    state_dict = read_full_model(source)
+    if "tok_embeddings.weight" not in state_dict:
+        raise UserError(f"{source} has no model.tok_embeddings.weight, so it is not a Llama checkpoint")
+    model_args = _model_args(flavor, state_dict["tok_embeddings.weight"].shape[0])
+    _check_shapes(state_dict, model_args, source, flavor)
+    save_hf(output, state_dict, model_args, EXPORT_DTYPES[dtype])
+
+
+def hf_to_dcp(source: Path, output: Path, flavor: str) -> None:
+    config_path = source / CONFIG_FILE
+    try:
+        vocab_size = json.loads(config_path.read_text())["vocab_size"]
+    except (OSError, ValueError, KeyError) as err:
+        raise UserError(f"{config_path} cannot be read or has no vocab_size: {err}") from err
+    state_dict = load_hf(source, _model_args(flavor, vocab_size))
+    if output.exists():
+        raise UserError(f"output {output} already exists; remove it or choose another")
+    staging = output.with_name(output.name + INCOMPLETE_SUFFIX)
+    shutil.rmtree(staging, ignore_errors=True)
+    dcp.save({"model": state_dict}, checkpoint_id=staging, no_dist=True)
+    os.rename(staging, output)
+
+
+def dcp_to_torch(source: Path, output: Path) -> None:
+    read_metadata(source)
+    if output.exists():
+        raise UserError(f"output {output} already exists; remove it or choose another")
+    dcp_to_torch_save(source, output)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="python -m scripts.convert_checkpoint", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    commands = parser.add_subparsers(dest="command", required=True)
+
+    to_hf = commands.add_parser("dcp-to-hf", help="a DCP step folder -> a Hugging Face folder (model only)")
+    to_hf.add_argument("input", type=Path, help="DCP checkpoint folder (step-N)")
+    to_hf.add_argument("output", type=Path, help="Hugging Face folder to create (must not exist)")
+    to_hf.add_argument("--flavor", required=True, choices=list(llama3_flavors), help="model flavor")
+    to_hf.add_argument("--dtype", default="bfloat16", choices=list(EXPORT_DTYPES), help="dtype of the weights")
+
+    from_hf = commands.add_parser("hf-to-dcp", help="a Hugging Face folder -> a model-only DCP folder")
+    from_hf.add_argument("input", type=Path, help="Hugging Face folder (config.json + safetensors)")
+    from_hf.add_argument("output", type=Path, help="DCP folder to create (must not exist)")
+    from_hf.add_argument("--flavor", required=True, choices=list(llama3_flavors), help="model flavor")
+
+    to_torch = commands.add_parser("dcp-to-torch", help="a DCP step folder -> one torch.save file (all entries)")
+    to_torch.add_argument("input", type=Path, help="DCP checkpoint folder (step-N)")
+    to_torch.add_argument("output", type=Path, help="file to create (must not exist)")
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    init_logger()
+    args = build_parser().parse_args(argv)
+    try:
+        if args.command == "dcp-to-hf":
+            dcp_to_hf(args.input, args.output, args.flavor, args.dtype)
+        elif args.command == "hf-to-dcp":
+            hf_to_dcp(args.input, args.output, args.flavor)
+        else:
+            dcp_to_torch(args.input, args.output)
+    except UserError as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+    logger.info(f"Wrote {args.output}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

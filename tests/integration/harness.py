@@ -1,0 +1,49 @@
+"""Run the real trainer (one process, or torchrun with gloo) and read back what it logged."""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[2]
+
+# A tiny fp32 model, fixed seed and data: the base of every parity comparison.
+TINY = ["--model.flavor", "tiny", "--training.seq_len", "32", "--training.mixed_precision_param", "float32",
+        "--debug.seed", "0", "--lr_scheduler.warmup_steps", "2", "--activation_checkpoint.mode", "none",
+        "--metrics.log_freq", "1", "--validation.no_enable", "--metrics.disable_color_printing"]
+
+
+def launch(dump_folder: Path, nproc: int, args: list[str], timeout: int = 300,
+           env: dict | None = None) -> subprocess.CompletedProcess:
+    """Start the trainer with `nproc` processes; returns the finished process (stdout and stderr merged)."""
+    trainer = ["-m", "torchtitan.train", *args, "--job.dump_folder", str(dump_folder)]
+    if nproc == 1:
+        cmd = [sys.executable, *trainer]
+    else:
+        cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}", "--rdzv-backend=c10d",
+               "--rdzv-endpoint=localhost:0", *trainer]
+    full_env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO), **(env or {})}
+    return subprocess.run(cmd, cwd=REPO, env=full_env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                          timeout=timeout)
+
+
+def train(dump_folder: Path, nproc: int, args: list[str], timeout: int = 300, env: dict | None = None) -> list[dict]:
+    """Run to completion (failing the test with the output's tail otherwise); returns the metrics.jsonl rows."""
+    proc = launch(dump_folder, nproc, args, timeout, env)
+    assert proc.returncode == 0, f"trainer exited {proc.returncode}:\n{proc.stdout[-6000:]}"
+    return read_metrics(dump_folder)
+
+
+def read_metrics(dump_folder: Path) -> list[dict]:
+    path = Path(dump_folder) / "metrics.jsonl"
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+def losses(rows: list[dict]) -> list[float]:
+    return [row["loss"] for row in rows if "loss" in row]
+
+
+def max_relative_difference(a: list[float], b: list[float]) -> float:
+    assert len(a) == len(b), f"different numbers of steps: {len(a)} vs {len(b)}"
+    return max(abs(x - y) / abs(y) for x, y in zip(a, b))

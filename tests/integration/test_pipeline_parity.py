@@ -1,0 +1,115 @@
+"""Pipeline parallelism reproduces the single-process loss curve with every schedule and next to FSDP, TP and CP.
+
+Same seed, data and global batch, fp32: each layout's per-step loss must equal the one-process run's within 1e-5
+relative. Micro-batches of one sequence make 4 micro-batches per step, enough for every schedule on 2 ranks (and
+DualPipeV's 4 stages); a gradient wrongly divided by them would show at the second step.
+"""
+
+import pytest
+
+from tests.integration.harness import TINY, losses, max_relative_difference, train
+
+pytestmark = pytest.mark.integration
+
+STEPS = 8
+BASE = [*TINY, "--training.steps", str(STEPS)]
+LOCAL_BATCH = 4
+TOLERANCE = 1e-5
+
+
+def batch(local_batch_size: int) -> list[str]:
+    return ["--training.local_batch_size", str(local_batch_size)]
+
+
+def pipeline(degree: int, schedule: str, *options: str) -> list[str]:
+    return ["--parallelism.pipeline_parallel_degree", str(degree), "--parallelism.pipeline_parallel_schedule",
+            schedule, *options]
+
+
+@pytest.fixture(scope="module")
+def tiny_reference(tmp_path_factory) -> list[dict]:
+    return train(tmp_path_factory.mktemp("tiny_reference"), 1, [*BASE, *batch(LOCAL_BATCH)])
+
+
+@pytest.fixture(scope="module")
+def tiny_reference_batch8(tmp_path_factory) -> list[dict]:
+    """The global batch of two data-parallel ranks of LOCAL_BATCH sequences each."""
+    return train(tmp_path_factory.mktemp("tiny_reference_batch8"), 1, [*BASE, *batch(2 * LOCAL_BATCH)])
+
+
+@pytest.fixture(scope="module")
+def debugmodel_reference(tmp_path_factory) -> list[dict]:
+    return train(tmp_path_factory.mktemp("debugmodel_reference"), 1,
+                 [*BASE, *batch(LOCAL_BATCH), "--model.flavor", "debugmodel"])
+
+
+def assert_parity(rows: list[dict], reference: list[dict]) -> None:
+    assert len(losses(rows)) == STEPS
+    difference = max_relative_difference(losses(rows), losses(reference))
+    print(f"max relative loss difference {difference:.2e}")
+    assert difference <= TOLERANCE
+    grad_norms = [row["grad_norm"] for row in rows]
+    assert max_relative_difference(grad_norms, [row["grad_norm"] for row in reference]) <= 10 * TOLERANCE
+
+
+SCHEDULES = ["GPipe", "1F1B", "Interleaved1F1B", "LoopedBFS", "InterleavedZeroBubble", "ZBVZeroBubble", "DualPipeV"]
+
+
+@pytest.mark.parametrize("schedule", SCHEDULES)
+def test_pp2_schedule_matches_single_process(tmp_path, tiny_reference, schedule):
+    rows = train(tmp_path / schedule, 2, [*BASE, *batch(LOCAL_BATCH), *pipeline(2, schedule)])
+    assert_parity(rows, tiny_reference)
+
+
+def test_pp4_interleaved_one_block_per_stage(tmp_path, debugmodel_reference):
+    """8 stages of one unit each on 4 ranks: the embedding and the head get stages of their own."""
+    rows = train(tmp_path / "pp4", 4, [*BASE, *batch(LOCAL_BATCH), "--model.flavor", "debugmodel",
+                                       *pipeline(4, "Interleaved1F1B",
+                                                 "--parallelism.pipeline_parallel_layers_per_stage", "1")])
+    assert_parity(rows, debugmodel_reference)
+
+
+def looped_breadth_first_csv(pp_degree: int, stages_per_rank: int, n_microbatches: int) -> str:
+    """A compute-only schedule, one row per rank: each local stage's forwards, then its backwards in reverse."""
+    rows = []
+    for rank in range(pp_degree):
+        stages = range(rank, pp_degree * stages_per_rank, pp_degree)
+        forwards = [f"{stage}F{mb}" for stage in stages for mb in range(n_microbatches)]
+        backwards = [f"{stage}B{mb}" for stage in reversed(stages) for mb in reversed(range(n_microbatches))]
+        rows.append(",".join(forwards + backwards))
+    return "\n".join(rows) + "\n"
+
+
+def test_pp2_custom_csv_schedule(tmp_path, tiny_reference):
+    csv = tmp_path / "schedule.csv"
+    csv.write_text(looped_breadth_first_csv(2, 2, LOCAL_BATCH))
+    rows = train(tmp_path / "csv", 2, [*BASE, *batch(LOCAL_BATCH), *pipeline(
+        2, "Interleaved1F1B", "--parallelism.pipeline_parallel_schedule_csv", str(csv))])
+    assert_parity(rows, tiny_reference)
+
+
+def test_pp2_fsdp2(tmp_path, tiny_reference_batch8):
+    rows = train(tmp_path / "pp2_fsdp2", 4, [*BASE, *batch(LOCAL_BATCH), *pipeline(2, "1F1B"),
+                                             "--parallelism.data_parallel_shard_degree", "2"])
+    assert_parity(rows, tiny_reference_batch8)
+
+
+def test_pp2_tp2(tmp_path, tiny_reference):
+    """Stage boundaries carry each TP rank's sequence shard of the hidden states."""
+    rows = train(tmp_path / "pp2_tp2", 4, [*BASE, *batch(LOCAL_BATCH), *pipeline(2, "Interleaved1F1B"),
+                                           "--parallelism.tensor_parallel_degree", "2"])
+    assert_parity(rows, tiny_reference)
+
+
+def test_pp2_cp2(tmp_path, tiny_reference):
+    rows = train(tmp_path / "pp2_cp2", 4, [*BASE, *batch(LOCAL_BATCH), *pipeline(2, "ZBVZeroBubble"),
+                                           "--parallelism.context_parallel_degree", "2"])
+    assert_parity(rows, tiny_reference)
+
+
+@pytest.mark.slow
+def test_pp2_fsdp2_tp2(tmp_path, tiny_reference_batch8):
+    rows = train(tmp_path / "pp2_fsdp2_tp2", 8, [*BASE, *batch(LOCAL_BATCH), *pipeline(2, "Interleaved1F1B"),
+                                                 "--parallelism.data_parallel_shard_degree", "2",
+                                                 "--parallelism.tensor_parallel_degree", "2"], timeout=600)
+    assert_parity(rows, tiny_reference_batch8)

@@ -1,0 +1,566 @@
+"""Checkpointing: DCP round trips, crash safety, bad inputs, async modes, FSDP resharding and Hugging Face export."""
+
+import contextlib
+import copy
+import dataclasses
+import errno
+import json
+import os
+import random
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+import torch.distributed.checkpoint.filesystem as dcp_filesystem
+import torch.multiprocessing as mp
+import torch.nn.functional as F
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, get_optimizer_state_dict
+from torch.distributed.checkpoint.stateful import Stateful
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import fully_shard
+
+from scripts import convert_checkpoint
+from torchtitan.components.checkpoint import CheckpointManager, TrainState, read_metadata
+from torchtitan.components.lr_scheduler import LRSchedulersContainer
+from torchtitan.components.optimizer import OptimizersContainer
+from torchtitan.config.job_config import Checkpoint as CheckpointConfig
+from torchtitan.config.job_config import LRScheduler as LRSchedulerConfig
+from torchtitan.config.job_config import Optimizer as OptimizerConfig
+from torchtitan.errors import UserError
+from torchtitan.models.llama3.args import model_args_for
+from torchtitan.models.llama3.model import Transformer
+from torchtitan.models.llama3.state_dict_adapter import INDEX_FILE, from_hf, load_hf, save_hf, to_hf
+
+SEQ_LEN = 32
+MODEL_ARGS = model_args_for("tiny", SEQ_LEN)
+REPO_ROOT = Path(__file__).resolve().parents[2]
+
+
+class FakeLoader(Stateful):
+    """Stands in for the data loader: its state is whatever position it reached."""
+
+    def __init__(self):
+        self.position = 0
+        self.epoch = 0
+
+    def state_dict(self) -> dict:
+        return {"position": self.position, "epoch": self.epoch, "seen": [self.position] * 3}
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        self.position, self.epoch = state_dict["position"], state_dict["epoch"]
+
+
+@dataclasses.dataclass
+class Components:
+    model: torch.nn.Module
+    optimizers: OptimizersContainer
+    lr_schedulers: LRSchedulersContainer
+    loader: FakeLoader
+    train_state: TrainState
+
+
+def build_model(seed: int, args=MODEL_ARGS) -> Transformer:
+    model = Transformer(args)
+    model.init_weights(seed=seed)
+    return model
+
+
+def build_components(seed: int, model: torch.nn.Module | None = None) -> Components:
+    model = model if model is not None else build_model(seed)
+    optimizers = OptimizersContainer([model], OptimizerConfig(lr=1e-3, implementation="foreach"))
+    return Components(model, optimizers, LRSchedulersContainer(optimizers, LRSchedulerConfig(warmup_steps=2), 10),
+                      FakeLoader(), TrainState())
+
+
+def train_step(c: Components, step: int) -> float:
+    tokens = torch.randint(0, MODEL_ARGS.vocab_size, (2, SEQ_LEN + 1), generator=torch.Generator().manual_seed(step))
+    logits = c.model(tokens[:, :-1])
+    loss = F.cross_entropy(logits.flatten(0, 1), tokens[:, 1:].flatten())
+    loss.backward()
+    c.optimizers.step()
+    c.lr_schedulers.step()
+    c.optimizers.zero_grad()
+    c.loader.position += 2
+    c.train_state.step = step
+    c.train_state.tokens_seen += 2 * SEQ_LEN
+    return loss.item()
+
+
+def make_manager(root: Path, c: Components, **options) -> CheckpointManager:
+    config = CheckpointConfig(**{"enable": True, "folder": "ckpt", "interval": 1, **options})
+    return CheckpointManager(config, str(root), [c.model], c.optimizers, c.lr_schedulers, c.loader, c.train_state,
+                             MODEL_ARGS)
+
+
+def snapshot(c: Components) -> dict:
+    """Copies of every component's state (state dicts hold live tensors that the next step changes)."""
+    return copy.deepcopy({"model": c.model.state_dict(), "optimizer": c.optimizers.state_dict(),
+                          "lr": c.lr_schedulers.state_dict(), "loader": c.loader.state_dict(),
+                          "train_state": c.train_state.state_dict()})
+
+
+def assert_same(actual, expected, where: str = "") -> None:
+    if isinstance(expected, dict):
+        assert actual.keys() == expected.keys(), where
+        for key in expected:
+            assert_same(actual[key], expected[key], f"{where}.{key}")
+    elif isinstance(expected, torch.Tensor):
+        assert torch.equal(actual, expected), where
+    else:
+        assert actual == expected, where
+
+
+def step_folders(root: Path) -> list[str]:
+    return sorted(p.name for p in (root / "ckpt").iterdir())
+
+
+@contextlib.contextmanager
+def single_process_group(tmp_path: Path):
+    """A 1-rank gloo group, as the trainer always has one; destroyed after the test so that later tests can fork."""
+    dist.init_process_group("gloo", store=dist.FileStore(str(tmp_path / "pg_store"), 1), rank=0, world_size=1)
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.fixture
+def pg(tmp_path):
+    with single_process_group(tmp_path):
+        yield
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Single process
+
+
+def test_round_trip_restores_every_component(pg, tmp_path):
+    saved = build_components(seed=0)
+    train_step(saved, 1)
+    random.seed(5)
+    torch.manual_seed(5)
+    manager = make_manager(tmp_path, saved)
+    manager.save(1)
+    expected = snapshot(saved)
+    next_draws = (random.random(), torch.rand(3))
+    expected_next_loss = train_step(saved, 2)
+
+    resumed = build_components(seed=1)
+    assert make_manager(tmp_path, resumed).load()
+    assert_same(snapshot(resumed), expected)
+    assert random.random() == next_draws[0]
+    assert torch.equal(torch.rand(3), next_draws[1])
+    assert train_step(resumed, 2) == expected_next_loss
+    assert step_folders(tmp_path) == ["step-1"]
+
+
+def test_resume_picks_latest_or_load_step(pg, tmp_path):
+    c = build_components(seed=0)
+    manager = make_manager(tmp_path, c, interval=2)
+    for step in range(1, 5):
+        c.train_state.step = step
+        manager.save(step)
+    assert step_folders(tmp_path) == ["step-2", "step-4"]
+
+    for load_step, expected in [(-1, 4), (2, 2)]:
+        fresh = build_components(seed=1)
+        make_manager(tmp_path, fresh, load_step=load_step).load()
+        assert fresh.train_state.step == expected
+    with pytest.raises(UserError, match=r"load_step: step 3 .*available steps: 2, 4"):
+        make_manager(tmp_path, build_components(seed=1), load_step=3).load()
+
+
+def test_nothing_to_load_and_disabled(pg, tmp_path):
+    assert not make_manager(tmp_path, build_components(seed=0)).load()
+    c = build_components(seed=0)
+    make_manager(tmp_path, c, enable=False).save(1, last_step=True)
+    make_manager(tmp_path, c, load_only=True).save(1, last_step=True)
+    assert not (tmp_path / "ckpt").exists()
+
+
+def test_save_schedule(pg, tmp_path):
+    c = build_components(seed=0)
+    manager = make_manager(tmp_path, c, interval=5, enable_first_step_checkpoint=True, keep_latest_k=0)
+    for step in range(1, 8):
+        manager.save(step, last_step=step == 7, force=step == 3)
+    assert step_folders(tmp_path) == ["step-1", "step-3", "step-5", "step-7"]
+
+
+def test_keep_latest_k_and_leftovers(pg, tmp_path):
+    c = build_components(seed=0)
+    manager = make_manager(tmp_path, c, keep_latest_k=2)
+    manager.save(1)
+    manager.save(2)
+    leftover = tmp_path / "ckpt" / "step-9.incomplete"
+    leftover.mkdir()
+    (leftover / "junk").write_text("x")
+    fresh = build_components(seed=1)
+    make_manager(tmp_path, fresh).load()
+    assert fresh.train_state.step == c.train_state.step  # step-9.incomplete is not a checkpoint
+    manager.save(3)
+    assert step_folders(tmp_path) == ["step-2", "step-3"]
+
+
+def test_saving_an_existing_step_replaces_it_once_complete(pg, tmp_path):
+    c = build_components(seed=0)
+    manager = make_manager(tmp_path, c)
+    manager.save(2)
+    c.train_state.tokens_seen = 1234
+    manager.save(2)
+    assert step_folders(tmp_path) == ["step-2"]
+    fresh = build_components(seed=1)
+    make_manager(tmp_path, fresh).load()
+    assert fresh.train_state.tokens_seen == 1234
+
+
+def test_exclude_from_loading(pg, tmp_path):
+    saved = build_components(seed=0)
+    train_step(saved, 1)
+    make_manager(tmp_path, saved).save(1)
+    fresh = build_components(seed=1)
+    before = snapshot(fresh)
+    make_manager(tmp_path, fresh, exclude_from_loading=["optimizer", "dataloader"]).load()
+    after = snapshot(fresh)
+    # The learning rates in param_groups come from the (loaded) scheduler; the moments must stay.
+    moments = {key: value for key, value in after["optimizer"].items() if key.startswith("state.")}
+    assert moments and all(torch.equal(value, before["optimizer"][key]) for key, value in moments.items())
+    assert_same(after["loader"], before["loader"])
+    assert_same(after["model"], snapshot(saved)["model"])
+
+
+def files_and_bytes(folder: Path) -> dict[str, bytes]:
+    return {p.name: p.read_bytes() for p in folder.iterdir()}
+
+
+def test_corrupt_checkpoints_raise_user_errors(pg, tmp_path):
+    c = build_components(seed=0)
+    manager = make_manager(tmp_path, c)
+    manager.save(1)
+    manager.save(2)
+    first = files_and_bytes(tmp_path / "ckpt" / "step-1")
+    step2 = tmp_path / "ckpt" / "step-2"
+    shard = next(step2.glob("*.distcp"))
+    shard.write_bytes(shard.read_bytes()[: shard.stat().st_size // 2])
+    with pytest.raises(UserError, match=r"step-2 cannot be read, it is corrupt or truncated"):
+        make_manager(tmp_path, build_components(seed=1)).load()
+    (step2 / ".metadata").unlink()
+    with pytest.raises(UserError, match=r"step-2 has no \.metadata file; the folder is incomplete or corrupt"):
+        make_manager(tmp_path, build_components(seed=1)).load()
+    (step2 / ".metadata").write_bytes(b"not a pickle")
+    with pytest.raises(UserError, match=r"step-2: \.metadata cannot be read"):
+        make_manager(tmp_path, build_components(seed=1)).load()
+    assert files_and_bytes(tmp_path / "ckpt" / "step-1") == first
+
+
+def test_checkpoint_of_another_model_shape(pg, tmp_path):
+    make_manager(tmp_path, build_components(seed=0)).save(1)
+    other_args = dataclasses.replace(MODEL_ARGS, vocab_size=2000)
+    other = build_components(seed=0, model=build_model(0, other_args))
+    with pytest.raises(UserError, match=r"tok_embeddings\.weight was saved with shape \[2304, 64\], the model "
+                                        r"expects \[2000, 64\]"):
+        make_manager(tmp_path, other).load()
+
+
+def test_missing_initial_load_path(pg, tmp_path):
+    with pytest.raises(UserError, match=r"initial_load_path: .*nowhere does not exist"):
+        make_manager(tmp_path, build_components(seed=0), initial_load_path=str(tmp_path / "nowhere")).load()
+
+
+def test_initial_load_model_only(pg, tmp_path):
+    source = build_components(seed=0)
+    train_step(source, 1)
+    make_manager(tmp_path / "pretrain", source).save(1)
+    fresh = build_components(seed=1)
+    optimizer_before = fresh.optimizers.state_dict()
+    initial = tmp_path / "pretrain" / "ckpt" / "step-1"
+    assert make_manager(tmp_path, fresh, initial_load_path=str(initial)).load()
+    assert_same(snapshot(fresh)["model"], snapshot(source)["model"])
+    assert_same(fresh.optimizers.state_dict(), optimizer_before)
+    assert fresh.train_state.step == 0
+
+
+@pytest.mark.parametrize("mode", ["disabled", "async"])
+def test_disk_full_keeps_earlier_checkpoints(pg, tmp_path, monkeypatch, mode):
+    c = build_components(seed=0)
+    manager = make_manager(tmp_path, c, async_mode=mode)
+    manager.save(1)
+    manager.close()
+    first = files_and_bytes(tmp_path / "ckpt" / "step-1")
+
+    def disk_full(*args, **kwargs):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(dcp_filesystem, "_write_item", disk_full)
+    with pytest.raises(UserError, match=r"step-2\.incomplete failed: .*No space left|background .* failed.*No space"):
+        manager.save(2)
+        manager.close()
+    assert step_folders(tmp_path) == ["step-1"]
+    assert files_and_bytes(tmp_path / "ckpt" / "step-1") == first
+
+
+def test_model_only_last_save_in_bf16(pg, tmp_path):
+    saved = build_components(seed=0)
+    make_manager(tmp_path, saved, export_dtype="bfloat16").save(3, last_step=True)
+    entries = read_metadata(tmp_path / "ckpt" / "step-3").state_dict_metadata
+    assert entries and all(key.startswith("model.") for key in entries)
+    assert {entry.properties.dtype for entry in entries.values()} == {torch.bfloat16}
+    fresh = build_components(seed=1)
+    assert make_manager(tmp_path, fresh).load()
+    for name, value in fresh.model.state_dict().items():
+        assert value.dtype == torch.float32
+        assert torch.equal(value, saved.model.state_dict()[name].bfloat16().float()), name
+
+
+def test_seed_checkpoint(pg, tmp_path):
+    seed = build_components(seed=0)
+    make_manager(tmp_path, seed, create_seed_checkpoint=True).save_seed()
+    entries = read_metadata(tmp_path / "ckpt" / "step-0").state_dict_metadata
+    assert all(key.startswith("model.") for key in entries)
+    fresh = build_components(seed=1)
+    assert make_manager(tmp_path, fresh).load()
+    assert_same(snapshot(fresh)["model"], snapshot(seed)["model"])
+
+
+def test_async_thread_save_stages_a_copy(pg, tmp_path):
+    saved = build_components(seed=0)
+    train_step(saved, 1)
+    manager = make_manager(tmp_path, saved, async_mode="async")
+    manager.save(1)
+    expected = snapshot(saved)
+    with torch.no_grad():
+        for param in saved.model.parameters():
+            param.add_(1.0)  # the training loop goes on while the checkpoint is written
+    manager.close()
+    fresh = build_components(seed=1)
+    make_manager(tmp_path, fresh).load()
+    assert_same(snapshot(fresh), expected)
+
+
+def test_invalid_options():
+    c = build_components(seed=0)
+    for options, pattern in [({"async_mode": "threads"}, r"async_mode: 'threads' is not one of disabled"),
+                             ({"interval": 0}, r"interval: 0 must be"),
+                             ({"keep_latest_k": -1}, r"keep_latest_k: -1"),
+                             ({"export_dtype": "fp8"}, r"export_dtype: 'fp8'"),
+                             ({"exclude_from_loading": ["weights"]}, r"exclude_from_loading: 'weights' is not one"),
+                             ({"enable": False, "create_seed_checkpoint": True}, r"needs checkpoint\.enable")]:
+        with pytest.raises(UserError, match=pattern):
+            make_manager(Path("/nonexistent"), c, **options)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Hugging Face format
+
+
+def test_hf_export_matches_transformers(tmp_path):
+    transformers = pytest.importorskip("transformers")
+    model = build_model(seed=0)
+    save_hf(tmp_path / "hf", model.state_dict(), MODEL_ARGS)
+    hf_model = transformers.LlamaForCausalLM.from_pretrained(tmp_path / "hf", dtype=torch.float32).eval()
+    tokens = torch.randint(0, MODEL_ARGS.vocab_size, (2, SEQ_LEN), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        ours = model(tokens)
+        theirs = hf_model(tokens).logits
+    assert (ours - theirs).abs().max().item() < 1e-4
+    assert_same(load_hf(tmp_path / "hf", MODEL_ARGS), model.state_dict())
+
+
+def test_from_hf_inverts_to_hf():
+    state_dict = build_model(seed=0).state_dict()
+    hf = to_hf(state_dict, MODEL_ARGS)
+    assert not torch.equal(hf["model.layers.0.self_attn.q_proj.weight"], state_dict["layers.0.attention.wq.weight"])
+    assert hf["model.layers.0.self_attn.k_proj.weight"].shape == state_dict["layers.0.attention.wk.weight"].shape
+    assert_same(from_hf(hf, MODEL_ARGS), state_dict)
+    with pytest.raises(UserError, match=r"'layers\.0\.attention\.bias' is not a Llama 3 parameter"):
+        to_hf({"layers.0.attention.bias": torch.zeros(1)}, MODEL_ARGS)
+
+
+def test_hf_sharded_index_and_config_mismatch(tmp_path):
+    state_dict = build_model(seed=0).state_dict()
+    save_hf(tmp_path / "hf", state_dict, MODEL_ARGS, max_shard_bytes=200_000)
+    assert (tmp_path / "hf" / INDEX_FILE).is_file()
+    assert len(list((tmp_path / "hf").glob("model-*-of-*.safetensors"))) > 2
+    assert_same(load_hf(tmp_path / "hf", MODEL_ARGS), state_dict)
+    with pytest.raises(UserError, match=r"config\.json: num_hidden_layers is 4, but the model .* needs 2"):
+        load_hf(tmp_path / "hf", dataclasses.replace(MODEL_ARGS, n_layers=2))
+    with pytest.raises(UserError, match=r"already exists"):
+        save_hf(tmp_path / "hf", state_dict, MODEL_ARGS)
+
+
+def test_last_save_in_hf_then_resume_and_initial_load(pg, tmp_path):
+    saved = build_components(seed=0)
+    make_manager(tmp_path, saved, last_save_in_hf=True).save(4, last_step=True)
+    export = tmp_path / "ckpt" / "step-4"
+    assert sorted(p.name for p in export.iterdir()) == ["config.json", "model.safetensors"]
+    assert json.loads((export / "config.json").read_text())["rope_scaling"]["rope_type"] == "llama3"
+    assert step_folders(tmp_path) == ["step-4"]
+    for options, root in [({}, tmp_path), ({"initial_load_path": str(export), "initial_load_in_hf": True},
+                                           tmp_path / "elsewhere")]:
+        fresh = build_components(seed=1)
+        assert make_manager(root, fresh, **options).load()
+        assert_same(snapshot(fresh)["model"], snapshot(saved)["model"])
+
+
+def test_convert_script(pg, tmp_path, capsys):
+    saved = build_components(seed=0)
+    make_manager(tmp_path, saved).save(1)
+    step = tmp_path / "ckpt" / "step-1"
+    assert convert_checkpoint.main(["dcp-to-hf", str(step), str(tmp_path / "hf"), "--flavor", "tiny",
+                                    "--dtype", "float32"]) == 0
+    assert_same(load_hf(tmp_path / "hf", MODEL_ARGS), snapshot(saved)["model"])
+    assert convert_checkpoint.main(["hf-to-dcp", str(tmp_path / "hf"), str(tmp_path / "dcp"), "--flavor", "tiny"]) == 0
+    fresh = build_components(seed=1)
+    make_manager(tmp_path / "run2", fresh, initial_load_path=str(tmp_path / "dcp")).load()
+    assert_same(snapshot(fresh)["model"], snapshot(saved)["model"])
+    assert convert_checkpoint.main(["dcp-to-torch", str(step), str(tmp_path / "all.pt")]) == 0
+    everything = torch.load(tmp_path / "all.pt", weights_only=True)
+    assert torch.equal(everything["model"]["norm.weight"], saved.model.norm.weight)
+
+    assert convert_checkpoint.main(["dcp-to-hf", str(step), str(tmp_path / "hf2"), "--flavor", "debugmodel"]) == 2
+    assert "--flavor debugmodel expects" in capsys.readouterr().err
+    assert convert_checkpoint.main(["dcp-to-torch", str(tmp_path / "missing"), str(tmp_path / "x.pt")]) == 2
+    assert "missing does not exist" in capsys.readouterr().err
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Several processes
+
+
+def run_forked(worker, world_size: int, *args, timeout: float = 120) -> None:
+    """Forked, not spawned: a spawned process would import torch again, seconds each on two cores."""
+    workers = mp.start_processes(worker, args=(world_size, *args), nprocs=world_size, join=False, start_method="fork")
+    deadline = time.monotonic() + timeout
+    while not workers.join(timeout=1):
+        if time.monotonic() > deadline:
+            for process in workers.processes:
+                process.kill()
+            pytest.fail(f"{worker.__name__} still running after {timeout} s")
+
+
+def fsdp_model(seed: int, mesh) -> Transformer:
+    model = build_model(seed)
+    for block in model.layers.values():
+        fully_shard(block, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    return model
+
+
+def full_state(c: Components) -> dict:
+    """Unsharded model and optimizer state on rank 0 (a collective; other ranks get empty dicts)."""
+    options = StateDictOptions(full_state_dict=True, cpu_offload=True, flatten_optimizer_state_dict=True)
+    return {"model": get_model_state_dict(c.model, options=options),
+            "optimizer": get_optimizer_state_dict(c.model, c.optimizers.optimizers[0], options=options)}
+
+
+def fsdp_worker(rank: int, world_size: int, tmp: str) -> None:
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", store=dist.FileStore(f"{tmp}/store", world_size), rank=rank,
+                            world_size=world_size)
+    try:
+        mesh = init_device_mesh("cpu", (world_size,), mesh_dim_names=("dp_shard",))
+        saved = build_components(0, fsdp_model(0, mesh))
+        train_step(saved, 1)
+        make_manager(Path(tmp), saved).save(1)
+        reference = full_state(saved)
+        if rank == 0:
+            torch.save(reference, f"{tmp}/reference.pt")
+        resumed = build_components(1, fsdp_model(1, mesh))
+        make_manager(Path(tmp), resumed).load()
+        loaded = full_state(resumed)
+        if rank == 0:
+            assert_same(loaded, reference)
+    finally:
+        dist.destroy_process_group()
+
+
+def test_fsdp_save_reloads_on_two_ranks_and_one(tmp_path):
+    run_forked(fsdp_worker, 2, str(tmp_path))
+    reference = torch.load(tmp_path / "reference.pt", weights_only=True)
+    with single_process_group(tmp_path):
+        plain = build_components(seed=1)
+        assert make_manager(tmp_path, plain).load()
+        assert_same({"model": plain.model.state_dict(),
+                     "optimizer": get_optimizer_state_dict(plain.model, plain.optimizers.optimizers[0],
+                                                           options=StateDictOptions(
+                                                               flatten_optimizer_state_dict=True))},
+                    reference)
+        assert plain.train_state.step == 1 and plain.loader.position == 2
+
+
+def save_until_killed(root: str, marker: str) -> None:
+    """Runs in a child process: saves step 1, then hangs in the middle of writing step 2 until it is killed."""
+    c = build_components(seed=0)
+    manager = make_manager(Path(root), c)
+    manager.save(1)
+    write_item = dcp_filesystem._write_item
+
+    def write_then_hang(*args, **kwargs):
+        result = write_item(*args, **kwargs)
+        Path(marker).touch()
+        time.sleep(120)
+        return result
+
+    dcp_filesystem._write_item = write_then_hang
+    c.train_state.step = 2
+    manager.save(2)
+
+
+def test_kill_during_save_leaves_no_checkpoint_to_load(pg, tmp_path):
+    marker = tmp_path / "writing"
+    code = f"import test_checkpoint; test_checkpoint.save_until_killed({str(tmp_path)!r}, {str(marker)!r})"
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(Path(__file__).parent), str(REPO_ROOT)])}
+    child = subprocess.Popen([sys.executable, "-c", code], env=env, cwd=REPO_ROOT)
+    try:
+        deadline = time.monotonic() + 60
+        while not marker.exists():
+            assert child.poll() is None, "the saving process exited before it was killed"
+            assert time.monotonic() < deadline, "the saving process never started writing step 2"
+            time.sleep(0.05)
+        os.kill(child.pid, signal.SIGKILL)
+    finally:
+        child.wait(timeout=30)
+    assert step_folders(tmp_path) == ["step-1", "step-2.incomplete"]
+    assert any((tmp_path / "ckpt" / "step-2.incomplete").iterdir())
+    fresh = build_components(seed=1)
+    manager = make_manager(tmp_path, fresh)
+    manager.load()
+    assert fresh.train_state.step == 1
+    manager.save(3)
+    assert step_folders(tmp_path) == ["step-1", "step-3"]
+
+
+PINNED_MEM_CHILD = """
+import torch, torch.distributed as dist, test_checkpoint as t
+from pathlib import Path
+root = Path({root!r})
+dist.init_process_group("gloo", store=dist.FileStore(str(root / "store"), 1), rank=0, world_size=1)
+saved = t.build_components(seed=0)
+t.train_step(saved, 1)
+manager = t.make_manager(root, saved, async_mode="async_with_pinned_mem")
+manager.save(1)
+expected = t.snapshot(saved)
+t.train_step(saved, 2)
+manager.save(2)
+manager.close()
+fresh = t.build_components(seed=1)
+t.make_manager(root, fresh, load_step=1).load()
+t.assert_same(t.snapshot(fresh), expected)
+print("steps", t.step_folders(root))
+"""
+
+
+def test_async_with_pinned_mem_process_save(tmp_path):
+    """In a child process: the checkpoint process DCP starts lives as long as its parent, and must not outlive it
+    inside the pytest process. The child runs from `-c`, so there is no `__main__` file for the spawned checkpoint
+    process to re-import (a script must guard its entry point with `if __name__ == "__main__":`)."""
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(Path(__file__).parent), str(REPO_ROOT)])}
+    result = subprocess.run([sys.executable, "-c", PINNED_MEM_CHILD.format(root=str(tmp_path))], env=env,
+                            cwd=REPO_ROOT, capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    assert "steps ['step-1', 'step-2']" in result.stdout

@@ -1,0 +1,460 @@
+"""The config system: defaults <- TOML <- command line, every syntax, every error path, validate(), round trips."""
+
+import dataclasses
+import re
+from pathlib import Path
+
+import pytest
+
+from torchtitan.config import JobConfig, parse_args, save_config, to_toml
+from torchtitan.config.manager import get_option, option_specs
+from torchtitan.errors import UserError
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def write_toml(tmp_path: Path, text: str, name: str = "job.toml") -> str:
+    path = tmp_path / name
+    path.write_text(text)
+    return str(path)
+
+
+def raises(pattern: str):
+    return pytest.raises(UserError, match=pattern)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Defaults, TOML, precedence
+
+
+def test_no_arguments_give_the_dataclass_defaults():
+    config = parse_args([])
+    assert config == JobConfig()
+    assert config.training.steps == 10000
+    assert config.optimizer.lr == 8e-4
+    assert config.debug.seed is None
+    assert config.compile.components == ["model", "loss"]
+    assert config.quantize.linear.float8.filter_fqns == ["output"]
+
+
+def test_toml_values_replace_defaults_and_leave_the_rest(tmp_path):
+    path = write_toml(tmp_path, """
+[training]
+steps = 7
+seq_len = 64
+[optimizer]
+lr = 1  # an integer is accepted for a float option
+name = "Adam"
+[model]
+converters = ["quantize.linear.float8"]
+""")
+    config = parse_args(["--job.config_file", path])
+    assert config.training.steps == 7
+    assert config.training.seq_len == 64
+    assert config.optimizer.lr == 1.0 and isinstance(config.optimizer.lr, float)
+    assert config.optimizer.name == "Adam"
+    assert config.model.converters == ["quantize.linear.float8"]
+    assert config.training.local_batch_size == JobConfig().training.local_batch_size
+    assert config.job.config_file == path
+
+
+def test_command_line_beats_toml_beats_defaults(tmp_path):
+    path = write_toml(tmp_path, "[training]\nsteps = 7\nseq_len = 64\n")
+    # The flag before --job.config_file still wins: the file is read first, whatever the order.
+    config = parse_args(["--training.steps", "9", "--job.config_file", path])
+    assert config.training.steps == 9
+    assert config.training.seq_len == 64
+    assert config.training.local_batch_size == 8
+
+
+def test_a_later_flag_wins_over_an_earlier_one():
+    assert parse_args(["--training.steps", "3", "--training.steps=4"]).training.steps == 4
+
+
+@pytest.mark.parametrize("argv", [["--training.steps", "12"], ["--training.steps=12"]])
+def test_both_value_syntaxes(argv):
+    assert parse_args(argv).training.steps == 12
+
+
+@pytest.mark.parametrize("argv, expected", [
+    (["--compile.enable"], True),
+    (["--compile.enable=true"], True),
+    (["--compile.enable", "true"], True),
+    (["--compile.enable=yes"], True),
+    (["--compile.enable=false"], False),
+    (["--compile.enable", "false"], False),
+    (["--compile.enable=0"], False),
+    (["--compile.enable", "--compile.no_enable"], False),
+])
+def test_bool_flags(argv, expected):
+    assert parse_args(argv).compile.enable is expected
+
+
+def test_no_prefix_turns_off_an_option_that_toml_turned_on(tmp_path):
+    path = write_toml(tmp_path, "[validation]\nenable = true\n")
+    assert parse_args(["--job.config_file", path]).validation.enable is True
+    assert parse_args(["--job.config_file", path, "--validation.no_enable"]).validation.enable is False
+
+
+def test_negative_number_is_a_value_not_a_flag():
+    assert parse_args(["--training.global_batch_size", "-1"]).training.global_batch_size == -1
+
+
+def test_lists_are_comma_separated_on_the_command_line():
+    config = parse_args(["--compile.components", "loss", "--checkpoint.exclude_from_loading",
+                         "optimizer, dataloader", "--parallelism.pipeline_parallel_split_points", "layers.2,layers.4"])
+    assert config.compile.components == ["loss"]
+    assert config.checkpoint.exclude_from_loading == ["optimizer", "dataloader"]
+    assert config.parallelism.pipeline_parallel_split_points == ["layers.2", "layers.4"]
+    assert parse_args(["--compile.components="]).compile.components == []
+
+
+def test_a_toml_string_for_a_list_option_is_split(tmp_path):
+    path = write_toml(tmp_path, '[compile]\ncomponents = "model,loss"\n')
+    assert parse_args(["--job.config_file", path]).compile.components == ["model", "loss"]
+
+
+def test_optional_options_accept_none(tmp_path):
+    config = parse_args(["--debug.seed", "5", "--lr_scheduler.decay_ratio", "0.5"])
+    assert config.debug.seed == 5 and config.lr_scheduler.decay_ratio == 0.5
+    config = parse_args(["--debug.seed", "none", "--lr_scheduler.decay_ratio=null",
+                         "--quantize.linear.float8.recipe_name", "None"])
+    assert config.debug.seed is None
+    assert config.lr_scheduler.decay_ratio is None
+    assert config.quantize.linear.float8.recipe_name is None
+    path = write_toml(tmp_path, "[debug]\nseed = 3\n")
+    assert parse_args(["--job.config_file", path, "--debug.seed=none"]).debug.seed is None
+
+
+def test_nested_float8_section_in_toml_and_on_the_command_line(tmp_path):
+    path = write_toml(tmp_path, """
+[quantize.linear.float8]
+enable_fsdp_float8_all_gather = true
+recipe_name = "rowwise"
+filter_fqns = ["output", "router"]
+""")
+    config = parse_args(["--job.config_file", path, "--quantize.linear.float8.emulate"])
+    float8 = config.quantize.linear.float8
+    assert float8.enable_fsdp_float8_all_gather is True
+    assert float8.recipe_name == "rowwise"
+    assert float8.filter_fqns == ["output", "router"]
+    assert float8.emulate is True
+    config = parse_args(["--quantize.linear.float8.filter_fqns", "a,b",
+                         "--quantize.linear.float8.no_enable_fsdp_float8_all_gather"])
+    assert config.quantize.linear.float8.filter_fqns == ["a", "b"]
+    assert config.quantize.linear.float8.enable_fsdp_float8_all_gather is False
+
+
+@pytest.mark.parametrize("toml", sorted(p.name for p in (REPO / "train_configs").glob("*.toml")))
+def test_every_shipped_config_parses_and_round_trips(toml, tmp_path):
+    config = parse_args(["--job.config_file", str(REPO / "train_configs" / toml)])
+    assert config.job.dump_folder.startswith("./outputs/")
+    again = parse_args(["--job.config_file", write_toml(tmp_path, to_toml(config))])
+    assert dataclasses.replace(again, job=dataclasses.replace(again.job, config_file=config.job.config_file)) == config
+
+
+def test_shipped_configs_are_all_checked():
+    assert {"debug_model.toml", "llama3_8b.toml", "llama3_70b.toml", "llama3_405b.toml"} <= {
+        p.name for p in (REPO / "train_configs").glob("*.toml")}
+
+
+def test_debug_model_toml_values():
+    config = parse_args(["--job.config_file", str(REPO / "train_configs" / "debug_model.toml")])
+    assert config.model.flavor == "debugmodel"
+    assert config.training.steps == 60
+    assert config.lr_scheduler.decay_ratio == 0.8
+    assert config.validation.enable is True
+    assert config.debug.seed == 0
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Round trip and --help
+
+
+def test_to_toml_round_trip_of_non_default_values(tmp_path):
+    config = parse_args([
+        "--job.description", 'a "quoted" \\ description', "--training.steps", "5", "--optimizer.lr", "1e-08",
+        "--optimizer.name", "Adam", "--debug.seed", "7", "--lr_scheduler.decay_ratio", "0.25",
+        "--compile.components", "loss", "--model.converters", "quantize.linear.float8",
+        "--quantize.linear.float8.recipe_name", "rowwise", "--quantize.linear.float8.filter_fqns", "",
+        "--validation.enable", "--metrics.peak_flops", "1e15", "--training.dataset_path", "/data/x.jsonl",
+        "--parallelism.pipeline_parallel_schedule_csv", "none", "--checkpoint.exclude_from_loading", "optimizer",
+    ])
+    assert config.quantize.linear.float8.filter_fqns == []
+    path = save_config(config, str(tmp_path / "dump"))
+    assert path == tmp_path / "dump" / "config.toml"
+    again = parse_args(["--job.config_file", str(path)])
+    assert again.job.config_file == str(path)
+    assert dataclasses.replace(again, job=dataclasses.replace(again.job, config_file=None)) == config
+
+
+def test_to_toml_round_trip_of_defaults(tmp_path):
+    again = parse_args(["--job.config_file", write_toml(tmp_path, to_toml(JobConfig()))])
+    assert dataclasses.replace(again, job=dataclasses.replace(again.job, config_file=None)) == JobConfig()
+
+
+def test_help_lists_every_option_with_its_default_and_exits_0(capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        parse_args(["--training.steps", "3", "--help"])
+    assert exit_info.value.code == 0
+    text = capsys.readouterr().out
+    specs = option_specs()
+    assert len(specs) > 100
+    for key, spec in specs.items():
+        line = next((ln for ln in text.splitlines() if ln.strip().startswith(f"--{key} (")), None)
+        assert line is not None, f"--help does not list {key}"
+        assert line.endswith(f"default: {spec.default!r})"), line
+    assert "--quantize.linear.float8.emulate (bool, default: False)" in text
+    assert "--training.seq_len (int, default: 2048)" in text
+    assert "[quantize.linear.float8]" in text
+
+
+def test_short_help_flag(capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        parse_args(["-h"])
+    assert exit_info.value.code == 0
+    assert "--optimizer.lr" in capsys.readouterr().out
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Errors
+
+
+@pytest.mark.parametrize("argv, pattern", [
+    (["--training.stepz", "5"], r"unknown option training\.stepz; did you mean training\.steps\?"),
+    (["--trainng.steps", "5"], r"unknown option trainng\.steps; did you mean training\.steps\?"),
+    (["--optimizer.learning_rate=0.1"], r"unknown option optimizer\.learning_rate; did you mean optimizer\.\w+"),
+    (["--compile.enabel"], r"unknown option compile\.enabel; did you mean compile\.enable\?"),
+])
+def test_unknown_option_names_the_closest_key(argv, pattern):
+    with raises(pattern):
+        parse_args(argv)
+
+
+def test_unknown_option_in_toml_names_the_file_and_closest_key(tmp_path):
+    path = write_toml(tmp_path, "[training]\nseqlen = 64\n")
+    with raises(rf"config file {re.escape(path)}: unknown option training\.seqlen; did you mean training\.seq_len"):
+        parse_args(["--job.config_file", path])
+
+
+def test_unknown_section_in_toml(tmp_path):
+    path = write_toml(tmp_path, "[trainng]\nsteps = 5\n")
+    with raises(r"unknown section \[trainng\]; did you mean training\."):
+        parse_args(["--job.config_file", path])
+
+
+def test_unknown_section_on_the_command_line():
+    with raises(r"unknown option nosuchsection\.steps"):
+        parse_args(["--nosuchsection.steps", "5"])
+
+
+@pytest.mark.parametrize("argv, pattern", [
+    (["--training.steps", "abc"], r"option training\.steps: 'abc' is not a valid value; expected int"),
+    (["--training.steps", "1.5"], r"option training\.steps: '1\.5' is not a valid value; expected int"),
+    (["--optimizer.lr", "fast"], r"option optimizer\.lr: 'fast' is not a valid value; expected float"),
+    (["--compile.enable=maybe"], r"option compile\.enable: 'maybe' is not a valid value; expected bool"),
+    (["--debug.seed", "x"], r"option debug\.seed: 'x' is not a valid value; expected int \| none"),
+])
+def test_wrong_type_on_the_command_line_names_key_value_and_type(argv, pattern):
+    with raises(pattern):
+        parse_args(argv)
+
+
+@pytest.mark.parametrize("line, pattern", [
+    ('steps = "10"', r"option training\.steps: '10' is not a valid value; expected int"),
+    ("steps = 2.5", r"option training\.steps: 2\.5 is not a valid value; expected int"),
+    ("steps = true", r"option training\.steps: True is not a valid value; expected int"),
+    ('dataset_loop = "false"', r"option training\.dataset_loop: 'false' is not a valid value; expected bool"),
+    ("dataset = 3", r"option training\.dataset: 3 is not a valid value; expected str"),
+    ("max_norm = [1.0]", r"option training\.max_norm: \[1\.0\] is not a valid value; expected float"),
+])
+def test_wrong_type_in_toml_names_key_value_and_type(tmp_path, line, pattern):
+    path = write_toml(tmp_path, f"[training]\n{line}\n")
+    with raises(pattern):
+        parse_args(["--job.config_file", path])
+
+
+def test_bad_literal_lists_the_choices(tmp_path):
+    with raises(r"option optimizer\.name: 'SGD' is not one of 'AdamW', 'Adam'"):
+        parse_args(["--optimizer.name", "SGD"])
+    path = write_toml(tmp_path, '[lr_scheduler]\ndecay_type = "exp"\n')
+    with raises(r"option lr_scheduler\.decay_type: 'exp' is not one of 'linear', 'sqrt', 'cosine'"):
+        parse_args(["--job.config_file", path])
+    with raises(r"quantize\.linear\.float8\.recipe_name: 'colwise' .*'tensorwise' \| 'rowwise' \| "
+                r"'rowwise_with_gw_hp' \| none"):
+        parse_args(["--quantize.linear.float8.recipe_name", "colwise"])
+
+
+@pytest.mark.parametrize("argv", [["--training.steps"], ["--training.steps", "--training.seq_len", "5"]])
+def test_missing_value(argv):
+    with raises(r"option training\.steps needs a value \(int\)"):
+        parse_args(argv)
+
+
+@pytest.mark.parametrize("argv, stray", [
+    (["train_configs/debug_model.toml"], "train_configs/debug_model.toml"),
+    (["--training.steps", "5", "6"], "6"),
+    (["--compile.enable", "yes please"], "yes please"),
+    (["--"], "--"),
+    (["-x"], "-x"),
+])
+def test_stray_positional_argument(argv, stray):
+    with raises(rf"unexpected argument {re.escape(repr(stray))}"):
+        parse_args(argv)
+
+
+def test_negated_bool_takes_no_value():
+    with raises(r"--compile\.no_enable=true takes no value"):
+        parse_args(["--compile.no_enable=true"])
+
+
+def test_malformed_toml_names_the_file(tmp_path):
+    path = write_toml(tmp_path, "[training\nsteps = 5\n", name="broken.toml")
+    with raises(rf"option job\.config_file: {re.escape(path)} is not valid TOML"):
+        parse_args(["--job.config_file", path])
+
+
+def test_missing_config_file_names_the_path(tmp_path):
+    missing = str(tmp_path / "nope.toml")
+    with raises(rf"option job\.config_file: {re.escape(repr(missing))} does not exist"):
+        parse_args(["--job.config_file", missing])
+
+
+@pytest.mark.parametrize("old, new, value", [
+    ("checkpoint.enable_checkpoint", "checkpoint.enable", "true"),
+    ("training.seed", "debug.seed", "1"),
+    ("lr_scheduler.lr_min", "lr_scheduler.min_lr_factor", "0.1"),
+    ("training.batch_size", "training.local_batch_size", "4"),
+])
+def test_renamed_option_on_the_command_line_names_the_new_one(old, new, value):
+    with raises(rf"option {re.escape(old)} is now {re.escape(new)}"):
+        parse_args([f"--{old}", value])
+
+
+def test_renamed_options_in_toml_name_the_new_one(tmp_path):
+    path = write_toml(tmp_path, "[float8]\nemulate = true\n")
+    with raises(r"option float8\.emulate is now quantize\.linear\.float8\.emulate"):
+        parse_args(["--job.config_file", path])
+    path = write_toml(tmp_path, "[training]\ncompile = true\n")
+    with raises(r"option training\.compile is now compile\.enable"):
+        parse_args(["--job.config_file", path])
+
+
+@pytest.mark.parametrize("argv", [
+    ["--parallelism.expert_parallel_degree", "1"],
+    ["--parallelism.expert_parallel_degree=1"],
+    ["--activation_checkpoint.memory_budget", "0.5"],
+    ["--fault_tolerance.enable=false"],
+    ["--job.custom_config_module="],
+    ["--optimizer.early_step_in_backward", "false"],
+])
+def test_unsupported_torchtitan_option_at_its_off_value_is_accepted(argv):
+    assert parse_args(argv) == JobConfig()
+
+
+@pytest.mark.parametrize("argv, pattern", [
+    (["--parallelism.expert_parallel_degree", "8"],
+     r"TorchTitan option parallelism\.expert_parallel_degree = '8' is not supported by this project \(only 1,"),
+    (["--fault_tolerance.enable"], r"TorchTitan option fault_tolerance\.enable = 'true' is not supported"),
+    (["--activation_checkpoint.memory_budget=0.3"], r"activation_checkpoint\.memory_budget = '0\.3' is not supported"),
+    # An option of an unsupported section that the table does not list has no off value to accept.
+    (["--fault_tolerance.replica_id", "0"], r"TorchTitan option fault_tolerance\.replica_id = '0' is not supported"),
+    (["--quantize.linear.mx.recipe_name", "mxfp8"], r"TorchTitan option quantize\.linear\.mx\.recipe_name"),
+])
+def test_unsupported_torchtitan_option_turned_on_is_an_error(argv, pattern):
+    with raises(pattern):
+        parse_args(argv)
+
+
+def test_unsupported_torchtitan_options_in_toml(tmp_path):
+    path = write_toml(tmp_path, """
+[parallelism]
+expert_parallel_degree = 1
+enable_compiled_autograd = false
+[fault_tolerance]
+enable = false
+[experimental]
+custom_import = ""
+""")
+    assert parse_args(["--job.config_file", path]) == dataclasses.replace(
+        JobConfig(), job=dataclasses.replace(JobConfig().job, config_file=path))
+    path = write_toml(tmp_path, "[parallelism]\nexpert_parallel_degree = 4\n")
+    with raises(rf"config file {re.escape(path)}: TorchTitan option parallelism\.expert_parallel_degree = 4 is not "
+                rf"supported"):
+        parse_args(["--job.config_file", path])
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# validate()
+
+POSITIVE = ["training.local_batch_size", "training.seq_len", "training.steps", "metrics.log_freq",
+            "training.gc_freq", "checkpoint.interval", "validation.local_batch_size", "validation.seq_len",
+            "validation.freq", "profiling.profile_freq", "comm.init_timeout_seconds", "comm.train_timeout_seconds",
+            "parallelism.data_parallel_replicate_degree", "parallelism.tensor_parallel_degree",
+            "parallelism.pipeline_parallel_degree", "parallelism.context_parallel_degree",
+            "parallelism.pipeline_parallel_microbatch_size"]
+
+
+@pytest.mark.parametrize("key", POSITIVE)
+@pytest.mark.parametrize("value", ["0", "-2"])
+def test_options_that_must_be_positive(key, value):
+    with raises(rf"option {re.escape(key)}: {value} must be a positive integer"):
+        parse_args([f"--{key}", value])
+    assert get_option(parse_args([f"--{key}", "1"]), key) == 1
+
+
+@pytest.mark.parametrize("argv, pattern", [
+    (["--parallelism.data_parallel_shard_degree", "0"], r"data_parallel_shard_degree: 0 must be -1"),
+    (["--parallelism.data_parallel_shard_degree", "-2"], r"data_parallel_shard_degree: -2 must be -1"),
+    (["--training.global_batch_size", "0"], r"global_batch_size: 0 must be -1 \(no accumulation\) or positive"),
+    (["--training.global_batch_size", "-4"], r"global_batch_size: -4 must be -1"),
+    (["--optimizer.lr", "0"], r"optimizer\.lr: 0\.0 must be positive"),
+    (["--optimizer.eps", "-1e-8"], r"optimizer\.eps: -1e-08 must be positive"),
+    (["--optimizer.weight_decay", "-0.1"], r"optimizer\.weight_decay: -0\.1 must not be negative"),
+    (["--training.max_norm", "-1"], r"training\.max_norm: -1\.0 must not be negative"),
+    (["--lr_scheduler.warmup_steps", "-1"], r"lr_scheduler\.warmup_steps: -1 must not be negative"),
+    (["--metrics.peak_flops", "-1"], r"metrics\.peak_flops: -1\.0 must not be negative"),
+    (["--optimizer.beta1", "1"], r"optimizer\.beta1: 1\.0 must be in \[0, 1\)"),
+    (["--optimizer.beta1", "-0.1"], r"optimizer\.beta1: -0\.1 must be in \[0, 1\)"),
+    (["--optimizer.beta2", "1.5"], r"optimizer\.beta2: 1\.5 must be in \[0, 1\)"),
+    (["--lr_scheduler.min_lr_factor", "1.1"], r"min_lr_factor: 1\.1 must be in \[0, 1\]"),
+    (["--lr_scheduler.min_lr_factor", "-0.1"], r"min_lr_factor: -0\.1 must be in \[0, 1\]"),
+    (["--lr_scheduler.decay_ratio", "1.5"], r"decay_ratio: 1\.5 must be in \[0, 1\]"),
+    (["--lr_scheduler.decay_ratio", "-0.5"], r"decay_ratio: -0\.5 must be in \[0, 1\]"),
+    (["--activation_checkpoint.selective_ac_option", "every"], r"selective_ac_option: 'every' must be 'op' or a pos"),
+    (["--activation_checkpoint.selective_ac_option", "0"], r"selective_ac_option: '0' must be 'op' or a positive"),
+    (["--activation_checkpoint.selective_ac_option", "-1"], r"selective_ac_option: '-1' must be 'op' or a pos"),
+    (["--compile.components", "model,optimizer"], r"compile\.components: 'optimizer' is not one of 'model', 'loss'"),
+    (["--checkpoint.exclude_from_loading", "model,weights"],
+     r"exclude_from_loading: 'weights' is not one of model, optimizer, lr_scheduler, dataloader, train_state"),
+    (["--model.converters", "quantize.linear.mx"],
+     r"model\.converters: 'quantize\.linear\.mx' is not a known converter; valid: quantize\.linear\.float8"),
+    (["--checkpoint.keep_latest_k", "-1"], r"keep_latest_k: -1 must be 0 \(keep all\) or positive"),
+])
+def test_validate_rejects(argv, pattern):
+    with raises(pattern):
+        parse_args(argv)
+
+
+def test_validate_accepts_the_edges_of_each_range():
+    config = parse_args([
+        "--parallelism.data_parallel_shard_degree", "4", "--training.global_batch_size", "16",
+        "--optimizer.weight_decay", "0", "--training.max_norm", "0", "--lr_scheduler.warmup_steps", "0",
+        "--optimizer.beta1", "0", "--optimizer.beta2", "0.999", "--lr_scheduler.min_lr_factor", "1",
+        "--lr_scheduler.decay_ratio", "0", "--activation_checkpoint.selective_ac_option", "op",
+        "--compile.components", "model,loss", "--model.converters", "float8", "--checkpoint.keep_latest_k", "0",
+        "--checkpoint.exclude_from_loading", "model,optimizer,lr_scheduler,dataloader,train_state",
+    ])
+    assert config.parallelism.data_parallel_shard_degree == 4
+    assert config.lr_scheduler.min_lr_factor == 1.0
+
+
+def test_selective_ac_option_is_only_checked_in_selective_mode():
+    config = parse_args(["--activation_checkpoint.mode", "full", "--activation_checkpoint.selective_ac_option", "x"])
+    assert config.activation_checkpoint.mode == "full"
+
+
+def test_validate_also_checks_toml_values(tmp_path):
+    path = write_toml(tmp_path, "[training]\nlocal_batch_size = 0\n")
+    with raises(r"option training\.local_batch_size: 0 must be a positive integer"):
+        parse_args(["--job.config_file", path])

@@ -1,0 +1,589 @@
+"""Saving and resuming the whole training state with torch.distributed.checkpoint (DCP).
+
+Layout under `<dump_folder>/<checkpoint.folder>`:
+
+    step-N/                  a complete checkpoint: DCP files (`.metadata`, `__R_I.distcp`), or, for a last save
+                             with `last_save_in_hf`, a Hugging Face folder (`config.json`, `model.safetensors`)
+    step-N.incomplete/       being written, or left behind by a crash: never loaded, removed by the next save
+
+Every save is written into `step-N.incomplete`; only once DCP has finished on every rank does rank 0 rename it to
+`step-N` (an atomic rename), so a folder named `step-N` is always complete, whenever a process dies. If `step-N`
+already exists (a run resumed from an earlier step reaches the same step again), the new checkpoint replaces it once
+the new one is complete: the old folder is renamed to `step-N.stale.incomplete`, the new one into place, and the old
+one deleted. A crash between those renames leaves both under `.incomplete` names, and resuming takes the previous
+complete step. `keep_latest_k` deletes older checkpoints only after the new one is in place.
+
+Keys of a DCP checkpoint (DCP joins nested keys with dots):
+
+    model.<parameter name>       full names, whatever the sharding or pipeline split, so any layout reloads them
+    optimizer.state.<name>.<k>   OptimizersContainer's flattened state; optimizer.param_groups.<name> packs that
+                                 parameter's hyperparameters into one record
+    lr_scheduler.last_epoch
+    dataloader                   the data loader's state, serialised into one value under one key for all ranks:
+                                 DCP writes it once, every rank loads it (any rank's position resumes every rank,
+                                 also with another number of ranks), and its structure may change as iteration
+                                 starts without breaking the load
+    train_state.step, train_state.tokens_seen
+    rng_rank<R>.python/.torch/.cuda   each rank's random generators, restored only on a rank that has an entry
+
+Model-only checkpoints (the seed checkpoint, `last_save_model_only`) hold only `model.*`; resuming from one loads the
+model and keeps the rest as initialised.
+"""
+
+import io
+import os
+import random
+import re
+import shutil
+import time
+from collections.abc import Callable
+from concurrent.futures import Future
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch import nn
+from torch.distributed.checkpoint import CheckpointException, DefaultLoadPlanner, FileSystemReader
+from torch.distributed.checkpoint._traverse import set_element
+from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
+from torch.distributed.checkpoint.planner import ReadItem
+from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, set_model_state_dict
+from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType
+from torch.distributed.checkpoint.stateful import Stateful
+
+from torchtitan.config.job_config import Checkpoint as CheckpointConfig
+from torchtitan.errors import UserError
+from torchtitan.models.llama3.args import TransformerModelArgs
+from torchtitan.models.llama3.state_dict_adapter import is_hf_folder, load_hf, save_hf
+from torchtitan.tools.logging import logger
+
+INCOMPLETE_SUFFIX = ".incomplete"
+METADATA_FILE = ".metadata"
+LOADABLE_PARTS = ("model", "optimizer", "lr_scheduler", "dataloader", "train_state", "rng")
+ASYNC_MODES = ("disabled", "async", "async_with_pinned_mem")
+EXPORT_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+_STEP_FOLDER = re.compile(r"^step-(\d+)$")
+
+
+@dataclass
+class TrainState(Stateful):
+    step: int = 0
+    tokens_seen: int = 0
+
+    def state_dict(self) -> dict[str, int]:
+        return {"step": self.step, "tokens_seen": self.tokens_seen}
+
+    def load_state_dict(self, state_dict: dict[str, int]) -> None:
+        self.step = int(state_dict["step"])
+        self.tokens_seen = int(state_dict["tokens_seen"])
+
+
+class ModelWrapper(Stateful):
+    """The model parts (pipeline stages on this rank) as one state dict keyed by full parameter names."""
+
+    def __init__(self, model_parts: list[nn.Module]):
+        self.model_parts = model_parts
+
+    def state_dict(self) -> dict[str, Any]:
+        return {name: value for part in self.model_parts for name, value in get_model_state_dict(part).items()}
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        for part in self.model_parts:
+            # strict=False: each part takes its own parameters from the merged dict. A copy per part because
+            # set_model_state_dict may pop entries from the dict it is given.
+            set_model_state_dict(part, dict(state_dict), options=StateDictOptions(strict=False))
+
+
+class RNGState(Stateful):
+    """This process's random generators: Python's `random`, torch's CPU generator and, if present, CUDA's."""
+
+    def state_dict(self) -> dict[str, Any]:
+        state = {"python": random.getstate(), "torch": torch.get_rng_state()}
+        if torch.cuda.is_available():
+            state["cuda"] = torch.cuda.get_rng_state()
+        return state
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        if "python" in state_dict:
+            random.setstate(state_dict["python"])
+        if "torch" in state_dict:
+            torch.set_rng_state(state_dict["torch"])
+        if "cuda" in state_dict and torch.cuda.is_available():
+            torch.cuda.set_rng_state(state_dict["cuda"])
+
+
+class WeightsOnlyLoadPlanner(DefaultLoadPlanner):
+    """DCP's default planner unpickles non-tensor entries with `weights_only=False`, which runs arbitrary code
+    from a crafted checkpoint; this one unpickles them with `weights_only=True`, which accepts only tensors and
+    plain containers of numbers and strings."""
+
+    def load_bytes(self, read_item: ReadItem, value: io.BytesIO) -> None:
+        loaded = torch.load(value, weights_only=True)
+        if self.flatten_state_dict:
+            set_element(self.original_state_dict, self.mappings[read_item.dest_index.fqn], loaded)
+        else:
+            self.state_dict[read_item.dest_index.fqn] = loaded
+
+
+def _serialize(state: Any) -> bytes:
+    buffer = io.BytesIO()
+    torch.save(state, buffer)
+    return buffer.getvalue()
+
+
+def _deserialize(blob: bytes) -> Any:
+    return torch.load(io.BytesIO(blob), weights_only=True)
+
+
+_PARAM_GROUPS = "param_groups."
+
+
+def _pack_param_groups(optimizer_state: dict[str, Any]) -> dict[str, Any]:
+    """OptimizersContainer's flat state repeats a dozen hyperparameters per parameter (`param_groups.<name>.lr`,
+    ...). DCP pickles every non-tensor entry as a record of its own, about a millisecond each, so each parameter's
+    hyperparameters are packed into one record, still keyed by the parameter's name so that any sharding or
+    pipeline split reloads them."""
+    packed: dict[str, Any] = {}
+    groups: dict[str, dict[str, Any]] = {}
+    for key, value in optimizer_state.items():
+        if key.startswith(_PARAM_GROUPS):
+            name, field = key.removeprefix(_PARAM_GROUPS).rsplit(".", 1)
+            groups.setdefault(name, {})[field] = value
+        else:
+            packed[key] = value
+    packed.update({_PARAM_GROUPS + name: _serialize(fields) for name, fields in groups.items()})
+    return packed
+
+
+def _unpack_param_groups(packed: dict[str, Any]) -> dict[str, Any]:
+    optimizer_state: dict[str, Any] = {}
+    for key, value in packed.items():
+        if key.startswith(_PARAM_GROUPS):
+            optimizer_state.update({f"{key}.{field}": v for field, v in _deserialize(value).items()})
+        else:
+            optimizer_state[key] = value
+    return optimizer_state
+
+
+def _rank() -> int:
+    return dist.get_rank() if dist.is_initialized() else 0
+
+
+def _incomplete(path: Path) -> Path:
+    return path.with_name(path.name + INCOMPLETE_SUFFIX)
+
+
+def _fsync_dir(folder: Path) -> None:
+    """Make renames inside `folder` durable: without it a power loss may undo them."""
+    fd = os.open(folder, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _is_storage_error(err: BaseException) -> bool:
+    """An OSError (disk full, permissions, I/O), also one raised on any rank inside a DCP collective."""
+    if isinstance(err, OSError):
+        return True
+    if isinstance(err, CheckpointException):
+        return any(isinstance(failure[0], OSError) for failure in err.failures.values())
+    return False
+
+
+def complete_steps(folder: Path) -> list[int]:
+    """Steps with a complete checkpoint (`step-N` folders) in `folder`, ascending."""
+    if not folder.is_dir():
+        return []
+    steps = [int(m.group(1)) for entry in folder.iterdir() if entry.is_dir() and (m := _STEP_FOLDER.match(entry.name))]
+    return sorted(steps)
+
+
+def read_metadata(checkpoint: Path) -> Metadata:
+    """DCP's metadata of a checkpoint folder, with a UserError naming the folder if it is missing or unreadable."""
+    if not checkpoint.is_dir():
+        raise UserError(f"checkpoint folder {checkpoint} does not exist")
+    if not (checkpoint / METADATA_FILE).is_file():
+        hint = ("; it is a Hugging Face folder: set checkpoint.initial_load_in_hf" if is_hf_folder(checkpoint)
+                else "; the folder is incomplete or corrupt")
+        raise UserError(f"checkpoint {checkpoint} has no {METADATA_FILE} file{hint}")
+    try:
+        return FileSystemReader(checkpoint).read_metadata()
+    except Exception as err:  # a truncated or foreign file fails in pickle with any of several exception types
+        raise UserError(f"checkpoint {checkpoint}: {METADATA_FILE} cannot be read ({type(err).__name__}: {err}); "
+                        f"the checkpoint is corrupt") from err
+
+
+def _dcp_load(state_dict: dict[str, Any], checkpoint: Path, no_dist: bool = False) -> None:
+    try:
+        dcp.load(state_dict, checkpoint_id=checkpoint, planner=WeightsOnlyLoadPlanner(), no_dist=no_dist)
+    except (CheckpointException, OSError, RuntimeError) as err:
+        raise UserError(f"checkpoint {checkpoint} cannot be read, it is corrupt or truncated: {err}") from err
+
+
+def read_full_model(checkpoint: Path) -> dict[str, torch.Tensor]:
+    """The `model.*` tensors of a DCP checkpoint, unsharded, on CPU, in this process alone (no collectives)."""
+    metadata = read_metadata(checkpoint)
+    prefix = "model."
+    state_dict = {key: torch.empty(tuple(entry.size), dtype=entry.properties.dtype)
+                  for key, entry in metadata.state_dict_metadata.items()
+                  if key.startswith(prefix) and isinstance(entry, TensorStorageMetadata)}
+    if not state_dict:
+        raise UserError(f"checkpoint {checkpoint} holds no model weights (no 'model.*' entries)")
+    _dcp_load(state_dict, checkpoint, no_dist=True)
+    return {key.removeprefix(prefix): tensor for key, tensor in state_dict.items()}
+
+
+def validate_config(config: CheckpointConfig) -> None:
+    if config.interval < 1:
+        raise UserError(f"option checkpoint.interval: {config.interval} must be at least 1")
+    if config.keep_latest_k < 0:
+        raise UserError(f"option checkpoint.keep_latest_k: {config.keep_latest_k} must be 0 (keep all) or more")
+    if config.load_step < -1:
+        raise UserError(f"option checkpoint.load_step: {config.load_step} must be -1 (latest) or a step")
+    if config.async_mode not in ASYNC_MODES:
+        raise UserError(f"option checkpoint.async_mode: {config.async_mode!r} is not one of {', '.join(ASYNC_MODES)}")
+    if config.export_dtype not in EXPORT_DTYPES:
+        raise UserError(f"option checkpoint.export_dtype: {config.export_dtype!r} is not one of "
+                        f"{', '.join(EXPORT_DTYPES)}")
+    unknown = [part for part in config.exclude_from_loading if part not in LOADABLE_PARTS]
+    if unknown:
+        raise UserError(f"option checkpoint.exclude_from_loading: {', '.join(map(repr, unknown))} is not one of "
+                        f"{', '.join(LOADABLE_PARTS)}")
+    if config.create_seed_checkpoint and not config.enable:
+        raise UserError("option checkpoint.create_seed_checkpoint: it needs checkpoint.enable = true")
+
+
+class CheckpointManager:
+    """Saves the training state every `interval` steps and resumes from the latest complete checkpoint.
+
+    Every rank constructs one and calls `load`, `save` and `close` at the same points (they run collectives).
+    Async modes need an initialised process group (the trainer always has one, possibly of size 1).
+    """
+
+    def __init__(self, config: CheckpointConfig, dump_folder: str, model_parts: list[nn.Module],
+                 optimizers: Stateful, lr_schedulers: Stateful, dataloader: Stateful, train_state: TrainState,
+                 model_args: TransformerModelArgs):
+        validate_config(config)
+        self.config = config
+        self.folder = Path(dump_folder) / config.folder
+        self.model = ModelWrapper(model_parts)
+        self.optimizers = optimizers
+        self.lr_schedulers = lr_schedulers
+        self.dataloader = dataloader
+        self.train_state = train_state
+        self.rng = RNGState()
+        self.model_args = model_args
+        self.rank = _rank()
+        self.rng_key = f"rng_rank{self.rank}"
+        self._pending: Future | None = None
+        self._async_group = None
+        self._stager: DefaultStager | None = None
+        if config.enable and not config.load_only and config.async_mode != "disabled":
+            # Background saves coordinate over their own gloo group, so their collectives never interleave with
+            # the training loop's on the default (possibly NCCL) group.
+            self._async_group = dist.new_group(backend="gloo")
+        if config.enable and not config.load_only and config.async_mode == "async_with_pinned_mem":
+            # Staging copies into shared memory (pinned too on CUDA) that the checkpoint process reads without
+            # another copy, and reuses the buffers from one save to the next. It runs synchronously in save():
+            # the trainer does not wait for staging before the next optimizer step, which would change the
+            # weights while they are being copied.
+            on_cuda = torch.cuda.is_available()
+            self._stager = DefaultStager(StagingOptions(use_pinned_memory=on_cuda, use_shared_memory=True,
+                                                        use_async_staging=False, use_non_blocking_copy=False))
+
+    # ------------------------------------------------------------------------------------------------------------
+    # Loading
+
+    def load(self) -> bool:
+        """Resume from the latest complete checkpoint (or `load_step`), else start from `initial_load_path`.
+
+        Returns whether anything was loaded.
+        """
+        if not self.config.enable:
+            return False
+        begin = time.perf_counter()
+        wanted = [part for part in LOADABLE_PARTS if part not in self.config.exclude_from_loading]
+        step = self._step_to_resume()
+        if step is not None:
+            source = self._step_path(step)
+            if self.config.initial_load_path:
+                logger.info(f"Resuming from {source}; checkpoint.initial_load_path is not used")
+            loaded = self._load_from(source, wanted)
+        elif self.config.initial_load_path:
+            source = Path(self.config.initial_load_path)
+            if not source.exists():
+                raise UserError(f"option checkpoint.initial_load_path: {source} does not exist")
+            if self.config.initial_load_in_hf:
+                loaded = self._load_hf_model(source) if "model" in wanted else []
+            else:
+                loaded = self._load_from(source, ["model"] if self.config.initial_load_model_only else wanted)
+        else:
+            logger.info(f"No checkpoint in {self.folder} and no checkpoint.initial_load_path: starting from scratch")
+            return False
+        logger.info(f"Loaded {', '.join(loaded) or 'nothing'} from {source} in {time.perf_counter() - begin:.2f} s"
+                    + (f" (step {self.train_state.step})" if "train_state" in loaded else ""))
+        return bool(loaded)
+
+    def _step_path(self, step: int) -> Path:
+        return self.folder / f"step-{step}"
+
+    def _step_to_resume(self) -> int | None:
+        steps = complete_steps(self.folder)
+        if self.config.load_step == -1:
+            return steps[-1] if steps else None
+        if self.config.load_step not in steps:
+            available = ", ".join(map(str, steps)) or "none"
+            raise UserError(f"option checkpoint.load_step: step {self.config.load_step} has no complete checkpoint "
+                            f"in {self.folder}; available steps: {available}")
+        return self.config.load_step
+
+    def _load_from(self, checkpoint: Path, wanted: list[str]) -> list[str]:
+        if not (checkpoint / METADATA_FILE).exists() and is_hf_folder(checkpoint):
+            logger.warning(f"{checkpoint} is a Hugging Face export: it holds only the model weights")
+            return self._load_hf_model(checkpoint) if "model" in wanted else []
+        saved = read_metadata(checkpoint).state_dict_metadata
+        present = [part for part in wanted if self._is_saved(part, saved)]
+        skipped = [part for part in wanted if part not in present and part != "rng"]
+        if skipped:
+            logger.warning(f"Checkpoint {checkpoint} holds no {', '.join(skipped)}; they keep their initial state")
+        if "model" in present:
+            self._check_model_shapes(checkpoint, saved)
+        state_dict = {self._key(part): self._load_template(part, saved) for part in present}
+        _dcp_load(state_dict, checkpoint)
+        for part in present:
+            self._apply(part, state_dict[self._key(part)])
+        return present
+
+    def _key(self, part: str) -> str:
+        return self.rng_key if part == "rng" else part
+
+    def _is_saved(self, part: str, saved: dict[str, Any]) -> bool:
+        key = self._key(part)
+        return key in saved or any(name.startswith(key + ".") for name in saved)
+
+    def _load_template(self, part: str, saved: dict[str, Any]) -> Any:
+        """What DCP loads `part` into: its current state, of the shapes the checkpoint must match."""
+        if part == "model":
+            return self.model.state_dict()
+        if part == "dataloader":
+            return b""
+        if part == "optimizer":
+            return _pack_param_groups(self.optimizers.state_dict())
+        if part == "rng":
+            # Only generators saved by this rank: a CPU run's checkpoint resumes on CUDA and vice versa.
+            return {name: state for name, state in self.rng.state_dict().items() if f"{self.rng_key}.{name}" in saved}
+        return self._stateful(part).state_dict()
+
+    def _stateful(self, part: str) -> Stateful:
+        return {"lr_scheduler": self.lr_schedulers, "train_state": self.train_state,
+                "rng": self.rng, "model": self.model}[part]
+
+    def _apply(self, part: str, state: Any) -> None:
+        if part == "dataloader":
+            self.dataloader.load_state_dict(_deserialize(state))
+        elif part == "optimizer":
+            self.optimizers.load_state_dict(_unpack_param_groups(state))
+        else:
+            self._stateful(part).load_state_dict(state)
+
+    def _check_model_shapes(self, checkpoint: Path, saved: dict[str, Any]) -> None:
+        """Name the first parameter the checkpoint lacks or holds in another shape, before DCP fails obscurely."""
+        for name, tensor in self.model.state_dict().items():
+            entry = saved.get(f"model.{name}")
+            if not isinstance(entry, TensorStorageMetadata):
+                raise UserError(f"checkpoint {checkpoint} has no weight {name}: it was saved from another model; "
+                                f"check model.flavor")
+            if tuple(entry.size) != tuple(tensor.shape):
+                raise UserError(f"checkpoint {checkpoint}: {name} was saved with shape {list(entry.size)}, the "
+                                f"model expects {list(tensor.shape)}; it was saved from another model, check "
+                                f"model.flavor")
+
+    def _load_hf_model(self, folder: Path) -> list[str]:
+        full_state_dict = load_hf(folder, self.model_args)
+        for part in self.model.model_parts:
+            # Every rank holds the full tensors; set_model_state_dict shards them into the part's DTensors.
+            set_model_state_dict(part, dict(full_state_dict),
+                                 options=StateDictOptions(full_state_dict=True, strict=False))
+        return ["model"]
+
+    # ------------------------------------------------------------------------------------------------------------
+    # Saving
+
+    def save(self, step: int, last_step: bool = False, force: bool = False) -> None:
+        """Checkpoint after `step` if it is due: every `interval` steps, at step 1 with
+        `enable_first_step_checkpoint`, at the last step, or when `force`d (a preempted run)."""
+        if not self._is_due(step, last_step, force):
+            return
+        begin = time.perf_counter()
+        if last_step and self.config.last_save_in_hf:
+            self._save_hf_export(step)
+        elif last_step and self.config.last_save_model_only:
+            dtype = EXPORT_DTYPES[self.config.export_dtype]
+            self._save_dcp(step, {"model": {name: value.to(dtype) for name, value in self.model.state_dict().items()}})
+        else:
+            self._save_dcp(step, self._full_state())
+        logger.info(f"Checkpoint of step {step}: the training loop was blocked {time.perf_counter() - begin:.3f} s "
+                    f"(async_mode {self.config.async_mode})")
+
+    def save_seed(self, step: int = 0) -> None:
+        """Write the initialised model alone as `step-<step>`, for runs that must all start from the same weights."""
+        self._save_dcp(step, {"model": self.model.state_dict()})
+        self._wait_for_pending_save()
+        logger.info(f"Seed checkpoint written to {self._step_path(step)}")
+
+    def close(self) -> None:
+        """Wait for an outstanding background save; call before exiting."""
+        self._wait_for_pending_save()
+        if self._stager is not None:
+            self._stager.close()
+            self._stager = None
+
+    def _is_due(self, step: int, last_step: bool, force: bool) -> bool:
+        if not self.config.enable or self.config.load_only:
+            return False
+        return (last_step or force or step % self.config.interval == 0
+                or (step == 1 and self.config.enable_first_step_checkpoint))
+
+    def _full_state(self) -> dict[str, Any]:
+        return {
+            "model": self.model.state_dict(),
+            "optimizer": _pack_param_groups(self.optimizers.state_dict()),
+            "lr_scheduler": self.lr_schedulers.state_dict(),
+            "dataloader": _serialize(self.dataloader.state_dict()),
+            "train_state": self.train_state.state_dict(),
+            self.rng_key: self.rng.state_dict(),
+        }
+
+    def _save_dcp(self, step: int, state_dict: dict[str, Any]) -> None:
+        self._wait_for_pending_save()
+        staging = _incomplete(self._step_path(step))
+        self._on_rank0(self._remove_leftovers, f"cleaning up {self.folder} before saving step {step}")
+        if self.config.async_mode == "disabled":
+            try:
+                dcp.save(state_dict, checkpoint_id=staging)
+            except (Exception, CheckpointException) as err:
+                self._raise_save_error(err, step, staging)
+            self._on_rank0(lambda: self._publish(step), f"publishing checkpoint {staging}")
+            return
+        started = time.perf_counter()
+        if self._stager is not None:
+            upload = dcp.async_save(state_dict, checkpoint_id=staging, process_group=self._async_group,
+                                    async_checkpointer_type=AsyncCheckpointerType.PROCESS, async_stager=self._stager)
+        else:
+            upload = dcp.async_save(state_dict, checkpoint_id=staging, process_group=self._async_group)
+        completed: Future = Future()
+
+        def finish(upload: Future) -> None:
+            # Runs in the background once this rank's part is written; on rank 0 that is after DCP gathered every
+            # rank's results and wrote .metadata, so the folder is complete and may be published.
+            try:
+                upload.result()
+                if self.rank == 0:
+                    self._publish(step)
+                logger.info(f"Checkpoint {self._step_path(step)} written in the background in "
+                            f"{time.perf_counter() - started:.2f} s")
+                completed.set_result(step)
+            except BaseException as err:  # CheckpointException is a BaseException; it must reach the waiter
+                if self.rank == 0:
+                    shutil.rmtree(staging, ignore_errors=True)
+                completed.set_exception(err)
+
+        upload.add_done_callback(finish)
+        self._pending = completed
+
+    def _wait_for_pending_save(self) -> None:
+        if self._pending is None:
+            return
+        pending, self._pending = self._pending, None
+        try:
+            pending.result()
+        except (Exception, CheckpointException) as err:
+            if not _is_storage_error(err):
+                raise
+            raise UserError(f"a background checkpoint save into {self.folder} failed: {err}; earlier checkpoints "
+                            f"are untouched") from err
+
+    def _raise_save_error(self, err: BaseException, step: int, staging: Path) -> None:
+        if self.rank == 0:
+            shutil.rmtree(staging, ignore_errors=True)
+        if not _is_storage_error(err):
+            raise err
+        raise UserError(f"saving the checkpoint of step {step} into {staging} failed: {err}; earlier checkpoints "
+                        f"in {self.folder} are untouched") from err
+
+    def _on_rank0(self, action: Callable[[], None], what: str) -> None:
+        """Run a filesystem action on rank 0 alone. The broadcast of its outcome doubles as a barrier, and makes
+        every rank raise if it failed, rather than leave the others waiting in the next collective."""
+        error = None
+        if self.rank == 0:
+            try:
+                action()
+            except (OSError, UserError) as err:
+                error = f"{what} failed: {err}"
+        if dist.is_initialized():
+            outcome = [error]
+            dist.broadcast_object_list(outcome, src=0)
+            error = outcome[0]
+        if error is not None:
+            raise UserError(error)
+
+    def _remove_leftovers(self) -> None:
+        """Delete `*.incomplete` folders: interrupted saves, whose contents are never loaded."""
+        self.folder.mkdir(parents=True, exist_ok=True)
+        for entry in self.folder.iterdir():
+            if entry.name.endswith(INCOMPLETE_SUFFIX):
+                logger.info(f"Removing {entry}, left by an interrupted save")
+                shutil.rmtree(entry)
+
+    def _publish(self, step: int) -> None:
+        final = self._step_path(step)
+        staging = _incomplete(final)
+        if final.exists():
+            logger.warning(f"Replacing the existing checkpoint {final} by the one just saved")
+            stale = _incomplete(final.with_name(final.name + ".stale"))
+            os.rename(final, stale)
+            os.rename(staging, final)
+            shutil.rmtree(stale)
+        else:
+            os.rename(staging, final)
+        _fsync_dir(self.folder)
+        self._prune(keep=step)
+
+    def _prune(self, keep: int) -> None:
+        """Delete all but the `keep_latest_k` newest complete checkpoints, never the one just published."""
+        if self.config.keep_latest_k == 0:
+            return
+        others = [step for step in complete_steps(self.folder) if step != keep]
+        surplus = len(others) - (self.config.keep_latest_k - 1)
+        for step in others[:max(surplus, 0)]:
+            # Renamed first, so that a crash halfway through the deletion leaves no `step-N` with missing files.
+            doomed = _incomplete(self._step_path(step))
+            os.rename(self._step_path(step), doomed)
+            shutil.rmtree(doomed)
+            logger.info(f"Deleted checkpoint step-{step} (keep_latest_k = {self.config.keep_latest_k})")
+
+    def _save_hf_export(self, step: int) -> None:
+        """The last checkpoint as a Hugging Face folder: every rank saves its shards of the model with DCP into a
+        scratch folder, from which rank 0 assembles the full tensors (so any sharding or pipeline split works)."""
+        self._wait_for_pending_save()
+        final = self._step_path(step)
+        scratch = _incomplete(final.with_name(final.name + ".dcp"))
+        dtype = EXPORT_DTYPES[self.config.export_dtype]
+        self._on_rank0(self._remove_leftovers, f"cleaning up {self.folder} before saving step {step}")
+        try:
+            dcp.save({"model": self.model.state_dict()}, checkpoint_id=scratch)
+        except (Exception, CheckpointException) as err:
+            self._raise_save_error(err, step, scratch)
+
+        def convert() -> None:
+            save_hf(_incomplete(final), read_full_model(scratch), self.model_args, dtype)
+            shutil.rmtree(scratch)
+            self._publish(step)
+
+        self._on_rank0(convert, f"writing the Hugging Face checkpoint {final}")
+        logger.info(f"Hugging Face checkpoint written to {final} ({self.config.export_dtype})")

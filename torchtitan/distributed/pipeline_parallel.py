@@ -1,0 +1,220 @@
+"""Pipeline parallelism: split the model into stages, parallelise each stage, and build the schedule.
+
+Gradients: the trainer's loss is a sum of token cross-entropies divided by the global count of valid tokens, so the
+gradients summed over micro-batches already equal the non-pipelined gradients. The schedules' default
+(`scale_grads=True`) divides them once more by the number of micro-batches; it is turned off here.
+
+FSDP: the schedules switch gradient synchronisation and resharding after backward off for every micro-batch but
+the last and reduce-scatter once per step (`PipelineStage.perform_reduce_grad`); with FSDP's
+`reshard_after_forward=False` under PP (the default) the parameters stay gathered across micro-batches.
+
+Stage shapes are not given to `PipelineStage`: at the first step (and when switching between training and
+evaluation) it runs the first micro-batch once to learn them. That holds whatever the layout does to the hidden
+states between stages: (micro-batch, seq / cp / tp, dim) plain tensors under sequence-parallel TP, whose blocks
+return local shards, and a different dtype under mixed precision or a different length in validation.
+"""
+
+import math
+import os
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.pipelining import PipelineStage
+from torch.distributed.pipelining.schedules import (PipelineScheduleMulti, PipelineScheduleSingle,
+                                                    ScheduleDualPipeV, ScheduleZBVZeroBubble, _PipelineSchedule,
+                                                    _PipelineScheduleRuntime, get_schedule_class)
+
+from torchtitan.config.job_config import JobConfig
+from torchtitan.distributed.parallel_dims import ParallelDims
+from torchtitan.errors import UserError
+from torchtitan.models.llama3.parallelize import parallelize_llama
+from torchtitan.models.llama3.pipeline import (LAYERS_PER_STAGE_OPTION, SPLIT_POINTS_OPTION, build_stage_module,
+                                               requested_stage_count, split_into_stages, stage_ids_for_rank)
+from torchtitan.tools.logging import logger
+
+SCHEDULES = ("GPipe", "1F1B", "Interleaved1F1B", "LoopedBFS", "InterleavedZeroBubble", "ZBVZeroBubble", "DualPipeV")
+SCHEDULE_OPTION = "parallelism.pipeline_parallel_schedule"
+CSV_OPTION = "parallelism.pipeline_parallel_schedule_csv"
+MICROBATCH_OPTION = "parallelism.pipeline_parallel_microbatch_size"
+ROUNDS_SCHEDULES = ("Interleaved1F1B", "InterleavedZeroBubble")
+
+
+@dataclass(frozen=True)
+class PipelinePlan:
+    schedule_name: str
+    schedule_class: type[_PipelineSchedule]
+    n_microbatches: int
+    stage_names: list[list[str]]
+    """The module names each stage keeps, by stage index."""
+    v_shaped: bool
+
+    @property
+    def num_stages(self) -> int:
+        return len(self.stage_names)
+
+    @property
+    def multi_stage(self) -> bool:
+        return issubclass(self.schedule_class, PipelineScheduleMulti)
+
+
+def plan_pipeline(model: nn.Module, pp_degree: int, config: JobConfig) -> PipelinePlan:
+    """Check the pipeline options against the model and each other; no process group is needed."""
+    parallelism = config.parallelism
+    name, schedule_class = resolve_schedule(parallelism.pipeline_parallel_schedule)
+    multi_stage = issubclass(schedule_class, PipelineScheduleMulti)
+    csv_path = parallelism.pipeline_parallel_schedule_csv
+    if csv_path:
+        if not multi_stage:
+            raise UserError(f"option {CSV_OPTION}: a custom schedule runs on the multi-stage runtime, but "
+                            f"{SCHEDULE_OPTION} = {name} is a single-stage schedule; name the multi-stage schedule "
+                            f"whose stage placement the CSV uses: {', '.join(_multi_stage_schedules())}")
+        if not os.path.isfile(csv_path):
+            raise UserError(f"option {CSV_OPTION}: {csv_path!r} is not a file")
+    n_microbatches = microbatch_count(config.training.local_batch_size, parallelism.pipeline_parallel_microbatch_size)
+    n_layers = len(model.layers)
+    split_points = parallelism.pipeline_parallel_split_points
+    layers_per_stage = parallelism.pipeline_parallel_layers_per_stage
+    num_stages = requested_stage_count(n_layers, pp_degree * (2 if multi_stage else 1), split_points,
+                                       layers_per_stage)
+    v_shaped = issubclass(schedule_class, (ScheduleZBVZeroBubble, ScheduleDualPipeV))
+    _check_stage_count(num_stages, n_layers, pp_degree, name, schedule_class, split_points, layers_per_stage)
+    if not csv_path:
+        _check_microbatches(n_microbatches, name, pp_degree, num_stages)
+    if config.validation.enable and config.validation.local_batch_size % n_microbatches:
+        raise UserError(f"option validation.local_batch_size: under pipeline parallelism a validation batch is "
+                        f"split into the {n_microbatches} training micro-batches, so "
+                        f"{config.validation.local_batch_size} must be a multiple of {n_microbatches}")
+    stage_names = split_into_stages(model, num_stages, split_points=split_points, layers_per_stage=layers_per_stage)
+    return PipelinePlan(name, schedule_class, n_microbatches, stage_names, v_shaped)
+
+
+def resolve_schedule(name: str) -> tuple[str, type[_PipelineSchedule]]:
+    """The canonical name (matched case-insensitively, as torch does) and torch's schedule class."""
+    canonical = {schedule.lower(): schedule for schedule in SCHEDULES}.get(name.lower())
+    if canonical is None:
+        raise UserError(f"option {SCHEDULE_OPTION}: unknown schedule {name!r}; valid: {', '.join(SCHEDULES)}")
+    return canonical, get_schedule_class(canonical)
+
+
+def _multi_stage_schedules() -> list[str]:
+    return [name for name in SCHEDULES if issubclass(get_schedule_class(name), PipelineScheduleMulti)]
+
+
+def microbatch_count(local_batch_size: int, microbatch_size: int) -> int:
+    if microbatch_size < 1 or local_batch_size % microbatch_size:
+        divisors = [d for d in range(1, local_batch_size + 1) if local_batch_size % d == 0]
+        raise UserError(f"option {MICROBATCH_OPTION}: {microbatch_size} does not divide training.local_batch_size "
+                        f"({local_batch_size}) into whole micro-batches; valid: "
+                        f"{', '.join(map(str, divisors))} (or change training.local_batch_size)")
+    return local_batch_size // microbatch_size
+
+
+def _check_stage_count(num_stages: int, n_layers: int, pp_degree: int, name: str,
+                       schedule_class: type[_PipelineSchedule], split_points: list[str],
+                       layers_per_stage: int | None) -> None:
+    fits, needed = _stage_count_rule(schedule_class, pp_degree)
+    if fits(num_stages):
+        return
+    requirement = f"schedule {name} on pipeline_parallel_degree {pp_degree} needs {needed}"
+    if split_points:
+        raise UserError(f"option {SPLIT_POINTS_OPTION}: {','.join(split_points)} makes {num_stages} stages, but "
+                        f"{requirement}; give one split point fewer than that many stages")
+    valid = [k for k in range(1, n_layers + 3) if fits(math.ceil((n_layers + 2) / k))]
+    raise UserError(f"option {LAYERS_PER_STAGE_OPTION}: {layers_per_stage} units per stage make {num_stages} stages "
+                    f"of the {n_layers} blocks + embedding + output, but {requirement}; valid: "
+                    f"{', '.join(map(str, valid)) or 'none (choose another schedule or degree)'}")
+
+
+def _stage_count_rule(schedule_class: type[_PipelineSchedule], pp_degree: int) -> tuple[Callable[[int], bool], str]:
+    """Which stage counts the schedule can run, and that rule in words."""
+    if issubclass(schedule_class, PipelineScheduleSingle):
+        return (lambda count: count == pp_degree), f"exactly {pp_degree} stages (one per rank)"
+    if issubclass(schedule_class, (ScheduleZBVZeroBubble, ScheduleDualPipeV)):
+        return (lambda count: count == 2 * pp_degree), f"exactly {2 * pp_degree} stages (two per rank)"
+    return ((lambda count: count % pp_degree == 0 and count >= 2 * pp_degree),
+            f"a multiple of {pp_degree} stages, at least {2 * pp_degree} (two or more per rank)")
+
+
+def _check_microbatches(n_microbatches: int, name: str, pp_degree: int, num_stages: int) -> None:
+    """The micro-batch counts torch's schedules accept (GPipe, LoopedBFS and ZBVZeroBubble take any)."""
+    hint = f"set training.local_batch_size / {MICROBATCH_OPTION} accordingly"
+    if name == "1F1B" and n_microbatches < pp_degree:
+        raise UserError(f"option {MICROBATCH_OPTION}: schedule 1F1B needs at least as many micro-batches as stages "
+                        f"({pp_degree}), but training.local_batch_size / {MICROBATCH_OPTION} gives "
+                        f"{n_microbatches}; {hint}, or use GPipe")
+    if name == "DualPipeV" and n_microbatches < num_stages:
+        raise UserError(f"option {MICROBATCH_OPTION}: schedule DualPipeV needs at least as many micro-batches as "
+                        f"stages ({num_stages}), but training.local_batch_size / {MICROBATCH_OPTION} gives "
+                        f"{n_microbatches}; {hint}, or use ZBVZeroBubble")
+    if name in ROUNDS_SCHEDULES and n_microbatches % _rounds(n_microbatches, pp_degree):
+        valid = [count for count in range(1, 2 * n_microbatches + 1) if count % _rounds(count, pp_degree) == 0]
+        nearest = sorted(valid, key=lambda count: abs(count - n_microbatches))[:3]
+        raise UserError(f"option {MICROBATCH_OPTION}: schedule {name} runs the micro-batches in "
+                        f"{_rounds(n_microbatches, pp_degree)} rounds (micro-batches // pipeline_parallel_degree "
+                        f"{pp_degree}), which must divide them, but training.local_batch_size / {MICROBATCH_OPTION} "
+                        f"gives {n_microbatches}; valid counts nearby: {', '.join(map(str, sorted(nearest)))}; {hint}")
+
+
+def _rounds(n_microbatches: int, pp_degree: int) -> int:
+    return max(1, n_microbatches // pp_degree)
+
+
+def pipeline_llama(model: nn.Module, world_mesh: DeviceMesh, parallel_dims: ParallelDims, config: JobConfig,
+                   device: torch.device, loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
+                   ) -> tuple[_PipelineSchedule, list[nn.Module], bool, bool]:
+    """Split the meta `model`, parallelise this rank's stages, and build the schedule.
+
+    Returns (schedule, this rank's stage modules in stage order, whether it runs the first stage, whether it runs
+    the last). `loss_fn(logits, labels)` must already be normalised by the global count of valid tokens.
+    """
+    pp_mesh = world_mesh["pp"]
+    pp_rank, pp_degree = pp_mesh.get_local_rank(), pp_mesh.size()
+    plan = plan_pipeline(model, pp_degree, config)
+    stages, parts = [], []
+    for stage_id in stage_ids_for_rank(pp_rank, pp_degree, plan.num_stages, plan.v_shaped):
+        part = parallelize_llama(build_stage_module(model, plan.stage_names[stage_id]), world_mesh,
+                                 parallel_dims, config)
+        stages.append(PipelineStage(part, stage_id, plan.num_stages, device, group=pp_mesh.get_group()))
+        parts.append(part)
+        logger.info(f"pipeline stage {stage_id} of {plan.num_stages} on pp rank {pp_rank}: "
+                    f"{_describe(plan.stage_names[stage_id])}")
+    schedule = _build_schedule(plan, stages, loss_fn, config.parallelism.pipeline_parallel_schedule_csv)
+    logger.info(f"pipeline schedule {plan.schedule_name}: {plan.num_stages} stages on {pp_degree} ranks, "
+                f"{plan.n_microbatches} micro-batches of {config.parallelism.pipeline_parallel_microbatch_size}")
+    return schedule, parts, any(stage.is_first for stage in stages), any(stage.is_last for stage in stages)
+
+
+def _build_schedule(plan: PipelinePlan, stages: list[PipelineStage], loss_fn: Callable,
+                    csv_path: str | None) -> _PipelineSchedule:
+    if not plan.multi_stage:
+        return plan.schedule_class(stages[0], plan.n_microbatches, loss_fn=loss_fn, scale_grads=False)
+    if not csv_path:
+        return plan.schedule_class(stages, plan.n_microbatches, loss_fn=loss_fn, scale_grads=False)
+    schedule = _PipelineScheduleRuntime(stages, plan.n_microbatches, loss_fn=loss_fn, scale_grads=False)
+    try:
+        schedule._load_csv(csv_path)
+    except (AssertionError, KeyError, RuntimeError, ValueError) as e:
+        raise UserError(f"option {CSV_OPTION}: {csv_path!r} is not a valid schedule for {plan.num_stages} stages on "
+                        f"{stages[0].group_size} ranks and {plan.n_microbatches} micro-batches: {e}") from None
+    pp_rank = stages[0].group_rank
+    for stage in stages:
+        csv_rank = schedule.stage_index_to_group_rank[stage.stage_index]
+        if csv_rank != pp_rank:
+            raise UserError(f"option {CSV_OPTION}: {csv_path!r} runs stage {stage.stage_index} on rank {csv_rank}, "
+                            f"but schedule {plan.schedule_name} places it on rank {pp_rank}; set "
+                            f"{SCHEDULE_OPTION} to the schedule whose placement the CSV follows "
+                            f"(looped: Interleaved1F1B; V-shaped: ZBVZeroBubble)")
+    return schedule
+
+
+def _describe(names: list[str]) -> str:
+    blocks = [name for name in names if name.startswith("layers.")]
+    parts = [name for name in names if not name.startswith("layers.")]
+    if blocks:
+        first, last = blocks[0].split(".")[1], blocks[-1].split(".")[1]
+        parts.insert(1 if "tok_embeddings" in names else 0, f"layers {first}-{last}" if first != last
+                     else f"layer {first}")
+    return ", ".join(parts)
