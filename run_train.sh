@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Launch training with torchrun on this machine.
+# Launch training with torchrun (through torchtitan.launch, which keeps the workers' exit code) on this machine.
 #   NGPU         processes to start (default: the GPUs present, else 1)
 #   CONFIG_FILE  TOML config (default: the debug model)
 #   LOG_RANK     comma-separated ranks whose output is shown (default: 0)
@@ -13,6 +13,6 @@ fi
 CONFIG_FILE=${CONFIG_FILE:-"$(dirname "$0")/train_configs/debug_model.toml"}
 LOG_RANK=${LOG_RANK:-0}
 
-exec torchrun --nproc_per_node="$NGPU" --rdzv_backend c10d --rdzv_endpoint="localhost:0" \
+exec python -m torchtitan.launch --nproc_per_node="$NGPU" --rdzv_backend c10d --rdzv_endpoint="localhost:0" \
   --local-ranks-filter "$LOG_RANK" --role rank --tee 3 \
   -m torchtitan.train --job.config_file "$CONFIG_FILE" "$@"

@@ -40,6 +40,7 @@ import statistics
 import sys
 import tempfile
 import time
+from dataclasses import dataclass, field
 from pathlib import Path
 
 # Running `python scripts/benchmark.py` puts scripts/ first on sys.path, not the checkout that holds torchtitan.
@@ -118,11 +119,27 @@ def describe_config(config: JobConfig, trainer: Trainer, threads: int) -> dict:
     }
 
 
-def timed(step) -> tuple[float, float]:
-    """(seconds, loss) of one call; `step` returns the loss as a float, which waits for the device."""
-    start = time.perf_counter()
-    loss = step()
-    return time.perf_counter() - start, loss
+@dataclass
+class Timing:
+    wall_s: list[float] = field(default_factory=list)
+    cpu_s: list[float] = field(default_factory=list)
+    losses: list[float] = field(default_factory=list)
+
+    def run(self, step) -> None:
+        """Time one call of `step`, which returns the loss as a float (and so waits for the device)."""
+        wall, cpu = time.perf_counter(), time.process_time()
+        loss = step()
+        self.cpu_s.append(time.process_time() - cpu)
+        self.wall_s.append(time.perf_counter() - wall)
+        self.losses.append(loss)
+
+    @property
+    def step_s(self) -> float:
+        return statistics.median(self.wall_s)
+
+    @property
+    def step_cpu_s(self) -> float:
+        return statistics.median(self.cpu_s)
 
 
 def peak_memory(device: torch.device, baseline_rss_gib: float) -> dict:
@@ -213,14 +230,15 @@ def measure(trainer: Trainer, args: argparse.Namespace, threads: int, baseline_r
     warmup_losses = [ours() for _ in range(args.warmup)]
     gc.collect()
     reset_peak_memory(trainer.device)
-    times, losses = zip(*(timed(ours) for _ in range(args.steps)))
+    timing = Timing()
+    for _ in range(args.steps):
+        timing.run(ours)
     memory = peak_memory(trainer.device, baseline_rss_gib)
 
     dims = trainer.parallel_dims
     tokens_per_step = trainer.grad_accumulation_steps * config.training.local_batch_size * \
         config.training.seq_len * dims.dp
-    step_time = statistics.median(times)
-    tokens_per_s = tokens_per_step / dims.world_size / step_time
+    tokens_per_s = tokens_per_step / dims.world_size / timing.step_s
     dtype = config.training.mixed_precision_param
     # The Trainer measured (or looked up) the same figure; asking again returns it with its description.
     _, peak_source = peak_flops(trainer.device, TORCH_DTYPES[dtype], config.metrics.peak_flops)
@@ -228,11 +246,12 @@ def measure(trainer: Trainer, args: argparse.Namespace, threads: int, baseline_r
         "config": describe_config(config, trainer, threads),
         "warmup": args.warmup, "steps": args.steps,
         "tokens_per_s_per_device": tokens_per_s,
-        "step_time_s": step_time, "step_time_mean_s": statistics.fmean(times),
+        "step_time_s": timing.step_s, "step_time_mean_s": statistics.fmean(timing.wall_s),
+        "step_cpu_time_s": timing.step_cpu_s,
         "mfu_pct": 100 * trainer.flops_per_token * tokens_per_s / trainer.peak_flops,
         "peak": {"tflops": trainer.peak_flops / 1e12, "dtype": dtype, "source": peak_source},
         **memory,
-        "first_loss": warmup_losses[0], "last_loss": losses[-1],
+        "first_loss": warmup_losses[0], "last_loss": timing.losses[-1],
     }
     if args.hf:
         result["hf"] = compare_with_hf(trainer, hf_state, batches, ours, args, tokens_per_step)
@@ -248,19 +267,21 @@ def compare_with_hf(trainer: Trainer, state_dict: dict, batches: list[list[Batch
     for i in range(1, args.warmup):
         hf.step(*batches[i][0])
     gc.collect()
-    ours_times, hf_times = [], []
+    ours_timing, hf_timing = Timing(), Timing()
     for i in range(args.steps):
-        ours_times.append(timed(ours)[0])
+        ours_timing.run(ours)
         inputs, labels = batches[(args.warmup + i) % len(batches)][0]
-        hf_times.append(timed(lambda: hf.step(inputs, labels))[0])
-    ours_step, hf_step = statistics.median(ours_times), statistics.median(hf_times)
+        hf_timing.run(lambda: hf.step(inputs, labels))
     fp32_peak, fp32_peak_source = peak_flops(trainer.device, torch.float32, trainer.config.metrics.peak_flops)
-    hf_tokens_per_s = tokens_per_step / hf_step
+    hf_tokens_per_s = tokens_per_step / hf_timing.step_s
     return {
         "model": "transformers.LlamaForCausalLM fp32 eager (sdpa attention), torch.optim.AdamW default",
-        "tokens_per_s_per_device": hf_tokens_per_s, "step_time_s": hf_step,
-        "ours_tokens_per_s_alternating": tokens_per_step / ours_step, "ours_step_time_s_alternating": ours_step,
-        "ratio": hf_step / ours_step,
+        "tokens_per_s_per_device": hf_tokens_per_s, "step_time_s": hf_timing.step_s,
+        "step_cpu_time_s": hf_timing.step_cpu_s,
+        "ours_tokens_per_s_alternating": tokens_per_step / ours_timing.step_s,
+        "ours_step_time_s_alternating": ours_timing.step_s, "ours_step_cpu_time_s_alternating": ours_timing.step_cpu_s,
+        "ratio": hf_timing.step_s / ours_timing.step_s,
+        "ratio_cpu_time": hf_timing.step_cpu_s / ours_timing.step_cpu_s,
         "mfu_pct": 100 * trainer.flops_per_token * hf_tokens_per_s / fp32_peak,
         "peak": {"tflops": fp32_peak / 1e12, "dtype": "float32", "source": fp32_peak_source},
         "first_loss": first_loss,

@@ -22,7 +22,8 @@ import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
-from torchtitan.components.checkpoint import EXPORT_DTYPES, INCOMPLETE_SUFFIX, read_full_model, read_metadata
+from torchtitan.components.checkpoint import (EXPORT_DTYPES, INCOMPLETE_SUFFIX, read_full_model, read_metadata,
+                                              without_collectives)
 from torchtitan.errors import UserError
 from torchtitan.models.llama3.args import TransformerModelArgs, llama3_flavors, model_args_for
 from torchtitan.models.llama3.state_dict_adapter import CONFIG_FILE, expected_shapes, load_hf, save_hf
@@ -65,7 +66,8 @@ def hf_to_dcp(source: Path, output: Path, flavor: str) -> None:
         raise UserError(f"output {output} already exists; remove it or choose another")
     staging = output.with_name(output.name + INCOMPLETE_SUFFIX)
     shutil.rmtree(staging, ignore_errors=True)
-    dcp.save({"model": state_dict}, checkpoint_id=staging, no_dist=True)
+    with without_collectives():
+        dcp.save({"model": state_dict}, checkpoint_id=staging, no_dist=True)
     os.rename(staging, output)
 
 
@@ -73,7 +75,8 @@ def dcp_to_torch(source: Path, output: Path) -> None:
     read_metadata(source)
     if output.exists():
         raise UserError(f"output {output} already exists; remove it or choose another")
-    dcp_to_torch_save(source, output)
+    with without_collectives():
+        dcp_to_torch_save(source, output)
 
 
 def build_parser() -> argparse.ArgumentParser:

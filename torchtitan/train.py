@@ -246,13 +246,14 @@ class Trainer:
             if not has_batch.item():
                 break
             inputs, labels = batch[0].to(self.device), batch[1].to(self.device)
+            # Counted before context parallelism shards the labels in place (they are not restored).
+            tokens += count_valid_tokens(labels)
             with self._train_context(inputs, labels), self.autocast:
                 if self.pp_schedule is not None:
                     loss_sum += self._pipeline_eval(inputs, labels)
                 else:
                     loss = self.loss_fn(self.model_parts[0](inputs), labels)
                     loss_sum += loss.full_tensor() if isinstance(loss, DTensor) else loss
-            tokens += count_valid_tokens(labels)
             batches += 1
         totals = torch.stack([loss_sum / self.parallel_dims.tp, tokens])
         dist.all_reduce(totals)
@@ -294,6 +295,9 @@ class Trainer:
             config.training.seq_len * self.parallel_dims.dp
         window = {"time": time.perf_counter(), "steps": 0, "data_time": 0.0}
         reset_peak_memory(self.device)
+        # The training timeout applies after the first step of this run (the first after a resume too): that step
+        # may take longer (lazy initialisation, compilation).
+        first_step = self.train_state.step + 1
         logger.info(f"Training {config.training.steps} steps from step {self.train_state.step}: global batch "
                     f"{batch_tokens:,} tokens, {self.grad_accumulation_steps} accumulation step(s)")
         with maybe_enable_profiling(config, self.rank, self.train_state.step) as profiler, \
@@ -309,7 +313,7 @@ class Trainer:
                 self.train_state.step = step
                 self.train_state.tokens_seen += batch_tokens
                 window["steps"] += 1
-                if step == 1:
+                if step == first_step:
                     dist_utils.set_train_timeout(config.comm.train_timeout_seconds)
                 last_step = step == config.training.steps or self.preempted
                 if step == 1 or step % config.metrics.log_freq == 0 or last_step:
@@ -373,20 +377,48 @@ class Trainer:
             dist.destroy_process_group()
 
 
+# Exit codes (docs/debugging.md): a scheduler may requeue EXIT_COMM_FAILURE and EXIT_PREEMPTED, never
+# EXIT_USER_ERROR, which would fail the same way again. EXIT_PREEMPTED is what a process killed by SIGTERM reports
+# (128 + 15), so that nothing downstream (SLURM's afterok dependencies, wrapper scripts) takes a preempted run for a
+# finished one.
+EXIT_USER_ERROR = 2
+EXIT_NONFINITE = 3
+EXIT_COMM_FAILURE = 4
+EXIT_PREEMPTED = 128 + signal.SIGTERM
+
+
 def main(argv: list[str] | None = None) -> int:
     init_logger()
     trainer = None
     try:
         config = parse_args(argv)
-        os.makedirs(config.job.dump_folder, exist_ok=True)
+        try:
+            os.makedirs(config.job.dump_folder, exist_ok=True)
+        except OSError as e:
+            raise UserError(f"option job.dump_folder: cannot create {config.job.dump_folder}: {e}") from None
         trainer = Trainer(config)
         trainer.train()
+    except NonFiniteError as e:
+        logger.error(f"error: {e}")
+        return EXIT_NONFINITE
     except UserError as e:
         logger.error(f"error: {e}")
-        return 2 if not isinstance(e, NonFiniteError) else 3
+        return EXIT_USER_ERROR
+    except RuntimeError as e:
+        during = f"step {trainer.train_state.step + 1}" if trainer is not None else "start-up"
+        message = dist_utils.describe_comm_failure(e, during)
+        if message is None:
+            raise
+        logger.error(f"error: {message}")
+        return EXIT_COMM_FAILURE
     finally:
         if trainer is not None:
             trainer.close()
+        elif dist.is_initialized():
+            # Trainer() failed after joining the process group: a later main() in this process must join anew.
+            dist.destroy_process_group()
+    if trainer.preempted and trainer.train_state.step < config.training.steps:
+        return EXIT_PREEMPTED
     return 0
 
 

@@ -2,6 +2,7 @@
 
 import json
 import os
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -15,22 +16,36 @@ TINY = ["--model.flavor", "tiny", "--training.seq_len", "32", "--training.mixed_
 
 
 def launch(dump_folder: Path, nproc: int, args: list[str], timeout: int = 300,
-           env: dict | None = None) -> subprocess.CompletedProcess:
-    """Start the trainer with `nproc` processes; returns the finished process (stdout and stderr merged)."""
-    trainer = ["-m", "torchtitan.train", *args, "--job.dump_folder", str(dump_folder)]
+           env: dict | None = None, module: str = "torchtitan.train",
+           launcher_args: list[str] | None = None) -> subprocess.CompletedProcess:
+    """Start the trainer with `nproc` processes; returns the finished process (stdout and stderr merged).
+
+    `module` replaces the entry point (the fault-injection wrapper); `launcher_args` go to torchrun.
+    """
+    trainer = ["-m", module, *args, "--job.dump_folder", str(dump_folder)]
     if nproc == 1:
         cmd = [sys.executable, *trainer]
     else:
         cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}", "--rdzv-backend=c10d",
-               "--rdzv-endpoint=localhost:0", *trainer]
+               "--rdzv-endpoint=localhost:0", *(launcher_args or []), *trainer]
     full_env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO), **(env or {})}
-    return subprocess.run(cmd, cwd=REPO, env=full_env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                          timeout=timeout)
+    # A session of its own, so that a timeout kills the workers too, not only the launcher (orphaned workers
+    # would keep the CPU busy and hold ports).
+    with subprocess.Popen(cmd, cwd=REPO, env=full_env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                          start_new_session=True) as proc:
+        try:
+            stdout, _ = proc.communicate(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.communicate()
+            raise
+    return subprocess.CompletedProcess(cmd, proc.returncode, stdout)
 
 
-def train(dump_folder: Path, nproc: int, args: list[str], timeout: int = 300, env: dict | None = None) -> list[dict]:
+def train(dump_folder: Path, nproc: int, args: list[str], timeout: int = 300, env: dict | None = None,
+          **launch_options) -> list[dict]:
     """Run to completion (failing the test with the output's tail otherwise); returns the metrics.jsonl rows."""
-    proc = launch(dump_folder, nproc, args, timeout, env)
+    proc = launch(dump_folder, nproc, args, timeout, env, **launch_options)
     assert proc.returncode == 0, f"trainer exited {proc.returncode}:\n{proc.stdout[-6000:]}"
     return read_metrics(dump_folder)
 

@@ -45,7 +45,9 @@ def reference(tmp_path_factory) -> list[dict]:
 def test_layout_matches_single_process(tmp_path, reference, name, nproc, dp, options):
     rows = train(tmp_path / name, nproc, [*BASE, *batch_args(dp), *options])
     assert len(losses(rows)) == STEPS
-    assert max_relative_difference(losses(rows), losses(reference)) <= 1e-5
+    difference = max_relative_difference(losses(rows), losses(reference))
+    print(f"parity {name}: max relative loss difference {difference:.2e}")
+    assert difference <= 1e-5
     grad_norms = [row["grad_norm"] for row in rows]
     reference_norms = [row["grad_norm"] for row in reference]
     assert max_relative_difference(grad_norms, reference_norms) <= 1e-4
@@ -57,6 +59,7 @@ def test_fsdp_shards_model_state(tmp_path, reference):
         rows = train(tmp_path / f"fsdp{n}", n, [*BASE, "--training.steps", "1", *batch_args(n),
                                                 "--parallelism.data_parallel_shard_degree", str(n)])
         ratio = rows[0]["model_state_gib"] / reference[0]["model_state_gib"]
+        print(f"FSDP {n}: per-rank model state = {ratio:.4f} of one process's (ideal {1 / n:.4f})")
         assert abs(ratio * n - 1) <= 0.10, f"FSDP {n}: per-rank state is {ratio:.4f} of one process's"
 
 
@@ -70,4 +73,5 @@ def test_bf16_mixed_precision_close_to_fp32(tmp_path, reference):
     rows = train(tmp_path / "fsdp2_bf16", 2, [*BASE, *batch_args(2), "--parallelism.data_parallel_shard_degree", "2",
                                               "--training.mixed_precision_param", "bfloat16"])
     difference = max_relative_difference(losses(rows), losses(reference))
+    print(f"parity fsdp2 bf16: max relative loss difference to fp32 {difference:.2e}")
     assert 0 < difference <= 1e-2

@@ -1,8 +1,8 @@
 """Pipeline parallelism reproduces the single-process loss curve with every schedule and next to FSDP, TP and CP.
 
 Same seed, data and global batch, fp32: each layout's per-step loss must equal the one-process run's within 1e-5
-relative. Micro-batches of one sequence make 4 micro-batches per step, enough for every schedule on 2 ranks (and
-DualPipeV's 4 stages); a gradient wrongly divided by them would show at the second step.
+relative. Micro-batches of one sequence make 4 micro-batches per step (2 next to FSDP 2), enough for every schedule
+on 2 ranks (and DualPipeV's 4 stages); a gradient wrongly divided by them would show at the second step.
 """
 
 import pytest
@@ -11,10 +11,13 @@ from tests.integration.harness import TINY, losses, max_relative_difference, tra
 
 pytestmark = pytest.mark.integration
 
-STEPS = 8
+STEPS = 6
 BASE = [*TINY, "--training.steps", str(STEPS)]
 LOCAL_BATCH = 4
 TOLERANCE = 1e-5
+# Validation with shorter sequences: the pipeline re-learns the stage shapes for it and back for training.
+VALIDATION = ["--validation.enable", "--validation.freq", "3", "--validation.local_batch_size", str(LOCAL_BATCH),
+              "--validation.seq_len", "16", "--validation.steps", "2"]
 
 
 def batch(local_batch_size: int) -> list[str]:
@@ -28,28 +31,29 @@ def pipeline(degree: int, schedule: str, *options: str) -> list[str]:
 
 @pytest.fixture(scope="module")
 def tiny_reference(tmp_path_factory) -> list[dict]:
-    return train(tmp_path_factory.mktemp("tiny_reference"), 1, [*BASE, *batch(LOCAL_BATCH)])
-
-
-@pytest.fixture(scope="module")
-def tiny_reference_batch8(tmp_path_factory) -> list[dict]:
-    """The global batch of two data-parallel ranks of LOCAL_BATCH sequences each."""
-    return train(tmp_path_factory.mktemp("tiny_reference_batch8"), 1, [*BASE, *batch(2 * LOCAL_BATCH)])
+    return train(tmp_path_factory.mktemp("tiny_reference"), 1, [*BASE, *batch(LOCAL_BATCH), *VALIDATION])
 
 
 @pytest.fixture(scope="module")
 def debugmodel_reference(tmp_path_factory) -> list[dict]:
     return train(tmp_path_factory.mktemp("debugmodel_reference"), 1,
-                 [*BASE, *batch(LOCAL_BATCH), "--model.flavor", "debugmodel"])
+                 [*BASE, *batch(LOCAL_BATCH), *VALIDATION, "--model.flavor", "debugmodel"])
 
 
-def assert_parity(rows: list[dict], reference: list[dict]) -> None:
+def validation_losses(rows: list[dict]) -> list[float]:
+    return [row["validation_loss"] for row in rows if "validation_loss" in row]
+
+
+def assert_parity(rows: list[dict], reference: list[dict], validated: bool = True) -> None:
     assert len(losses(rows)) == STEPS
     difference = max_relative_difference(losses(rows), losses(reference))
     print(f"max relative loss difference {difference:.2e}")
     assert difference <= TOLERANCE
     grad_norms = [row["grad_norm"] for row in rows]
     assert max_relative_difference(grad_norms, [row["grad_norm"] for row in reference]) <= 10 * TOLERANCE
+    if validated:
+        assert len(validation_losses(rows)) == STEPS // 3
+        assert max_relative_difference(validation_losses(rows), validation_losses(reference)) <= TOLERANCE
 
 
 SCHEDULES = ["GPipe", "1F1B", "Interleaved1F1B", "LoopedBFS", "InterleavedZeroBubble", "ZBVZeroBubble", "DualPipeV"]
@@ -57,13 +61,13 @@ SCHEDULES = ["GPipe", "1F1B", "Interleaved1F1B", "LoopedBFS", "InterleavedZeroBu
 
 @pytest.mark.parametrize("schedule", SCHEDULES)
 def test_pp2_schedule_matches_single_process(tmp_path, tiny_reference, schedule):
-    rows = train(tmp_path / schedule, 2, [*BASE, *batch(LOCAL_BATCH), *pipeline(2, schedule)])
+    rows = train(tmp_path / schedule, 2, [*BASE, *batch(LOCAL_BATCH), *VALIDATION, *pipeline(2, schedule)])
     assert_parity(rows, tiny_reference)
 
 
 def test_pp4_interleaved_one_block_per_stage(tmp_path, debugmodel_reference):
     """8 stages of one unit each on 4 ranks: the embedding and the head get stages of their own."""
-    rows = train(tmp_path / "pp4", 4, [*BASE, *batch(LOCAL_BATCH), "--model.flavor", "debugmodel",
+    rows = train(tmp_path / "pp4", 4, [*BASE, *batch(LOCAL_BATCH), *VALIDATION, "--model.flavor", "debugmodel",
                                        *pipeline(4, "Interleaved1F1B",
                                                  "--parallelism.pipeline_parallel_layers_per_stage", "1")])
     assert_parity(rows, debugmodel_reference)
@@ -83,33 +87,34 @@ def looped_breadth_first_csv(pp_degree: int, stages_per_rank: int, n_microbatche
 def test_pp2_custom_csv_schedule(tmp_path, tiny_reference):
     csv = tmp_path / "schedule.csv"
     csv.write_text(looped_breadth_first_csv(2, 2, LOCAL_BATCH))
-    rows = train(tmp_path / "csv", 2, [*BASE, *batch(LOCAL_BATCH), *pipeline(
+    rows = train(tmp_path / "csv", 2, [*BASE, *batch(LOCAL_BATCH), *VALIDATION, *pipeline(
         2, "Interleaved1F1B", "--parallelism.pipeline_parallel_schedule_csv", str(csv))])
     assert_parity(rows, tiny_reference)
 
 
-def test_pp2_fsdp2(tmp_path, tiny_reference_batch8):
-    rows = train(tmp_path / "pp2_fsdp2", 4, [*BASE, *batch(LOCAL_BATCH), *pipeline(2, "1F1B"),
+def test_pp2_fsdp2(tmp_path, tiny_reference):
+    """Two data-parallel ranks of half the batch each: 2 micro-batches per step, gradients reduce-scattered once."""
+    rows = train(tmp_path / "pp2_fsdp2", 4, [*BASE, *batch(LOCAL_BATCH // 2), *pipeline(2, "1F1B"),
                                              "--parallelism.data_parallel_shard_degree", "2"])
-    assert_parity(rows, tiny_reference_batch8)
+    assert_parity(rows, tiny_reference, validated=False)
 
 
 def test_pp2_tp2(tmp_path, tiny_reference):
     """Stage boundaries carry each TP rank's sequence shard of the hidden states."""
-    rows = train(tmp_path / "pp2_tp2", 4, [*BASE, *batch(LOCAL_BATCH), *pipeline(2, "Interleaved1F1B"),
+    rows = train(tmp_path / "pp2_tp2", 4, [*BASE, *batch(LOCAL_BATCH), *VALIDATION, *pipeline(2, "Interleaved1F1B"),
                                            "--parallelism.tensor_parallel_degree", "2"])
     assert_parity(rows, tiny_reference)
 
 
 def test_pp2_cp2(tmp_path, tiny_reference):
-    rows = train(tmp_path / "pp2_cp2", 4, [*BASE, *batch(LOCAL_BATCH), *pipeline(2, "ZBVZeroBubble"),
+    rows = train(tmp_path / "pp2_cp2", 4, [*BASE, *batch(LOCAL_BATCH), *VALIDATION, *pipeline(2, "ZBVZeroBubble"),
                                            "--parallelism.context_parallel_degree", "2"])
     assert_parity(rows, tiny_reference)
 
 
 @pytest.mark.slow
-def test_pp2_fsdp2_tp2(tmp_path, tiny_reference_batch8):
-    rows = train(tmp_path / "pp2_fsdp2_tp2", 8, [*BASE, *batch(LOCAL_BATCH), *pipeline(2, "Interleaved1F1B"),
+def test_pp2_fsdp2_tp2(tmp_path, tiny_reference):
+    rows = train(tmp_path / "pp2_fsdp2_tp2", 8, [*BASE, *batch(LOCAL_BATCH // 2), *pipeline(2, "Interleaved1F1B"),
                                                  "--parallelism.data_parallel_shard_degree", "2",
                                                  "--parallelism.tensor_parallel_degree", "2"], timeout=600)
-    assert_parity(rows, tiny_reference_batch8)
+    assert_parity(rows, tiny_reference, validated=False)

@@ -430,6 +430,8 @@ def test_options_that_must_be_positive(key, value):
     (["--model.converters", "quantize.linear.mx"],
      r"model\.converters: 'quantize\.linear\.mx' is not a known converter; valid: quantize\.linear\.float8"),
     (["--checkpoint.keep_latest_k", "-1"], r"keep_latest_k: -1 must be 0 \(keep all\) or positive"),
+    (["--validation.enable", "--training.seq_len", "128"],
+     r"option validation\.seq_len: 2048 is longer than training\.seq_len = 128"),
 ])
 def test_validate_rejects(argv, pattern):
     with raises(pattern):
@@ -447,6 +449,12 @@ def test_validate_accepts_the_edges_of_each_range():
     ])
     assert config.parallelism.data_parallel_shard_degree == 4
     assert config.lr_scheduler.min_lr_factor == 1.0
+
+
+def test_validation_seq_len_is_only_checked_when_validation_runs():
+    assert parse_args(["--training.seq_len", "128"]).validation.seq_len == 2048
+    config = parse_args(["--validation.enable", "--training.seq_len", "128", "--validation.seq_len", "64"])
+    assert config.validation.seq_len == 64
 
 
 def test_selective_ac_option_is_only_checked_in_selective_mode():

@@ -106,13 +106,6 @@ def test_context_parallel_matches_single_process(cp_results, reference, method):
         assert diff <= 1e-5, f"{name}: gradient differs by {diff:.3g}"
 
 
-def test_validate_context_parallel():
-    cp.validate_context_parallel(64, 4, 2)
-    cp.validate_context_parallel(7, 1, 1)
-    with pytest.raises(UserError, match=r"training\.seq_len: 40 .* 2 x 4 x 2 = 16"):
-        cp.validate_context_parallel(40, 4, 2)
-
-
 def test_unknown_rotate_method():
     with pytest.raises(UserError, match=r"context_parallel_rotate_method: 'ring' .* allgather, alltoall"):
         with cp.context_parallel_context(None, [], [], set(), "ring"):

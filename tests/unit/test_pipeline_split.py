@@ -1,12 +1,16 @@
-"""Pipeline stage splitting, placement and the checks of the pipeline options (no processes)."""
+"""Pipeline stage splitting, placement, the checks of the pipeline options, and building stages and schedules on
+a fake process group (no processes)."""
 
 import dataclasses
 
 import pytest
 import torch
+import torch.distributed as dist
+from torch.testing._internal.distributed.fake_pg import FakeStore
 
 from torchtitan.config.job_config import JobConfig
-from torchtitan.distributed.pipeline_parallel import SCHEDULES, plan_pipeline
+from torchtitan.distributed.parallel_dims import ParallelDims
+from torchtitan.distributed.pipeline_parallel import SCHEDULES, pipeline_llama, plan_pipeline
 from torchtitan.errors import UserError
 from torchtitan.models.llama3.args import model_args_for
 from torchtitan.models.llama3.model import Transformer
@@ -252,3 +256,88 @@ def test_schedule_csv_needs_a_multi_stage_schedule_and_an_existing_file(tmp_path
         plan_pipeline(meta_model(4), 2, config("1F1B", schedule_csv=str(csv)))
     with raises(r"pipeline_parallel_schedule_csv: '.*missing.csv' is not a file"):
         plan_pipeline(meta_model(4), 2, config("Interleaved1F1B", schedule_csv=str(tmp_path / "missing.csv")))
+
+
+# ------------------------------------------------------------------------------------------------------------------
+# Building stages and schedules on a fake process group (one process plays one pipeline rank)
+
+
+@pytest.fixture
+def fake_pipeline_rank():
+    """Returns a function that joins a fake 2-rank world as the given rank and gives (mesh, parallel dims)."""
+
+    def join(rank: int):
+        if dist.is_initialized():
+            dist.destroy_process_group()
+        dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=2)
+        dims = ParallelDims(dp_replicate=1, dp_shard=1, cp=1, tp=1, pp=2, world_size=2)
+        return dims.build_mesh("cpu"), dims
+
+    yield join
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def build_pipeline(mesh, dims, job: JobConfig):
+    job.parallelism.pipeline_parallel_degree = 2
+    job.activation_checkpoint.mode = "none"
+    return pipeline_llama(meta_model(4), mesh, dims, job, torch.device("cpu"), lambda logits, labels: logits.sum())
+
+
+@pytest.mark.parametrize("schedule", SCHEDULES)
+def test_pipeline_llama_builds_this_ranks_stages(fake_pipeline_rank, schedule):
+    expected_layers = {"GPipe": [[["0", "1"]], [["2", "3"]]], "1F1B": [[["0", "1"]], [["2", "3"]]],
+                       "ZBVZeroBubble": [[["0"], ["3"]], [["1"], ["2"]]],
+                       "DualPipeV": [[["0"], ["3"]], [["1"], ["2"]]]}.get(schedule, [[["0"], ["2"]], [["1"], ["3"]]])
+    v_shaped = schedule in ("ZBVZeroBubble", "DualPipeV")
+    for rank in range(2):
+        built, parts, has_first, has_last = build_pipeline(*fake_pipeline_rank(rank), config(schedule))
+        assert [list(part.layers) for part in parts] == expected_layers[rank]
+        assert has_first == (rank == 0) and has_last == (rank == (0 if v_shaped else 1))
+        assert built.scale_grads is False, "the loss is already normalised: gradients must not be divided again"
+
+
+@pytest.mark.parametrize("schedule", ["Interleaved1F1B", "LoopedBFS", "InterleavedZeroBubble", "ZBVZeroBubble",
+                                      "DualPipeV"])
+def test_multi_stage_eval_runs_forwards_only(fake_pipeline_rank, schedule):
+    built, *_ = build_pipeline(*fake_pipeline_rank(0), config(schedule))
+    order = built._forward_only_order()
+    kinds = {action.computation_type.value for actions in order.values() for action in actions}
+    assert kinds <= {"F", "SEND_F", "RECV_F", "UNSHARD", "RESHARD"}
+    for rank, actions in order.items():
+        forwards = sorted((a.stage_index, a.microbatch_index) for a in actions if a.computation_type.value == "F")
+        stages = stage_ids_for_rank(rank, 2, 4, v_shaped=schedule in ("ZBVZeroBubble", "DualPipeV"))
+        assert forwards == [(stage, mb) for stage in stages for mb in range(4)]
+
+
+def looped_csv(stage_of_rank: dict[int, list[int]], n_microbatches: int = 4) -> str:
+    rows = []
+    for rank in sorted(stage_of_rank):
+        forwards = [f"{stage}F{mb}" for stage in stage_of_rank[rank] for mb in range(n_microbatches)]
+        backwards = [f"{stage}B{mb}" for stage in reversed(stage_of_rank[rank]) for mb in range(n_microbatches)]
+        rows.append(",".join(forwards + backwards))
+    return "\n".join(rows) + "\n"
+
+
+def test_schedule_csv_is_loaded(fake_pipeline_rank, tmp_path):
+    csv = tmp_path / "schedule.csv"
+    csv.write_text(looped_csv({0: [0, 2], 1: [1, 3]}))
+    built, *_ = build_pipeline(*fake_pipeline_rank(1), config("Interleaved1F1B", schedule_csv=str(csv)))
+    assert [str(action) for action in built.pipeline_order[1][:5]] == ["1F0", "1F1", "1F2", "1F3", "3F0"]
+    assert built.scale_grads is False
+
+
+def test_schedule_csv_with_another_placement(fake_pipeline_rank, tmp_path):
+    csv = tmp_path / "schedule.csv"
+    csv.write_text(looped_csv({0: [0, 3], 1: [1, 2]}))
+    with raises(r"pipeline_parallel_schedule_csv: .* runs stage 2 on rank 1, but schedule Interleaved1F1B places "
+                r"it on rank 0"):
+        build_pipeline(*fake_pipeline_rank(0), config("Interleaved1F1B", schedule_csv=str(csv)))
+
+
+def test_invalid_schedule_csv(fake_pipeline_rank, tmp_path):
+    csv = tmp_path / "schedule.csv"
+    csv.write_text("0F0,2F0\n1F0,3F0\n")
+    with raises(r"pipeline_parallel_schedule_csv: .* is not a valid schedule for 4 stages on 2 ranks and 4 "
+                r"micro-batches: .*expected 4"):
+        build_pipeline(*fake_pipeline_rank(0), config("Interleaved1F1B", schedule_csv=str(csv)))

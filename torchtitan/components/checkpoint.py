@@ -30,12 +30,14 @@ Model-only checkpoints (the seed checkpoint, `last_save_model_only`) hold only `
 model and keeps the rest as initialised.
 """
 
+import contextlib
 import io
 import os
 import random
 import re
 import shutil
 import time
+import warnings
 from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass
@@ -186,6 +188,13 @@ def _fsync_dir(folder: Path) -> None:
         os.close(fd)
 
 
+def _describe(err: BaseException) -> str:
+    """The error in one line per failing rank, instead of the tracebacks that CheckpointException prints."""
+    if isinstance(err, CheckpointException):
+        return "; ".join(f"rank {rank}: {_describe(failure[0])}" for rank, failure in sorted(err.failures.items()))
+    return f"{type(err).__name__}: {err}"
+
+
 def _is_storage_error(err: BaseException) -> bool:
     """An OSError (disk full, permissions, I/O), also one raised on any rank inside a DCP collective."""
     if isinstance(err, OSError):
@@ -222,7 +231,16 @@ def _dcp_load(state_dict: dict[str, Any], checkpoint: Path, no_dist: bool = Fals
     try:
         dcp.load(state_dict, checkpoint_id=checkpoint, planner=WeightsOnlyLoadPlanner(), no_dist=no_dist)
     except (CheckpointException, OSError, RuntimeError) as err:
-        raise UserError(f"checkpoint {checkpoint} cannot be read, it is corrupt or truncated: {err}") from err
+        raise UserError(f"checkpoint {checkpoint} cannot be loaded (corrupt, truncated, or of another setup): "
+                        f"{_describe(err)}") from err
+
+
+@contextlib.contextmanager
+def without_collectives():
+    """DCP warns each time it runs in one process without collectives, which is the intent inside this block."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+        yield
 
 
 def read_full_model(checkpoint: Path) -> dict[str, torch.Tensor]:
@@ -234,7 +252,8 @@ def read_full_model(checkpoint: Path) -> dict[str, torch.Tensor]:
                   if key.startswith(prefix) and isinstance(entry, TensorStorageMetadata)}
     if not state_dict:
         raise UserError(f"checkpoint {checkpoint} holds no model weights (no 'model.*' entries)")
-    _dcp_load(state_dict, checkpoint, no_dist=True)
+    with without_collectives():
+        _dcp_load(state_dict, checkpoint, no_dist=True)
     return {key.removeprefix(prefix): tensor for key, tensor in state_dict.items()}
 
 
@@ -256,6 +275,13 @@ def validate_config(config: CheckpointConfig) -> None:
                         f"{', '.join(LOADABLE_PARTS)}")
     if config.create_seed_checkpoint and not config.enable:
         raise UserError("option checkpoint.create_seed_checkpoint: it needs checkpoint.enable = true")
+
+
+@dataclass
+class _PendingSave:
+    completion: Future
+    step: int
+    staging: Path
 
 
 class CheckpointManager:
@@ -280,7 +306,7 @@ class CheckpointManager:
         self.model_args = model_args
         self.rank = _rank()
         self.rng_key = f"rng_rank{self.rank}"
-        self._pending: Future | None = None
+        self._pending: _PendingSave | None = None
         self._async_group = None
         self._stager: DefaultStager | None = None
         if config.enable and not config.load_only and config.async_mode != "disabled":
@@ -487,34 +513,29 @@ class CheckpointManager:
                     self._publish(step)
                 logger.info(f"Checkpoint {self._step_path(step)} written in the background in "
                             f"{time.perf_counter() - started:.2f} s")
-                completed.set_result(step)
+                completed.set_result(None)
             except BaseException as err:  # CheckpointException is a BaseException; it must reach the waiter
-                if self.rank == 0:
-                    shutil.rmtree(staging, ignore_errors=True)
                 completed.set_exception(err)
 
         upload.add_done_callback(finish)
-        self._pending = completed
+        self._pending = _PendingSave(completed, step, staging)
 
     def _wait_for_pending_save(self) -> None:
         if self._pending is None:
             return
         pending, self._pending = self._pending, None
         try:
-            pending.result()
+            pending.completion.result()
         except (Exception, CheckpointException) as err:
-            if not _is_storage_error(err):
-                raise
-            raise UserError(f"a background checkpoint save into {self.folder} failed: {err}; earlier checkpoints "
-                            f"are untouched") from err
+            self._raise_save_error(err, pending.step, pending.staging)
 
     def _raise_save_error(self, err: BaseException, step: int, staging: Path) -> None:
         if self.rank == 0:
             shutil.rmtree(staging, ignore_errors=True)
         if not _is_storage_error(err):
             raise err
-        raise UserError(f"saving the checkpoint of step {step} into {staging} failed: {err}; earlier checkpoints "
-                        f"in {self.folder} are untouched") from err
+        raise UserError(f"saving the checkpoint of step {step} into {staging} failed: {_describe(err)}; earlier "
+                        f"checkpoints in {self.folder} are untouched") from err
 
     def _on_rank0(self, action: Callable[[], None], what: str) -> None:
         """Run a filesystem action on rank 0 alone. The broadcast of its outcome doubles as a barrier, and makes
@@ -569,21 +590,24 @@ class CheckpointManager:
 
     def _save_hf_export(self, step: int) -> None:
         """The last checkpoint as a Hugging Face folder: every rank saves its shards of the model with DCP into a
-        scratch folder, from which rank 0 assembles the full tensors (so any sharding or pipeline split works)."""
+        scratch folder, from which rank 0 assembles the full tensors (so any sharding or pipeline split works).
+        The other ranks do not wait for rank 0: converting a large model could outlast the collective timeout."""
         self._wait_for_pending_save()
         final = self._step_path(step)
         scratch = _incomplete(final.with_name(final.name + ".dcp"))
-        dtype = EXPORT_DTYPES[self.config.export_dtype]
         self._on_rank0(self._remove_leftovers, f"cleaning up {self.folder} before saving step {step}")
         try:
             dcp.save({"model": self.model.state_dict()}, checkpoint_id=scratch)
         except (Exception, CheckpointException) as err:
             self._raise_save_error(err, step, scratch)
-
-        def convert() -> None:
-            save_hf(_incomplete(final), read_full_model(scratch), self.model_args, dtype)
+        if self.rank != 0:
+            return
+        try:
+            save_hf(_incomplete(final), read_full_model(scratch), self.model_args,
+                    EXPORT_DTYPES[self.config.export_dtype])
             shutil.rmtree(scratch)
             self._publish(step)
-
-        self._on_rank0(convert, f"writing the Hugging Face checkpoint {final}")
+        except OSError as err:
+            raise UserError(f"writing the Hugging Face checkpoint {final} failed: {_describe(err)}; earlier "
+                            f"checkpoints in {self.folder} are untouched") from err
         logger.info(f"Hugging Face checkpoint written to {final} ({self.config.export_dtype})")

@@ -257,7 +257,7 @@ class Checkpoint:
     """Resume from this step's checkpoint instead of the latest (-1 = latest)."""
 
     exclude_from_loading: list[str] = field(default_factory=list)
-    """Parts not to load when resuming, comma separated: model, optimizer, lr_scheduler, dataloader, train_state."""
+    """Parts not to load when resuming, comma separated: model, optimizer, lr_scheduler, dataloader, train_state, rng."""
 
     enable_first_step_checkpoint: bool = False
     """Also save a checkpoint after the first step."""

@@ -367,6 +367,10 @@ def validate(config: JobConfig) -> None:
     ratio = config.lr_scheduler.decay_ratio
     if ratio is not None and not 0 <= ratio <= 1:
         raise UserError(f"option lr_scheduler.decay_ratio: {ratio} must be in [0, 1] (or unset)")
+    if config.validation.enable and config.validation.seq_len > config.training.seq_len:
+        # The model's RoPE table is built for training.seq_len: longer validation sequences have no angles.
+        raise UserError(f"option validation.seq_len: {config.validation.seq_len} is longer than training.seq_len = "
+                        f"{config.training.seq_len}; set validation.seq_len <= training.seq_len")
     option = config.activation_checkpoint.selective_ac_option
     if config.activation_checkpoint.mode == "selective" and option != "op" and not (option.isdigit() and
                                                                                   int(option) > 0):
@@ -376,9 +380,9 @@ def validate(config: JobConfig) -> None:
         if component not in ("model", "loss"):
             raise UserError(f"option compile.components: {component!r} is not one of 'model', 'loss'")
     for part in config.checkpoint.exclude_from_loading:
-        if part not in ("model", "optimizer", "lr_scheduler", "dataloader", "train_state"):
+        if part not in ("model", "optimizer", "lr_scheduler", "dataloader", "train_state", "rng"):
             raise UserError(f"option checkpoint.exclude_from_loading: {part!r} is not one of model, optimizer, "
-                            f"lr_scheduler, dataloader, train_state")
+                            f"lr_scheduler, dataloader, train_state, rng")
     valid_converters = ("quantize.linear.float8", "float8")
     for converter in config.model.converters:
         if converter not in valid_converters:

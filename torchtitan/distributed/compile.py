@@ -4,7 +4,6 @@ Blocks are identical in structure, so one compiled graph serves them all; compil
 flat in depth and lets FSDP hooks run between blocks.
 """
 
-import torch
 from torch import nn
 
 

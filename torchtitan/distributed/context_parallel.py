@@ -45,18 +45,6 @@ CPU_SDPA_BACKWARD = aten._scaled_dot_product_flash_attention_for_cpu_backward.de
 SEQ_DIM = 2
 
 
-def validate_context_parallel(seq_len: int, cp_degree: int, tp_degree: int) -> None:
-    """Head-tail load balancing cuts the sequence into 2 * cp chunks, and sequence parallelism splits each rank's
-    share over tp ranks; torch silently drops load balancing when the first division is uneven."""
-    if cp_degree <= 1:
-        return
-    multiple = 2 * cp_degree * tp_degree
-    if seq_len % multiple != 0:
-        raise UserError(f"option training.seq_len: {seq_len} must be a multiple of 2 x context_parallel_degree x "
-                        f"tensor_parallel_degree = 2 x {cp_degree} x {tp_degree} = {multiple} with context "
-                        f"parallelism")
-
-
 @contextlib.contextmanager
 def context_parallel_context(cp_mesh: DeviceMesh, buffers: list[Tensor], buffer_seq_dims: list[int],
                              no_restore_buffers: set[Tensor], rotate_method: str) -> Iterator[None]:

@@ -23,8 +23,10 @@ import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.pipelining import PipelineStage
-from torch.distributed.pipelining.schedules import (PipelineScheduleMulti, PipelineScheduleSingle,
-                                                    ScheduleDualPipeV, ScheduleZBVZeroBubble, _PipelineSchedule,
+from torch.distributed.tensor import DTensor
+from torch.distributed.pipelining.schedules import (FORWARD, PipelineScheduleMulti, PipelineScheduleSingle,
+                                                    ScheduleDualPipeV, ScheduleZBVZeroBubble, _Action,
+                                                    _add_send_recv, _add_unshard_reshard, _PipelineSchedule,
                                                     _PipelineScheduleRuntime, get_schedule_class)
 
 from torchtitan.config.job_config import JobConfig
@@ -181,10 +183,54 @@ def pipeline_llama(model: nn.Module, world_mesh: DeviceMesh, parallel_dims: Para
         parts.append(part)
         logger.info(f"pipeline stage {stage_id} of {plan.num_stages} on pp rank {pp_rank}: "
                     f"{_describe(plan.stage_names[stage_id])}")
-    schedule = _build_schedule(plan, stages, loss_fn, config.parallelism.pipeline_parallel_schedule_csv)
+    schedule = _build_schedule(plan, stages, _plain_loss(loss_fn), config.parallelism.pipeline_parallel_schedule_csv)
     logger.info(f"pipeline schedule {plan.schedule_name}: {plan.num_stages} stages on {pp_degree} ranks, "
                 f"{plan.n_microbatches} micro-batches of {config.parallelism.pipeline_parallel_microbatch_size}")
     return schedule, parts, any(stage.is_first for stage in stages), any(stage.is_last for stage in stages)
+
+
+def _plain_loss(loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+                ) -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor]:
+    """Under loss parallelism the loss is a replicated DTensor; the trainer reduces the schedule's per-micro-batch
+    losses with plain collectives, so hand them over as plain tensors (the backward still reaches the logits)."""
+    def loss(pred: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        value = loss_fn(pred, labels)
+        return value.full_tensor() if isinstance(value, DTensor) else value
+    return loss
+
+
+class _ForwardOnlyEval:
+    """Evaluation for the multi-stage schedules: forwards only.
+
+    torch's multi-stage runtime replays the training action list in `eval()`, backward actions included; with no
+    backward, the V-shaped schedules then fail handing a gradient between their two stages on one rank. Here eval
+    runs the schedule's own forward order, lowered again with its communication and FSDP unshard/reshard actions.
+    """
+
+    def eval(self, *args, target=None, losses: list | None = None, **kwargs):
+        training_order = self.pipeline_order_with_comms
+        self.pipeline_order_with_comms = self._forward_only_order()
+        try:
+            return super().eval(*args, target=target, losses=losses, **kwargs)
+        finally:
+            self.pipeline_order_with_comms = training_order
+
+    def _forward_only_order(self) -> dict[int, list[_Action]]:
+        forwards = {rank: _add_unshard_reshard([forward for action in actions if action is not None
+                                                for forward in _forwards_of(action)])
+                    for rank, actions in self.pipeline_order.items()}
+        return _add_send_recv(forwards, stage_to_rank=lambda stage: self.stage_index_to_group_rank[stage],
+                              num_stages=self._num_stages)
+
+
+def _forwards_of(action: _Action) -> list[_Action]:
+    """The forward part of an action (DualPipeV overlaps a forward with a backward in one action)."""
+    parts = action.sub_actions if action.sub_actions is not None else (action,)
+    return [part for part in parts if part.computation_type == FORWARD]
+
+
+def _with_forward_only_eval(schedule_class: type[_PipelineSchedule]) -> type[_PipelineSchedule]:
+    return type(schedule_class.__name__, (_ForwardOnlyEval, schedule_class), {"__module__": __name__})
 
 
 def _build_schedule(plan: PipelinePlan, stages: list[PipelineStage], loss_fn: Callable,
@@ -192,8 +238,10 @@ def _build_schedule(plan: PipelinePlan, stages: list[PipelineStage], loss_fn: Ca
     if not plan.multi_stage:
         return plan.schedule_class(stages[0], plan.n_microbatches, loss_fn=loss_fn, scale_grads=False)
     if not csv_path:
-        return plan.schedule_class(stages, plan.n_microbatches, loss_fn=loss_fn, scale_grads=False)
-    schedule = _PipelineScheduleRuntime(stages, plan.n_microbatches, loss_fn=loss_fn, scale_grads=False)
+        return _with_forward_only_eval(plan.schedule_class)(stages, plan.n_microbatches, loss_fn=loss_fn,
+                                                            scale_grads=False)
+    schedule = _with_forward_only_eval(_PipelineScheduleRuntime)(stages, plan.n_microbatches, loss_fn=loss_fn,
+                                                                 scale_grads=False)
     try:
         schedule._load_csv(csv_path)
     except (AssertionError, KeyError, RuntimeError, ValueError) as e:

@@ -14,6 +14,11 @@ from torchtitan.models.llama3.model import parameter_generator
 from torchtitan.tools.logging import logger
 
 
+# What bounds rank-to-rank waits right now, named in the message when one fails: the option, its value, and whether
+# the process is still joining the group.
+_timeout_in_force: dict = {"option": "comm.init_timeout_seconds", "seconds": None, "joining": True}
+
+
 def device_type() -> str:
     """The one place that chooses the accelerator: CUDA when present, else the CPU."""
     return "cuda" if torch.cuda.is_available() else "cpu"
@@ -35,6 +40,7 @@ def init_distributed(init_timeout_seconds: int) -> torch.device:
     if kind == "cuda":
         torch.cuda.set_device(device)
     timeout = datetime.timedelta(seconds=init_timeout_seconds)
+    _timeout_in_force.update(option="comm.init_timeout_seconds", seconds=init_timeout_seconds, joining=True)
     if "WORLD_SIZE" in os.environ:
         store, rank, world_size = next(dist.rendezvous("env://", timeout=timeout))
         attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
@@ -43,6 +49,7 @@ def init_distributed(init_timeout_seconds: int) -> torch.device:
         store, rank, world_size = dist.HashStore(), 0, 1
     dist.init_process_group(backend_for(kind), store=store, rank=rank, world_size=world_size, timeout=timeout,
                             device_id=device if kind == "cuda" else None)
+    _timeout_in_force["joining"] = False
     return device
 
 
@@ -51,6 +58,37 @@ def set_train_timeout(seconds: int) -> None:
     timeout = datetime.timedelta(seconds=seconds)
     for group in [dist.group.WORLD, *dist.distributed_c10d._world.pg_map]:
         dist.distributed_c10d._set_pg_timeout(timeout, group)
+    _timeout_in_force.update(option="comm.train_timeout_seconds", seconds=seconds, joining=False)
+
+
+# Lower-cased fragments of the errors gloo, NCCL and the TCP store raise when a peer does not answer in time, and
+# when a peer's connection is gone (it crashed or was killed).
+_TIMEOUT_MARKERS = ("timed out", "timeout")
+_PEER_LOST_MARKERS = ("connection closed by peer", "connection reset by peer", "broken pipe", "connection refused",
+                      "socket closed")
+
+
+def describe_comm_failure(err: BaseException, during: str) -> str | None:
+    """One line saying which rank-to-rank wait failed and which option bounds it, or None if `err` is not a
+    communication failure. `during` says what the process was doing, e.g. "step 3"."""
+    if not isinstance(err, RuntimeError):
+        return None
+    text = str(err).strip()
+    # gloo prefixes its messages with the C++ source location, which tells a user nothing.
+    detail = text.splitlines()[-1].split("] ", 1)[-1] if text else type(err).__name__
+    lowered = text.lower()
+    option, seconds = _timeout_in_force["option"], _timeout_in_force["seconds"]
+    if any(marker in lowered for marker in _TIMEOUT_MARKERS):
+        if _timeout_in_force["joining"]:
+            master = f"{os.environ.get('MASTER_ADDR', '?')}:{os.environ.get('MASTER_PORT', '?')}"
+            return (f"{during}: not every rank joined the process group within {option} = {seconds} s; a rank did "
+                    f"not start, crashed, or cannot reach MASTER_ADDR:MASTER_PORT = {master} ({detail})")
+        until = " (in force until the first step completes)" if option == "comm.init_timeout_seconds" else ""
+        return (f"{during}: a collective did not complete within {option} = {seconds} s{until}; a peer rank "
+                f"stalled or died ({detail})")
+    if any(marker in lowered for marker in _PEER_LOST_MARKERS):
+        return f"{during}: a peer rank closed its connection in a collective: it crashed or was killed ({detail})"
+    return None
 
 
 def set_determinism(seed: int | None, deterministic: bool, warn_only: bool, device: torch.device) -> int:

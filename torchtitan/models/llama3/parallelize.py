@@ -27,6 +27,8 @@ def validate_parallelism(args: TransformerModelArgs, parallel_dims: ParallelDims
             raise UserError(f"option parallelism.tensor_parallel_degree: {tp} does not divide {what} ({size}) of "
                             f"flavor {config.model.flavor}; use a divisor of {size}")
     seq_len = config.training.seq_len
+    # Sequence parallelism splits the sequence over tp ranks; context parallelism's head-tail load balancing cuts
+    # it into 2 x cp chunks (torch silently drops load balancing when that division is uneven).
     multiple = tp * (2 * cp if cp > 1 else 1)
     if seq_len % multiple:
         raise UserError(f"option training.seq_len: {seq_len} must be divisible by tensor_parallel_degree"

@@ -1,0 +1,127 @@
+"""Run the real trainer with faults injected, for the fault-tolerance tests (fault injection never ships in the
+product: it lives here and patches the Trainer from outside).
+
+    python -m torch.distributed.run ... -m tests.integration.fault_injection --job.dump_folder D ...
+
+Environment:
+    FAULT_PLAN        comma-separated `kind@step:rank` entries (`rank` may be `*` for every rank), e.g.
+                      `sigkill@5:1`. Kinds, each at the start of that step's forward-backward:
+                        nan           the loss (hence every gradient) of that rank becomes NaN for that step
+                        sleep         the rank stalls for FAULT_SLEEP_SECONDS
+                        sigkill       the rank SIGKILLs itself (a crashed process, a lost node)
+                        sigterm       the rank SIGTERMs itself (a scheduler signalling the workers)
+                        sigterm_agent the rank SIGTERMs its parent, the torchrun agent (a scheduler signalling
+                                      the launcher, which forwards the signal to every worker)
+    FAULT_ATTEMPT     inject only in this torchrun attempt (TORCHELASTIC_RESTART_COUNT); default: every attempt
+    FAULT_SLEEP_SECONDS  length of a `sleep` stall (default 60)
+    FAULT_REPORT_DIR  if set, each rank appends JSON lines to events-rank<R>-attempt<A>.jsonl there: every fault
+                      it injects (written before acting, so a SIGKILL is recorded too), a digest of its local
+                      parameter shards after each step, and its exit code
+"""
+
+import hashlib
+import json
+import os
+import signal
+import sys
+import time
+from pathlib import Path
+
+from torch.distributed.tensor import DTensor
+
+from torchtitan import train
+
+RANK = int(os.environ.get("RANK", "0"))
+ATTEMPT = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+KINDS = ("nan", "sleep", "sigkill", "sigterm", "sigterm_agent")
+
+
+def parse_plan(text: str) -> dict[int, str]:
+    """This rank's faults: step -> kind."""
+    faults = {}
+    for entry in filter(None, (part.strip() for part in text.split(","))):
+        kind, _, where = entry.partition("@")
+        step, _, rank = where.partition(":")
+        if kind not in KINDS or not step.isdigit() or not (rank == "*" or rank.isdigit()):
+            raise SystemExit(f"fault_injection: bad FAULT_PLAN entry {entry!r}; expected kind@step:rank with kind "
+                             f"in {', '.join(KINDS)}")
+        if rank == "*" or int(rank) == RANK:
+            faults[int(step)] = kind
+    return faults
+
+
+def report(event: dict) -> None:
+    folder = os.environ.get("FAULT_REPORT_DIR")
+    if not folder:
+        return
+    path = Path(folder) / f"events-rank{RANK}-attempt{ATTEMPT}.jsonl"
+    with open(path, "a") as f:
+        f.write(json.dumps({"rank": RANK, "attempt": ATTEMPT, "time": time.time(), **event}) + "\n")
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def parameter_digest(trainer: train.Trainer) -> str:
+    digest = hashlib.sha256()
+    for part in trainer.model_parts:
+        for name, param in part.named_parameters():
+            local = param.to_local() if isinstance(param, DTensor) else param
+            digest.update(name.encode())
+            digest.update(local.detach().float().contiguous().numpy().tobytes())
+    return digest.hexdigest()
+
+
+def install(faults: dict[int, str]) -> None:
+    forward_backward = train.Trainer.forward_backward
+    train_step = train.Trainer.train_step
+    fired: set[int] = set()
+
+    def faulty_forward_backward(self, inputs, labels):
+        step = self.train_state.step + 1
+        kind = faults.get(step)
+        # Gradient accumulation calls forward_backward several times per step: inject once.
+        if kind is None or step in fired:
+            return forward_backward(self, inputs, labels)
+        fired.add(step)
+        report({"event": "inject", "kind": kind, "step": step})
+        if kind == "sigkill":
+            os.kill(os.getpid(), signal.SIGKILL)
+        elif kind == "sigterm":
+            os.kill(os.getpid(), signal.SIGTERM)
+        elif kind == "sigterm_agent":
+            os.kill(os.getppid(), signal.SIGTERM)
+        elif kind == "sleep":
+            time.sleep(float(os.environ.get("FAULT_SLEEP_SECONDS", "60")))
+        elif kind == "nan":
+            loss_fn = self.loss_fn
+            self.loss_fn = lambda pred, labels: loss_fn(pred, labels) * float("nan")
+            try:
+                return forward_backward(self, inputs, labels)
+            finally:
+                self.loss_fn = loss_fn
+        return forward_backward(self, inputs, labels)
+
+    def reporting_train_step(self, batches):
+        result = train_step(self, batches)
+        report({"event": "step", "step": self.train_state.step + 1, "loss": result[0],
+                "digest": parameter_digest(self)})
+        return result
+
+    train.Trainer.forward_backward = faulty_forward_backward
+    if os.environ.get("FAULT_REPORT_DIR"):
+        train.Trainer.train_step = reporting_train_step
+
+
+def main() -> int:
+    wanted_attempt = os.environ.get("FAULT_ATTEMPT")
+    faults = parse_plan(os.environ.get("FAULT_PLAN", ""))
+    if wanted_attempt is not None and int(wanted_attempt) != ATTEMPT:
+        faults = {}
+    install(faults)
+    code = train.main(sys.argv[1:])
+    report({"event": "exit", "code": code})
+    return code
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,289 @@
+"""User mistakes end the run with exit code 2 and exactly one `error:` line that names the option or file: no
+traceback, and no harm to checkpoints that were there before.
+
+Most cases call `torchtitan.train.main` in this process (a second each instead of a torchrun start-up). Those that
+need several ranks run on a fake process group of that size in this process (the mistake is found before any
+real communication), and a few go through torchrun with 2 processes to cover the real path.
+"""
+
+import hashlib
+import shutil
+import subprocess
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from tests.integration.harness import TINY, launch
+from torchtitan import train
+from torchtitan.distributed import utils as dist_utils
+
+pytestmark = pytest.mark.integration
+
+BASE = [*TINY, "--training.steps", "2", "--training.local_batch_size", "2", "--metrics.peak_flops", "1e12"]
+CHECKPOINT = ["--checkpoint.enable", "--checkpoint.interval", "1", "--checkpoint.no_last_save_model_only"]
+
+
+@dataclass
+class Case:
+    name: str
+    args: list[str]
+    names: str
+    """Text the error line must contain: the option or file at fault ({tmp} is the case's folder)."""
+    files: dict[str, str | bytes] = field(default_factory=dict)
+    """Files the case writes under {tmp} first."""
+    world_size: int = 1
+    """Above 1: run on a fake process group of this many ranks, of which this process is rank 0."""
+
+
+CASES = [
+    # The command line and the TOML file.
+    Case("malformed_toml", ["--job.config_file", "{tmp}/bad.toml"], "{tmp}/bad.toml is not valid TOML",
+         files={"bad.toml": "[training\nsteps = 3\n"}),
+    Case("missing_config_file", ["--job.config_file", "{tmp}/absent.toml"], "option job.config_file"),
+    Case("unknown_section", ["--job.config_file", "{tmp}/c.toml"], "unknown section [trainng]",
+         files={"c.toml": "[trainng]\nsteps = 3\n"}),
+    Case("unknown_option_cli", ["--training.stepz", "3"], "unknown option training.stepz; did you mean training.steps"),
+    Case("unknown_option_toml", ["--job.config_file", "{tmp}/c.toml"],
+         "unknown option training.stepss; did you mean training.steps", files={"c.toml": "[training]\nstepss = 3\n"}),
+    Case("wrong_type_int", ["--training.steps", "three"], "option training.steps: 'three' is not a valid value"),
+    Case("wrong_type_int_toml", ["--job.config_file", "{tmp}/c.toml"], "option training.steps: 2.5",
+         files={"c.toml": "[training]\nsteps = 2.5\n"}),
+    Case("wrong_type_float", ["--optimizer.lr", "fast"], "option optimizer.lr: 'fast'"),
+    Case("wrong_type_bool", ["--checkpoint.enable=maybe"], "option checkpoint.enable: 'maybe'"),
+    Case("wrong_type_bool_toml", ["--job.config_file", "{tmp}/c.toml"], "option checkpoint.enable: 'yes'",
+         files={"c.toml": "[checkpoint]\nenable = \"yes\"\n"}),
+    Case("wrong_type_list_toml", ["--job.config_file", "{tmp}/c.toml"], "option model.converters: 5",
+         files={"c.toml": "[model]\nconverters = 5\n"}),
+    Case("bad_literal", ["--optimizer.name", "SGD"], "option optimizer.name: 'SGD' is not one of"),
+    Case("renamed_option", ["--training.batch_size", "4"], "training.batch_size is now training.local_batch_size"),
+    Case("unsupported_torchtitan_option", ["--parallelism.expert_parallel_degree", "2"],
+         "TorchTitan option parallelism.expert_parallel_degree"),
+    Case("unsupported_torchtitan_section", ["--job.config_file", "{tmp}/c.toml"], "fault_tolerance.enable",
+         files={"c.toml": "[fault_tolerance]\nenable = true\n"}),
+    Case("positional_argument", ["train.toml"], "unexpected argument 'train.toml'"),
+    Case("option_without_value", ["--training.steps"], "option training.steps needs a value"),
+    Case("negative_steps", ["--training.steps", "-5"], "option training.steps: -5 must be a positive integer"),
+    Case("zero_batch", ["--training.local_batch_size", "0"], "option training.local_batch_size: 0"),
+    Case("negative_lr", ["--optimizer.lr", "-0.1"], "option optimizer.lr: -0.1 must be positive"),
+    Case("beta_out_of_range", ["--optimizer.beta2", "1.5"], "option optimizer.beta2: 1.5"),
+    Case("bad_exclude_from_loading", ["--checkpoint.exclude_from_loading", "weights"],
+         "option checkpoint.exclude_from_loading: 'weights'"),
+    Case("dump_folder_is_a_file", ["--job.dump_folder", "{tmp}/taken"], "option job.dump_folder", files={"taken": "x"}),
+    # Model and parallelism.
+    Case("unknown_flavor", ["--model.flavor", "tiny2"], "option model.flavor: unknown flavor 'tiny2'"),
+    Case("seq_len_too_long", ["--training.seq_len", "100000"], "option training.seq_len: 100000 exceeds"),
+    Case("unknown_converter", ["--model.converters", "int4"], "option model.converters: 'int4'"),
+    Case("float8_rowwise_with_float8_all_gather",
+         ["--model.converters", "quantize.linear.float8", "--quantize.linear.float8.recipe_name", "rowwise",
+          "--quantize.linear.float8.enable_fsdp_float8_all_gather"],
+         "option quantize.linear.float8.enable_fsdp_float8_all_gather"),
+    Case("degrees_exceed_world_size", ["--parallelism.tensor_parallel_degree", "2"],
+         "tensor_parallel_degree x pipeline_parallel_degree = 1 x 1 x 2 x 1 = 2 does not divide the world size 1"),
+    Case("global_batch_not_divisible", ["--training.global_batch_size", "3"], "option training.global_batch_size: 3"),
+    Case("tp_not_dividing_heads", ["--parallelism.tensor_parallel_degree", "3"],
+         "option parallelism.tensor_parallel_degree: 3 does not divide n_heads (8)", world_size=3),
+    Case("cp_seq_len_not_divisible", ["--parallelism.context_parallel_degree", "2", "--training.seq_len", "30"],
+         "option training.seq_len: 30 must be divisible", world_size=2),
+    Case("pp_more_stages_than_layers", ["--parallelism.pipeline_parallel_degree", "8"],
+         "option parallelism.pipeline_parallel_degree: 8 pipeline stages", world_size=8),
+    Case("bad_schedule_name", ["--parallelism.pipeline_parallel_degree", "2",
+                               "--parallelism.pipeline_parallel_schedule", "1F2B"],
+         "option parallelism.pipeline_parallel_schedule: unknown schedule '1F2B'", world_size=2),
+    Case("async_tp_on_cpu", ["--parallelism.tensor_parallel_degree", "2", "--parallelism.enable_async_tensor_parallel",
+                             "--compile.enable"], "option parallelism.enable_async_tensor_parallel", world_size=2),
+    # Tokenizer and data.
+    Case("missing_tokenizer", ["--model.hf_assets_path", "{tmp}/no_tokenizer"], "{tmp}/no_tokenizer does not exist"),
+    Case("corrupt_tokenizer", ["--model.hf_assets_path", "{tmp}/tokenizer.model"], "{tmp}/tokenizer.model",
+         files={"tokenizer.model": b"\x00\xffnot base64 at all\n"}),
+    Case("missing_dataset_path", ["--training.dataset_path", "{tmp}/absent.jsonl"],
+         "training.dataset_path='{tmp}/absent.jsonl' does not exist"),
+    Case("empty_dataset", ["--training.dataset_path", "{tmp}/empty.jsonl"], "{tmp}/empty.jsonl", files={"empty.jsonl": ""}),
+    Case("missing_text_field", ["--training.dataset_path", "{tmp}/data.jsonl"], "training.dataset_text_field='text'",
+         files={"data.jsonl": '{"content": "some text"}\n' * 4}),
+    Case("unknown_dataset_name", ["--training.dataset", "c5"], "training.dataset='c5' is not a known dataset"),
+    Case("data_runs_out", ["--training.dataset_path", "{tmp}/short.jsonl", "--training.no_dataset_loop",
+                           "--training.steps", "50"], "option training.dataset_loop: the data ran out at step",
+         files={"short.jsonl": '{"text": "a short document about nothing in particular"}\n' * 8}),
+    # Checkpoints that are not there.
+    Case("missing_initial_load_path", ["--checkpoint.enable", "--checkpoint.initial_load_path", "{tmp}/nowhere"],
+         "option checkpoint.initial_load_path: {tmp}/nowhere does not exist"),
+]
+
+
+def fake_process_group(world_size: int):
+    """Stands in for init_distributed: this process becomes rank 0 of `world_size` ranks that never talk."""
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    def init(init_timeout_seconds: int) -> torch.device:
+        dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=world_size)
+        return torch.device("cpu")
+
+    return init
+
+
+def run_main(args: list[str], capsys) -> tuple[int, str]:
+    code = train.main(args)
+    captured = capsys.readouterr()
+    return code, captured.out + captured.err
+
+
+def assert_one_error(code: int, output: str, names: str, expected_code: int = train.EXIT_USER_ERROR) -> str:
+    errors = [line for line in output.splitlines() if "error:" in line]
+    assert code == expected_code, f"exit code {code}:\n{output[-4000:]}"
+    assert len(errors) == 1, f"{len(errors)} error lines:\n{output[-4000:]}"
+    assert names in errors[0], f"{names!r} not in {errors[0]!r}"
+    assert "Traceback" not in output, output[-4000:]
+    return errors[0]
+
+
+@pytest.fixture(autouse=True)
+def no_launcher_environment(monkeypatch):
+    for name in ("WORLD_SIZE", "RANK", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
+        monkeypatch.delenv(name, raising=False)
+
+
+@pytest.mark.parametrize("case", CASES, ids=[case.name for case in CASES])
+def test_bad_input(case, tmp_path, capsys, monkeypatch):
+    for name, content in case.files.items():
+        path = tmp_path / name
+        path.write_bytes(content) if isinstance(content, bytes) else path.write_text(content)
+    if case.world_size > 1:
+        monkeypatch.setattr(dist_utils, "init_distributed", fake_process_group(case.world_size))
+    args = [arg.replace("{tmp}", str(tmp_path)) for arg in case.args]
+    code, output = run_main([*BASE, "--job.dump_folder", str(tmp_path / "dump"), *args], capsys)
+    assert_one_error(code, output, case.names.replace("{tmp}", str(tmp_path)))
+    assert not dist.is_initialized()
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Checkpoints: a good one is made first, and must be byte-identical after the failed run.
+
+
+def file_digests(folder: Path) -> dict[str, str]:
+    return {str(path.relative_to(folder)): hashlib.sha256(path.read_bytes()).hexdigest()
+            for path in sorted(folder.rglob("*")) if path.is_file()}
+
+
+@pytest.fixture(scope="module")
+def good_run(tmp_path_factory) -> Path:
+    """A dump folder with complete checkpoints of steps 1 and 2 (full state: model, optimizer, ...)."""
+    dump = tmp_path_factory.mktemp("good")
+    assert train.main([*BASE, *CHECKPOINT, "--job.dump_folder", str(dump)]) == 0
+    return dump
+
+
+@pytest.fixture
+def dump(good_run, tmp_path) -> Path:
+    copy = tmp_path / "dump"
+    shutil.copytree(good_run, copy)
+    return copy
+
+
+def truncate(path: Path) -> None:
+    path.write_bytes(path.read_bytes()[: path.stat().st_size // 2])
+
+
+CHECKPOINT_CASES = [
+    # (name, damage done to the copy of the good run before resuming, extra options, text the error names)
+    ("load_step_absent", None, ["--checkpoint.load_step", "7"], "option checkpoint.load_step: step 7"),
+    ("another_model_shape", None, ["--model.flavor", "debugmodel"], "was saved from another model, check model.flavor"),
+    ("truncated_shard", lambda d: truncate(next((d / "checkpoint/step-2").glob("*.distcp"))), [],
+     "checkpoint {dump}/checkpoint/step-2 cannot be read"),
+    ("truncated_metadata", lambda d: truncate(d / "checkpoint/step-2/.metadata"), [],
+     "checkpoint {dump}/checkpoint/step-2: .metadata cannot be read"),
+    ("initial_load_path_not_a_checkpoint", None,
+     ["--checkpoint.folder", "elsewhere", "--checkpoint.initial_load_path", "{dump}/checkpoint"],
+     "checkpoint {dump}/checkpoint has no .metadata file"),
+]
+
+
+@pytest.mark.parametrize("name,damage,options,names", CHECKPOINT_CASES, ids=[c[0] for c in CHECKPOINT_CASES])
+def test_bad_checkpoint_input(dump, capsys, name, damage, options, names):
+    if damage is not None:
+        damage(dump)
+    before = file_digests(dump / "checkpoint")
+    args = [arg.replace("{dump}", str(dump)) for arg in options]
+    code, output = run_main([*BASE, *CHECKPOINT, "--training.steps", "4", "--job.dump_folder", str(dump), *args],
+                            capsys)
+    assert_one_error(code, output, names.replace("{dump}", str(dump)))
+    assert file_digests(dump / "checkpoint") == before
+
+
+@pytest.fixture
+def small_disk(tmp_path):
+    """A 9 MiB tmpfs: room for one checkpoint of the tiny model with its optimizer state (6 MiB), not two."""
+    mount_point = tmp_path / "small_disk"
+    mount_point.mkdir()
+    mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=9m", "tmpfs", str(mount_point)],
+                             capture_output=True, text=True, timeout=30)
+    if mounted.returncode != 0:
+        pytest.skip(f"cannot mount a tmpfs here ({mounted.stderr.strip()}); "
+                    f"tests/unit/test_checkpoint.py simulates a full disk instead")
+    try:
+        yield mount_point
+    finally:
+        subprocess.run(["umount", str(mount_point)], capture_output=True, timeout=30)
+
+
+def test_disk_full_during_save(small_disk, capsys):
+    dump = small_disk / "dump"
+    assert train.main([*BASE, *CHECKPOINT, "--training.steps", "1", "--job.dump_folder", str(dump)]) == 0
+    capsys.readouterr()
+    before = file_digests(dump / "checkpoint")
+    code, output = run_main([*BASE, *CHECKPOINT, "--training.steps", "3", "--job.dump_folder", str(dump)], capsys)
+    error = assert_one_error(code, output, "saving the checkpoint of step 2 into")
+    assert "No space left on device" in error
+    assert sorted(p.name for p in (dump / "checkpoint").iterdir()) == ["step-1"]
+    assert file_digests(dump / "checkpoint") == before
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Weights & Biases
+
+
+def test_wandb_not_installed(tmp_path, capsys, monkeypatch):
+    monkeypatch.setitem(sys.modules, "wandb", None)
+    code, output = run_main([*BASE, "--metrics.enable_wandb", "--job.dump_folder", str(tmp_path)], capsys)
+    assert_one_error(code, output, "metrics.enable_wandb is true but wandb cannot be imported")
+
+
+def test_wandb_without_api_key(tmp_path, capsys, monkeypatch):
+    monkeypatch.delenv("WANDB_API_KEY", raising=False)
+    monkeypatch.setenv("WANDB_MODE", "online")
+    # No ~/.netrc or wandb settings with a key: HOME and the config folder are empty.
+    monkeypatch.setenv("HOME", str(tmp_path))
+    monkeypatch.setenv("WANDB_CONFIG_DIR", str(tmp_path / "wandb_config"))
+    code, output = run_main([*BASE, "--metrics.enable_wandb", "--job.dump_folder", str(tmp_path / "dump")], capsys)
+    assert_one_error(code, output, "metrics.enable_wandb is true but W&B failed to start")
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Mistakes only several processes can make: through torchrun with 2 processes.
+
+MULTI_PROCESS_CASES = [
+    ("degrees_do_not_divide_world_size", ["--parallelism.tensor_parallel_degree", "3"],
+     "= 3 does not divide the world size 2"),
+    ("seed_checkpoint_with_two_processes", ["--checkpoint.enable", "--checkpoint.create_seed_checkpoint"],
+     "option checkpoint.create_seed_checkpoint: run it with one process"),
+]
+
+
+@pytest.mark.parametrize("name,options,names", MULTI_PROCESS_CASES, ids=[c[0] for c in MULTI_PROCESS_CASES])
+def test_bad_input_two_processes(tmp_path, name, options, names):
+    """torchrun itself prints a traceback (ChildFailedError) when a worker fails; each worker's own output, which
+    --redirects sends to a file, must hold one error line and none."""
+    logs = tmp_path / "logs"
+    proc = launch(tmp_path / "dump", 2, [*BASE, *options], timeout=180,
+                  launcher_args=["--log-dir", str(logs), "--redirects", "3"])
+    assert proc.returncode != 0
+    assert "exitcode  : 2" in proc.stdout, proc.stdout[-4000:]
+    for rank in (0, 1):
+        (attempt,) = logs.glob(f"*/attempt_0/{rank}")
+        output = (attempt / "stdout.log").read_text() + (attempt / "stderr.log").read_text()
+        errors = [line for line in output.splitlines() if "error:" in line]
+        assert len(errors) == 1 and names in errors[0], output[-4000:]
+        assert "Traceback" not in output, output[-4000:]

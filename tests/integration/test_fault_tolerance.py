@@ -1,0 +1,214 @@
+"""Faults injected into real torchrun runs of the trainer: a worker killed (elastic restart), preemption by SIGTERM,
+a NaN loss on one rank, a stalled rank, a rank that never joins.
+
+The faults come from tests/integration/fault_injection.py, whose event files say which faults fired, which step each
+rank finished and how each rank exited; every test counts the faults injected and checks each one was survived.
+All runs: the tiny model, 2 processes with FSDP, 8 steps, fixed seed and data, so that losses compare exactly.
+"""
+
+import json
+import re
+import socket
+import time
+from pathlib import Path
+
+import pytest
+
+from tests.integration.harness import TINY, launch, read_metrics
+from torchtitan.components.checkpoint import read_metadata
+
+pytestmark = pytest.mark.integration
+
+STEPS = 8
+FSDP2 = ["--parallelism.data_parallel_shard_degree", "2"]
+BASE = [*TINY, "--training.steps", str(STEPS), "--training.local_batch_size", "2", "--metrics.peak_flops", "1e12"]
+INJECTOR = "tests.integration.fault_injection"
+EXIT_NONFINITE, EXIT_COMM_FAILURE, EXIT_PREEMPTED = 3, 4, 143
+
+
+def run(dump: Path, args: list[str], plan: str = "", timeout: int = 240, launcher_args: list[str] | None = None,
+        **env):
+    """One 2-process torchrun launch of the fault-injecting entry point."""
+    return launch(dump, 2, [*BASE, *args], timeout=timeout, module=INJECTOR, launcher_args=launcher_args,
+                  env={"FAULT_PLAN": plan, "FAULT_REPORT_DIR": str(dump), **env})
+
+
+def events(dump: Path, kind: str | None = None) -> list[dict]:
+    rows = [json.loads(line) for path in sorted(dump.glob("events-rank*-attempt*.jsonl"))
+            for line in path.read_text().splitlines()]
+    return [row for row in rows if kind is None or row["event"] == kind]
+
+
+def exit_codes(dump: Path, attempt: int = 0) -> dict[int, int]:
+    return {row["rank"]: row["code"] for row in events(dump, "exit") if row["attempt"] == attempt}
+
+
+def last_steps(dump: Path, attempt: int = 0) -> dict[int, int]:
+    finished = {}
+    for row in events(dump, "step"):
+        if row["attempt"] == attempt:
+            finished[row["rank"]] = max(finished.get(row["rank"], 0), row["step"])
+    return finished
+
+
+def final_losses(dump: Path) -> list[float]:
+    """Per-step losses of a run spread over several launches or attempts: metrics.jsonl is appended to, so a step
+    re-run after a resume appears again; its last row is the one the finished run stands on."""
+    by_step = {row["step"]: row["loss"] for row in read_metrics(dump) if "loss" in row}
+    assert sorted(by_step) == list(range(1, STEPS + 1)), f"steps logged: {sorted(by_step)}"
+    return [by_step[step] for step in range(1, STEPS + 1)]
+
+
+def assert_same_losses(actual: list[float], expected: list[float]) -> None:
+    worst = max(abs(a - e) / abs(e) for a, e in zip(actual, expected))
+    print(f"max relative loss difference to the uninterrupted run: {worst:.1e}")
+    assert worst <= 1e-6, f"losses {actual} vs uninterrupted {expected}"
+
+
+def checkpoint_steps(dump: Path) -> list[str]:
+    folder = dump / "checkpoint"
+    return sorted(entry.name for entry in folder.iterdir()) if folder.is_dir() else []
+
+
+def rank_lines(output: str, rank: int, text: str) -> list[str]:
+    return [line for line in output.splitlines() if line.startswith(f"[rank{rank}]") and text in line]
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(tmp_path_factory) -> list[float]:
+    dump = tmp_path_factory.mktemp("uninterrupted")
+    proc = run(dump, [*FSDP2, "--checkpoint.enable", "--checkpoint.interval", "2"])
+    assert proc.returncode == 0, proc.stdout[-6000:]
+    return final_losses(dump)
+
+
+def test_elastic_restart_after_sigkill_resumes_exactly(tmp_path, uninterrupted):
+    """torchrun --max-restarts 2: rank 1 dies by SIGKILL in step 5 of the first attempt; the restarted group resumes
+    from step-4 and ends on the uninterrupted run's losses."""
+    proc = run(tmp_path, [*FSDP2, "--checkpoint.enable", "--checkpoint.interval", "2"], plan="sigkill@5:1",
+               launcher_args=["--max-restarts", "2"], FAULT_ATTEMPT="0")
+    assert proc.returncode == 0, proc.stdout[-6000:]
+    injected = events(tmp_path, "inject")
+    assert [(e["kind"], e["rank"], e["attempt"], e["step"]) for e in injected] == [("sigkill", 1, 0, 5)]
+    assert exit_codes(tmp_path, attempt=1) == {0: 0, 1: 0}
+    resumed = [e["step"] for e in events(tmp_path, "step") if e["attempt"] == 1]
+    assert min(resumed) == 5, f"the restarted attempt ran steps {resumed}"
+    assert len(rank_lines(proc.stdout, 0, "checkpoint/step-4 in")) == 1
+    assert_same_losses(final_losses(tmp_path), uninterrupted)
+    print("elastic restart: faults injected 1 (SIGKILL), survived 1")
+
+
+def test_preemption_saves_and_a_relaunch_continues_exactly(tmp_path, uninterrupted):
+    """SIGTERM twice, as a scheduler preempts: first to the workers alone (rank 0 only, so the ranks must agree on
+    where to stop), then to the torchrun agent, which forwards it to every worker. Each time the workers finish
+    the step, save a full checkpoint and exit 143; the next launch continues, and the three launches together
+    give the uninterrupted run's losses."""
+    args = [*FSDP2, "--checkpoint.enable", "--checkpoint.interval", "100"]
+    stops = []
+    for plan in ("sigterm@3:0", "sigterm_agent@6:1"):
+        for stale in tmp_path.glob("events-*.jsonl"):
+            stale.unlink()
+        proc = run(tmp_path, args, plan=plan)
+        assert proc.returncode != 0, "torchrun must not report a preempted run as finished"
+        assert len(events(tmp_path, "inject")) == 1, proc.stdout[-6000:]
+        assert exit_codes(tmp_path) == {0: EXIT_PREEMPTED, 1: EXIT_PREEMPTED}, proc.stdout[-6000:]
+        stopped = set(last_steps(tmp_path).values())
+        assert len(stopped) == 1, f"ranks stopped after different steps: {last_steps(tmp_path)}"
+        stop = stopped.pop()
+        assert checkpoint_steps(tmp_path) == sorted(f"step-{s}" for s in [*stops, stop])
+        saved = {key.split(".")[0] for key in read_metadata(tmp_path / "checkpoint" / f"step-{stop}")
+                 .state_dict_metadata}
+        assert {"model", "optimizer", "lr_scheduler", "dataloader", "train_state"} <= saved, saved
+        stops.append(stop)
+    # A signal to the worker itself is handled before that step's all-reduce; one through the agent arrives a
+    # moment later, possibly after it.
+    assert stops[0] == 3 and stops[1] in (6, 7), stops
+    for stale in tmp_path.glob("events-*.jsonl"):
+        stale.unlink()
+    proc = run(tmp_path, args)
+    assert proc.returncode == 0, proc.stdout[-6000:]
+    assert min(e["step"] for e in events(tmp_path, "step")) == stops[1] + 1
+    assert_same_losses(final_losses(tmp_path), uninterrupted)
+    print("preemption: faults injected 2 (SIGTERM to a worker, SIGTERM to the agent), survived 2")
+
+
+def test_nan_on_one_rank_stops_every_rank(tmp_path):
+    proc = run(tmp_path, [*FSDP2, "--checkpoint.enable", "--checkpoint.interval", "1"], plan="nan@3:1")
+    assert proc.returncode != 0
+    assert [(e["kind"], e["rank"]) for e in events(tmp_path, "inject")] == [("nan", 1)]
+    assert exit_codes(tmp_path) == {0: EXIT_NONFINITE, 1: EXIT_NONFINITE}, proc.stdout[-6000:]
+    assert last_steps(tmp_path) == {0: 2, 1: 2}
+    for rank in (0, 1):
+        errors = rank_lines(proc.stdout, rank, "error:")
+        assert len(errors) == 1 and "step 3: non-finite loss" in errors[0], proc.stdout[-6000:]
+        assert not rank_lines(proc.stdout, rank, "Traceback")
+    assert checkpoint_steps(tmp_path) == ["step-1", "step-2"]
+    print("non-finite, stop: faults injected 1 (NaN loss on rank 1), every rank stopped at step 3")
+
+
+@pytest.mark.parametrize("layout", ["fsdp", "ddp"])
+def test_nan_on_one_rank_is_skipped_by_every_rank(tmp_path, layout):
+    """With on_nonfinite = skip no rank applies the step-3 update: each rank's parameters are unchanged by it (under
+    DDP every rank holds the whole model, so the ranks' parameters also stay identical to each other)."""
+    degree = FSDP2 if layout == "fsdp" else ["--parallelism.data_parallel_replicate_degree", "2"]
+    proc = run(tmp_path, [*degree, "--debug.on_nonfinite", "skip"], plan="nan@3:1")
+    assert proc.returncode == 0, proc.stdout[-6000:]
+    assert len(events(tmp_path, "inject")) == 1
+    digests = {(e["rank"], e["step"]): e["digest"] for e in events(tmp_path, "step")}
+    for rank in (0, 1):
+        assert digests[rank, 3] == digests[rank, 2], f"rank {rank} applied the non-finite update"
+        assert digests[rank, 4] != digests[rank, 3], f"rank {rank} stopped updating after the skipped step"
+        assert len(rank_lines(proc.stdout, rank, "step 3: non-finite loss or gradient norm; update skipped")) == 1
+    if layout == "ddp":
+        for step in range(1, STEPS + 1):
+            assert digests[0, step] == digests[1, step], f"replicas differ after step {step}"
+    rows = {row["step"]: row["loss"] for row in read_metrics(tmp_path)}
+    assert rows[3] == "nan"
+    assert all(isinstance(rows[step], float) for step in range(4, STEPS + 1)), rows
+    print(f"non-finite, skip ({layout}): faults injected 1, survived 1")
+
+
+def test_stalled_rank_times_out_with_a_clear_error(tmp_path):
+    """Rank 1 sleeps 60 s in step 3: rank 0's collective times out after comm.train_timeout_seconds and it exits
+    with a message naming the option. torchrun then gives the stalled rank its fixed 30 s to exit after SIGTERM
+    before it SIGKILLs it."""
+    proc = run(tmp_path, [*FSDP2, "--comm.train_timeout_seconds", "5"], plan="sleep@3:1", timeout=180,
+               FAULT_SLEEP_SECONDS="60")
+    ended = time.time()
+    assert proc.returncode != 0
+    (stall,) = events(tmp_path, "inject")
+    assert exit_codes(tmp_path) == {0: EXIT_COMM_FAILURE}, proc.stdout[-6000:]
+    (rank0_exit,) = [e for e in events(tmp_path, "exit") if e["rank"] == 0]
+    errors = rank_lines(proc.stdout, 0, "error:")
+    assert len(errors) == 1, proc.stdout[-6000:]
+    assert ("step 3: a collective did not complete within comm.train_timeout_seconds = 5 s; a peer rank stalled "
+            "or died") in errors[0]
+    assert not rank_lines(proc.stdout, 0, "Traceback")
+    detected, whole_job = rank0_exit["time"] - stall["time"], ended - stall["time"]
+    print(f"stall: rank 0 exited {detected:.1f} s after the stall began, the job {whole_job:.1f} s after it")
+    assert detected < 5 + 15
+    assert whole_job < 5 + 30 + 20
+    print("hang: faults injected 1 (60 s stall), detected 1")
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.mark.parametrize("rank", [0, 1])
+def test_rank_that_never_joins_times_out_at_init(tmp_path, rank):
+    """One of two processes started by hand, with a 3 s init timeout: rank 0 waits for a peer that never comes,
+    rank 1 for a master that is not there."""
+    env = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()), "WORLD_SIZE": "2", "RANK": str(rank),
+           "LOCAL_RANK": "0"}
+    began = time.time()
+    proc = launch(tmp_path, 1, [*BASE, "--comm.init_timeout_seconds", "3"], timeout=120, env=env)
+    assert proc.returncode == EXIT_COMM_FAILURE, proc.stdout[-6000:]
+    errors = [line for line in proc.stdout.splitlines() if "error:" in line]
+    assert len(errors) == 1, proc.stdout[-6000:]
+    assert re.search(r"start-up: not every rank joined the process group within comm.init_timeout_seconds = 3 s",
+                     errors[0]), errors[0]
+    assert "Traceback" not in proc.stdout
+    print(f"init timeout (rank {rank} alone): exited after {time.time() - began:.1f} s")
