@@ -297,7 +297,8 @@ def check_close(runs: list[Run], tolerance: float) -> str | None:
             if step not in losses:
                 continue
             ours, theirs = losses[step], reference[step]
-            if math.isnan(ours) and math.isnan(theirs):
+            # Equal covers two equal infinities, whose difference is NaN; two NaNs diverged alike.
+            if ours == theirs or (math.isnan(ours) and math.isnan(theirs)):
                 continue
             difference = abs(ours - theirs) / abs(theirs) if theirs != 0 else abs(ours)
             if not difference <= tolerance:
@@ -331,6 +332,8 @@ def _labels(args: argparse.Namespace) -> list[str]:
         # Folders of the same name (a/run, b/run) are told apart by the path as given.
         return [name if names.count(name) == 1 else str(path) for name, path in zip(names, args.runs)]
     labels = [label.strip() for label in args.labels.split(",")]
+    if not all(labels):
+        raise UserError(f"--labels: {args.labels!r} has an empty label")
     if len(labels) != len(args.runs):
         raise UserError(f"--labels: {len(labels)} label(s) ({args.labels}) for {len(args.runs)} RUN folder(s); give "
                         f"one per folder (launched runs are named by their LABEL=)")

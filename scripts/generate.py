@@ -29,7 +29,7 @@ from torchtitan.components.tokenizer import Tokenizer, build_tokenizer  # noqa: 
 from torchtitan.errors import UserError  # noqa: E402
 from torchtitan.models.llama3.args import llama3_flavors, model_args_for  # noqa: E402
 from torchtitan.models.llama3.model import Transformer  # noqa: E402
-from torchtitan.models.llama3.state_dict_adapter import CONFIG_FILE, expected_shapes, load_hf  # noqa: E402
+from torchtitan.models.llama3.state_dict_adapter import CONFIG_FILE, expected_shapes, is_hf_folder, load_hf  # noqa: E402
 
 
 def load_model(checkpoint: Path, flavor: str, hf: bool, context_len: int, device: torch.device) -> Transformer:
@@ -42,6 +42,10 @@ def load_model(checkpoint: Path, flavor: str, hf: bool, context_len: int, device
                         f"tokens that flavor {flavor} supports")
     if not checkpoint.exists():
         raise UserError(f"checkpoint {checkpoint} does not exist")
+    if hf != is_hf_folder(checkpoint):
+        raise UserError(f"checkpoint {checkpoint} is a Hugging Face folder: add --hf" if not hf else
+                        f"--hf: {checkpoint} is not a Hugging Face model folder (config.json with model.safetensors "
+                        f"or model.safetensors.index.json)")
     if hf:
         model_args = model_args_for(flavor, context_len, _hf_vocab_size(checkpoint))
         state_dict = load_hf(checkpoint, model_args)

@@ -373,6 +373,8 @@ class Trainer:
         self.preempt_requested = True
 
     def close(self) -> None:
+        # Also after an error: flushes the metrics and releases the file (idempotent after train() closed it).
+        self.metrics.close()
         if dist.is_initialized():
             dist.destroy_process_group()
 

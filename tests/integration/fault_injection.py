@@ -12,6 +12,9 @@ Environment:
                         sigterm       the rank SIGTERMs itself (a scheduler signalling the workers)
                         sigterm_agent the rank SIGTERMs its parent, the torchrun agent (a scheduler signalling
                                       the launcher, which forwards the signal to every worker)
+                      and one in that step's checkpoint save:
+                        sigkill_in_save  the rank SIGKILLs itself once DCP has written the checkpoint, before it
+                                         is published (renamed from step-N.incomplete to step-N)
     FAULT_ATTEMPT     inject only in this torchrun attempt (TORCHELASTIC_RESTART_COUNT); default: every attempt
     FAULT_SLEEP_SECONDS  length of a `sleep` stall (default 60)
     FAULT_REPORT_DIR  if set, each rank appends JSON lines to events-rank<R>-attempt<A>.jsonl there: every fault
@@ -27,13 +30,15 @@ import sys
 import time
 from pathlib import Path
 
+import torch.distributed.checkpoint as dcp
 from torch.distributed.tensor import DTensor
 
 from torchtitan import train
 
 RANK = int(os.environ.get("RANK", "0"))
 ATTEMPT = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
-KINDS = ("nan", "sleep", "sigkill", "sigterm", "sigterm_agent")
+STEP_KINDS = ("nan", "sleep", "sigkill", "sigterm", "sigterm_agent")
+KINDS = (*STEP_KINDS, "sigkill_in_save")
 
 
 def parse_plan(text: str) -> dict[int, str]:
@@ -74,13 +79,15 @@ def parameter_digest(trainer: train.Trainer) -> str:
 def install(faults: dict[int, str]) -> None:
     forward_backward = train.Trainer.forward_backward
     train_step = train.Trainer.train_step
+    dcp_save = dcp.save
     fired: set[int] = set()
+    current = {"step": 0}
 
     def faulty_forward_backward(self, inputs, labels):
-        step = self.train_state.step + 1
+        step = current["step"] = self.train_state.step + 1
         kind = faults.get(step)
         # Gradient accumulation calls forward_backward several times per step: inject once.
-        if kind is None or step in fired:
+        if kind not in STEP_KINDS or step in fired:
             return forward_backward(self, inputs, labels)
         fired.add(step)
         report({"event": "inject", "kind": kind, "step": step})
@@ -101,6 +108,13 @@ def install(faults: dict[int, str]) -> None:
                 self.loss_fn = loss_fn
         return forward_backward(self, inputs, labels)
 
+    def faulty_dcp_save(*args, **kwargs):
+        result = dcp_save(*args, **kwargs)
+        if faults.get(current["step"]) == "sigkill_in_save":
+            report({"event": "inject", "kind": "sigkill_in_save", "step": current["step"]})
+            os.kill(os.getpid(), signal.SIGKILL)
+        return result
+
     def reporting_train_step(self, batches):
         result = train_step(self, batches)
         report({"event": "step", "step": self.train_state.step + 1, "loss": result[0],
@@ -108,6 +122,7 @@ def install(faults: dict[int, str]) -> None:
         return result
 
     train.Trainer.forward_backward = faulty_forward_backward
+    dcp.save = faulty_dcp_save
     if os.environ.get("FAULT_REPORT_DIR"):
         train.Trainer.train_step = reporting_train_step
 

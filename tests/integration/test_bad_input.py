@@ -6,7 +6,10 @@ need several ranks run on a fake process group of that size in this process (the
 real communication), and a few go through torchrun with 2 processes to cover the real path.
 """
 
+import ast
+import errno
 import hashlib
+import re
 import shutil
 import subprocess
 import sys
@@ -88,11 +91,14 @@ CASES = [
          "option parallelism.tensor_parallel_degree: 3 does not divide n_heads (8)", world_size=3),
     Case("cp_seq_len_not_divisible", ["--parallelism.context_parallel_degree", "2", "--training.seq_len", "30"],
          "option training.seq_len: 30 must be divisible", world_size=2),
-    Case("pp_more_stages_than_layers", ["--parallelism.pipeline_parallel_degree", "8"],
+    Case("pp_more_stages_than_layers", ["--parallelism.pipeline_parallel_degree", "8",
+                                        "--parallelism.pipeline_parallel_schedule", "GPipe"],
          "option parallelism.pipeline_parallel_degree: 8 pipeline stages", world_size=8),
     Case("bad_schedule_name", ["--parallelism.pipeline_parallel_degree", "2",
                                "--parallelism.pipeline_parallel_schedule", "1F2B"],
          "option parallelism.pipeline_parallel_schedule: unknown schedule '1F2B'", world_size=2),
+    Case("seed_checkpoint_with_two_ranks", ["--checkpoint.enable", "--checkpoint.create_seed_checkpoint"],
+         "option checkpoint.create_seed_checkpoint: run it with one process", world_size=2),
     Case("async_tp_on_cpu", ["--parallelism.tensor_parallel_degree", "2", "--parallelism.enable_async_tensor_parallel",
                              "--compile.enable"], "option parallelism.enable_async_tensor_parallel", world_size=2),
     # Tokenizer and data.
@@ -137,6 +143,7 @@ def assert_one_error(code: int, output: str, names: str, expected_code: int = tr
     assert len(errors) == 1, f"{len(errors)} error lines:\n{output[-4000:]}"
     assert names in errors[0], f"{names!r} not in {errors[0]!r}"
     assert "Traceback" not in output, output[-4000:]
+    print(f"bad input -> {errors[0].split('error: ', 1)[1]}")
     return errors[0]
 
 
@@ -192,7 +199,7 @@ CHECKPOINT_CASES = [
     ("load_step_absent", None, ["--checkpoint.load_step", "7"], "option checkpoint.load_step: step 7"),
     ("another_model_shape", None, ["--model.flavor", "debugmodel"], "was saved from another model, check model.flavor"),
     ("truncated_shard", lambda d: truncate(next((d / "checkpoint/step-2").glob("*.distcp"))), [],
-     "checkpoint {dump}/checkpoint/step-2 cannot be read"),
+     "checkpoint {dump}/checkpoint/step-2 cannot be loaded (corrupt"),
     ("truncated_metadata", lambda d: truncate(d / "checkpoint/step-2/.metadata"), [],
      "checkpoint {dump}/checkpoint/step-2: .metadata cannot be read"),
     ("initial_load_path_not_a_checkpoint", None,
@@ -226,7 +233,11 @@ def small_disk(tmp_path):
     try:
         yield mount_point
     finally:
-        subprocess.run(["umount", str(mount_point)], capture_output=True, timeout=30)
+        unmounted = subprocess.run(["umount", str(mount_point)], capture_output=True, text=True, timeout=30)
+        if unmounted.returncode != 0:
+            subprocess.run(["umount", "--lazy", str(mount_point)], capture_output=True, timeout=30)
+    # A busy file system means the failed run left a file open.
+    assert unmounted.returncode == 0, unmounted.stderr
 
 
 def test_disk_full_during_save(small_disk, capsys):
@@ -251,14 +262,17 @@ def test_wandb_not_installed(tmp_path, capsys, monkeypatch):
     assert_one_error(code, output, "metrics.enable_wandb is true but wandb cannot be imported")
 
 
-def test_wandb_without_api_key(tmp_path, capsys, monkeypatch):
+def wandb_env(tmp_path: Path, **variables: str) -> dict[str, str]:
+    """W&B in a process of its own (wandb.init leaves state behind in the process that calls it), with an empty
+    HOME and settings folder so that no key is found but the one given."""
+    return {"HOME": str(tmp_path), "WANDB_CONFIG_DIR": str(tmp_path / "wandb_config"), **variables}
+
+
+def test_wandb_without_api_key(tmp_path, monkeypatch):
     monkeypatch.delenv("WANDB_API_KEY", raising=False)
-    monkeypatch.setenv("WANDB_MODE", "online")
-    # No ~/.netrc or wandb settings with a key: HOME and the config folder are empty.
-    monkeypatch.setenv("HOME", str(tmp_path))
-    monkeypatch.setenv("WANDB_CONFIG_DIR", str(tmp_path / "wandb_config"))
-    code, output = run_main([*BASE, "--metrics.enable_wandb", "--job.dump_folder", str(tmp_path / "dump")], capsys)
-    assert_one_error(code, output, "metrics.enable_wandb is true but W&B failed to start")
+    proc = launch(tmp_path / "dump", 1, [*BASE, "--metrics.enable_wandb"], timeout=120,
+                  env=wandb_env(tmp_path, WANDB_MODE="online"))
+    assert_one_error(proc.returncode, proc.stdout, "metrics.enable_wandb is true but W&B failed to start")
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -267,8 +281,6 @@ def test_wandb_without_api_key(tmp_path, capsys, monkeypatch):
 MULTI_PROCESS_CASES = [
     ("degrees_do_not_divide_world_size", ["--parallelism.tensor_parallel_degree", "3"],
      "= 3 does not divide the world size 2"),
-    ("seed_checkpoint_with_two_processes", ["--checkpoint.enable", "--checkpoint.create_seed_checkpoint"],
-     "option checkpoint.create_seed_checkpoint: run it with one process"),
 ]
 
 
@@ -287,3 +299,104 @@ def test_bad_input_two_processes(tmp_path, name, options, names):
         errors = [line for line in output.splitlines() if "error:" in line]
         assert len(errors) == 1 and names in errors[0], output[-4000:]
         assert "Traceback" not in output, output[-4000:]
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Safety: untrusted files never run code, secrets never reach the outputs, files are replaced atomically.
+
+PACKAGE = Path(train.__file__).parent
+
+
+def package_calls() -> list[tuple[str, ast.Call]]:
+    """Every call in the package's source, with the file it is in."""
+    calls = []
+    for path in sorted(PACKAGE.rglob("*.py")):
+        tree = ast.parse(path.read_text(), filename=str(path))
+        calls += [(str(path.relative_to(PACKAGE)), node) for node in ast.walk(tree) if isinstance(node, ast.Call)]
+    return calls
+
+
+def dotted(node: ast.expr) -> str:
+    """`torch.load` for the expression torch.load, '' for anything that is not a plain dotted name."""
+    if isinstance(node, ast.Name):
+        return node.id
+    if isinstance(node, ast.Attribute):
+        base = dotted(node.value)
+        return f"{base}.{node.attr}" if base else ""
+    return ""
+
+
+def keyword(call: ast.Call, name: str) -> ast.expr | None:
+    return next((k.value for k in call.keywords if k.arg == name), None)
+
+
+def test_every_torch_load_is_weights_only():
+    for path in PACKAGE.rglob("*.py"):
+        assert not re.search(r"from torch(\.serialization)? import [^\n]*\bload\b", path.read_text()), \
+            f"{path}: torch.load imported under another name escapes this check"
+    loads = [(where, call) for where, call in package_calls()
+             if dotted(call.func) in ("torch.load", "torch.serialization.load")]
+    assert loads, "no torch.load found: the scan is broken"
+    for where, call in loads:
+        value = keyword(call, "weights_only")
+        assert isinstance(value, ast.Constant) and value.value is True, f"{where}:{call.lineno} torch.load without " \
+                                                                       f"weights_only=True"
+    # DCP's default load planner unpickles with weights_only=False: every DCP load names a planner.
+    for where, call in package_calls():
+        if dotted(call.func) in ("dcp.load", "torch.distributed.checkpoint.load"):
+            assert keyword(call, "planner") is not None, f"{where}:{call.lineno} DCP load with the default planner"
+
+
+def test_nothing_evaluates_or_unpickles_input():
+    forbidden = {"eval", "exec", "compile", "__import__", "pickle.load", "pickle.loads", "yaml.load", "marshal.loads"}
+    found = [f"{where}:{call.lineno} {dotted(call.func)}" for where, call in package_calls()
+             if dotted(call.func) in forbidden]
+    assert not found, found
+
+
+def test_hugging_face_export_is_safetensors(tmp_path, capsys):
+    from safetensors import safe_open
+
+    code, output = run_main([*BASE, "--training.steps", "1", "--checkpoint.enable", "--checkpoint.last_save_in_hf",
+                             "--job.dump_folder", str(tmp_path)], capsys)
+    assert code == 0, output[-4000:]
+    export = tmp_path / "checkpoint" / "step-1"
+    weights = sorted(path.name for path in export.iterdir() if path.suffix != ".json")
+    assert weights and all(name.endswith(".safetensors") for name in weights), weights
+    for name in weights:
+        with safe_open(str(export / name), framework="pt") as f:
+            assert f.keys()
+
+
+def test_wandb_api_key_never_written(tmp_path):
+    secret = "secret-xyz"
+    dump = tmp_path / "dump"
+    proc = launch(dump, 1, [*BASE, "--metrics.enable_wandb", "--job.print_args"], timeout=120,
+                  env=wandb_env(tmp_path, WANDB_MODE="offline", WANDB_API_KEY=secret))
+    assert proc.returncode == 0, proc.stdout[-4000:]
+    written = [path for path in dump.rglob("*") if path.is_file()]
+    assert {"config.toml", "metrics.jsonl"} <= {path.name for path in written}
+    assert any("wandb" in path.parts for path in written), "W&B wrote nothing: the check would be vacuous"
+    assert secret not in proc.stdout
+    leaks = [str(path) for path in written if secret.encode() in path.read_bytes()]
+    assert not leaks, leaks
+
+
+def test_config_is_replaced_atomically(tmp_path, monkeypatch):
+    """A crash while config.toml is being written (here: the disk fills half-way) leaves the previous one whole."""
+    from torchtitan.config import JobConfig, save_config
+
+    path = save_config(JobConfig(), str(tmp_path))
+    before = path.read_bytes()
+    write_text = Path.write_text
+
+    def fill_disk_half_way(self, data, *args, **kwargs):
+        write_text(self, data[: len(data) // 2], *args, **kwargs)
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(Path, "write_text", fill_disk_half_way)
+    changed = JobConfig()
+    changed.training.steps = 7
+    with pytest.raises(OSError):
+        save_config(changed, str(tmp_path))
+    assert path.read_bytes() == before

@@ -132,6 +132,24 @@ def test_preemption_saves_and_a_relaunch_continues_exactly(tmp_path, uninterrupt
     print("preemption: faults injected 2 (SIGTERM to a worker, SIGTERM to the agent), survived 2")
 
 
+def test_kill_while_saving_resumes_from_the_previous_checkpoint(tmp_path):
+    """One process killed after DCP wrote step-4 but before it was published: step-4.incomplete is never loaded;
+    the next launch resumes from step-2, removes the leftover, and repeats steps 3-4 exactly."""
+    args = [*BASE, "--checkpoint.enable", "--checkpoint.interval", "2"]
+    env = {"FAULT_PLAN": "sigkill_in_save@4:0", "FAULT_REPORT_DIR": str(tmp_path)}
+    proc = launch(tmp_path, 1, args, timeout=180, module=INJECTOR, env=env)
+    assert proc.returncode == -9, proc.stdout[-6000:]
+    assert [(e["kind"], e["step"]) for e in events(tmp_path, "inject")] == [("sigkill_in_save", 4)]
+    assert checkpoint_steps(tmp_path) == ["step-2", "step-4.incomplete"]
+    first = {row["step"]: row["loss"] for row in read_metrics(tmp_path)}
+    proc = launch(tmp_path, 1, args, timeout=180, module=INJECTOR, env={"FAULT_REPORT_DIR": str(tmp_path)})
+    assert proc.returncode == 0, proc.stdout[-6000:]
+    assert "checkpoint/step-2 in" in proc.stdout and "step-4.incomplete, left by an interrupted save" in proc.stdout
+    assert checkpoint_steps(tmp_path) == ["step-2", "step-4", "step-6", "step-8"]
+    assert final_losses(tmp_path)[2:4] == [first[3], first[4]]
+    print("kill during a checkpoint save: faults injected 1, survived 1")
+
+
 def test_nan_on_one_rank_stops_every_rank(tmp_path):
     proc = run(tmp_path, [*FSDP2, "--checkpoint.enable", "--checkpoint.interval", "1"], plan="nan@3:1")
     assert proc.returncode != 0

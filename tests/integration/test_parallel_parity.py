@@ -75,3 +75,18 @@ def test_bf16_mixed_precision_close_to_fp32(tmp_path, reference):
     difference = max_relative_difference(losses(rows), losses(reference))
     print(f"parity fsdp2 bf16: max relative loss difference to fp32 {difference:.2e}")
     assert 0 < difference <= 1e-2
+
+
+def test_validation_loss_matches_under_context_and_tensor_parallel(tmp_path):
+    """Validation shards the sequence (CP) and the vocabulary (TP) like training does; its loss must not change."""
+    validation = ["--training.steps", "2", "--validation.enable", "--validation.freq", "2", "--validation.steps", "2",
+                  "--validation.seq_len", "32", "--validation.local_batch_size", "2"]
+
+    def validation_loss(rows: list[dict]) -> float:
+        return next(row["validation_loss"] for row in rows if "validation_loss" in row)
+
+    single = train(tmp_path / "single", 1, [*BASE, *batch_args(1), *validation])
+    sharded = train(tmp_path / "cp2_tp2", 4, [*BASE, *batch_args(1), *validation,
+                                              "--parallelism.context_parallel_degree", "2",
+                                              "--parallelism.tensor_parallel_degree", "2"])
+    assert abs(validation_loss(sharded) / validation_loss(single) - 1) <= 1e-5

@@ -23,11 +23,12 @@ import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.pipelining import PipelineStage
-from torch.distributed.tensor import DTensor
 from torch.distributed.pipelining.schedules import (FORWARD, PipelineScheduleMulti, PipelineScheduleSingle,
-                                                    ScheduleDualPipeV, ScheduleZBVZeroBubble, _Action,
-                                                    _add_send_recv, _add_unshard_reshard, _PipelineSchedule,
-                                                    _PipelineScheduleRuntime, get_schedule_class)
+                                                    ScheduleDualPipeV, ScheduleInterleavedZeroBubble,
+                                                    ScheduleZBVZeroBubble, _Action, _add_send_recv,
+                                                    _add_unshard_reshard, _PipelineSchedule, _PipelineScheduleRuntime,
+                                                    get_schedule_class)
+from torch.distributed.tensor import DTensor
 
 from torchtitan.config.job_config import JobConfig
 from torchtitan.distributed.parallel_dims import ParallelDims
@@ -42,6 +43,9 @@ SCHEDULE_OPTION = "parallelism.pipeline_parallel_schedule"
 CSV_OPTION = "parallelism.pipeline_parallel_schedule_csv"
 MICROBATCH_OPTION = "parallelism.pipeline_parallel_microbatch_size"
 ROUNDS_SCHEDULES = ("Interleaved1F1B", "InterleavedZeroBubble")
+V_SHAPED = (ScheduleZBVZeroBubble, ScheduleDualPipeV)
+# These split each backward into an input-gradient and a later weight-gradient pass.
+SPLIT_BACKWARD = (ScheduleInterleavedZeroBubble, ScheduleZBVZeroBubble, ScheduleDualPipeV)
 
 
 @dataclass(frozen=True)
@@ -75,13 +79,19 @@ def plan_pipeline(model: nn.Module, pp_degree: int, config: JobConfig) -> Pipeli
                             f"whose stage placement the CSV uses: {', '.join(_multi_stage_schedules())}")
         if not os.path.isfile(csv_path):
             raise UserError(f"option {CSV_OPTION}: {csv_path!r} is not a file")
+    if config.compile.enable and "model" in config.compile.components and issubclass(schedule_class, SPLIT_BACKWARD):
+        # A compiled block's backward is one graph: it cannot run its input and weight gradients separately.
+        whole_backward = [other for other in SCHEDULES if not issubclass(get_schedule_class(other), SPLIT_BACKWARD)]
+        raise UserError(f"option compile.enable: schedule {name} splits each backward into input- and "
+                        f"weight-gradient passes, which compiled blocks cannot run; use another schedule "
+                        f"({', '.join(whole_backward)}), or leave model out of compile.components")
     n_microbatches = microbatch_count(config.training.local_batch_size, parallelism.pipeline_parallel_microbatch_size)
     n_layers = len(model.layers)
     split_points = parallelism.pipeline_parallel_split_points
     layers_per_stage = parallelism.pipeline_parallel_layers_per_stage
     num_stages = requested_stage_count(n_layers, pp_degree * (2 if multi_stage else 1), split_points,
                                        layers_per_stage)
-    v_shaped = issubclass(schedule_class, (ScheduleZBVZeroBubble, ScheduleDualPipeV))
+    v_shaped = issubclass(schedule_class, V_SHAPED)
     _check_stage_count(num_stages, n_layers, pp_degree, name, schedule_class, split_points, layers_per_stage)
     if not csv_path:
         _check_microbatches(n_microbatches, name, pp_degree, num_stages)
@@ -134,7 +144,7 @@ def _stage_count_rule(schedule_class: type[_PipelineSchedule], pp_degree: int) -
     """Which stage counts the schedule can run, and that rule in words."""
     if issubclass(schedule_class, PipelineScheduleSingle):
         return (lambda count: count == pp_degree), f"exactly {pp_degree} stages (one per rank)"
-    if issubclass(schedule_class, (ScheduleZBVZeroBubble, ScheduleDualPipeV)):
+    if issubclass(schedule_class, V_SHAPED):
         return (lambda count: count == 2 * pp_degree), f"exactly {2 * pp_degree} stages (two per rank)"
     return ((lambda count: count % pp_degree == 0 and count >= 2 * pp_degree),
             f"a multiple of {pp_degree} stages, at least {2 * pp_degree} (two or more per rank)")

@@ -1,0 +1,314 @@
+"""multinode_trainer.slurm: its command line and preemption handling with stand-in SLURM commands, then for real on
+a one-machine SLURM cluster (slurmctld + slurmd started by the test) where the job is preempted, requeued, and
+resumes from its checkpoint.
+
+The real cluster needs the Debian packages slurmctld, slurmd and slurm-client (and root, as slurmd starts the job
+steps); without them that test is skipped, saying why.
+"""
+
+import glob
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from tests.integration.harness import REPO, TINY, read_metrics
+from torchtitan.components.checkpoint import complete_steps
+
+pytestmark = pytest.mark.integration
+
+SCRIPT = REPO / "multinode_trainer.slurm"
+JOB_ID = "42"
+
+# ---------------------------------------------------------------------------------------------------------------
+# Dry runs: scontrol, scancel, srun and torchrun replaced by scripts that record how they were called.
+
+FAKE_COMMANDS = {
+    "scontrol": """#!/bin/bash
+echo "scontrol $*" >> "$FAKE_DIR/calls"
+if [ "$1 $2" = "show hostnames" ]; then printf 'node-a\\nnode-b\\n'; fi
+""",
+    "scancel": """#!/bin/bash
+echo "scancel $*" >> "$FAKE_DIR/calls"
+kill -TERM "$(cat "$FAKE_DIR/torchrun.pid")"
+""",
+    "srun": """#!/bin/bash
+exec "$@"
+""",
+    # Records its arguments one per line; with FAKE_TRAIN_SECONDS it trains until then or until SIGTERM.
+    "torchrun": """#!/bin/bash
+printf '%s\\n' "$@" > "$FAKE_DIR/torchrun.args"
+if [ -n "${FAKE_TRAIN_SECONDS:-}" ]; then
+  trap 'echo "torchrun SIGTERM" >> "$FAKE_DIR/calls"; kill $!; exit 1' TERM
+  echo $$ > "$FAKE_DIR/torchrun.pid"
+  sleep "$FAKE_TRAIN_SECONDS" &
+  wait
+fi
+exit "${FAKE_EXIT:-0}"
+""",
+}
+
+
+def clean_environment() -> dict[str, str]:
+    """This process's environment without SLURM's variables (the tests may themselves run inside a job)."""
+    return {key: value for key, value in os.environ.items() if not key.startswith(("SLURM_", "SBATCH_", "SRUN_"))}
+
+
+@pytest.fixture
+def fake_slurm(tmp_path):
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    for name, text in FAKE_COMMANDS.items():
+        (bin_dir / name).write_text(text)
+        (bin_dir / name).chmod(0o755)
+    env = {**clean_environment(), "PATH": f"{bin_dir}{os.pathsep}{os.environ['PATH']}", "FAKE_DIR": str(tmp_path),
+           "SLURM_JOB_ID": JOB_ID, "SLURM_JOB_NODELIST": "node-[a-b]", "SLURM_NNODES": "2"}
+    return tmp_path, env
+
+
+def dry_run(env: dict[str, str], *args: str) -> subprocess.CompletedProcess:
+    return subprocess.run(["bash", str(SCRIPT), *args], cwd=REPO, env=env, capture_output=True, text=True,
+                          timeout=60)
+
+
+def calls(folder: Path) -> list[str]:
+    path = folder / "calls"
+    return path.read_text().splitlines() if path.exists() else []
+
+
+@pytest.mark.parametrize("gpu_env,nproc", [
+    ({}, "1"),
+    ({"SLURM_GPUS_ON_NODE": "4"}, "4"),
+    ({"SLURM_GPUS_ON_NODE": "4", "GPUS_PER_NODE": "2"}, "2"),
+], ids=["no_gpus", "slurm_gpus", "override"])
+def test_torchrun_command_line(fake_slurm, gpu_env, nproc):
+    folder, env = fake_slurm
+    proc = dry_run({**env, **gpu_env}, "--training.steps", "5", "--job.description", "two words")
+    assert proc.returncode == 0, proc.stderr
+    assert (folder / "torchrun.args").read_text().splitlines() == [
+        "--nnodes", "2", "--nproc_per_node", nproc, "--rdzv_id", JOB_ID, "--rdzv_backend", "c10d",
+        "--rdzv_endpoint", "node-a:29500", "--shutdown_timeout", "110", "--local-ranks-filter", "0",
+        "--role", "rank", "--tee", "3", "-m", "torchtitan.train", "--job.config_file",
+        "train_configs/debug_model.toml", "--training.steps", "5", "--job.description", "two words"]
+    assert calls(folder) == ["scontrol show hostnames node-[a-b]"]
+
+
+def test_failed_run_keeps_its_status_and_is_not_requeued(fake_slurm):
+    folder, env = fake_slurm
+    proc = dry_run({**env, "FAKE_EXIT": "3"})
+    assert proc.returncode == 3
+    assert not any("requeue" in call for call in calls(folder))
+
+
+def test_sigterm_is_passed_on_then_the_job_requeued(fake_slurm):
+    folder, env = fake_slurm
+    script = subprocess.Popen(["bash", str(SCRIPT)], cwd=REPO, env={**env, "FAKE_TRAIN_SECONDS": "60"},
+                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        deadline = time.monotonic() + 30
+        while not (folder / "torchrun.pid").exists():
+            assert time.monotonic() < deadline and script.poll() is None, "the fake torchrun did not start"
+            time.sleep(0.05)
+        script.send_signal(signal.SIGTERM)
+        output, _ = script.communicate(timeout=30)
+    finally:
+        script.kill()
+    assert calls(folder)[1:] == [f"scancel --signal=TERM {JOB_ID}", "torchrun SIGTERM", f"scontrol requeue {JOB_ID}"]
+    assert "requeueing job 42" in output
+
+
+@pytest.mark.parametrize("change,message", [
+    ({"SLURM_JOB_ID": ""}, "submit this script with sbatch"),
+    ({"CONFIG_FILE": "missing.toml"}, "CONFIG_FILE missing.toml does not exist"),
+    ({"GPUS_PER_NODE": "two"}, "GPUS_PER_NODE=two must be a positive integer"),
+], ids=["outside_slurm", "missing_config", "bad_gpus"])
+def test_errors(fake_slurm, change, message):
+    folder, env = fake_slurm
+    proc = dry_run({**env, **change})
+    assert proc.returncode == 2
+    assert proc.stderr.startswith("error: ") and message in proc.stderr, proc.stderr
+    assert not (folder / "torchrun.args").exists()
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# A real one-machine SLURM cluster
+
+STARTUP_TIMEOUT = 60
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def has_auth_none() -> bool:
+    # Slurm 23.11 removed auth/none; the Debian 12 package (22.05) still has it.
+    patterns = ["/usr/lib/*/slurm-wlm/auth_none.so", "/usr/lib/slurm-wlm/auth_none.so", "/usr/lib*/slurm/auth_none.so",
+                "/usr/local/lib/slurm/auth_none.so"]
+    return any(glob.glob(pattern) for pattern in patterns)
+
+
+class Cluster:
+    def __init__(self, folder: Path):
+        self.folder = folder
+        self.conf = folder / "slurm.conf"
+        self.env = {**clean_environment(), "SLURM_CONF": str(self.conf)}
+        self.daemons: list[subprocess.Popen] = []
+
+    def start_daemon(self, *command: str) -> None:
+        log = open(self.folder / f"{Path(command[0]).name}.out", "w")
+        self.daemons.append(subprocess.Popen(command, env=self.env, stdout=log, stderr=subprocess.STDOUT,
+                                             start_new_session=True))
+        log.close()
+
+    def command(self, *args: str, timeout: float = 30) -> subprocess.CompletedProcess:
+        return subprocess.run(args, env=self.env, capture_output=True, text=True, timeout=timeout)
+
+    def logs(self) -> str:
+        return "\n".join(f"--- {path.name}\n" + "\n".join(path.read_text(errors="replace").splitlines()[-15:])
+                         for path in sorted(self.folder.glob("*.out")))
+
+    def stop(self) -> None:
+        jobs = self.command("squeue", "-h", "-o", "%i").stdout.split()
+        if jobs:
+            self.command("scancel", *jobs)
+            deadline = time.monotonic() + 30
+            while self.command("squeue", "-h", "-o", "%i").stdout.split() and time.monotonic() < deadline:
+                time.sleep(0.5)
+        for daemon in reversed(self.daemons):
+            daemon.terminate()
+            try:
+                daemon.wait(timeout=15)
+            except subprocess.TimeoutExpired:
+                daemon.kill()
+                daemon.wait()
+
+
+def auth_settings(cluster: Cluster) -> str:
+    """auth/none where this Slurm has it; else MUNGE with a key of the test's own, in a munged of its own."""
+    if has_auth_none():
+        return "AuthType=auth/none\nCredType=cred/none\nAuthInfo=cred_expire=5"
+    if shutil.which("munged") is None:
+        pytest.skip("this Slurm has no auth/none plugin and munged is not installed (apt-get install munge)")
+    key = cluster.folder / "munge.key"
+    key.write_bytes(os.urandom(1024))
+    key.chmod(0o400)
+    socket_path = cluster.folder / "munge.socket"
+    cluster.start_daemon("munged", "--foreground", "--force", f"--socket={socket_path}", f"--key-file={key}",
+                         f"--log-file={cluster.folder / 'munged.log'}", f"--pid-file={cluster.folder / 'munged.pid'}",
+                         f"--seed-file={cluster.folder / 'munged.seed'}")
+    return f"AuthType=auth/munge\nCredType=cred/munge\nAuthInfo=socket={socket_path},cred_expire=5"
+
+
+@pytest.fixture(scope="module")
+def slurm_cluster(tmp_path_factory):
+    missing = [name for name in ("slurmctld", "slurmd", "sbatch", "scontrol", "squeue", "scancel", "srun", "sinfo")
+               if shutil.which(name) is None]
+    if missing:
+        pytest.skip(f"SLURM is not installed ({', '.join(missing)} not found): apt-get install slurmctld slurmd "
+                    f"slurm-client")
+    if os.geteuid() != 0:
+        pytest.skip("the test cluster's slurmd runs as root (SlurmdUser=root), and this test is not root")
+    host = socket.gethostname().split(".")[0]
+    try:
+        socket.gethostbyname(host)
+    except OSError:
+        pytest.skip(f"this machine's host name {host!r} does not resolve; slurmd and the rendezvous need it to")
+    cluster = Cluster(tmp_path_factory.mktemp("slurm"))
+    for name in ("state", "spool"):
+        (cluster.folder / name).mkdir()
+    try:
+        auth = auth_settings(cluster)
+        # cred_expire (in auth_settings) is also how long a requeued job waits before it may start again (120 s by
+        # default); sched_interval=1 lets the scheduler notice it at once.
+        cluster.conf.write_text(f"""ClusterName=torchtitan-test
+SlurmctldHost={host}(127.0.0.1)
+{auth}
+SlurmUser=root
+SlurmdUser=root
+SlurmctldPort={free_port()}
+SlurmdPort={free_port()}
+StateSaveLocation={cluster.folder / 'state'}
+SlurmdSpoolDir={cluster.folder / 'spool'}
+SlurmctldPidFile={cluster.folder / 'slurmctld.pid'}
+SlurmdPidFile={cluster.folder / 'slurmd.pid'}
+SlurmctldLogFile={cluster.folder / 'slurmctld.log'}
+SlurmdLogFile={cluster.folder / 'slurmd.log'}
+ProctrackType=proctrack/linuxproc
+TaskPlugin=task/none
+SwitchType=switch/none
+MpiDefault=none
+SchedulerType=sched/builtin
+SchedulerParameters=sched_interval=1
+SelectType=select/cons_tres
+SelectTypeParameters=CR_CPU
+ReturnToService=2
+JobAcctGatherType=jobacct_gather/none
+AccountingStorageType=accounting_storage/none
+NodeName={host} NodeAddr=127.0.0.1 CPUs={os.cpu_count()} State=UNKNOWN
+PartitionName=test Nodes={host} Default=YES MaxTime=INFINITE State=UP
+""")
+        cluster.start_daemon("slurmctld", "-D", "-f", str(cluster.conf))
+        cluster.start_daemon("slurmd", "-D", "-f", str(cluster.conf), "-N", host)
+        deadline = time.monotonic() + STARTUP_TIMEOUT
+        while cluster.command("sinfo", "-h", "-o", "%T").stdout.strip() != "idle":
+            if time.monotonic() > deadline or any(daemon.poll() is not None for daemon in cluster.daemons):
+                pytest.skip(f"slurmctld/slurmd did not bring the node up within {STARTUP_TIMEOUT} s in this "
+                            f"container:\n{cluster.logs()}")
+            time.sleep(0.5)
+        yield cluster
+    finally:
+        cluster.stop()
+
+
+def wait_for(condition, timeout: float, what: str, job: subprocess.Popen, output: Path) -> None:
+    deadline = time.monotonic() + timeout
+    while not condition():
+        if time.monotonic() > deadline or job.poll() is not None:
+            text = output.read_text(errors="replace")[-6000:] if output.exists() else "(no output)"
+            pytest.fail(f"{what} did not happen within {timeout} s; the job's output:\n{text}")
+        time.sleep(0.2)
+
+
+def test_preempted_job_checkpoints_requeues_and_resumes(slurm_cluster, tmp_path):
+    """2 CPU processes on one node train until SIGTERM (as SLURM sends before a time limit), checkpoint, requeue;
+    the next run resumes from that checkpoint and trains to the end."""
+    dump, output, config = tmp_path / "dump", tmp_path / "job.out", tmp_path / "train.toml"
+    config.write_text("[training]\nsteps = 100000\n\n[checkpoint]\nenable = true\ninterval = 100000\n")
+    env = {**slurm_cluster.env, "CONFIG_FILE": str(config), "GPUS_PER_NODE": "2", "RDZV_PORT": str(free_port()),
+           "SHUTDOWN_TIMEOUT": "60", "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO),
+           "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}"}
+    job = subprocess.Popen(["sbatch", "--wait", "--nodes=1", "--gpus-per-node=0", f"--output={output}", str(SCRIPT),
+                            *TINY, "--job.dump_folder", str(dump)],
+                           cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        job_id = job.stdout.readline().split()[-1]
+        # A logged step means the trainer's SIGTERM handler is installed.
+        metrics = dump / "metrics.jsonl"
+        wait_for(lambda: metrics.exists() and metrics.stat().st_size > 0, 300, "the first step", job, output)
+        slurm_cluster.command("scancel", "--batch", "--signal=TERM", job_id)
+        wait_for(lambda: complete_steps(dump / "checkpoint"), 120, "the checkpoint after SIGTERM", job, output)
+        preempted_at = complete_steps(dump / "checkpoint")[-1]
+        # Before the requeued run starts (cred_expire = 5 s after the requeue), so that it ends 3 steps later.
+        config.write_text(f"[training]\nsteps = {preempted_at + 3}\n\n[checkpoint]\nenable = true\n"
+                          f"interval = 100000\n")
+        job.communicate(timeout=300)
+    finally:
+        if job.poll() is None:
+            job.kill()
+            job.communicate()
+    log = output.read_text(errors="replace")
+    assert job.returncode == 0, log[-6000:]
+    assert "run 0: 1 node(s) x 2 process(es)" in log and "run 1: 1 node(s) x 2 process(es)" in log
+    assert f"requeueing job {job_id}" in log
+    # Every step once: the first run's up to the checkpoint, then the resumed run's (a restart from scratch would
+    # log step 1 again).
+    steps = [row["step"] for row in read_metrics(dump) if "loss" in row]
+    assert steps == list(range(1, preempted_at + 4))
