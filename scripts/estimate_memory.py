@@ -84,6 +84,9 @@ import argparse
 import contextlib
 import dataclasses
 import gc
+import json
+import os
+import subprocess
 import sys
 import tempfile
 from dataclasses import dataclass
@@ -297,10 +300,11 @@ def _estimate_rank(config: JobConfig, args: TransformerModelArgs, dims: Parallel
 
 
 def measure(trainer_argv: list[str]) -> dict[str, float]:
-    """Peak bytes of one training step of the real Trainer in this process (see the module docstring).
+    """Peak bytes of a training step of the real Trainer in this process (see the module docstring).
 
-    Returns `tensor_peak` (torch's accounting) and `rss_increase` (peak RSS during the step minus the RSS before
-    the Trainer was built).
+    Returns `tensor_peak` (torch's accounting, from the third step), `resident` (the part of it that was alive
+    before that step: parameters, buffers, optimizer state) and `rss_increase` (peak RSS during the second step,
+    which runs without the profiler and its event buffers, minus the RSS before the Trainer was built).
     """
     from torch.profiler import ProfilerActivity, profile
 
@@ -318,16 +322,18 @@ def measure(trainer_argv: list[str]) -> dict[str, float]:
         try:
             data_iterator = iter(trainer.dataloader)
             trainer.train_step(trainer._next_batches(data_iterator))
-            # Frees the first step's gradients now, so that every free inside the profiled step is of a tensor
-            # the profiler saw allocated.
+            batches = trainer._next_batches(data_iterator)
+            reset_peak_memory(cpu)
+            trainer.train_step(batches)
+            peak_rss = memory_stats(cpu)["max_rss_gib"] * GIB
+            # Frees the gradients now, so that every free inside the profiled step is of a tensor the profiler
+            # saw allocated.
             trainer.optimizers.zero_grad()
             gc.collect()
             resident = _resident_bytes(trainer)
             batches = trainer._next_batches(data_iterator)
-            reset_peak_memory(cpu)
             with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as profiler:
                 trainer.train_step(batches)
-            peak_rss = memory_stats(cpu)["max_rss_gib"] * GIB
         finally:
             trainer.metrics.close()
             trainer.close()
@@ -337,7 +343,7 @@ def measure(trainer_argv: list[str]) -> dict[str, float]:
     for _, nbytes in events:
         running += nbytes
         highest = max(highest, running)
-    return {"tensor_peak": resident + highest, "rss_increase": peak_rss - baseline_rss}
+    return {"tensor_peak": resident + highest, "resident": resident, "rss_increase": peak_rss - baseline_rss}
 
 
 def _resident_bytes(trainer) -> int:
@@ -377,27 +383,32 @@ PRESETS = [
         "--parallelism.pipeline_parallel_degree", "1", "--training.local_batch_size", "1"]),
 ]
 
-# Small configs of the debug model measured on this CPU (one process).
+def _debug(seq_len: int, batch: int, dtype: str, ac: str, *parallel: str) -> list[str]:
+    mode, option = {"none": ("none", "2"), "full": ("full", "2"), "op": ("selective", "op")}.get(ac, ("selective", ac))
+    return ["--training.seq_len", str(seq_len), "--training.local_batch_size", str(batch),
+            "--training.mixed_precision_param", dtype, "--activation_checkpoint.mode", mode,
+            "--activation_checkpoint.selective_ac_option", option, *parallel]
+
+
+# Small configs of the debug model measured on this CPU: (name, processes, trainer options).
 VALIDATION = [
-    ("debugmodel seq 256 batch 4 fp32, AC none", ["--training.seq_len", "256", "--training.local_batch_size", "4",
-                                                  "--training.mixed_precision_param", "float32",
-                                                  "--activation_checkpoint.mode", "none"]),
-    ("debugmodel seq 512 batch 2 fp32, AC full", ["--training.seq_len", "512", "--training.local_batch_size", "2",
-                                                  "--training.mixed_precision_param", "float32",
-                                                  "--activation_checkpoint.mode", "full"]),
-    ("debugmodel seq 512 batch 4 bf16, AC none", ["--training.seq_len", "512", "--training.local_batch_size", "4",
-                                                  "--activation_checkpoint.mode", "none"]),
-    ("debugmodel seq 256 batch 8 bf16, AC full", ["--training.seq_len", "256", "--training.local_batch_size", "8",
-                                                  "--activation_checkpoint.mode", "full"]),
-    ("debugmodel seq 256 batch 8 bf16, AC op", ["--training.seq_len", "256", "--training.local_batch_size", "8",
-                                                "--activation_checkpoint.mode", "selective",
-                                                "--activation_checkpoint.selective_ac_option", "op"]),
-    ("debugmodel seq 512 batch 4 fp32, AC every 2", ["--training.seq_len", "512", "--training.local_batch_size",
-                                                     "4", "--training.mixed_precision_param", "float32",
-                                                     "--activation_checkpoint.mode", "selective",
-                                                     "--activation_checkpoint.selective_ac_option", "2"]),
+    ("seq 256 batch 4 fp32, AC none", 1, _debug(256, 4, "float32", "none")),
+    ("seq 512 batch 2 fp32, AC full", 1, _debug(512, 2, "float32", "full")),
+    ("seq 512 batch 4 bf16, AC none", 1, _debug(512, 4, "bfloat16", "none")),
+    ("seq 256 batch 8 bf16, AC full", 1, _debug(256, 8, "bfloat16", "full")),
+    ("seq 256 batch 8 bf16, AC op", 1, _debug(256, 8, "bfloat16", "op")),
+    ("seq 512 batch 4 fp32, AC every 2", 1, _debug(512, 4, "float32", "2")),
+    ("seq 512 batch 4 bf16, AC none, FSDP 2", 2, _debug(512, 4, "bfloat16", "none",
+                                                         "--parallelism.data_parallel_shard_degree", "2")),
+    ("seq 512 batch 4 fp32, AC full, FSDP 2", 2, _debug(512, 4, "float32", "full",
+                                                         "--parallelism.data_parallel_shard_degree", "2")),
+    ("seq 512 batch 4 bf16, AC none, TP 2", 2, _debug(512, 4, "bfloat16", "none",
+                                                       "--parallelism.tensor_parallel_degree", "2")),
+    ("seq 512 batch 4 bf16, AC op, TP 2", 2, _debug(512, 4, "bfloat16", "op",
+                                                     "--parallelism.tensor_parallel_degree", "2")),
 ]
-DEBUG_TOML = ["--job.config_file", str(Path(__file__).resolve().parent.parent / "train_configs" / "debug_model.toml")]
+CONFIGS = Path(__file__).resolve().parent.parent / "train_configs"
+DEBUG_TOML = ["--job.config_file", str(CONFIGS / "debug_model.toml")]
 
 _SHORTHANDS = {"flavor": "model.flavor", "seq_len": "training.seq_len", "local_batch_size": "training.local_batch_size",
                "tp": "parallelism.tensor_parallel_degree", "pp": "parallelism.pipeline_parallel_degree",
@@ -422,33 +433,48 @@ def _trainer_argv(args: argparse.Namespace, rest: list[str]) -> list[str]:
 
 def _row(name: str, e: Estimate, device_gib: float) -> str:
     flag = "EXCEEDS" if e.total > device_gib * GIB else "fits"
-    return (f"{name:<40} {e.parameters / GIB:7.1f} {e.optimizer / GIB:7.1f} {e.gradients / GIB:6.1f} "
+    return (f"{name:<50} {e.parameters / GIB:7.1f} {e.optimizer / GIB:7.1f} {e.gradients / GIB:6.1f} "
             f"{e.activations / GIB:7.1f} {e.transient / GIB:7.1f} {e.buffers / GIB:6.1f} {e.overhead / GIB:5.1f} "
             f"{e.total / GIB:7.1f}  {flag:<7} {e.phase}")
 
 
-_HEADER = (f"{'GiB per device':<40} {'params':>7} {'optim':>7} {'grads':>6} {'activ':>7} {'transnt':>7} "
+_HEADER = (f"{'GiB per device':<50} {'params':>7} {'optim':>7} {'grads':>6} {'activ':>7} {'transnt':>7} "
            f"{'buffer':>6} {'ovhd':>5} {'total':>7}  {'80 GiB':<7} peak at")
 
 
 def presets_table(device_gib: float, overhead_gib: float) -> str:
-    configs = Path(__file__).resolve().parent.parent / "train_configs"
     lines = [_HEADER]
     for name, toml, ngpu, overrides in PRESETS:
-        config = parse_args(["--job.config_file", str(configs / toml), *overrides])
+        config = parse_args(["--job.config_file", str(CONFIGS / toml), *overrides])
         lines.append(_row(f"{name} ({ngpu} GPUs)", estimate(config, ngpu, round(overhead_gib * GIB)), device_gib))
     return "\n".join(lines)
 
 
 def validation_table() -> str:
-    lines = [f"{'config (one CPU process)':<46} {'estimate':>9} {'measured':>9} {'error':>7} {'RSS incr.':>10}"]
-    for name, overrides in VALIDATION:
+    """Each config in fresh processes (one thread each), so that the RSS baseline is that of a new process."""
+    lines = [f"{'debugmodel, CPU':<40} {'estimate':>9} {'measured':>9} {'error':>7} {'RSS incr.':>10}"]
+    for name, nproc, overrides in VALIDATION:
         argv = [*DEBUG_TOML, *overrides]
-        predicted = estimate(parse_args(argv), 1).total
-        measured = measure(argv)
-        lines.append(f"{name:<46} {predicted / MIB:7.1f}Mi {measured['tensor_peak'] / MIB:7.1f}Mi "
+        predicted = estimate(parse_args(argv), nproc).total
+        measured = _measure_in_new_processes(argv, nproc)
+        lines.append(f"{name:<40} {predicted / MIB:7.1f}Mi {measured['tensor_peak'] / MIB:7.1f}Mi "
                      f"{100 * (predicted / measured['tensor_peak'] - 1):+6.1f}% {measured['rss_increase'] / MIB:8.1f}Mi")
     return "\n".join(lines)
+
+
+def _measure_in_new_processes(trainer_argv: list[str], nproc: int) -> dict[str, float]:
+    """The largest figures over the ranks of `--measure` runs (torchrun for more than one process)."""
+    script = [str(Path(__file__).resolve()), "--measure", *trainer_argv]
+    launcher = [sys.executable] if nproc == 1 else [sys.executable, "-m", "torch.distributed.run",
+                                                   f"--nproc_per_node={nproc}", "--rdzv-backend=c10d",
+                                                   "--rdzv-endpoint=localhost:0"]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    proc = subprocess.run([*launcher, *script], env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                          timeout=600)
+    rows = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
+    if proc.returncode or len(rows) != nproc:
+        raise RuntimeError(f"measuring {trainer_argv} failed:\n{proc.stdout[-4000:]}")
+    return {key: max(row[key] for row in rows) for key in rows[0]}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -459,6 +485,8 @@ def main(argv: list[str] | None = None) -> int:
                         help=f"fixed overhead per device (default {GPU_OVERHEAD_GIB} GiB; 0 with --cpu)")
     parser.add_argument("--cpu", action="store_true", help="a CPU run: no CUDA context, no NCCL buffers")
     parser.add_argument("--validate", action="store_true", help="compare with measurements on this CPU")
+    parser.add_argument("--measure", action="store_true",
+                        help="measure the trainer options given (one line of JSON per rank; used by --validate)")
     for name in _SHORTHANDS:
         parser.add_argument(f"--{name}", default=None)
     parser.add_argument("--ac", default=None, help="activation checkpointing: none, full, op or N")
@@ -467,10 +495,12 @@ def main(argv: list[str] | None = None) -> int:
     overhead_gib = args.overhead_gib if args.overhead_gib is not None else (0.0 if args.cpu else GPU_OVERHEAD_GIB)
     try:
         if args.validate:
-            torch.set_num_threads(1)
             print(validation_table())
             return 0
         trainer_argv = _trainer_argv(args, rest)
+        if args.measure:
+            print(json.dumps(measure(trainer_argv)), flush=True)
+            return 0
         if args.ngpu is None and not trainer_argv:
             print(presets_table(args.device_memory_gib, overhead_gib))
             return 0

@@ -29,7 +29,12 @@ from torchtitan.components.tokenizer import Tokenizer, build_tokenizer  # noqa: 
 from torchtitan.errors import UserError  # noqa: E402
 from torchtitan.models.llama3.args import llama3_flavors, model_args_for  # noqa: E402
 from torchtitan.models.llama3.model import Transformer  # noqa: E402
-from torchtitan.models.llama3.state_dict_adapter import CONFIG_FILE, expected_shapes, is_hf_folder, load_hf  # noqa: E402
+from torchtitan.models.llama3.state_dict_adapter import (  # noqa: E402
+    CONFIG_FILE,
+    expected_shapes,
+    is_hf_folder,
+    load_hf,
+)
 
 
 def load_model(checkpoint: Path, flavor: str, hf: bool, context_len: int, device: torch.device) -> Transformer:

@@ -8,6 +8,7 @@ and exit with 1 whatever the worker's code. Here the first failed rank's exit co
 
 import sys
 
+from torch.distributed.elastic.multiprocessing.api import SignalException
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 from torch.distributed.run import parse_args, run
 
@@ -21,6 +22,10 @@ def main(argv: list[str] | None = None) -> int:
         print(f"torchrun: rank {rank} exited with code {failure.exitcode}; its output above says why",
               file=sys.stderr)
         return failure.exitcode if failure.exitcode > 0 else 1
+    except SignalException as signalled:
+        # SLURM's preemption SIGTERM reaches the launcher too: the workers were signalled and have checkpointed.
+        print(f"torchrun: stopped by signal {signalled.sigval.name}", file=sys.stderr)
+        return 128 + signalled.sigval.value
     return 0
 
 

@@ -47,7 +47,7 @@ class NonFiniteError(UserError):
 class Trainer:
     def __init__(self, config: JobConfig):
         self.config = config
-        self.device = dist_utils.init_distributed(config.comm.init_timeout_seconds)
+        self.device = dist_utils.init_distributed(config.comm.init_timeout_seconds, config.comm.trace_buf_size)
         self.rank, world_size = dist.get_rank(), dist.get_world_size()
         self.parallel_dims = ParallelDims.from_config(config.parallelism, world_size)
         self.world_mesh = self.parallel_dims.build_mesh(self.device.type)
@@ -330,7 +330,8 @@ class Trainer:
                     break
         self.checkpointer.close()
         self.metrics.close()
-        logger.info("Training finished")
+        if not self.preempted:
+            logger.info("Training finished")
 
     def _log_step(self, step: int, loss: float, grad_norm: float, lr: float, batch_tokens: int,
                   window: dict) -> None:

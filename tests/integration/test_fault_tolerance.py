@@ -7,7 +7,6 @@ All runs: the tiny model, 2 processes with FSDP, 8 steps, fixed seed and data, s
 """
 
 import json
-import re
 import socket
 import time
 from pathlib import Path
@@ -187,14 +186,16 @@ def test_nan_on_one_rank_is_skipped_by_every_rank(tmp_path, layout):
 
 
 def test_stalled_rank_times_out_with_a_clear_error(tmp_path):
-    """Rank 1 sleeps 60 s in step 3: rank 0's collective times out after comm.train_timeout_seconds and it exits
-    with a message naming the option. torchrun then gives the stalled rank its fixed 30 s to exit after SIGTERM
-    before it SIGKILLs it."""
-    proc = run(tmp_path, [*FSDP2, "--comm.train_timeout_seconds", "5"], plan="sleep@3:1", timeout=180,
-               FAULT_SLEEP_SECONDS="60")
+    """Rank 1 stalls in step 3: rank 0's collective times out after comm.train_timeout_seconds and it exits with a
+    message naming the option. torchrun then gives the stalled rank a fixed 30 s to exit after SIGTERM before it
+    SIGKILLs it; the stall (90 s) outlasts that, so the job ends because of the timeout, not because the stall did."""
+    stall_seconds = 90
+    proc = run(tmp_path, [*FSDP2, "--comm.train_timeout_seconds", "5"], plan="sleep@3:1", timeout=240,
+               FAULT_SLEEP_SECONDS=str(stall_seconds))
     ended = time.time()
     assert proc.returncode != 0
     (stall,) = events(tmp_path, "inject")
+    # Rank 1 has no exit event: it was killed inside the stall.
     assert exit_codes(tmp_path) == {0: EXIT_COMM_FAILURE}, proc.stdout[-6000:]
     (rank0_exit,) = [e for e in events(tmp_path, "exit") if e["rank"] == 0]
     errors = rank_lines(proc.stdout, 0, "error:")
@@ -205,8 +206,8 @@ def test_stalled_rank_times_out_with_a_clear_error(tmp_path):
     detected, whole_job = rank0_exit["time"] - stall["time"], ended - stall["time"]
     print(f"stall: rank 0 exited {detected:.1f} s after the stall began, the job {whole_job:.1f} s after it")
     assert detected < 5 + 15
-    assert whole_job < 5 + 30 + 20
-    print("hang: faults injected 1 (60 s stall), detected 1")
+    assert whole_job < stall_seconds
+    print("hang: faults injected 1 (stall), detected 1")
 
 
 def free_port() -> int:
@@ -215,18 +216,17 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-@pytest.mark.parametrize("rank", [0, 1])
-def test_rank_that_never_joins_times_out_at_init(tmp_path, rank):
-    """One of two processes started by hand, with a 3 s init timeout: rank 0 waits for a peer that never comes,
-    rank 1 for a master that is not there."""
-    env = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()), "WORLD_SIZE": "2", "RANK": str(rank),
+def test_rank_that_never_joins_times_out_at_init(tmp_path):
+    """Rank 0 of two started by hand, with a 3 s init timeout: it waits for a peer that never comes."""
+    env = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()), "WORLD_SIZE": "2", "RANK": "0",
            "LOCAL_RANK": "0"}
     began = time.time()
     proc = launch(tmp_path, 1, [*BASE, "--comm.init_timeout_seconds", "3"], timeout=120, env=env)
     assert proc.returncode == EXIT_COMM_FAILURE, proc.stdout[-6000:]
     errors = [line for line in proc.stdout.splitlines() if "error:" in line]
     assert len(errors) == 1, proc.stdout[-6000:]
-    assert re.search(r"start-up: not every rank joined the process group within comm.init_timeout_seconds = 3 s",
-                     errors[0]), errors[0]
+    assert ("start-up: not every rank joined the process group within comm.init_timeout_seconds = 3 s"
+            in errors[0]), errors[0]
+    assert "1/2 clients joined" in errors[0]
     assert "Traceback" not in proc.stdout
-    print(f"init timeout (rank {rank} alone): exited after {time.time() - began:.1f} s")
+    print(f"init timeout: exited {time.time() - began:.1f} s after the start")

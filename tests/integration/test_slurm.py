@@ -1,6 +1,6 @@
 """multinode_trainer.slurm: its command line and preemption handling with stand-in SLURM commands, then for real on
-a one-machine SLURM cluster (slurmctld + slurmd started by the test) where the job is preempted, requeued, and
-resumes from its checkpoint.
+a one-machine SLURM cluster (slurmctld + slurmd started by the test) where the job reaches its time limit, is
+requeued, and resumes from its checkpoint.
 
 The real cluster needs the Debian packages slurmctld, slurmd and slurm-client (and root, as slurmd starts the job
 steps); without them that test is skipped, saying why.
@@ -106,21 +106,47 @@ def test_failed_run_keeps_its_status_and_is_not_requeued(fake_slurm):
     assert not any("requeue" in call for call in calls(folder))
 
 
-def test_sigterm_is_passed_on_then_the_job_requeued(fake_slurm):
-    folder, env = fake_slurm
+def start_training(folder: Path, env: dict[str, str]) -> subprocess.Popen:
+    """The script, with a fake torchrun that trains for a minute unless stopped; returns once that has started."""
     script = subprocess.Popen(["bash", str(SCRIPT)], cwd=REPO, env={**env, "FAKE_TRAIN_SECONDS": "60"},
                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    deadline = time.monotonic() + 30
+    while not (folder / "torchrun.pid").exists():
+        if time.monotonic() > deadline or script.poll() is not None:
+            script.kill()
+            pytest.fail(f"the fake torchrun did not start:\n{script.communicate()[0]}")
+        time.sleep(0.05)
+    return script
+
+
+def test_time_limit_warning_stops_training_then_requeues(fake_slurm):
+    folder, env = fake_slurm
+    script = start_training(folder, env)
     try:
-        deadline = time.monotonic() + 30
-        while not (folder / "torchrun.pid").exists():
-            assert time.monotonic() < deadline and script.poll() is None, "the fake torchrun did not start"
-            time.sleep(0.05)
-        script.send_signal(signal.SIGTERM)
+        script.send_signal(signal.SIGUSR1)
         output, _ = script.communicate(timeout=30)
     finally:
         script.kill()
     assert calls(folder)[1:] == [f"scancel --signal=TERM {JOB_ID}", "torchrun SIGTERM", f"scontrol requeue {JOB_ID}"]
-    assert "requeueing job 42" in output
+    assert f"requeueing job {JOB_ID}" in output
+
+
+def test_cancelled_job_is_not_requeued(fake_slurm):
+    """scancel sends SIGTERM to the batch script (and, by itself, to the job steps): no requeue."""
+    folder, env = fake_slurm
+    script = start_training(folder, env)
+    torchrun = int((folder / "torchrun.pid").read_text())
+    try:
+        script.send_signal(signal.SIGTERM)
+        # wait, not communicate: the orphaned torchrun still holds the output pipe open.
+        script.wait(timeout=30)
+        made = calls(folder)
+    finally:
+        script.kill()
+        os.kill(torchrun, signal.SIGTERM)
+        script.communicate(timeout=30)
+    assert script.returncode == -signal.SIGTERM
+    assert made == ["scontrol show hostnames node-[a-b]"]
 
 
 @pytest.mark.parametrize("change,message", [
@@ -277,9 +303,9 @@ def wait_for(condition, timeout: float, what: str, job: subprocess.Popen, output
         time.sleep(0.2)
 
 
-def test_preempted_job_checkpoints_requeues_and_resumes(slurm_cluster, tmp_path):
-    """2 CPU processes on one node train until SIGTERM (as SLURM sends before a time limit), checkpoint, requeue;
-    the next run resumes from that checkpoint and trains to the end."""
+def test_job_at_time_limit_checkpoints_requeues_and_resumes(slurm_cluster, tmp_path):
+    """2 CPU processes on one node train until the time limit warning, checkpoint and requeue; the next run resumes
+    from that checkpoint and trains to the end."""
     dump, output, config = tmp_path / "dump", tmp_path / "job.out", tmp_path / "train.toml"
     config.write_text("[training]\nsteps = 100000\n\n[checkpoint]\nenable = true\ninterval = 100000\n")
     env = {**slurm_cluster.env, "CONFIG_FILE": str(config), "GPUS_PER_NODE": "2", "RDZV_PORT": str(free_port()),
@@ -293,8 +319,10 @@ def test_preempted_job_checkpoints_requeues_and_resumes(slurm_cluster, tmp_path)
         # A logged step means the trainer's SIGTERM handler is installed.
         metrics = dump / "metrics.jsonl"
         wait_for(lambda: metrics.exists() and metrics.stat().st_size > 0, 300, "the first step", job, output)
-        slurm_cluster.command("scancel", "--batch", "--signal=TERM", job_id)
-        wait_for(lambda: complete_steps(dump / "checkpoint"), 120, "the checkpoint after SIGTERM", job, output)
+        # What SLURM sends 120 s before the time limit (--signal=B:USR1@120), now.
+        slurm_cluster.command("scancel", "--batch", "--signal=USR1", job_id)
+        wait_for(lambda: complete_steps(dump / "checkpoint"), 120, "the checkpoint at the time limit warning", job,
+                 output)
         preempted_at = complete_steps(dump / "checkpoint")[-1]
         # Before the requeued run starts (cred_expire = 5 s after the requeue), so that it ends 3 steps later.
         config.write_text(f"[training]\nsteps = {preempted_at + 3}\n\n[checkpoint]\nenable = true\n"

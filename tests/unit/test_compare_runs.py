@@ -54,7 +54,8 @@ def jsonl_run(tmp_path):
 
 @pytest.fixture
 def tensorboard_run(tmp_path):
-    return write_tensorboard(tmp_path / "tb_run", training_rows([8.0, 7.5, 7.0, 6.8, 6.6], tps=(10.0, 400.0, 500.0, 600.0, 700.0)))
+    rows = training_rows([8.0, 7.5, 7.0, 6.8, 6.6], tps=(10.0, 400.0, 500.0, 600.0, 700.0))
+    return write_tensorboard(tmp_path / "tb_run", rows)
 
 
 def table_rows(out):
@@ -90,12 +91,14 @@ def test_plots_are_valid_pngs(tmp_path, jsonl_run, tensorboard_run):
         assert height > 100 and width > 100, name
 
 
-def test_default_labels_are_folder_names_and_nonfinite_losses_are_read(tmp_path):
+def test_nonfinite_losses_are_read_and_compared(tmp_path, capsys):
     rows = training_rows(LOSSES)
     rows[2]["loss"] = "nan"
     rows[4]["loss"] = "inf"
-    folder = write_jsonl(tmp_path / "diverged", rows)
-    assert compare_runs.main([str(folder), "--out", str(tmp_path / "out")]) == 0
+    folders = [str(write_jsonl(tmp_path / name, rows)) for name in ("diverged", "diverged_too")]
+    # Default labels: the folder names. Runs that diverge alike agree, even at tolerance 0.
+    assert compare_runs.main([*folders, "--out", str(tmp_path / "out"), "--assert-close", "0"]) == 0
+    assert "losses agree" in capsys.readouterr().out
     row = table_rows(tmp_path / "out")["diverged"]
     assert (row["final loss"], row["best loss"]) == ("inf", "6.5000")
 
@@ -143,6 +146,7 @@ def test_assert_close_fails_when_a_run_lacks_steps(tmp_path, jsonl_run, capsys):
     ("launch_syntax", "expected \"LABEL=CONFIG.toml"),
     ("single_assert", "give at least two runs"),
     ("duplicate_label", "x used twice"),
+    ("empty_label", "has an empty label"),
     ("no_loss", "holds no training loss"),
     ("bad_line", "line 2: not a metrics record"),
 ])
@@ -160,6 +164,7 @@ def test_errors(tmp_path, jsonl_run, capsys, case, expected):
         "launch_syntax": ["--launch", "--training.steps 3"],
         "single_assert": [str(jsonl_run), "--assert-close", "1e-5"],
         "duplicate_label": [str(jsonl_run), "--labels", "x", "--launch", "x=train_configs/debug_model.toml"],
+        "empty_label": [str(jsonl_run), str(jsonl_run), "--labels", "a,"],
         "no_loss": [str(tmp_path / "validation_only")],
         "bad_line": [str(tmp_path / "bad")],
     }[case]

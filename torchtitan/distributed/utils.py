@@ -28,7 +28,7 @@ def backend_for(device_kind: str) -> str:
     return "nccl" if device_kind == "cuda" else "gloo"
 
 
-def init_distributed(init_timeout_seconds: int) -> torch.device:
+def init_distributed(init_timeout_seconds: int, trace_buf_size: int = 0) -> torch.device:
     """Join the process group that torchrun set up (or a one-process group without torchrun).
 
     The store is prefixed with torchrun's restart count: after an elastic restart, the agent's store still holds
@@ -39,6 +39,8 @@ def init_distributed(init_timeout_seconds: int) -> torch.device:
     device = torch.device(kind, local_rank) if kind == "cuda" else torch.device("cpu")
     if kind == "cuda":
         torch.cuda.set_device(device)
+        # NCCL's flight recorder: the last collectives of each rank, dumped when a collective times out.
+        os.environ.setdefault("TORCH_NCCL_TRACE_BUFFER_SIZE", str(trace_buf_size))
     timeout = datetime.timedelta(seconds=init_timeout_seconds)
     _timeout_in_force.update(option="comm.init_timeout_seconds", seconds=init_timeout_seconds, joining=True)
     if "WORLD_SIZE" in os.environ:

@@ -1,0 +1,85 @@
+"""scripts/estimate_memory.py: the analytic peak against torch's accounting of a real training step, and the
+properties any memory model must have (sharding divides the state, checkpointing shrinks activations)."""
+
+import pytest
+import torch
+
+from scripts import estimate_memory
+from scripts.estimate_memory import CONFIGS, DEBUG_TOML, GIB, estimate, measure
+from torchtitan.config import parse_args
+
+# Small enough to measure in a few seconds; the two dtypes and AC modes exercise different saved-tensor sets.
+MEASURED = [
+    ("seq256_fp32_none", ["--training.seq_len", "256", "--training.local_batch_size", "4",
+                          "--training.mixed_precision_param", "float32", "--activation_checkpoint.mode", "none"]),
+    ("seq512_fp32_full", ["--training.seq_len", "512", "--training.local_batch_size", "2",
+                          "--training.mixed_precision_param", "float32", "--activation_checkpoint.mode", "full"]),
+    ("seq512_bf16_none", ["--training.seq_len", "512", "--training.local_batch_size", "2",
+                          "--training.mixed_precision_param", "bfloat16", "--activation_checkpoint.mode", "none"]),
+]
+
+
+def config(*overrides: str):
+    return parse_args([*DEBUG_TOML, *overrides])
+
+
+def preset(toml: str, *overrides: str):
+    return parse_args(["--job.config_file", str(CONFIGS / toml), *overrides])
+
+
+@pytest.fixture
+def one_thread():
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+@pytest.mark.parametrize("overrides", [m[1] for m in MEASURED], ids=[m[0] for m in MEASURED])
+def test_estimate_within_15_percent_of_measured_peak(overrides, one_thread):
+    measured = measure([*DEBUG_TOML, *overrides])["tensor_peak"]
+    predicted = estimate(config(*overrides), 1).total
+    assert abs(predicted / measured - 1) <= 0.15, f"estimated {predicted / 2**20:.1f} MiB, measured " \
+                                                  f"{measured / 2**20:.1f} MiB"
+
+
+@pytest.mark.parametrize("n", [2, 8])
+def test_fsdp_divides_parameter_state(n):
+    whole = estimate(preset("llama3_8b.toml", "--parallelism.data_parallel_shard_degree", "1"), 1)
+    sharded = estimate(preset("llama3_8b.toml", "--parallelism.data_parallel_shard_degree", str(n)), n)
+    for part in ("parameters", "optimizer"):
+        assert getattr(sharded, part) == pytest.approx(getattr(whole, part) / n, rel=1e-6)
+
+
+def test_tensor_parallel_divides_matrices_and_activations():
+    base = ["--activation_checkpoint.mode", "none", "--parallelism.data_parallel_shard_degree", "8"]
+    alone = estimate(preset("llama3_70b.toml", *base, "--parallelism.tensor_parallel_degree", "1"), 8)
+    tp = estimate(preset("llama3_70b.toml", *base, "--parallelism.tensor_parallel_degree", "8"), 64)
+    # Norm weights are replicated over TP and the block inputs of linears are gathered: a little more than 1/8.
+    assert alone.parameters / 8 < tp.parameters < alone.parameters / 7.9
+    assert alone.activations / 8 < tp.activations < alone.activations / 4
+
+
+def test_full_checkpointing_cuts_activations():
+    none = estimate(config("--activation_checkpoint.mode", "none"), 1)
+    full = estimate(config("--activation_checkpoint.mode", "full"), 1)
+    per_op = estimate(config("--activation_checkpoint.mode", "selective",
+                             "--activation_checkpoint.selective_ac_option", "op"), 1)
+    assert full.activations < none.activations / 4
+    assert full.total < per_op.total < none.total
+
+
+def test_longer_sequences_cost_activation_memory_linearly():
+    short = estimate(preset("llama3_8b.toml", "--training.seq_len", "4096"), 8)
+    long = estimate(preset("llama3_8b.toml", "--training.seq_len", "8192"), 8)
+    assert long.activations == pytest.approx(2 * short.activations, rel=1e-3)
+    assert long.parameters == short.parameters
+
+
+def test_presets_table_flags_layouts_over_80_gib():
+    lines = {line.split(" (")[0]: line for line in estimate_memory.presets_table(80.0, 2.0).splitlines()[1:]}
+    assert "EXCEEDS" in lines["70B FSDP 8 x TP 8, AC none"]
+    assert "fits" in lines["8B FSDP 8, AC op"]
+    assert "fits" in lines["405B FSDP 2 x TP 8 x PP 8, AC full"]
+    over = estimate(preset("llama3_70b.toml", "--activation_checkpoint.mode", "none"), 64, 2 * GIB)
+    assert over.total > 80 * GIB
