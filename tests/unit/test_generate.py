@@ -11,6 +11,10 @@ from torchtitan.models.llama3.args import model_args_for
 from torchtitan.models.llama3.model import Transformer
 from torchtitan.models.llama3.state_dict_adapter import save_hf
 
+# The fixtures write checkpoints with DCP in one process, as the trainer's single-process tools do; DCP warns that
+# it assumes so.
+pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
+
 PROMPT = "The Python language"
 NEW_TOKENS = 6
 
