@@ -6,6 +6,7 @@ Run with torchrun (see run_train.sh):  torchrun --nproc_per_node=N -m torchtitan
 import contextlib
 import dataclasses
 import gc
+import logging
 import os
 import signal
 import sys
@@ -177,9 +178,9 @@ class Trainer:
                 targets = labels if self.has_last_stage else None
                 with self.autocast:
                     if self.has_first_stage:
-                        self.pp_schedule.step(inputs, target=targets, losses=losses)
+                        self.pp_schedule.step(inputs, target=targets, losses=losses, return_outputs=False)
                     else:
-                        self.pp_schedule.step(target=targets, losses=losses)
+                        self.pp_schedule.step(target=targets, losses=losses, return_outputs=False)
                 return torch.stack(losses).sum() if losses else torch.zeros((), device=self.device)
             with self.autocast:
                 pred = self.model_parts[0](inputs)
@@ -240,8 +241,10 @@ class Trainer:
         batches = 0
         while cfg.steps == -1 or batches < cfg.steps:
             batch = next(data_iterator, None)
-            # Data-parallel ranks can hold one batch more or less: stop together when any rank runs out.
-            has_batch = torch.tensor(float(batch is not None), device=self.device)
+            # Data-parallel ranks can hold one batch more or less, and the last batch can be short (which pipeline
+            # micro-batching cannot split): stop together when any rank has no full batch left.
+            full = batch is not None and batch[0].shape[0] == cfg.local_batch_size
+            has_batch = torch.tensor(float(full), device=self.device)
             dist.all_reduce(has_batch, op=dist.ReduceOp.MIN)
             if not has_batch.item():
                 break
@@ -270,9 +273,9 @@ class Trainer:
         targets = labels if self.has_last_stage else None
         self.global_valid_tokens = torch.ones((), device=self.device)
         if self.has_first_stage:
-            self.pp_schedule.eval(inputs, target=targets, losses=losses)
+            self.pp_schedule.eval(inputs, target=targets, losses=losses, return_outputs=False)
         else:
-            self.pp_schedule.eval(target=targets, losses=losses)
+            self.pp_schedule.eval(target=targets, losses=losses, return_outputs=False)
         return torch.stack(losses).sum() if losses else torch.zeros((), device=self.device)
 
     # ----------------------------------------------------------------------------------------------------------
@@ -426,4 +429,10 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    exit_code = main()
+    # Skip interpreter teardown: on rare runs a background thread of torch's still joinable at static destruction
+    # aborts the process ("terminate called without an active exception") after training has finished.
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(exit_code)
