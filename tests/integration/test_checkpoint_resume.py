@@ -167,8 +167,7 @@ def test_multi_rank_resume_is_exact(tmp_path, runs, layout):
 
 
 @pytest.mark.parametrize("layout", [
-    "one_process", "fsdp4",
-    pytest.param("tp2", marks=pytest.mark.slow),
+    "one_process", "fsdp4", "tp2",
     pytest.param("hsdp2x2", marks=pytest.mark.slow),
     # Last: pipeline parallelism is the newest layout.
     pytest.param("pp2", marks=pytest.mark.slow),

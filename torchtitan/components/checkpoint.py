@@ -26,8 +26,9 @@ Keys of a DCP checkpoint (DCP joins nested keys with dots):
     train_state.step, train_state.tokens_seen
     rng_rank<R>.python/.torch/.cuda   each rank's random generators, restored only on a rank that has an entry
 
-Model-only checkpoints (the seed checkpoint, `last_save_model_only`) hold only `model.*`; resuming from one loads the
-model and keeps the rest as initialised.
+Model-only checkpoints (the seed checkpoint, `last_save_model_only`) hold only `model.*`. Resuming picks the latest
+checkpoint that holds the train state; only when there is none does it load a model-only one (the model, with the
+rest as initialised).
 """
 
 import contextlib
@@ -361,12 +362,22 @@ class CheckpointManager:
     def _step_to_resume(self) -> int | None:
         steps = complete_steps(self.folder)
         if self.config.load_step == -1:
-            return steps[-1] if steps else None
+            # A finished run ends with a model-only save: resuming it (to train further) must start from the latest
+            # checkpoint that also holds the optimizer, data position and step, not restart from step 1.
+            resumable = [step for step in steps if self._holds_train_state(self._step_path(step))]
+            if resumable and resumable[-1] != steps[-1]:
+                logger.warning(f"Resuming from step-{resumable[-1]}, the latest full checkpoint: step-{steps[-1]} "
+                               f"holds only the model weights")
+            return resumable[-1] if resumable else (steps[-1] if steps else None)
         if self.config.load_step not in steps:
             available = ", ".join(map(str, steps)) or "none"
             raise UserError(f"option checkpoint.load_step: step {self.config.load_step} has no complete checkpoint "
                             f"in {self.folder}; available steps: {available}")
         return self.config.load_step
+
+    def _holds_train_state(self, checkpoint: Path) -> bool:
+        return (checkpoint / METADATA_FILE).exists() and \
+            self._is_saved("train_state", read_metadata(checkpoint).state_dict_metadata)
 
     def _load_from(self, checkpoint: Path, wanted: list[str]) -> list[str]:
         if not (checkpoint / METADATA_FILE).exists() and is_hf_folder(checkpoint):
