@@ -151,7 +151,7 @@ class Trainer:
                     self.world_mesh["cp"], buffers=[inputs, labels, *ropes], buffer_seq_dims=[1, 1, *[0] * len(ropes)],
                     no_restore_buffers={inputs, labels},
                     rotate_method=self.config.parallelism.context_parallel_rotate_method))
-            if self.parallel_dims.loss_parallel_enabled and not self.config.parallelism.disable_loss_parallel:
+            if self.parallel_dims.tp_enabled and not self.config.parallelism.disable_loss_parallel:
                 stack.enter_context(loss_parallel())
             yield
 

@@ -18,15 +18,6 @@ from torchtitan.models.llama3.model import Transformer
 PEAK_LR = 0.5
 
 
-@pytest.fixture(autouse=True, scope="module")
-def single_thread():
-    # These tensors are tiny: on a shared CPU, intra-op threads only add contention and make the tests slower.
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
 def optimizers(model: nn.Module | None = None, **changes) -> OptimizersContainer:
     model = model if model is not None else nn.Linear(2, 2)
     return OptimizersContainer([model], dataclasses.replace(Optimizer(lr=PEAK_LR, implementation="for-loop"),

@@ -16,15 +16,6 @@ from torchtitan.models.llama3.model import (Transformer, apply_rotary_emb, count
 REPO = Path(__file__).resolve().parents[2]
 
 
-@pytest.fixture(autouse=True, scope="module")
-def single_thread():
-    # These tensors are tiny: on a shared CPU, intra-op threads only add contention and make the tests slower.
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
 def meta_model(args: TransformerModelArgs) -> Transformer:
     with torch.device("meta"):
         return Transformer(args)

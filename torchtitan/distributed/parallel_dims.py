@@ -86,10 +86,6 @@ class ParallelDims:
     def pp_enabled(self) -> bool:
         return self.pp > 1
 
-    @property
-    def loss_parallel_enabled(self) -> bool:
-        return self.tp > 1
-
     def describe(self) -> str:
         return ", ".join(f"{name} {size}" for name, size in zip(MESH_DIMS, (self.pp, self.dp_replicate,
                                                                                self.dp_shard, self.cp, self.tp)))
