@@ -14,6 +14,8 @@ timed. The trainer's log goes to stderr, so stdout holds only the JSON line.
 What the line reports:
 - tokens_per_s_per_device: tokens of one step divided by the world size and by the median step time (a median,
   not a mean, so that a moment of competing load on a shared machine does not move it much).
+- step_cpu_time_s: the median CPU time of the process per step. With one thread it is the step time without the
+  moments other processes held the core, the steadier figure for ratios on a shared machine.
 - mfu_pct: model FLOPs (Trainer.flops_per_token) per second over the peak of one device: on NVIDIA GPUs the
   datasheet's dense figure, on CPU a matmul measured at start-up in the compute dtype
   (training.mixed_precision_param) with this process's threads; `peak` names which.
@@ -24,8 +26,9 @@ What the line reports:
 --hf (one process only) then trains Hugging Face `transformers.LlamaForCausalLM` of the same shape (config from
 `state_dict_adapter.hf_config`, our initial weights, fp32, no compile, SDPA attention, torch AdamW with its
 default implementation, the same clipping) on the same batches. After its own warm-up, its steps alternate with
-further steps of ours, one each, so that load from other processes falls on both alike: `hf.ratio` is our
-median step time over its, from those alternating steps. Both run with the same torch thread count (--threads).
+further steps of ours, one each, so that load from other processes falls on both alike: `hf.ratio` is how
+many times faster ours is (its median step time over ours, from those alternating steps), `hf.ratio_cpu_time`
+the same from CPU times. Both run with the same torch thread count (--threads).
 """
 
 from __future__ import annotations
@@ -34,7 +37,6 @@ import argparse
 import contextlib
 import gc
 import json
-import logging
 import os
 import statistics
 import sys
@@ -55,9 +57,9 @@ from torch.distributed.tensor import DTensor  # noqa: E402
 from torchtitan.components.float8 import float8_enabled  # noqa: E402
 from torchtitan.components.loss import IGNORE_INDEX  # noqa: E402
 from torchtitan.config import JobConfig, parse_args  # noqa: E402
+from torchtitan.distributed.fsdp import TORCH_DTYPES  # noqa: E402
 from torchtitan.errors import UserError  # noqa: E402
 from torchtitan.models.llama3.state_dict_adapter import hf_config, to_hf  # noqa: E402
-from torchtitan.distributed.fsdp import TORCH_DTYPES  # noqa: E402
 from torchtitan.tools.device_info import memory_stats, peak_flops, reset_peak_memory  # noqa: E402
 from torchtitan.tools.logging import init_logger, logger  # noqa: E402
 from torchtitan.train import Trainer  # noqa: E402

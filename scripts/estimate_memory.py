@@ -30,6 +30,7 @@ with saved-tensor hooks):
             + T x d x a x n_in       inputs of the linear layers: one per norm (n_in = 2); under autocast
                                      (bf16 without FSDP) every linear casts its own copy (n_in = 5)
             + T x q/t x 4 x a        attention: SDPA's query, repeated key and value, and output (= wo's input)
+            + T x heads/t x 4        SDPA's log-sum-exp
             + T x f/t x 4 x a        SwiGLU: w1 and w3 outputs, silu output, product (= w2's input)
   full        T/t x d x r            only the block input (r: bytes of the residual stream: 4 under autocast
                                      or fp32, a when FSDP casts the parameters)
@@ -45,8 +46,8 @@ Transients, of which only the largest coexists with the rest:
                loss backward: log-softmax output, its gradient and the logits' gradient: T x V/t x 12;
                loss parallel (TP) adds T x V/t x 8 (two more fp32 copies, measured); without loss
                parallel the logits are whole (V instead of V/t)
-  recompute    backward of a checkpointed block rebuilds its `none` activations, plus the gradients inside
-               the SwiGLU backward: T x f/t x 4 x a (also added for blocks without AC)
+  block        backward of a checkpointed block rebuilds its `none` activations (and autocast copies); any
+               block's backward adds the gradients inside the SwiGLU backward: T x f/t x 2 x a
   optimizer    the foreach implementation allocates one fp32 temporary per parameter (P_rank x 4 / F); fused
                and for-loop implementations none to speak of
 
@@ -61,7 +62,8 @@ Mixed precision and FSDP buffers:
 Peak = parameters + optimizer + max over the phases of the step:
   end of forward   activations + loss(forward) + buffers [+ gradients when accumulating]
   loss backward    activations + loss(backward) + buffers [+ gradients when accumulating]
-  block backward   activations + recompute + buffers + gradients of the head [+ gradients when accumulating]
+  backward of      activations of blocks 0..i + block(i) + buffers + gradients of the head and of the blocks
+    block i        after i (all gradients when accumulating); the largest over i
   optimizer step   gradients + optimizer temporaries
 plus a fixed overhead (--overhead_gib; default 2 GiB on GPUs for the CUDA context, NCCL and cuBLAS workspaces,
 not validated here; 0 for the CPU validation, which counts tensors only).
@@ -457,8 +459,9 @@ def validation_table() -> str:
         argv = [*DEBUG_TOML, *overrides]
         predicted = estimate(parse_args(argv), nproc).total
         measured = _measure_in_new_processes(argv, nproc)
-        lines.append(f"{name:<40} {predicted / MIB:7.1f}Mi {measured['tensor_peak'] / MIB:7.1f}Mi "
-                     f"{100 * (predicted / measured['tensor_peak'] - 1):+6.1f}% {measured['rss_increase'] / MIB:8.1f}Mi")
+        error = 100 * (predicted / measured["tensor_peak"] - 1)
+        lines.append(f"{name:<40} {predicted / MIB:7.1f}Mi {measured['tensor_peak'] / MIB:7.1f}Mi {error:+6.1f}% "
+                     f"{measured['rss_increase'] / MIB:8.1f}Mi")
     return "\n".join(lines)
 
 

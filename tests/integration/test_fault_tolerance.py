@@ -131,6 +131,7 @@ def test_preemption_saves_and_a_relaunch_continues_exactly(tmp_path, uninterrupt
     print("preemption: faults injected 2 (SIGTERM to a worker, SIGTERM to the agent), survived 2")
 
 
+@pytest.mark.slow
 def test_kill_while_saving_resumes_from_the_previous_checkpoint(tmp_path):
     """One process killed after DCP wrote step-4 but before it was published: step-4.incomplete is never loaded;
     the next launch resumes from step-2, removes the leftover, and repeats steps 3-4 exactly."""
@@ -163,7 +164,7 @@ def test_nan_on_one_rank_stops_every_rank(tmp_path):
     print("non-finite, stop: faults injected 1 (NaN loss on rank 1), every rank stopped at step 3")
 
 
-@pytest.mark.parametrize("layout", ["fsdp", "ddp"])
+@pytest.mark.parametrize("layout", ["fsdp", pytest.param("ddp", marks=pytest.mark.slow)])
 def test_nan_on_one_rank_is_skipped_by_every_rank(tmp_path, layout):
     """With on_nonfinite = skip no rank applies the step-3 update: each rank's parameters are unchanged by it (under
     DDP every rank holds the whole model, so the ranks' parameters also stay identical to each other)."""
@@ -216,6 +217,7 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+@pytest.mark.slow
 def test_rank_that_never_joins_times_out_at_init(tmp_path):
     """Rank 0 of two started by hand, with a 3 s init timeout: it waits for a peer that never comes."""
     env = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()), "WORLD_SIZE": "2", "RANK": "0",

@@ -174,6 +174,7 @@ def test_errors(tmp_path, jsonl_run, capsys, case, expected):
     assert not (tmp_path / "out" / "comparison.md").exists()
 
 
+@pytest.mark.slow
 @pytest.mark.integration
 def test_launch_trains_the_recipe_into_out(tmp_path, capsys):
     recipe = " ".join(["train_configs/debug_model.toml", *TINY, "--training.steps", "3"])
