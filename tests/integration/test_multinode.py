@@ -94,7 +94,6 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-@pytest.mark.slow
 def test_two_nodes_match_one_node(tmp_path):
     reference = train(tmp_path / "one_node", 4, ARGS, timeout=TIMEOUT)
     dump = tmp_path / "two_nodes"

@@ -376,8 +376,10 @@ class CheckpointManager:
         return self.config.load_step
 
     def _holds_train_state(self, checkpoint: Path) -> bool:
-        return (checkpoint / METADATA_FILE).exists() and \
-            self._is_saved("train_state", read_metadata(checkpoint).state_dict_metadata)
+        if not (checkpoint / METADATA_FILE).exists():
+            # An HF export holds only weights; any other folder without metadata is damaged: loading it reports that.
+            return not is_hf_folder(checkpoint)
+        return self._is_saved("train_state", read_metadata(checkpoint).state_dict_metadata)
 
     def _load_from(self, checkpoint: Path, wanted: list[str]) -> list[str]:
         if not (checkpoint / METADATA_FILE).exists() and is_hf_folder(checkpoint):
