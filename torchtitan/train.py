@@ -303,7 +303,7 @@ class Trainer:
         first_step = self.train_state.step + 1
         logger.info(f"Training {config.training.steps} steps from step {self.train_state.step}: global batch "
                     f"{batch_tokens:,} tokens, {self.grad_accumulation_steps} accumulation step(s)")
-        with maybe_enable_profiling(config, self.rank, self.train_state.step) as profiler, \
+        with maybe_enable_profiling(config, self.rank, self.train_state.step, self.device) as profiler, \
                 maybe_enable_memory_snapshot(config, self.rank, self.device, self.train_state.step) as memory_profiler:
             while self.train_state.step < config.training.steps:
                 step = self.train_state.step + 1
