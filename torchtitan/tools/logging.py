@@ -9,10 +9,23 @@ logger = logging.getLogger("torchtitan")
 _warned: set[str] = set()
 
 
+class _CurrentStdoutHandler(logging.StreamHandler):
+    """Writes to whatever sys.stdout is when a line is logged, not the stream it was when the logger was set up
+    (tools and tests replace sys.stdout, and an old one may have been closed since)."""
+
+    @property
+    def stream(self):
+        return sys.stdout
+
+    @stream.setter
+    def stream(self, value) -> None:
+        pass
+
+
 def init_logger(level: int = logging.INFO) -> None:
     """Configure the `torchtitan` logger to print `[rank N] time level message` lines to stdout."""
     rank = os.environ.get("RANK", "0")
-    handler = logging.StreamHandler(sys.stdout)
+    handler = _CurrentStdoutHandler()
     handler.setFormatter(
         logging.Formatter(f"[rank{rank}] %(asctime)s %(levelname)s %(message)s", datefmt="%H:%M:%S")
     )
