@@ -188,19 +188,25 @@ class HFTraining:
                                            eps=opt.eps, weight_decay=opt.weight_decay)
         self.max_norm = trainer.config.training.max_norm
 
-    def step(self, inputs: torch.Tensor, labels: torch.Tensor) -> float:
+    def step(self, micro_batches: list[Batch]) -> float:
+        """One optimizer step over the same micro-batches as one of ours; returns their mean loss."""
         self.optimizer.zero_grad(set_to_none=True)
-        logits = self.model(input_ids=inputs).logits
-        loss = F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten(), ignore_index=IGNORE_INDEX)
-        loss.backward()
+        total = 0.0
+        for inputs, labels in micro_batches:
+            logits = self.model(input_ids=inputs).logits
+            loss = F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten(), ignore_index=IGNORE_INDEX)
+            (loss / len(micro_batches)).backward()
+            total += loss.item()
         if self.max_norm > 0:
             nn.utils.clip_grad_norm_(self.model.parameters(), self.max_norm)
         self.optimizer.step()
-        return loss.item()
+        return total / len(micro_batches)
 
 
 def run(argv: list[str]) -> dict:
     args, trainer_argv = parse_benchmark_args(argv)
+    if args.hf and int(os.environ.get("WORLD_SIZE", "1")) > 1:
+        raise UserError("--hf compares one process with one process: run it without torchrun")
     threads = args.threads or default_threads()
     torch.set_num_threads(threads)
     baseline_rss_gib = memory_stats(torch.device("cpu")).get("rss_gib", 0.0)
@@ -209,8 +215,6 @@ def run(argv: list[str]) -> dict:
         config = benchmark_config(trainer_argv, total_steps, dump_folder)
         trainer = Trainer(config)
         try:
-            if args.hf and trainer.parallel_dims.world_size > 1:
-                raise UserError("--hf compares one process with one process: run it without torchrun")
             return measure(trainer, args, threads, baseline_rss_gib)
         finally:
             trainer.metrics.close()
@@ -265,15 +269,14 @@ def compare_with_hf(trainer: Trainer, state_dict: dict, batches: list[list[Batch
                     tokens_per_step: int) -> dict:
     hf = HFTraining(trainer, state_dict)
     # Same weights, same first batch: in fp32 the first losses agree, which shows the two models are the same.
-    first_loss = hf.step(*batches[0][0])
+    first_loss = hf.step(batches[0])
     for i in range(1, args.warmup):
-        hf.step(*batches[i][0])
+        hf.step(batches[i])
     gc.collect()
     ours_timing, hf_timing = Timing(), Timing()
     for i in range(args.steps):
         ours_timing.run(ours)
-        inputs, labels = batches[(args.warmup + i) % len(batches)][0]
-        hf_timing.run(lambda: hf.step(inputs, labels))
+        hf_timing.run(lambda: hf.step(batches[args.warmup + i]))
     fp32_peak, fp32_peak_source = peak_flops(trainer.device, torch.float32, trainer.config.metrics.peak_flops)
     hf_tokens_per_s = tokens_per_step / hf_timing.step_s
     return {
@@ -292,13 +295,13 @@ def compare_with_hf(trainer: Trainer, state_dict: dict, batches: list[list[Batch
 
 def main(argv: list[str] | None = None) -> int:
     init_logger()
-    # stdout carries only the JSON line.
-    logger.handlers[0].setStream(sys.stderr)
-    try:
-        result = run(sys.argv[1:] if argv is None else argv)
-    except UserError as e:
-        logger.error(f"error: {e}")
-        return 2
+    # stdout carries only the JSON line: the trainer's log (written to the current sys.stdout) goes to stderr.
+    with contextlib.redirect_stdout(sys.stderr):
+        try:
+            result = run(sys.argv[1:] if argv is None else argv)
+        except UserError as e:
+            logger.error(f"error: {e}")
+            return 2
     if int(os.environ.get("RANK", "0")) == 0:
         print(json.dumps(result), flush=True)
     return 0

@@ -159,7 +159,9 @@ def test_errors(capsys, tmp_path, dcp_checkpoint, hf_checkpoint, case, expected)
     }[case]
     code, out, err = run(capsys, *argv, "--prompt", PROMPT)
     assert code == 2 and out == ""
-    assert err.startswith("error: ") and expected in err, err
+    # Progress may be logged to stderr before the error: the error itself is one line of its own.
+    error_lines = [line for line in err.splitlines() if line.startswith("error: ")]
+    assert len(error_lines) == 1 and expected in error_lines[0], err
 
 
 def test_tokenizer_must_match_the_checkpoint_vocabulary(capsys, tmp_path, tokenizer):

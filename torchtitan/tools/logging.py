@@ -9,13 +9,14 @@ logger = logging.getLogger("torchtitan")
 _warned: set[str] = set()
 
 
-class _CurrentStdoutHandler(logging.StreamHandler):
-    """Writes to whatever sys.stdout is when a line is logged, not the stream it was when the logger was set up
-    (tools and tests replace sys.stdout, and an old one may have been closed since)."""
+class _CurrentStderrHandler(logging.StreamHandler):
+    """Writes to whatever sys.stderr is when a line is logged, not the stream it was when the logger was set up
+    (tools and tests replace it, and an old one may have been closed since). Logs go to stderr so that a script's
+    own output (generated text, a table) is alone on stdout."""
 
     @property
     def stream(self):
-        return sys.stdout
+        return sys.stderr
 
     @stream.setter
     def stream(self, value) -> None:
@@ -23,9 +24,9 @@ class _CurrentStdoutHandler(logging.StreamHandler):
 
 
 def init_logger(level: int = logging.INFO) -> None:
-    """Configure the `torchtitan` logger to print `[rank N] time level message` lines to stdout."""
+    """Configure the `torchtitan` logger to print `[rank N] time level message` lines to stderr."""
     rank = os.environ.get("RANK", "0")
-    handler = _CurrentStdoutHandler()
+    handler = _CurrentStderrHandler()
     handler.setFormatter(
         logging.Formatter(f"[rank{rank}] %(asctime)s %(levelname)s %(message)s", datefmt="%H:%M:%S")
     )
