@@ -9,7 +9,7 @@ From the repository root:
 Every argument other than --warmup/--steps/--hf/--threads is a trainer option, exactly as `torchtitan.train`
 takes it. The Trainer is built in this process (under torchrun, one per rank); after --warmup steps (compile and
 allocator warm-up happen there) it times --steps calls of `Trainer.train_step`. Fetching the batches is not
-timed. The trainer's log goes to stderr, so stdout holds only the JSON line.
+timed. The log, and anything else printed meanwhile, goes to stderr: stdout holds only the JSON line.
 
 What the line reports:
 - tokens_per_s_per_device: tokens of one step divided by the world size and by the median step time (a median,
@@ -295,7 +295,7 @@ def compare_with_hf(trainer: Trainer, state_dict: dict, batches: list[list[Batch
 
 def main(argv: list[str] | None = None) -> int:
     init_logger()
-    # stdout carries only the JSON line: the trainer's log (written to the current sys.stdout) goes to stderr.
+    # stdout carries only the JSON line: whatever a library prints while the models run joins the log on stderr.
     with contextlib.redirect_stdout(sys.stderr):
         try:
             result = run(sys.argv[1:] if argv is None else argv)
