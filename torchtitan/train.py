@@ -344,15 +344,15 @@ class Trainer:
         tflops = self.flops_per_token * tps / 1e12
         memory = memory_stats(self.device)
         peak_key = "max_reserved_gib" if self.device.type == "cuda" else "max_rss_gib"
-        peak = torch.tensor(memory[peak_key], device=self.device)
-        dist.all_reduce(peak, op=dist.ReduceOp.MAX)
-        state_gib = torch.tensor(self._model_state_bytes() / 2**30, device=self.device)
-        dist.all_reduce(state_gib, op=dist.ReduceOp.MAX)
+        # One all-reduce for both maxima over ranks: peak memory and the model state held.
+        maxima = torch.tensor([memory[peak_key], self._model_state_bytes() / 2**30], device=self.device)
+        dist.all_reduce(maxima, op=dist.ReduceOp.MAX)
+        peak_gib, state_gib = maxima.tolist()
         self.metrics.log(step, {
             "loss": loss, "grad_norm": grad_norm, "lr": lr, "tps": tps,
-            "tflops": tflops, "mfu": 100 * tflops * 1e12 / self.peak_flops, "memory_gib": peak.item(),
+            "tflops": tflops, "mfu": 100 * tflops * 1e12 / self.peak_flops, "memory_gib": peak_gib,
             "data_pct": 100 * window["data_time"] / elapsed, "tokens_seen": self.train_state.tokens_seen,
-            "model_state_gib": state_gib.item(),
+            "model_state_gib": state_gib,
         })
         window.update(time=time.perf_counter(), steps=0, data_time=0.0)
         reset_peak_memory(self.device)
