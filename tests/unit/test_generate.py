@@ -62,6 +62,12 @@ def run(capsys, *argv):
     return code, captured.out, captured.err
 
 
+def generated(capsys, *argv) -> tuple[int, str]:
+    """The exit code and the generated text: what two runs are compared by (the logs on stderr carry times)."""
+    code, out, _ = run(capsys, *argv)
+    return code, out
+
+
 def argmax_continuation(weights, tokenizer, prompt: str, steps: int) -> str:
     """Greedy decoding written out: the full model on the whole sequence, the most likely next token, repeat."""
     args, state_dict = weights
@@ -81,10 +87,10 @@ def argmax_continuation(weights, tokenizer, prompt: str, steps: int) -> str:
 def test_greedy_is_deterministic_and_equals_an_argmax_loop(capsys, dcp_checkpoint, weights, tokenizer):
     argv = [dcp_checkpoint, "--flavor", "tiny", "--prompt", PROMPT, "--max_new_tokens", NEW_TOKENS,
             "--temperature", 0]
-    first = run(capsys, *argv, "--seed", 1)
-    second = run(capsys, *argv, "--seed", 2)
+    first = generated(capsys, *argv, "--seed", 1)
+    second = generated(capsys, *argv, "--seed", 2)
     assert first == second
-    code, out, _ = first
+    code, out = first
     assert code == 0
     assert out == argmax_continuation(weights, tokenizer, PROMPT, NEW_TOKENS) + "\n"
     assert out.startswith(PROMPT) and len(out) > len(PROMPT) + 1
@@ -92,19 +98,21 @@ def test_greedy_is_deterministic_and_equals_an_argmax_loop(capsys, dcp_checkpoin
 
 def test_top_k_1_equals_greedy_at_any_temperature(capsys, dcp_checkpoint):
     argv = [dcp_checkpoint, "--flavor", "tiny", "--prompt", PROMPT, "--max_new_tokens", NEW_TOKENS]
-    greedy = run(capsys, *argv, "--temperature", 0)
-    assert run(capsys, *argv, "--temperature", 1.5, "--top_k", 1, "--seed", 7) == greedy
+    greedy = generated(capsys, *argv, "--temperature", 0)
+    assert generated(capsys, *argv, "--temperature", 1.5, "--top_k", 1, "--seed", 7) == greedy
 
 
 def test_sampling_is_reproducible_with_a_seed(capsys, dcp_checkpoint):
     argv = [dcp_checkpoint, "--flavor", "tiny", "--prompt", PROMPT, "--max_new_tokens", NEW_TOKENS,
             "--temperature", 1.0, "--top_k", 50, "--seed", 5]
-    assert run(capsys, *argv) == run(capsys, *argv)
+    first = generated(capsys, *argv)
+    assert first[0] == 0 and first == generated(capsys, *argv)
 
 
 def test_hugging_face_folder_generates_what_the_dcp_checkpoint_does(capsys, dcp_checkpoint, hf_checkpoint):
     common = ["--flavor", "tiny", "--prompt", PROMPT, "--max_new_tokens", NEW_TOKENS, "--temperature", 0]
-    assert run(capsys, hf_checkpoint, "--hf", *common) == run(capsys, dcp_checkpoint, *common)
+    from_hf = generated(capsys, hf_checkpoint, "--hf", *common)
+    assert from_hf[0] == 0 and from_hf == generated(capsys, dcp_checkpoint, *common)
 
 
 class _Scripted(nn.Module):
