@@ -20,9 +20,8 @@ from pathlib import Path
 
 import torch
 import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
-from torchtitan.components.checkpoint import (EXPORT_DTYPES, INCOMPLETE_SUFFIX, read_full_model, read_metadata,
+from torchtitan.components.checkpoint import (EXPORT_DTYPES, INCOMPLETE_SUFFIX, read_full_checkpoint, read_full_model,
                                               without_collectives)
 from torchtitan.errors import UserError
 from torchtitan.models.llama3.args import TransformerModelArgs, llama3_flavors, model_args_for
@@ -72,11 +71,12 @@ def hf_to_dcp(source: Path, output: Path, flavor: str) -> None:
 
 
 def dcp_to_torch(source: Path, output: Path) -> None:
-    read_metadata(source)
     if output.exists():
         raise UserError(f"output {output} already exists; remove it or choose another")
-    with without_collectives():
-        dcp_to_torch_save(source, output)
+    state_dict = read_full_checkpoint(source)
+    staging = output.with_name(output.name + INCOMPLETE_SUFFIX)
+    torch.save(state_dict, staging)
+    os.rename(staging, output)
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -20,7 +20,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from tests.integration.harness import TINY, launch
+from tests.integration.harness import REPO, TINY, launch
 from torchtitan import train
 from torchtitan.distributed import utils as dist_utils
 
@@ -309,11 +309,11 @@ PACKAGE = Path(train.__file__).parent
 
 
 def package_calls() -> list[tuple[str, ast.Call]]:
-    """Every call in the package's source, with the file it is in."""
+    """Every call in the package's and the scripts' source, with the file it is in."""
     calls = []
-    for path in sorted(PACKAGE.rglob("*.py")):
+    for path in sorted([*PACKAGE.rglob("*.py"), *(REPO / "scripts").rglob("*.py")]):
         tree = ast.parse(path.read_text(), filename=str(path))
-        calls += [(str(path.relative_to(PACKAGE)), node) for node in ast.walk(tree) if isinstance(node, ast.Call)]
+        calls += [(str(path.relative_to(REPO)), node) for node in ast.walk(tree) if isinstance(node, ast.Call)]
     return calls
 
 
@@ -342,10 +342,14 @@ def test_every_torch_load_is_weights_only():
         value = keyword(call, "weights_only")
         assert isinstance(value, ast.Constant) and value.value is True, f"{where}:{call.lineno} torch.load without " \
                                                                        f"weights_only=True"
-    # DCP's default load planner unpickles with weights_only=False: every DCP load names a planner.
+    # DCP's default load planner unpickles with weights_only=False, and its FileSystemReader reads .metadata with
+    # plain pickle: every DCP load names a planner and a reader, and nothing else builds that reader.
     for where, call in package_calls():
-        if dotted(call.func) in ("dcp.load", "torch.distributed.checkpoint.load"):
+        name = dotted(call.func)
+        if name in ("dcp.load", "torch.distributed.checkpoint.load"):
             assert keyword(call, "planner") is not None, f"{where}:{call.lineno} DCP load with the default planner"
+            assert keyword(call, "storage_reader") is not None, f"{where}:{call.lineno} DCP load, default reader"
+        assert name.split(".")[-1] not in ("FileSystemReader", "dcp_to_torch_save"), f"{where}:{call.lineno} {name}"
 
 
 def test_nothing_evaluates_or_unpickles_input():

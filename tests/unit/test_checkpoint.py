@@ -6,6 +6,7 @@ import dataclasses
 import errno
 import json
 import multiprocessing
+import pickle
 import random
 import time
 from pathlib import Path
@@ -254,6 +255,40 @@ def test_corrupt_checkpoints_raise_user_errors(pg, tmp_path):
     assert files_and_bytes(tmp_path / "ckpt" / "step-1") == first
 
 
+class _RunsCodeWhenUnpickled:
+    """What a crafted file holds: unpickling it calls a function of the attacker's choosing."""
+
+    def __init__(self, marker: Path):
+        self.marker = marker
+
+    def __reduce__(self):
+        return (Path.write_text, (self.marker, "ran"))
+
+
+def test_crafted_metadata_is_refused_without_running_it(pg, tmp_path):
+    make_manager(tmp_path, build_components(seed=0)).save(1)
+    marker = tmp_path / "payload_ran"
+    step = tmp_path / "ckpt" / "step-1"
+    (step / ".metadata").write_bytes(pickle.dumps(_RunsCodeWhenUnpickled(marker)))
+    with pytest.raises(UserError, match=r"step-1: \.metadata cannot be read .*pathlib.Path.write_text is not part "
+                                        r"of a DCP checkpoint's metadata"):
+        make_manager(tmp_path, build_components(seed=1)).load()
+    with pytest.raises(UserError, match="is not part of a DCP checkpoint's metadata"):
+        convert_checkpoint.dcp_to_torch(step, tmp_path / "all.pt")
+    assert not marker.exists()
+
+
+def test_crafted_entry_is_refused_without_running_it(pg, tmp_path):
+    """Non-tensor entries (the data loader's state, ...) are unpickled weights-only."""
+    c = build_components(seed=0)
+    marker = tmp_path / "payload_ran"
+    c.loader.state_dict = lambda: {"payload": _RunsCodeWhenUnpickled(marker)}
+    make_manager(tmp_path, c).save(1)
+    with pytest.raises(UserError, match=r"step-1: its dataloader state is refused \(.*Weights only load failed"):
+        make_manager(tmp_path, build_components(seed=1)).load()
+    assert not marker.exists()
+
+
 def test_checkpoint_of_another_model_shape(pg, tmp_path):
     make_manager(tmp_path, build_components(seed=0)).save(1)
     other_args = dataclasses.replace(MODEL_ARGS, vocab_size=2000)
@@ -421,6 +456,9 @@ def test_convert_script(pg, tmp_path, capsys, monkeypatch):
     assert convert_checkpoint.main(["dcp-to-torch", str(step), str(tmp_path / "all.pt")]) == 0
     everything = torch.load(tmp_path / "all.pt", weights_only=True)
     assert torch.equal(everything["model"]["norm.weight"], saved.model.norm.weight)
+    assert_same(everything["optimizer"], snapshot(saved)["optimizer"])
+    assert everything["train_state"] == saved.train_state.state_dict()
+    assert everything["dataloader"] == saved.loader.state_dict()
 
     assert convert_checkpoint.main(["dcp-to-hf", str(step), str(tmp_path / "hf2"), "--flavor", "debugmodel"]) == 2
     assert "--flavor debugmodel expects" in capsys.readouterr().err

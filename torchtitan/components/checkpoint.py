@@ -34,6 +34,7 @@ rest as initialised).
 import contextlib
 import io
 import os
+import pickle
 import random
 import re
 import shutil
@@ -51,7 +52,7 @@ import torch.distributed.checkpoint as dcp
 from torch import nn
 from torch.distributed.checkpoint import CheckpointException, DefaultLoadPlanner, FileSystemReader
 from torch.distributed.checkpoint._traverse import set_element
-from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
+from torch.distributed.checkpoint.metadata import Metadata, StorageMeta, TensorStorageMetadata
 from torch.distributed.checkpoint.planner import ReadItem
 from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, set_model_state_dict
@@ -130,6 +131,48 @@ class WeightsOnlyLoadPlanner(DefaultLoadPlanner):
             set_element(self.original_state_dict, self.mappings[read_item.dest_index.fqn], loaded)
         else:
             self.state_dict[read_item.dest_index.fqn] = loaded
+
+
+# Everything DCP's `.metadata` pickle is made of (FileSystemWriter, any sharding), besides torch's dtypes, layouts,
+# memory formats and Size.
+_METADATA_GLOBALS = {
+    *(("torch.distributed.checkpoint.metadata", name) for name in (
+        "Metadata", "StorageMeta", "MetadataIndex", "TensorStorageMetadata", "BytesStorageMetadata",
+        "ChunkStorageMetadata", "TensorProperties", "_MEM_FORMAT_ENCODING")),
+    ("torch.distributed.checkpoint.filesystem", "_StorageInfo"),
+    ("torch.serialization", "_get_layout"),
+    ("collections", "OrderedDict"),
+    *(("pathlib", name) for name in ("Path", "PosixPath", "WindowsPath", "PurePosixPath", "PureWindowsPath")),
+}
+
+
+class _MetadataUnpickler(pickle.Unpickler):
+    """Unpickles DCP's `.metadata` from the classes it is made of and nothing else. FileSystemReader uses plain
+    `pickle.load`, which calls whatever a crafted file names (os.system, ...) before any check could run."""
+
+    def find_class(self, module: str, name: str) -> Any:
+        if (module, name) in _METADATA_GLOBALS:
+            return super().find_class(module, name)
+        if module == "torch":
+            value = getattr(torch, name, None)
+            if value is torch.Size or isinstance(value, (torch.dtype, torch.layout, torch.memory_format)):
+                return value
+        raise pickle.UnpicklingError(f"{module}.{name} is not part of a DCP checkpoint's metadata")
+
+
+class SafeFileSystemReader(FileSystemReader):
+    """DCP's file reader with `.metadata` read by `_MetadataUnpickler` (the tensors it already loads weights-only;
+    WeightsOnlyLoadPlanner does the rest)."""
+
+    def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
+        with self.fs.create_stream(Path(self.path) / METADATA_FILE, "rb") as metadata_file:
+            metadata = _MetadataUnpickler(metadata_file).load()
+        if not isinstance(metadata, Metadata):
+            raise pickle.UnpicklingError(f"it holds a {type(metadata).__name__}, not DCP's Metadata")
+        if metadata.storage_meta is None:
+            metadata.storage_meta = StorageMeta()
+        metadata.storage_meta.load_id = self.load_id
+        return metadata
 
 
 def _serialize(state: Any) -> bytes:
@@ -222,7 +265,7 @@ def read_metadata(checkpoint: Path) -> Metadata:
                 else "; the folder is incomplete or corrupt")
         raise UserError(f"checkpoint {checkpoint} has no {METADATA_FILE} file{hint}")
     try:
-        return FileSystemReader(checkpoint).read_metadata()
+        return SafeFileSystemReader(checkpoint).read_metadata()
     except Exception as err:  # a truncated or foreign file fails in pickle with any of several exception types
         raise UserError(f"checkpoint {checkpoint}: {METADATA_FILE} cannot be read ({type(err).__name__}: {err}); "
                         f"the checkpoint is corrupt") from err
@@ -230,10 +273,30 @@ def read_metadata(checkpoint: Path) -> Metadata:
 
 def _dcp_load(state_dict: dict[str, Any], checkpoint: Path, no_dist: bool = False) -> None:
     try:
-        dcp.load(state_dict, checkpoint_id=checkpoint, planner=WeightsOnlyLoadPlanner(), no_dist=no_dist)
+        dcp.load(state_dict, checkpoint_id=checkpoint, storage_reader=SafeFileSystemReader(checkpoint),
+                 planner=WeightsOnlyLoadPlanner(), no_dist=no_dist)
     except (CheckpointException, OSError, RuntimeError) as err:
         raise UserError(f"checkpoint {checkpoint} cannot be loaded (corrupt, truncated, or of another setup): "
                         f"{_describe(err)}") from err
+
+
+def read_full_checkpoint(checkpoint: Path) -> dict[str, Any]:
+    """Every entry of a DCP checkpoint, unsharded, in this process alone: the optimizer's hyperparameters and the
+    data loader's state unpacked into plain values, as the trainer restores them."""
+    metadata = read_metadata(checkpoint)
+    # The template DCP loads into, nested as saved: tensors of the saved shapes, placeholders for the rest.
+    state_dict: dict[str, Any] = {}
+    for key, entry in metadata.state_dict_metadata.items():
+        value = (torch.empty(tuple(entry.size), dtype=entry.properties.dtype)
+                 if isinstance(entry, TensorStorageMetadata) else b"")
+        set_element(state_dict, (metadata.planner_data or {}).get(key, (key,)), value)
+    with without_collectives():
+        _dcp_load(state_dict, checkpoint, no_dist=True)
+    if "optimizer" in state_dict:
+        state_dict["optimizer"] = _unpack_param_groups(state_dict["optimizer"])
+    if isinstance(state_dict.get("dataloader"), bytes):
+        state_dict["dataloader"] = _deserialize(state_dict["dataloader"])
+    return state_dict
 
 
 @contextlib.contextmanager
@@ -395,7 +458,10 @@ class CheckpointManager:
         state_dict = {self._key(part): self._load_template(part, saved) for part in present}
         _dcp_load(state_dict, checkpoint)
         for part in present:
-            self._apply(part, state_dict[self._key(part)])
+            try:
+                self._apply(part, state_dict[self._key(part)])
+            except pickle.UnpicklingError as err:
+                raise UserError(f"checkpoint {checkpoint}: its {part} state is refused ({_describe(err)})") from err
         return present
 
     def _key(self, part: str) -> str:
