@@ -26,7 +26,7 @@ from torchtitan.components.lr_scheduler import build_lr_schedulers
 from torchtitan.components.metrics import MetricsLogger
 from torchtitan.components.optimizer import build_optimizers
 from torchtitan.components.profiling import maybe_enable_memory_snapshot, maybe_enable_profiling
-from torchtitan.components.tokenizer import build_tokenizer
+from torchtitan.components.tokenizer import build_model_tokenizer
 from torchtitan.config import JobConfig, parse_args, save_config, to_toml
 from torchtitan.distributed import utils as dist_utils
 from torchtitan.distributed.context_parallel import context_parallel_context
@@ -56,12 +56,12 @@ class Trainer:
                     f"{self.parallel_dims.describe()}")
         if self.rank == 0:
             save_config(config, config.job.dump_folder)
-        if config.job.print_args:
+        if config.job.print_config and self.rank == 0:
             logger.info("Config:\n" + to_toml(config))
         self.seed = dist_utils.set_determinism(config.debug.seed, config.debug.deterministic,
                                                config.debug.deterministic_warn_only, self.device)
 
-        self.tokenizer = build_tokenizer(config.model.tokenizer_path or config.model.hf_assets_path)
+        self.tokenizer = build_model_tokenizer(config.model)
         self.model_args = model_args_for(config.model.flavor, config.training.seq_len, self.tokenizer.vocab_size)
         validate_parallelism(self.model_args, self.parallel_dims, config)
         self.grad_accumulation_steps = self._grad_accumulation_steps()
@@ -108,7 +108,7 @@ class Trainer:
         self.autocast = (torch.autocast(self.device.type, dtype=param_dtype)
                          if not wrapped and param_dtype != torch.float32 else contextlib.nullcontext())
         self.metrics = MetricsLogger(config.metrics, config.job.dump_folder, self.rank,
-                                     is_logging_rank=self.rank == 0 or config.metrics.save_for_all_ranks,
+                                     is_logging_rank=self.rank == 0,
                                      run_config=dataclasses.asdict(config))
         self.peak_flops, peak_source = peak_flops(self.device, param_dtype, config.metrics.peak_flops)
         logger.info(f"MFU is measured against {self.peak_flops / 1e12:.2f} TFLOP/s per device ({peak_source})")
@@ -156,16 +156,18 @@ class Trainer:
             yield
 
     def _next_batches(self, data_iterator: Iterator) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        batches = []
-        for _ in range(self.grad_accumulation_steps):
-            try:
-                inputs, labels = next(data_iterator)
-            except StopIteration:
-                raise UserError(f"option training.dataset_loop: the data ran out at step {self.train_state.step + 1}"
-                                f" (dataset_loop = false); use more data, fewer training.steps, or dataset_loop = "
-                                f"true") from None
-            batches.append((inputs.to(self.device), labels.to(self.device)))
-        return batches
+        batches = [batch for _ in range(self.grad_accumulation_steps) if (batch := next(data_iterator, None))]
+        complete = len(batches) == self.grad_accumulation_steps
+        if not self.config.training.dataset_loop:
+            # Data-parallel ranks can run out a step apart: all stop at the first step any rank cannot fill,
+            # rather than some raising while the others wait for them in the step's collectives.
+            has_data = torch.tensor(float(complete), device=self.device)
+            dist.all_reduce(has_data, op=dist.ReduceOp.MIN)
+            complete = bool(has_data.item())
+        if not complete:
+            raise UserError(f"option training.dataset_loop: the data ran out at step {self.train_state.step + 1} "
+                            f"(dataset_loop = false); use more data, fewer training.steps, or dataset_loop = true")
+        return [(inputs.to(self.device), labels.to(self.device)) for inputs, labels in batches]
 
     # ----------------------------------------------------------------------------------------------------------
     # One step
@@ -329,7 +331,9 @@ class Trainer:
                 if memory_profiler is not None:
                     memory_profiler.step()
                 if self.preempted:
-                    logger.info(f"SIGTERM received: stopped after step {step} with a checkpoint; exiting")
+                    saved = (f"checkpoint {self.checkpointer.folder / f'step-{step}'} written" if config.checkpoint.enable
+                             else "NO checkpoint written (checkpoint.enable = false): a relaunch starts over")
+                    logger.warning(f"SIGTERM received: stopped after step {step}, {saved}; exiting")
                     break
         self.checkpointer.close()
         self.metrics.close()
@@ -343,14 +347,18 @@ class Trainer:
         tps = tokens_per_device / elapsed
         tflops = self.flops_per_token * tps / 1e12
         memory = memory_stats(self.device)
-        peak_key = "max_reserved_gib" if self.device.type == "cuda" else "max_rss_gib"
-        # One all-reduce for both maxima over ranks: peak memory and the model state held.
-        maxima = torch.tensor([memory[peak_key], self._model_state_bytes() / 2**30], device=self.device)
+        cuda = self.device.type == "cuda"
+        # One all-reduce for every maximum over ranks: peak memory (CUDA: reserved and allocated; CPU: RSS) and
+        # the model state held.
+        maxima = torch.tensor([memory["max_reserved_gib" if cuda else "max_rss_gib"],
+                               memory.get("max_allocated_gib", 0.0), self._model_state_bytes() / 2**30],
+                              device=self.device)
         dist.all_reduce(maxima, op=dist.ReduceOp.MAX)
-        peak_gib, state_gib = maxima.tolist()
+        peak_gib, allocated_gib, state_gib = maxima.tolist()
         self.metrics.log(step, {
             "loss": loss, "grad_norm": grad_norm, "lr": lr, "tps": tps,
             "tflops": tflops, "mfu": 100 * tflops * 1e12 / self.peak_flops, "memory_gib": peak_gib,
+            **({"memory_allocated_gib": allocated_gib} if cuda else {}),
             "data_pct": 100 * window["data_time"] / elapsed, "tokens_seen": self.train_state.tokens_seen,
             "model_state_gib": state_gib,
         })

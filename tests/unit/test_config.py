@@ -7,6 +7,7 @@ from pathlib import Path
 import pytest
 
 from torchtitan.config import JobConfig, parse_args, save_config, to_toml
+from torchtitan.config import manager
 from torchtitan.config.manager import get_option, option_specs
 from torchtitan.errors import UserError
 
@@ -237,9 +238,22 @@ def test_unknown_option_in_toml_names_the_file_and_closest_key(tmp_path):
         parse_args(["--job.config_file", path])
 
 
-def test_unknown_section_in_toml(tmp_path):
-    path = write_toml(tmp_path, "[trainng]\nsteps = 5\n")
-    with raises(r"unknown section \[trainng\]; did you mean training\."):
+@pytest.mark.parametrize("section, closest", [
+    ("trainng", "training"),
+    ("trainig", "training"),
+    ("quantize.linear.float9", "quantize.linear.float8"),
+    ("training.foo", "training"),
+])
+def test_unknown_section_in_toml_names_the_file_and_closest_section(tmp_path, section, closest):
+    path = write_toml(tmp_path, f"[{section}]\nsteps = 5\n")
+    with raises(rf"config file {re.escape(path)}: unknown section \[{re.escape(section)}\]; "
+                rf"did you mean \[{re.escape(closest)}\]\?"):
+        parse_args(["--job.config_file", path])
+
+
+def test_a_table_given_to_an_option_is_a_wrong_type(tmp_path):
+    path = write_toml(tmp_path, "[training]\nsteps = {value = 5}\n")
+    with raises(r"option training\.steps: \{'value': 5\} is not a valid value; expected int"):
         parse_args(["--job.config_file", path])
 
 
@@ -294,13 +308,19 @@ def test_missing_value(argv):
 @pytest.mark.parametrize("argv, stray", [
     (["train_configs/debug_model.toml"], "train_configs/debug_model.toml"),
     (["--training.steps", "5", "6"], "6"),
-    (["--compile.enable", "yes please"], "yes please"),
     (["--"], "--"),
     (["-x"], "-x"),
 ])
 def test_stray_positional_argument(argv, stray):
     with raises(rf"unexpected argument {re.escape(repr(stray))}"):
         parse_args(argv)
+
+
+@pytest.mark.parametrize("word", ["maybe", "yes please", "train.toml"])
+def test_a_word_after_a_bool_flag_names_the_flag(word):
+    with raises(rf"option compile\.enable: {re.escape(repr(word))} is not a valid value; expected bool "
+                rf"\(--compile\.enable, --compile\.no_enable, or --compile\.enable=true/false\)"):
+        parse_args(["--compile.enable", word])
 
 
 def test_negated_bool_takes_no_value():
@@ -347,6 +367,22 @@ def test_renamed_options_in_toml_name_the_new_one(tmp_path):
     ["--fault_tolerance.enable=false"],
     ["--job.custom_config_module="],
     ["--optimizer.early_step_in_backward", "false"],
+    ["--activation_checkpoint.per_op_sac_force_recompute_mm_shapes_by_fqns", "moe.router.gate"],
+    # TorchTitan's default is true; the model has no dropout, so preserving the RNG state changes nothing.
+    ["--activation_checkpoint.preserve_rng_state"],
+    ["--activation_checkpoint.preserve_rng_state=false"],
+    ["--training.dtype", "float32"],
+    ["--comm.mode", "default"],
+    ["--comm.save_traces_file_prefix", "rank_"],
+    ["--profiling.profiler_active", "1", "--profiling.profiler_warmup", "3"],
+    ["--checkpoint.enable_ft_dataloader_checkpoints", "--checkpoint.enable_ft_dataloader_checkpoints=false"],
+    ["--checkpoint.initial_load_in_hf_quantized=false"],
+    ["--debug.moe_force_load_balance=false"],
+    ["--training.debug_moe_force_load_balance=false"],
+    ["--parallelism.context_parallel_load_balancer", "headtail"],
+    ["--job.save_config_file", "none"],
+    ["--lr_scheduler.total_steps", "none"],
+    ["--training.dataloader.num_workers", "0", "--validation.dataloader.prefetch_factor", "none"],
 ])
 def test_unsupported_torchtitan_option_at_its_off_value_is_accepted(argv):
     assert parse_args(argv) == JobConfig()
@@ -360,6 +396,27 @@ def test_unsupported_torchtitan_option_at_its_off_value_is_accepted(argv):
     # An option of an unsupported section that the table does not list has no off value to accept.
     (["--fault_tolerance.replica_id", "0"], r"TorchTitan option fault_tolerance\.replica_id = '0' is not supported"),
     (["--quantize.linear.mx.recipe_name", "mxfp8"], r"TorchTitan option quantize\.linear\.mx\.recipe_name"),
+    (["--quantize.grouped_mm.float8.fqns", "experts"],
+     r"TorchTitan option quantize\.grouped_mm\.float8\.fqns = 'experts' is not supported by this project \(it "
+     r"does not implement \[quantize\.grouped_mm\]\)"),
+    (["--training.dtype", "bfloat16"], r"TorchTitan option training\.dtype = 'bfloat16' .*\(only 'float32',"),
+    (["--comm.mode", "local_tensor"], r"TorchTitan option comm\.mode = 'local_tensor' .*\(only 'default',"),
+    (["--profiling.profiler_warmup", "1"], r"TorchTitan option profiling\.profiler_warmup = '1' .*\(only 3,"),
+    (["--profiling.profiler_active", "2"], r"TorchTitan option profiling\.profiler_active = '2' .*\(only 1,"),
+    (["--checkpoint.initial_load_in_hf_quantized"], r"TorchTitan option checkpoint\.initial_load_in_hf_quantized"),
+    (["--comm.save_traces_file_prefix", "r"],
+     r"TorchTitan option comm\.save_traces_file_prefix = 'r' .*\(only 'rank_'"),
+    (["--debug.moe_force_load_balance"], r"TorchTitan option debug\.moe_force_load_balance = 'true'"),
+    (["--parallelism.context_parallel_load_balancer", "ptrr"],
+     r"TorchTitan option parallelism\.context_parallel_load_balancer = 'ptrr' .*\(only 'headtail',"),
+    (["--job.save_config_file", "config.json"],
+     r"TorchTitan option job\.save_config_file = 'config\.json' .*only none"),
+    (["--training.dataloader.num_workers", "4"],
+     r"TorchTitan option training\.dataloader\.num_workers = '4' .*\(only 0,"),
+    (["--activation_checkpoint.preserve_rng_state", "sometimes"],
+     r"activation_checkpoint\.preserve_rng_state = 'sometimes' .*\(only False or True,"),
+    # A boolean is not the integer 1.
+    (["--parallelism.expert_parallel_degree", "true"], r"parallelism\.expert_parallel_degree = 'true'"),
 ])
 def test_unsupported_torchtitan_option_turned_on_is_an_error(argv, pattern):
     with raises(pattern):
@@ -382,6 +439,90 @@ custom_import = ""
     with raises(rf"config file {re.escape(path)}: TorchTitan option parallelism\.expert_parallel_degree = 4 is not "
                 rf"supported"):
         parse_args(["--job.config_file", path])
+
+
+def test_torchtitan_defaults_of_options_left_out_are_accepted_in_toml(tmp_path):
+    path = write_toml(tmp_path, """
+[job]
+print_config = false
+[profiling]
+profiler_active = 1
+profiler_warmup = 3
+[training]
+dtype = "float32"
+[training.dataloader]
+num_workers = 0
+persistent_workers = false
+pin_memory = false
+[parallelism]
+context_parallel_load_balancer = "headtail"
+[checkpoint]
+enable_ft_dataloader_checkpoints = true
+initial_load_in_hf_quantized = false
+[activation_checkpoint]
+preserve_rng_state = true
+[comm]
+mode = "default"
+save_traces_file_prefix = "rank_"
+[validation.dataloader]
+num_workers = 0
+[debug]
+moe_force_load_balance = false
+""")
+    expected = dataclasses.replace(JobConfig(), job=dataclasses.replace(JobConfig().job, config_file=path,
+                                                                          print_config=False))
+    assert parse_args(["--job.config_file", path]) == expected
+
+
+@pytest.mark.parametrize("text, pattern", [
+    ("[quantize.grouped_mm.float8]\nfqns = ['experts']\n",
+     r"TorchTitan option quantize\.grouped_mm\.float8\.fqns = \['experts'\] is not supported by this project "
+     r"\(it does not implement \[quantize\.grouped_mm\]\)"),
+    ("[quantize.grouped_mm.mx]\nrecipe_name = 'mxfp8'\n",
+     r"TorchTitan option quantize\.grouped_mm\.mx\.recipe_name = 'mxfp8' .*does not implement "
+     r"\[quantize\.grouped_mm\]"),
+    ("[training.dataloader]\npin_memory = true\n",
+     r"TorchTitan option training\.dataloader\.pin_memory = True is not supported by this project \(only False,"),
+    ("[validation.dataloader]\nnum_workers = 2\n", r"TorchTitan option validation\.dataloader\.num_workers = 2"),
+    ('[training]\ndtype = "bfloat16"\n', r"TorchTitan option training\.dtype = 'bfloat16'"),
+])
+def test_unsupported_torchtitan_options_in_toml_name_the_option_or_section(tmp_path, text, pattern):
+    path = write_toml(tmp_path, text)
+    with raises(rf"config file {re.escape(path)}: {pattern}"):
+        parse_args(["--job.config_file", path])
+
+
+def test_print_config_is_on_by_default():
+    assert JobConfig().job.print_config is True
+    assert parse_args(["--job.no_print_config"]).job.print_config is False
+
+
+@pytest.mark.parametrize("argv, expected", [
+    (["--job.print_args"], True),
+    (["--job.print_args=false"], False),
+    (["--job.print_args", "false"], False),
+    (["--job.no_print_args"], False),
+])
+def test_print_args_is_an_alias_of_print_config(argv, expected, monkeypatch):
+    warnings = []
+    monkeypatch.setattr(manager, "warn_once", warnings.append)
+    assert parse_args(argv).job.print_config is expected
+    assert warnings == ["command line: option job.print_args is deprecated; it is now job.print_config "
+                        "(TorchTitan v0.2 naming)"]
+
+
+def test_print_args_in_toml_sets_print_config(tmp_path):
+    path = write_toml(tmp_path, "[job]\nprint_args = false\n")
+    assert parse_args(["--job.config_file", path]).job.print_config is False
+    with raises(r"option job\.print_config: 'no' is not a valid value; expected bool"):
+        parse_args(["--job.config_file", write_toml(tmp_path, '[job]\nprint_args = "no"\n')])
+
+
+@pytest.mark.parametrize("argv", [["--model.name", "llama4"], ["--model.name", "deepseek_v3"]])
+def test_model_name_other_than_llama3_is_an_error(argv):
+    with raises(rf"option model\.name: '{argv[1]}' is not one of 'llama3'"):
+        parse_args(argv)
+    assert parse_args(["--model.name", "llama3"]).model.name == "llama3"
 
 
 # ---------------------------------------------------------------------------------------------------------------

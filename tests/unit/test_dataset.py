@@ -354,6 +354,10 @@ def test_validation_split(corpus):
         (dict(path="{tmp}/numbers.jsonl"), "training.dataset_text_field='text'.*int"),
         (dict(path="{tmp}/empty.txt"), "training.dataset_path='.*empty.txt' has no documents"),
         (dict(path="{tmp}/blank.jsonl"), "has only empty documents"),
+        (dict(path="{tmp}/blank_lines.jsonl"), r"training.dataset_path='.*blank_lines.jsonl' has no documents"),
+        (dict(path="{tmp}/empty_list.json"), r"training.dataset_path='.*empty_list.json' has no documents"),
+        (dict(path="{tmp}/empty_object.json"), r"training.dataset_path='.*empty_object.json' has no documents"),
+        (dict(path="{tmp}/no_text.json"), r"training.dataset_text_field='text' .*no field 'text'; they have 'body'"),
         (dict(path="{tmp}/broken.jsonl"), "training.dataset_path='.*broken.jsonl' could not be read as json"),
         (dict(seq_len=0), r"training.seq_len=0"),
         (dict(batch=0), r"training.local_batch_size=0"),
@@ -371,6 +375,10 @@ def test_user_errors(corpus, tmp_path, kwargs, message):
     (tmp_path / "empty.txt").write_text("")
     write_jsonl(tmp_path / "blank.jsonl", [{"text": ""}, {"text": ""}])
     (tmp_path / "broken.jsonl").write_text('{"text": "a"}\n{"text": \n')
+    (tmp_path / "blank_lines.jsonl").write_text("\n\n  \n")
+    (tmp_path / "empty_list.json").write_text("[]\n")
+    (tmp_path / "empty_object.json").write_text("{}\n")
+    (tmp_path / "no_text.json").write_text(json.dumps([{"body": "hello"}, {"body": "world"}]))
     if "path" in kwargs:
         kwargs["path"] = kwargs["path"].format(tmp=tmp_path)
     with pytest.raises(UserError, match=message):
@@ -389,10 +397,15 @@ def test_too_small_for_every_rank(corpus):
     assert len(take(iter(loader(seq_len=seq_len, degree=8, rank=7)), 2)) == 2
 
 
-def test_validation_section_in_messages(corpus):
+def test_validation_section_in_messages(corpus, tmp_path):
     with pytest.raises(UserError, match="validation.dataset='nope'"):
         TextDataset(dataset="nope", dataset_path=None, text_field="text", tokenizer=ByteTokenizer(),
                     seq_len=8, dp_rank=0, dp_degree=1, infinite=False, config_section="validation")
+    (tmp_path / "blank.jsonl").write_text("\n\n")
+    with pytest.raises(UserError, match=r"validation.dataset_path='.*blank.jsonl' has no documents"):
+        TextDataset(dataset="x", dataset_path=str(tmp_path / "blank.jsonl"), text_field="text",
+                    tokenizer=ByteTokenizer(), seq_len=8, dp_rank=0, dp_degree=1, infinite=False,
+                    config_section="validation")
 
 
 def test_embedded_corpus_with_real_tokenizer():

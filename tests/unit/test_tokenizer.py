@@ -9,9 +9,11 @@ from torchtitan.components.tokenizer import (
     HFTokenizer,
     TiktokenTokenizer,
     Tokenizer,
+    build_model_tokenizer,
     build_tokenizer,
     llama3_special_tokens,
 )
+from torchtitan.config.job_config import Model
 from torchtitan.errors import UserError
 
 TEXTS = [
@@ -190,6 +192,25 @@ def test_missing_path(tmp_path):
     with pytest.raises(UserError, match=r"^model\.hf_assets_path") as excinfo:
         build_tokenizer(str(missing))
     assert str(missing) in str(excinfo.value)
+
+
+def test_errors_name_the_option_that_gave_the_path(tmp_path):
+    missing = tmp_path / "absent.model"
+    with pytest.raises(UserError, match=r"^model\.tokenizer_path: .*absent\.model does not exist"):
+        build_model_tokenizer(Model(tokenizer_path=str(missing)))
+    with pytest.raises(UserError, match=r"^model\.hf_assets_path: .*absent\.model does not exist"):
+        build_model_tokenizer(Model(hf_assets_path=str(missing)))
+    corrupt = tmp_path / "tokenizer.model"
+    corrupt.write_bytes(b"QQ== 0\nQg== 5\n")
+    with pytest.raises(UserError, match=r"^model\.tokenizer_path: .*tokenizer\.model is not a valid tiktoken"):
+        build_model_tokenizer(Model(tokenizer_path=str(corrupt), hf_assets_path=str(missing)))
+
+
+def test_model_tokenizer_prefers_tokenizer_path(tmp_path):
+    path = write_tiktoken_file(tmp_path / "tokenizer.model", 300)
+    assert build_model_tokenizer(Model(tokenizer_path=str(path))).vocab_size == 300 + 256
+    assert build_model_tokenizer(Model(hf_assets_path=str(path))).vocab_size == 300 + 256
+    assert build_model_tokenizer(Model()).vocab_size == build_tokenizer("").vocab_size
 
 
 def test_empty_folder(tmp_path):

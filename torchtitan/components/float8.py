@@ -59,6 +59,12 @@ def apply_float8(model: nn.Module, config: JobConfig) -> None:
         return keep
 
     convert_to_float8_training(model, config=float8_config, module_filter_fn=module_filter)
+    if not converted:
+        raise UserError(f"option model.converters: float8 would convert no linear layer of this model: real float8 "
+                        f"kernels skip layers under {_MIN_REAL_KERNEL_WEIGHTS:,} weights or with a dimension not a "
+                        f"multiple of {_ALIGNMENT}, and quantize.linear.float8.filter_fqns = {cfg.filter_fqns} "
+                        f"excludes more; use a larger model, or quantize.linear.float8.emulate = true to study "
+                        f"float8 numerics on any layer")
     logger.info(f"Float8 ({recipe}{', emulated' if cfg.emulate else ''}): converted {len(converted)} linear layers")
 
 

@@ -10,6 +10,7 @@ from pathlib import Path
 import tiktoken
 from tiktoken.load import load_tiktoken_bpe
 
+from torchtitan.config.job_config import Model
 from torchtitan.errors import UserError
 from torchtitan.tools.logging import logger
 
@@ -30,6 +31,7 @@ _MAX_ENCODE_CHARS = 400_000
 _MAX_RUN_CHARS = 25_000
 _LONG_RUN = re.compile(rf"(?<!\s)\s{{{_MAX_RUN_CHARS},}}|(?<!\S)\S{{{_MAX_RUN_CHARS},}}")
 
+# The option named in errors: model.hf_assets_path, or model.tokenizer_path when that is what gave the path.
 _OPTION = "model.hf_assets_path"
 _KNOWN_BOS = (BOS_TOKEN, "<s>", "<|endoftext|>")
 _KNOWN_EOS = (EOS_TOKEN, "</s>", "<|endoftext|>")
@@ -92,7 +94,7 @@ def llama3_special_tokens(num_base_tokens: int) -> dict[str, int]:
 class TiktokenTokenizer(Tokenizer):
     """A tiktoken BPE file in the format of Llama 3's `tokenizer.model`, with Llama 3's special tokens."""
 
-    def __init__(self, path: str | Path):
+    def __init__(self, path: str | Path, option: str = _OPTION):
         path = str(path)
         try:
             # tiktoken caches file contents keyed by path alone; the content hash makes it notice edits.
@@ -100,12 +102,12 @@ class TiktokenTokenizer(Tokenizer):
             ranks = load_tiktoken_bpe(path, expected_hash=digest)
         except (OSError, ValueError) as e:
             raise UserError(
-                f"{_OPTION}: cannot read {path} as a tiktoken BPE file (Llama 3 tokenizer.model format, "
+                f"{option}: cannot read {path} as a tiktoken BPE file (Llama 3 tokenizer.model format, "
                 f"one 'base64-token rank' pair per line): {e}"
             ) from e
         if not ranks or set(ranks.values()) != set(range(len(ranks))):
             raise UserError(
-                f"{_OPTION}: {path} is not a valid tiktoken BPE file: expected ranks 0..N-1, each once, "
+                f"{option}: {path} is not a valid tiktoken BPE file: expected ranks 0..N-1, each once, "
                 f"in 'base64-token rank' lines"
             )
         self._special = llama3_special_tokens(len(ranks))
@@ -154,21 +156,21 @@ def _pieces_for_tiktoken(text: str) -> Iterator[str]:
 class HFTokenizer(Tokenizer):
     """A Hugging Face `tokenizer.json`; BOS/EOS come from a `tokenizer_config.json` beside it if any."""
 
-    def __init__(self, path: str | Path):
+    def __init__(self, path: str | Path, option: str = _OPTION):
         from tokenizers import Tokenizer as _HFBackend
 
         path = Path(path)
         try:
             self._tokenizer = _HFBackend.from_file(str(path))
         except Exception as e:  # the library raises a bare Exception for unreadable files
-            raise UserError(f"{_OPTION}: cannot read {path} as a Hugging Face tokenizer.json: {e}") from e
+            raise UserError(f"{option}: cannot read {path} as a Hugging Face tokenizer.json: {e}") from e
         # Special-token strings inside training text must stay text, like with the tiktoken tokenizer.
         self._tokenizer.encode_special_tokens = True
         vocab = self._tokenizer.get_vocab(with_added_tokens=True)
         self._vocab_size = max(vocab.values()) + 1 if vocab else 0
-        config = _read_tokenizer_config(path.parent / "tokenizer_config.json")
-        self._bos_id = _resolve_special(vocab, config.get("bos_token"), _KNOWN_BOS, "bos_token", path)
-        self._eos_id = _resolve_special(vocab, config.get("eos_token"), _KNOWN_EOS, "eos_token", path)
+        config = _read_tokenizer_config(path.parent / "tokenizer_config.json", option)
+        self._bos_id = _resolve_special(vocab, config.get("bos_token"), _KNOWN_BOS, "bos_token", path, option)
+        self._eos_id = _resolve_special(vocab, config.get("eos_token"), _KNOWN_EOS, "eos_token", path, option)
 
     @property
     def vocab_size(self) -> int:
@@ -190,20 +192,20 @@ class HFTokenizer(Tokenizer):
         return self._tokenizer.decode([int(i) for i in ids], skip_special_tokens=False)
 
 
-def _read_tokenizer_config(path: Path) -> dict:
+def _read_tokenizer_config(path: Path, option: str) -> dict:
     if not path.is_file():
         return {}
     try:
         config = json.loads(path.read_text(encoding="utf-8"))
     except (OSError, ValueError) as e:
-        raise UserError(f"{_OPTION}: cannot read {path} as JSON: {e}") from e
+        raise UserError(f"{option}: cannot read {path} as JSON: {e}") from e
     if not isinstance(config, dict):
-        raise UserError(f"{_OPTION}: {path} must hold a JSON object, got {type(config).__name__}")
+        raise UserError(f"{option}: {path} must hold a JSON object, got {type(config).__name__}")
     return config
 
 
 def _resolve_special(
-    vocab: dict[str, int], configured: object, known: tuple[str, ...], key: str, path: Path
+    vocab: dict[str, int], configured: object, known: tuple[str, ...], key: str, path: Path, option: str
 ) -> int:
     # Older configs store special tokens as serialized AddedToken objects rather than plain strings.
     if isinstance(configured, dict):
@@ -211,7 +213,7 @@ def _resolve_special(
     if isinstance(configured, str):
         if configured not in vocab:
             raise UserError(
-                f"{_OPTION}: tokenizer_config.json beside {path} sets {key}={configured!r}, "
+                f"{option}: tokenizer_config.json beside {path} sets {key}={configured!r}, "
                 f"which is not in the tokenizer's vocabulary"
             )
         return vocab[configured]
@@ -219,30 +221,38 @@ def _resolve_special(
         if token in vocab:
             return vocab[token]
     raise UserError(
-        f"{_OPTION}: cannot tell the {key} of {path}: no tokenizer_config.json beside it sets {key}, "
+        f"{option}: cannot tell the {key} of {path}: no tokenizer_config.json beside it sets {key}, "
         f"and none of {', '.join(known)} is in its vocabulary"
     )
 
 
-def build_tokenizer(path: str) -> Tokenizer:
-    """Load the tokenizer at `path` (the `model.hf_assets_path` option).
+def build_tokenizer(path: str, option: str = _OPTION) -> Tokenizer:
+    """Load the tokenizer at `path`, the value of `option` (named in errors).
 
     `path` is a tiktoken BPE file, a `tokenizer.json`, or a folder holding `tokenizer.json` (preferred),
     `tokenizer.model` or `original/tokenizer.model`; empty means the small bundled tokenizer.
     """
-    file = _locate(path)
+    file = _locate(path, option)
     tokenizer: Tokenizer
     if file.suffix == ".json":
-        tokenizer = HFTokenizer(file)
+        tokenizer = HFTokenizer(file, option)
         kind = "Hugging Face"
     else:
-        tokenizer = TiktokenTokenizer(file)
+        tokenizer = TiktokenTokenizer(file, option)
         kind = "tiktoken"
     logger.info(f"Loaded {kind} tokenizer from {file} (vocab size {tokenizer.vocab_size})")
     return tokenizer
 
 
-def _locate(path: str) -> Path:
+def build_model_tokenizer(model: Model) -> Tokenizer:
+    """The tokenizer of the [model] options: model.tokenizer_path when set, else model.hf_assets_path; errors name
+    the option that gave the path."""
+    if model.tokenizer_path:
+        return build_tokenizer(model.tokenizer_path, option="model.tokenizer_path")
+    return build_tokenizer(model.hf_assets_path, option="model.hf_assets_path")
+
+
+def _locate(path: str, option: str) -> Path:
     if not path:
         return DEFAULT_TOKENIZER_PATH
     expected = (
@@ -254,7 +264,7 @@ def _locate(path: str) -> Path:
         for candidate in ("tokenizer.json", "tokenizer.model", "original/tokenizer.model"):
             if (given / candidate).is_file():
                 return given / candidate
-        raise UserError(f"{_OPTION}: folder {path} holds no tokenizer; expected {expected}")
+        raise UserError(f"{option}: folder {path} holds no tokenizer; expected {expected}")
     if not given.is_file():
-        raise UserError(f"{_OPTION}: {path} does not exist; expected {expected}")
+        raise UserError(f"{option}: {path} does not exist; expected {expected}")
     return given

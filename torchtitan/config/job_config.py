@@ -19,8 +19,8 @@ class Job:
     description: str = "default job"
     """Free-text description of the job, logged at start."""
 
-    print_args: bool = False
-    """Print the resolved configuration at start (it is always saved to <dump_folder>/config.toml)."""
+    print_config: bool = True
+    """Log the resolved configuration (as TOML) at start; it is saved to <dump_folder>/config.toml either way. TorchTitan's default is false. job.print_args, the old name, is still accepted."""
 
 
 @dataclass
@@ -67,11 +67,11 @@ class Metrics:
 
 @dataclass
 class Model:
-    name: str = "llama3"
-    """Model family to train."""
+    name: Literal["llama3"] = "llama3"
+    """Model family to train: llama3 is the only one this project implements."""
 
     flavor: str = "debugmodel"
-    """Model size: debugmodel, 8B, 70B or 405B (see torchtitan/models/llama3/args.py)."""
+    """Model size: debugmodel, tiny (for tests), 8B, 70B or 405B (see torchtitan/models/llama3/args.py)."""
 
     hf_assets_path: str = ""
     """Folder (or file) with the tokenizer: tokenizer.json, or a tiktoken tokenizer.model as Meta ships it. Empty = the small tokenizer bundled with torchtitan."""

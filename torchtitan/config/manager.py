@@ -20,17 +20,38 @@ from typing import Any, Literal
 from torchtitan.config import job_config as job_config_module
 from torchtitan.config.job_config import JobConfig
 from torchtitan.errors import UserError
+from torchtitan.tools.logging import warn_once
 
 if sys.version_info >= (3, 11):
     import tomllib
 else:
     import tomli as tomllib
 
-# TorchTitan options that this project does not implement, with the value that leaves the feature off.
-# Setting one to that value is accepted (it changes nothing); any other value is an error naming it.
+# TorchTitan options that this project does not implement, with the value that changes nothing here (TorchTitan's
+# default, or the value that leaves the feature off; a tuple lists several such values). Setting one to such a value
+# is accepted; any other value is an error naming it.
 UNSUPPORTED_TORCHTITAN_OPTIONS: dict[str, Any] = {
     "job.use_for_integration_test": False,
     "job.custom_config_module": "",
+    # The resolved config is always saved, as <dump_folder>/config.toml.
+    "job.save_config_file": None,
+    # The profiler schedule here is TorchTitan's default: 3 warmup steps, 1 active step.
+    "profiling.profiler_warmup": 3,
+    "profiling.profiler_active": 1,
+    # The schedule always spans training.steps.
+    "lr_scheduler.total_steps": None,
+    # Parameters and optimizer state are kept in float32; training.mixed_precision_param sets the compute dtype.
+    "training.dtype": "float32",
+    "training.debug_moe_force_load_balance": False,  # TorchTitan v0.2.0; debug.moe_force_load_balance in v0.2.2
+    # The data loader reads in the training process.
+    "training.dataloader.num_workers": 0,
+    "training.dataloader.persistent_workers": False,
+    "training.dataloader.pin_memory": False,
+    "training.dataloader.prefetch_factor": None,
+    "validation.dataloader.num_workers": 0,
+    "validation.dataloader.persistent_workers": False,
+    "validation.dataloader.pin_memory": False,
+    "validation.dataloader.prefetch_factor": None,
     "optimizer.early_step_in_backward": False,
     "parallelism.enable_compiled_autograd": False,
     "parallelism.expert_parallel_degree": 1,
@@ -38,14 +59,25 @@ UNSUPPORTED_TORCHTITAN_OPTIONS: dict[str, Any] = {
     "parallelism.module_fqns_per_model_part": [],
     "parallelism.pipeline_parallel_first_stage_less_layers": 1,
     "parallelism.pipeline_parallel_last_stage_less_layers": 1,
+    "parallelism.pipeline_parallel_expert_parallel_overlap": True,
+    "parallelism.expert_parallel_comm_backend": "standard",
+    # Context parallelism here balances the load head-tail, as TorchTitan's default does.
+    "parallelism.context_parallel_load_balancer": "headtail",
+    # Only used with fault tolerance, which is off.
+    "checkpoint.enable_ft_dataloader_checkpoints": (True, False),
+    "checkpoint.initial_load_in_hf_quantized": False,
     "activation_checkpoint.per_op_sac_force_recompute_mm_shapes_by_fqns": ["moe.router.gate"],
     "activation_checkpoint.early_stop": False,
     "activation_checkpoint.memory_budget": 0.5,
     "activation_checkpoint.visualize_memory_budget_pareto": False,
-    "activation_checkpoint.preserve_rng_state": False,
+    # The model draws no random numbers (no dropout): the recomputed forward is the same either way.
+    "activation_checkpoint.preserve_rng_state": (False, True),
     "activation_checkpoint.determinism_check": "default",
     "activation_checkpoint.debug": False,
     "comm.save_traces_folder": "comm_traces",
+    "comm.save_traces_file_prefix": "rank_",
+    "comm.mode": "default",
+    "debug.moe_force_load_balance": False,
     "fault_tolerance.enable": False,
     "memory_estimation.enabled": False,
     "memory_estimation.disable_fake_mode": False,
@@ -73,6 +105,11 @@ RENAMED_OPTIONS = {
     "float8.recipe_name": "quantize.linear.float8.recipe_name",
     "float8.filter_fqns": "quantize.linear.float8.filter_fqns",
     "float8.emulate": "quantize.linear.float8.emulate",
+}
+
+# Earlier names that are still accepted: they set the option they name now, with a warning.
+DEPRECATED_ALIASES = {
+    "job.print_args": "job.print_config",
 }
 
 _TRUE = ("true", "1", "yes", "on")
@@ -212,35 +249,83 @@ def _closest(key: str, specs: dict[str, OptionSpec]) -> str:
     return f"; did you mean {matches[0]}?" if matches else ""
 
 
-def _check_key(key: str, value: Any, specs: dict[str, OptionSpec], where: str) -> bool:
+def _closest_section(name: str, specs: dict[str, OptionSpec]) -> str:
+    """`; did you mean [section]?` for the section (or enclosing table, e.g. quantize) most like `name`."""
+    tables = {".".join(parts[:i]) for parts in (section.split(".") for section in _sections(specs))
+              for i in range(1, len(parts) + 1)}
+    matches = difflib.get_close_matches(name, sorted(tables), n=1, cutoff=0.5)
+    return f"; did you mean [{matches[0]}]?" if matches else ""
+
+
+def _unsupported_section(key: str) -> str | None:
+    """The unsupported TorchTitan section that holds `key` (also in a table nested in it), if any."""
+    return next((s for s in UNSUPPORTED_TORCHTITAN_SECTIONS if key == s or key.startswith(s + ".")), None)
+
+
+def _changes_nothing(key: str, value: Any, allowed: Any, from_cli: bool) -> bool:
+    """Whether `value` of the unsupported option `key` is one of its `allowed` values (a value or a tuple of them)."""
+    for off in allowed if isinstance(allowed, tuple) else (allowed,):
+        if off is None:
+            if value is None or (from_cli and str(value).lower() in ("none", "null")):
+                return True
+            continue
+        try:
+            if _convert(key, value, list[str] if isinstance(off, list) else type(off), from_cli) == off:
+                return True
+        except UserError:
+            pass
+    return False
+
+
+def _alias(key: str, where: str) -> str:
+    """The option that `key` names: itself, or what a deprecated alias stands for now (with a warning)."""
+    if key not in DEPRECATED_ALIASES:
+        return key
+    warn_once(f"{where}: option {key} is deprecated; it is now {DEPRECATED_ALIASES[key]} (TorchTitan v0.2 naming)")
+    return DEPRECATED_ALIASES[key]
+
+
+def _check_key(key: str, value: Any, specs: dict[str, OptionSpec], where: str, from_cli: bool = False) -> bool:
     """True if `key` is an option of this project; False if it is a TorchTitan option left off; else an error."""
     if key in specs:
         return True
     if key in RENAMED_OPTIONS:
         raise UserError(f"{where}: option {key} is now {RENAMED_OPTIONS[key]} (TorchTitan v0.2 naming); rename it")
-    if key in UNSUPPORTED_TORCHTITAN_OPTIONS or key.rsplit(".", 1)[0] in UNSUPPORTED_TORCHTITAN_SECTIONS:
-        if key in UNSUPPORTED_TORCHTITAN_OPTIONS:
-            off = UNSUPPORTED_TORCHTITAN_OPTIONS[key]
-            if value == off or (isinstance(value, str) and value.lower() == _toml_value(off).strip('"').lower()):
-                return False
-        raise UserError(f"{where}: TorchTitan option {key} = {value!r} is not supported by this project"
-                        + (f" (only {off!r}, which leaves the feature off)" if key in UNSUPPORTED_TORCHTITAN_OPTIONS
-                           else ""))
+    if key in UNSUPPORTED_TORCHTITAN_OPTIONS:
+        allowed = UNSUPPORTED_TORCHTITAN_OPTIONS[key]
+        if _changes_nothing(key, value, allowed, from_cli):
+            return False
+        only = " or ".join("none" if v is None else repr(v) for v in (allowed if isinstance(allowed, tuple)
+                                                                     else (allowed,)))
+        raise UserError(f"{where}: TorchTitan option {key} = {value!r} is not supported by this project (only {only}, "
+                        f"which changes nothing here)")
+    section = _unsupported_section(key)
+    if section is not None:
+        raise UserError(f"{where}: TorchTitan option {key} = {value!r} is not supported by this project (it does not "
+                        f"implement [{section}])")
     raise UserError(f"{where}: unknown option {key}{_closest(key, specs)}")
 
 
-def _flatten_toml(data: dict, specs: dict[str, OptionSpec], prefix: str = "") -> dict[str, Any]:
-    sections = _sections(specs)
+def _is_table(key: str, specs: dict[str, OptionSpec]) -> bool:
+    """Whether `key` names a TOML table that holds options: a section of this project, one of TorchTitan's that this
+    project does not implement (or a table inside it), or a table of renamed or unsupported options."""
+    known = [*_sections(specs), *UNSUPPORTED_TORCHTITAN_SECTIONS, *UNSUPPORTED_TORCHTITAN_OPTIONS, *RENAMED_OPTIONS,
+             *DEPRECATED_ALIASES]
+    return (key in _sections(specs) or _unsupported_section(key) is not None
+            or any(k.startswith(key + ".") for k in known))
+
+
+def _flatten_toml(data: dict, specs: dict[str, OptionSpec], where: str = "config file",
+                  prefix: str = "") -> dict[str, Any]:
     flat: dict[str, Any] = {}
     for name, value in data.items():
         key = prefix + name
-        if isinstance(value, dict) and (key in sections or any(s.startswith(key + ".") for s in sections)
-                                        or key in UNSUPPORTED_TORCHTITAN_SECTIONS
-                                        or any(s.startswith(key + ".") for s in UNSUPPORTED_TORCHTITAN_SECTIONS)
-                                        or any(r.startswith(key + ".") for r in RENAMED_OPTIONS)):
-            flat.update(_flatten_toml(value, specs, key + "."))
-        elif isinstance(value, dict):
-            raise UserError(f"config file: unknown section [{key}]{_closest(key + '.', specs)}")
+        is_option = any(key in names for names in (specs, UNSUPPORTED_TORCHTITAN_OPTIONS, RENAMED_OPTIONS,
+                                                    DEPRECATED_ALIASES))
+        if isinstance(value, dict) and not is_option:
+            if not _is_table(key, specs):
+                raise UserError(f"{where}: unknown section [{key}]{_closest_section(key, specs)}")
+            flat.update(_flatten_toml(value, specs, where, key + "."))
         else:
             flat[key] = value
     return flat
@@ -270,6 +355,12 @@ def _parse_cli(argv: list[str], specs: dict[str, OptionSpec]) -> dict[str, Any]:
             raise UserError(f"command line: unexpected argument {arg!r}; options look like --section.option value")
         key, has_value, raw = arg[2:].partition("=")
         section, _, name = key.rpartition(".")
+        if name.startswith("no_") and f"{section}.{name[3:]}" in DEPRECATED_ALIASES:  # e.g. --job.no_print_args
+            section, _, name = _alias(f"{section}.{name[3:]}", "command line").rpartition(".")
+            key, name = f"{section}.no_{name}", f"no_{name}"
+        elif key in DEPRECATED_ALIASES:
+            key = _alias(key, "command line")
+            section, _, name = key.rpartition(".")
         if key not in specs and name.startswith("no_") and f"{section}.{name[3:]}" in specs \
                 and specs[f"{section}.{name[3:]}"].type is bool:
             if has_value:
@@ -282,12 +373,17 @@ def _parse_cli(argv: list[str], specs: dict[str, OptionSpec]) -> dict[str, Any]:
             if not has_value:
                 takes_value = i + 1 < len(argv) and not argv[i + 1].startswith("--")
                 raw, i = (argv[i + 1], i + 1) if takes_value else ("true", i)
-            _check_key(key, raw, specs, "command line")
+            _check_key(key, raw, specs, "command line", from_cli=True)
             i += 1
             continue
         if spec.type is bool and not has_value:
-            if i + 1 < len(argv) and argv[i + 1].lower() in _TRUE + _FALSE:
-                raw, i = argv[i + 1], i + 1
+            following = argv[i + 1] if i + 1 < len(argv) else "--"
+            if following.lower() in _TRUE + _FALSE:
+                raw, i = following, i + 1
+            elif not following.startswith("--"):
+                # No positional arguments exist: a word after a flag was meant as its value.
+                raise UserError(f"command line: option {key}: {following!r} is not a valid value; expected bool "
+                                f"(--{key}, --{section}.no_{name}, or --{key}=true/false)")
             else:
                 raw = "true"
         elif not has_value:
@@ -325,8 +421,10 @@ def parse_args(argv: list[str] | None = None) -> JobConfig:
     config = JobConfig()
     config_file = cli.get("job.config_file")
     if config_file:
-        for key, value in _flatten_toml(load_toml(config_file), specs).items():
-            if _check_key(key, value, specs, f"config file {config_file}"):
+        where = f"config file {config_file}"
+        for key, value in _flatten_toml(load_toml(config_file), specs, where).items():
+            key = _alias(key, where)
+            if _check_key(key, value, specs, where):
                 _set(config, key, _convert(key, value, specs[key].type, from_cli=False))
     for key, raw in cli.items():
         _set(config, key, _convert(key, raw, specs[key].type, from_cli=True))

@@ -200,6 +200,11 @@ def _local_documents(source: _Source, files: list[str]) -> _Documents:
         dataset = datasets.load_dataset(builder, data_files=files, split="train")
     except datasets.exceptions.DatasetGenerationError as e:
         raise UserError(f"{source.option()} could not be read as {builder}: {e.__cause__ or e}") from e
+    except ValueError as e:
+        # Files that are not empty but hold no records (blank lines, a JSON [] or {}) give a split without data.
+        if "corresponds to no data" not in str(e):
+            raise
+        raise UserError(f"{source.option()} has no documents: its files hold no records") from e
     if dataset.num_rows and field not in dataset.column_names:
         raise UserError(
             f"{source.field_option()}: the records have no field {field!r}; "
