@@ -29,13 +29,17 @@ with saved-tensor hooks):
   no AC       T/t x d x 2 x 8        both RMSNorms keep their input and normalised input in fp32
             + T x d x a x n_in       inputs of the linear layers: one per norm (n_in = 2); under autocast
                                      (bf16 without FSDP) every linear casts its own copy (n_in = 5)
-            + T x q/t x 4 x a        attention: SDPA's query, repeated key and value, and output (= wo's input)
+            + T x A                  attention, what SDPA saves (query, key, value, output = wo's input):
+                                     on CUDA the KV heads are expanded: A = 4 x q/t x a; on CPU SDPA takes
+                                     grouped KV heads: A = (2 q + 2 kv)/t x a, and bf16 heads under 64 wide
+                                     run in fp32: A = (2 q + 2 kv)/t x 4 + q/t x a (wo's input stays bf16)
             + T x heads/t x 4        SDPA's log-sum-exp
             + T x f/t x 4 x a        SwiGLU: w1 and w3 outputs, silu output, product (= w2's input)
   full        T/t x d x r            only the block input (r: bytes of the residual stream: 4 under autocast
                                      or fp32, a when FSDP casts the parameters)
-  op          T/t x d x r + a x T x ((q + 2 kv)/t + q/t + 2 d + 2 f/t) [+ 2 x T/t x d x a under TP]
-                                     block input + outputs of the matmuls and of SDPA (the ops the policy saves)
+  op          T/t x d x r + a x T x ((q + 2 kv)/t + 2 d + 2 f/t) + T x o [+ 2 x T/t x d x a under TP]
+                                     block input + outputs of the matmuls and of SDPA (the ops the policy saves;
+                                     SDPA's output o = q/t x a, or q/t x 4 where attention runs in fp32)
   every N     every N-th block as `full`, the others as `none`
 A pipeline rank holds the activations of its in-flight micro-batches: 1F1B min(n_mb, p - rank), interleaved
 schedules (v stages per rank) (v - 1) x p + 2 x (p - 1 - rank) + 1 stage-micro-batches, GPipe all n_mb. The last
@@ -107,7 +111,7 @@ from torchtitan.distributed.parallel_dims import ParallelDims  # noqa: E402
 from torchtitan.distributed.pipeline_parallel import plan_pipeline  # noqa: E402
 from torchtitan.errors import UserError  # noqa: E402
 from torchtitan.models.llama3.args import TransformerModelArgs, model_args_for  # noqa: E402
-from torchtitan.models.llama3.model import Transformer  # noqa: E402
+from torchtitan.models.llama3.model import CPU_BF16_ATTENTION_MIN_HEAD_DIM, Transformer  # noqa: E402
 from torchtitan.models.llama3.pipeline import stage_ids_for_rank  # noqa: E402
 
 GIB = 2**30
@@ -145,22 +149,24 @@ class _Shapes:
     f: int
     vocab: int
     n_heads: int
+    head_dim: int
 
     @classmethod
     def of(cls, args: TransformerModelArgs) -> _Shapes:
         return cls(d=args.dim, q=args.n_heads * args.head_dim, kv=args.kv_heads * args.head_dim,
-                   f=args.ffn_hidden_dim, vocab=args.vocab_size, n_heads=args.n_heads)
+                   f=args.ffn_hidden_dim, vocab=args.vocab_size, n_heads=args.n_heads, head_dim=args.head_dim)
 
     def block_matmul_params(self) -> int:
         return 2 * self.d * self.q + 2 * self.d * self.kv + 3 * self.d * self.f
 
 
-def estimate(config: JobConfig, ngpu: int, overhead_bytes: int = 0) -> Estimate:
-    """The peak over the pipeline ranks (every rank of a pipeline stage group holds the same)."""
+def estimate(config: JobConfig, ngpu: int, overhead_bytes: int = 0, device: str = "cuda") -> Estimate:
+    """The peak over the pipeline ranks (every rank of a pipeline stage group holds the same) on `device` devices
+    ("cuda" or "cpu": attention saves different tensors on each)."""
     dims = ParallelDims.from_config(config.parallelism, ngpu)
     args = model_args_for(config.model.flavor, config.training.seq_len)
     stages_of_rank, in_flight = _pipeline_layout(config, args, dims)
-    estimates = [_estimate_rank(config, args, dims, rank, stages, in_flight, overhead_bytes)
+    estimates = [_estimate_rank(config, args, dims, rank, stages, in_flight, overhead_bytes, device)
                  for rank, stages in enumerate(stages_of_rank)]
     return max(estimates, key=lambda e: e.total)
 
@@ -193,16 +199,29 @@ def _pipeline_layout(config: JobConfig, args: TransformerModelArgs, dims: Parall
     return per_rank, in_flight
 
 
-def _block_activations(s: _Shapes, tokens: float, t: int, a: int, r: int, autocast: bool, mode: str) -> float:
+def _attention_bytes(s: _Shapes, t: int, a: int, device: str) -> tuple[float, float]:
+    """Bytes per token that attention saves for backward, and those of SDPA's output alone (model.causal_attention
+    chooses the path; see the module docstring)."""
+    if device != "cpu":
+        return 4 * s.q / t * a, s.q / t * a
+    if a == 2 and s.head_dim < CPU_BF16_ATTENTION_MIN_HEAD_DIM:
+        return (2 * s.q + 2 * s.kv) / t * 4 + s.q / t * a, s.q / t * 4
+    return (2 * s.q + 2 * s.kv) / t * a, s.q / t * a
+
+
+def _block_activations(s: _Shapes, tokens: float, t: int, a: int, r: int, autocast: bool, mode: str,
+                       device: str) -> float:
     """Bytes one block saves for backward for one micro-batch of `tokens` tokens (see the module docstring)."""
     sp = tokens / t
+    attention, sdpa_output = _attention_bytes(s, t, a, device)
     if mode == "full":
         return sp * s.d * r
     if mode == "op":
-        saved = a * tokens * ((s.q + 2 * s.kv) / t + s.q / t + 2 * s.d + 2 * s.f / t) + tokens * s.n_heads / t * 4
+        saved = (a * tokens * ((s.q + 2 * s.kv) / t + 2 * s.d + 2 * s.f / t) + tokens * sdpa_output
+                 + tokens * s.n_heads / t * 4)
         return sp * s.d * r + saved + (2 * sp * s.d * a if t > 1 else 0)
     n_in = 5 if autocast and a != 4 else 2
-    return (sp * s.d * 2 * 8 + tokens * s.d * a * n_in + tokens * s.q / t * 4 * a + tokens * s.f / t * 4 * a
+    return (sp * s.d * 2 * 8 + tokens * s.d * a * n_in + tokens * attention + tokens * s.f / t * 4 * a
             + tokens * s.n_heads / t * 4)
 
 
@@ -219,7 +238,7 @@ def _ac_modes(config: JobConfig, n_blocks: int) -> list[str]:
 
 
 def _estimate_rank(config: JobConfig, args: TransformerModelArgs, dims: ParallelDims, rank: int,
-                   stages: list[tuple[int, bool, bool]], in_flight, overhead: int) -> Estimate:
+                   stages: list[tuple[int, bool, bool]], in_flight, overhead: int, device: str) -> Estimate:
     s = _Shapes.of(args)
     t, fsdp = dims.tp, dims.dp_shard * dims.cp
     a = 2 if config.training.mixed_precision_param == "bfloat16" else 4
@@ -233,7 +252,7 @@ def _estimate_rank(config: JobConfig, args: TransformerModelArgs, dims: Parallel
     block_params = s.block_matmul_params() / t + 2 * s.d
     head_params = s.vocab * s.d / t + s.d
     block_copies = s.block_matmul_params() / t * 2 if autocast else 0.0
-    none = _block_activations(s, tokens, t, a, residual, autocast, "none")
+    none = _block_activations(s, tokens, t, a, residual, autocast, "none", device)
     # Per block of the rank, in forward order: (saved bytes for its in-flight micro-batches, bytes rebuilt and
     # alive during its backward, autocast copies it keeps for backward).
     blocks: list[tuple[float, float, float]] = []
@@ -243,7 +262,7 @@ def _estimate_rank(config: JobConfig, args: TransformerModelArgs, dims: Parallel
         mbs = in_flight(rank, stage_index)
         params += n_blocks * block_params + (s.vocab * s.d / t if has_embedding else 0.0)
         for mode in _ac_modes(config, n_blocks):
-            saved = mbs * _block_activations(s, tokens, t, a, residual, autocast, mode)
+            saved = mbs * _block_activations(s, tokens, t, a, residual, autocast, mode, device)
             rebuilt = none + block_copies if mode != "none" else 0.0
             # Autocast's cache hands every micro-batch the same copy of a weight.
             blocks.append((saved, rebuilt, block_copies if mode == "none" else 0.0))
@@ -458,7 +477,7 @@ def validation_table() -> str:
     lines = [f"{'debugmodel, CPU':<40} {'estimate':>9} {'measured':>9} {'error':>7} {'RSS incr.':>10}"]
     for name, nproc, overrides in VALIDATION:
         argv = [*DEBUG_TOML, *overrides]
-        predicted = estimate(parse_args(argv), nproc).total
+        predicted = estimate(parse_args(argv), nproc, device="cpu").total
         measured = _measure_in_new_processes(argv, nproc)
         error = 100 * (predicted / measured["tensor_peak"] - 1)
         lines.append(f"{name:<40} {predicted / MIB:7.1f}Mi {measured['tensor_peak'] / MIB:7.1f}Mi {error:+6.1f}% "
@@ -509,7 +528,7 @@ def main(argv: list[str] | None = None) -> int:
             print(presets_table(args.device_memory_gib, overhead_gib))
             return 0
         config = parse_args(trainer_argv)
-        result = estimate(config, args.ngpu or 1, round(overhead_gib * GIB))
+        result = estimate(config, args.ngpu or 1, round(overhead_gib * GIB), "cpu" if args.cpu else "cuda")
     except UserError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

@@ -54,7 +54,6 @@ class Attention(nn.Module):
     def __init__(self, args: TransformerModelArgs):
         super().__init__()
         self.head_dim = args.head_dim
-        self.n_rep = args.n_heads // args.kv_heads
         self.wq = nn.Linear(args.dim, args.n_heads * self.head_dim, bias=False)
         self.wk = nn.Linear(args.dim, args.kv_heads * self.head_dim, bias=False)
         self.wv = nn.Linear(args.dim, args.kv_heads * self.head_dim, bias=False)
@@ -70,12 +69,28 @@ class Attention(nn.Module):
         # while the embedding output holds only a slice of it.
         rope = rope[:seqlen]
         q, k = apply_rotary_emb(q, rope), apply_rotary_emb(k, rope)
-        # Expanding the KV heads (rather than SDPA's enable_gqa) keeps the op that context parallel shards.
-        k = k.repeat_interleave(self.n_rep, dim=2)
-        v = v.repeat_interleave(self.n_rep, dim=2)
-        out = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
-                                             is_causal=True)
+        out = causal_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2))
         return self.wo(out.transpose(1, 2).reshape(bsz, seqlen, -1))
+
+
+# Below this head width, CPU flash attention is slower in bf16 than in fp32 (docs/performance.md).
+CPU_BF16_ATTENTION_MIN_HEAD_DIM = 64
+
+
+def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    """Causal SDPA over (batch, heads, seq, head_dim), with fewer (grouped) K/V heads than query heads."""
+    if q.device.type != "cpu":
+        # CUDA's cuDNN and memory-efficient kernels take no grouped K/V: expanded heads keep every kernel eligible.
+        n_rep = q.shape[1] // k.shape[1]
+        k, v = k.repeat_interleave(n_rep, dim=1), v.repeat_interleave(n_rep, dim=1)
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True)
+    # The CPU flash kernel takes grouped K/V natively, which beats expanding them at every head width measured.
+    if q.dtype == torch.bfloat16 and q.shape[-1] < CPU_BF16_ATTENTION_MIN_HEAD_DIM:
+        # Autocast must be off here, or it would cast the fp32 inputs back to bf16.
+        with torch.autocast("cpu", enabled=False):
+            out = F.scaled_dot_product_attention(q.float(), k.float(), v.float(), is_causal=True, enable_gqa=True)
+        return out.to(q.dtype)
+    return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
 
 
 class FeedForward(nn.Module):
