@@ -27,7 +27,7 @@ SCRIPT = REPO / "multinode_trainer.slurm"
 JOB_ID = "42"
 
 # ---------------------------------------------------------------------------------------------------------------
-# Dry runs: scontrol, scancel, srun and torchrun replaced by scripts that record how they were called.
+# Dry runs: scontrol, scancel, srun and the launcher (python) replaced by scripts that record how they were called.
 
 FAKE_COMMANDS = {
     "scontrol": """#!/bin/bash
@@ -36,17 +36,18 @@ if [ "$1 $2" = "show hostnames" ]; then printf 'node-a\\nnode-b\\n'; fi
 """,
     "scancel": """#!/bin/bash
 echo "scancel $*" >> "$FAKE_DIR/calls"
-kill -TERM "$(cat "$FAKE_DIR/torchrun.pid")"
+kill -TERM "$(cat "$FAKE_DIR/launcher.pid")"
 """,
     "srun": """#!/bin/bash
 exec "$@"
 """,
-    # Records its arguments one per line; with FAKE_TRAIN_SECONDS it trains until then or until SIGTERM.
-    "torchrun": """#!/bin/bash
-printf '%s\\n' "$@" > "$FAKE_DIR/torchrun.args"
+    # The launcher (`python -m torchtitan.launch ...`): records its arguments one per line; with FAKE_TRAIN_SECONDS
+    # it trains until then or until SIGTERM.
+    "python": """#!/bin/bash
+printf '%s\\n' "$@" > "$FAKE_DIR/launcher.args"
 if [ -n "${FAKE_TRAIN_SECONDS:-}" ]; then
-  trap 'echo "torchrun SIGTERM" >> "$FAKE_DIR/calls"; kill $!; exit 1' TERM
-  echo $$ > "$FAKE_DIR/torchrun.pid"
+  trap 'echo "launcher SIGTERM" >> "$FAKE_DIR/calls"; kill $!; exit 143' TERM
+  echo $$ > "$FAKE_DIR/launcher.pid"
   sleep "$FAKE_TRAIN_SECONDS" &
   wait
 fi
@@ -87,12 +88,12 @@ def calls(folder: Path) -> list[str]:
     ({"SLURM_GPUS_ON_NODE": "4"}, "4"),
     ({"SLURM_GPUS_ON_NODE": "4", "GPUS_PER_NODE": "2"}, "2"),
 ], ids=["no_gpus", "slurm_gpus", "override"])
-def test_torchrun_command_line(fake_slurm, gpu_env, nproc):
+def test_launcher_command_line(fake_slurm, gpu_env, nproc):
     folder, env = fake_slurm
     proc = dry_run({**env, **gpu_env}, "--training.steps", "5", "--job.description", "two words")
     assert proc.returncode == 0, proc.stderr
-    assert (folder / "torchrun.args").read_text().splitlines() == [
-        "--nnodes", "2", "--nproc_per_node", nproc, "--rdzv_id", JOB_ID, "--rdzv_backend", "c10d",
+    assert (folder / "launcher.args").read_text().splitlines() == [
+        "-m", "torchtitan.launch", "--nnodes", "2", "--nproc_per_node", nproc, "--rdzv_id", JOB_ID, "--rdzv_backend", "c10d",
         "--rdzv_endpoint", "node-a:29500", "--shutdown_timeout", "110", "--local-ranks-filter", "0",
         "--role", "rank", "--tee", "3", "-m", "torchtitan.train", "--job.config_file",
         "train_configs/debug_model.toml", "--training.steps", "5", "--job.description", "two words"]
@@ -107,14 +108,14 @@ def test_failed_run_keeps_its_status_and_is_not_requeued(fake_slurm):
 
 
 def start_training(folder: Path, env: dict[str, str]) -> subprocess.Popen:
-    """The script, with a fake torchrun that trains for a minute unless stopped; returns once that has started."""
+    """The script, with a fake launcher that trains for a minute unless stopped; returns once that has started."""
     script = subprocess.Popen(["bash", str(SCRIPT)], cwd=REPO, env={**env, "FAKE_TRAIN_SECONDS": "60"},
                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     deadline = time.monotonic() + 30
-    while not (folder / "torchrun.pid").exists():
+    while not (folder / "launcher.pid").exists():
         if time.monotonic() > deadline or script.poll() is not None:
             script.kill()
-            pytest.fail(f"the fake torchrun did not start:\n{script.communicate()[0]}")
+            pytest.fail(f"the fake launcher did not start:\n{script.communicate()[0]}")
         time.sleep(0.05)
     return script
 
@@ -127,23 +128,24 @@ def test_time_limit_warning_stops_training_then_requeues(fake_slurm):
         output, _ = script.communicate(timeout=30)
     finally:
         script.kill()
-    assert calls(folder)[1:] == [f"scancel --signal=TERM {JOB_ID}", "torchrun SIGTERM", f"scontrol requeue {JOB_ID}"]
+    assert calls(folder)[1:] == [f"scancel --signal=TERM {JOB_ID}", "launcher SIGTERM", f"scontrol requeue {JOB_ID}"]
     assert f"requeueing job {JOB_ID}" in output
+    assert script.returncode == 143
 
 
 def test_cancelled_job_is_not_requeued(fake_slurm):
     """scancel sends SIGTERM to the batch script (and, by itself, to the job steps): no requeue."""
     folder, env = fake_slurm
     script = start_training(folder, env)
-    torchrun = int((folder / "torchrun.pid").read_text())
+    launcher = int((folder / "launcher.pid").read_text())
     try:
         script.send_signal(signal.SIGTERM)
-        # wait, not communicate: the orphaned torchrun still holds the output pipe open.
+        # wait, not communicate: the orphaned launcher still holds the output pipe open.
         script.wait(timeout=30)
         made = calls(folder)
     finally:
         script.kill()
-        os.kill(torchrun, signal.SIGTERM)
+        os.kill(launcher, signal.SIGTERM)
         script.communicate(timeout=30)
     assert script.returncode == -signal.SIGTERM
     assert made == ["scontrol show hostnames node-[a-b]"]
@@ -159,7 +161,7 @@ def test_errors(fake_slurm, change, message):
     proc = dry_run({**env, **change})
     assert proc.returncode == 2
     assert proc.stderr.startswith("error: ") and message in proc.stderr, proc.stderr
-    assert not (folder / "torchrun.args").exists()
+    assert not (folder / "launcher.args").exists()
 
 
 # ---------------------------------------------------------------------------------------------------------------
