@@ -7,6 +7,10 @@ Environment:
     FAULT_PLAN        comma-separated `kind@step:rank` entries (`rank` may be `*` for every rank), e.g.
                       `sigkill@5:1`. Kinds, each at the start of that step's forward-backward:
                         nan           the loss (hence every gradient) of that rank becomes NaN for that step
+                        inf           the loss of that rank becomes +Inf for that step
+                        inf_grad      the loss stays finite, but one gradient (this rank's shard of the first
+                                      parameter) becomes +Inf after the backward, so only the gradient norm is
+                                      non-finite
                         sleep         the rank stalls for FAULT_SLEEP_SECONDS
                         sigkill       the rank SIGKILLs itself (a crashed process, a lost node)
                         sigterm       the rank SIGTERMs itself (a scheduler signalling the workers)
@@ -37,7 +41,7 @@ from torchtitan import train
 
 RANK = int(os.environ.get("RANK", "0"))
 ATTEMPT = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
-STEP_KINDS = ("nan", "sleep", "sigkill", "sigterm", "sigterm_agent")
+STEP_KINDS = ("nan", "inf", "inf_grad", "sleep", "sigkill", "sigterm", "sigterm_agent")
 KINDS = (*STEP_KINDS, "sigkill_in_save")
 
 
@@ -99,13 +103,18 @@ def install(faults: dict[int, str]) -> None:
             os.kill(os.getppid(), signal.SIGTERM)
         elif kind == "sleep":
             time.sleep(float(os.environ.get("FAULT_SLEEP_SECONDS", "60")))
-        elif kind == "nan":
+        elif kind in ("nan", "inf"):
             loss_fn = self.loss_fn
-            self.loss_fn = lambda pred, labels: loss_fn(pred, labels) * float("nan")
+            self.loss_fn = lambda pred, labels: loss_fn(pred, labels) * float(kind)
             try:
                 return forward_backward(self, inputs, labels)
             finally:
                 self.loss_fn = loss_fn
+        elif kind == "inf_grad":
+            loss = forward_backward(self, inputs, labels)
+            grad = next(p.grad for part in self.model_parts for p in part.parameters() if p.grad is not None)
+            (grad.to_local() if isinstance(grad, DTensor) else grad).fill_(float("inf"))
+            return loss
         return forward_backward(self, inputs, labels)
 
     def faulty_dcp_save(*args, **kwargs):

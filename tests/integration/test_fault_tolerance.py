@@ -73,6 +73,12 @@ def rank_lines(output: str, rank: int, text: str) -> list[str]:
     return [line for line in output.splitlines() if line.startswith(f"[rank{rank}]") and text in line]
 
 
+def report_faults(what: str, injected: list[dict], survived: int) -> None:
+    """The count of faults the injector recorded (its `inject` events) and how many the run survived or detected."""
+    kinds = ", ".join(sorted({f"{event['kind']}@{event['step']}:{event['rank']}" for event in injected}))
+    print(f"{what}: faults injected {len(injected)} ({kinds}), survived {survived}")
+
+
 @pytest.fixture(scope="module")
 def uninterrupted(tmp_path_factory) -> list[float]:
     dump = tmp_path_factory.mktemp("uninterrupted")
@@ -94,7 +100,7 @@ def test_elastic_restart_after_sigkill_resumes_exactly(tmp_path, uninterrupted):
     assert min(resumed) == 5, f"the restarted attempt ran steps {resumed}"
     assert len(rank_lines(proc.stdout, 0, "checkpoint/step-4 in")) == 1
     assert_same_losses(final_losses(tmp_path), uninterrupted)
-    print("elastic restart: faults injected 1 (SIGKILL), survived 1")
+    report_faults("elastic restart", injected, survived=1)
 
 
 def test_preemption_saves_and_a_relaunch_continues_exactly(tmp_path, uninterrupted):
@@ -104,10 +110,12 @@ def test_preemption_saves_and_a_relaunch_continues_exactly(tmp_path, uninterrupt
     give the uninterrupted run's losses."""
     args = [*FSDP2, "--checkpoint.enable", "--checkpoint.interval", "100"]
     stops = []
+    injected = []
     for plan in ("sigterm@3:0", "sigterm_agent@6:1"):
         for stale in tmp_path.glob("events-*.jsonl"):
             stale.unlink()
         proc = run(tmp_path, args, plan=plan)
+        injected += events(tmp_path, "inject")
         assert proc.returncode != 0, "torchrun must not report a preempted run as finished"
         assert len(events(tmp_path, "inject")) == 1, proc.stdout[-6000:]
         assert exit_codes(tmp_path) == {0: EXIT_PREEMPTED, 1: EXIT_PREEMPTED}, proc.stdout[-6000:]
@@ -128,7 +136,7 @@ def test_preemption_saves_and_a_relaunch_continues_exactly(tmp_path, uninterrupt
     assert proc.returncode == 0, proc.stdout[-6000:]
     assert min(e["step"] for e in events(tmp_path, "step")) == stops[1] + 1
     assert_same_losses(final_losses(tmp_path), uninterrupted)
-    print("preemption: faults injected 2 (SIGTERM to a worker, SIGTERM to the agent), survived 2")
+    report_faults("preemption", injected, survived=len(stops))
 
 
 @pytest.mark.slow
@@ -147,13 +155,16 @@ def test_kill_while_saving_resumes_from_the_previous_checkpoint(tmp_path):
     assert "checkpoint/step-2 in" in proc.stdout and "step-4.incomplete, left by an interrupted save" in proc.stdout
     assert checkpoint_steps(tmp_path) == ["step-2", "step-4", "step-6", "step-8"]
     assert final_losses(tmp_path)[2:4] == [first[3], first[4]]
-    print("kill during a checkpoint save: faults injected 1, survived 1")
+    report_faults("kill during a checkpoint save", events(tmp_path, "inject"), survived=1)
 
 
-def test_nan_on_one_rank_stops_every_rank(tmp_path):
-    proc = run(tmp_path, [*FSDP2, "--checkpoint.enable", "--checkpoint.interval", "1"], plan="nan@3:1")
+@pytest.mark.parametrize("kind", ["nan", "inf_grad"])
+def test_nonfinite_on_one_rank_stops_every_rank(tmp_path, kind):
+    """A NaN loss, or a finite loss with an infinite gradient, on rank 1 only: every rank stops before the update,
+    and nothing non-finite is checkpointed."""
+    proc = run(tmp_path, [*FSDP2, "--checkpoint.enable", "--checkpoint.interval", "1"], plan=f"{kind}@3:1")
     assert proc.returncode != 0
-    assert [(e["kind"], e["rank"]) for e in events(tmp_path, "inject")] == [("nan", 1)]
+    assert [(e["kind"], e["rank"]) for e in events(tmp_path, "inject")] == [(kind, 1)]
     assert exit_codes(tmp_path) == {0: EXIT_NONFINITE, 1: EXIT_NONFINITE}, proc.stdout[-6000:]
     assert last_steps(tmp_path) == {0: 2, 1: 2}
     for rank in (0, 1):
@@ -161,15 +172,15 @@ def test_nan_on_one_rank_stops_every_rank(tmp_path):
         assert len(errors) == 1 and "step 3: non-finite loss" in errors[0], proc.stdout[-6000:]
         assert not rank_lines(proc.stdout, rank, "Traceback")
     assert checkpoint_steps(tmp_path) == ["step-1", "step-2"]
-    print("non-finite, stop: faults injected 1 (NaN loss on rank 1), every rank stopped at step 3")
+    report_faults(f"non-finite ({kind}), stop", events(tmp_path, "inject"), survived=1)
 
 
-@pytest.mark.parametrize("layout", ["fsdp", pytest.param("ddp", marks=pytest.mark.slow)])
-def test_nan_on_one_rank_is_skipped_by_every_rank(tmp_path, layout):
+@pytest.mark.parametrize("layout,kind", [("fsdp", "inf"), pytest.param("ddp", "nan", marks=pytest.mark.slow)])
+def test_nonfinite_on_one_rank_is_skipped_by_every_rank(tmp_path, layout, kind):
     """With on_nonfinite = skip no rank applies the step-3 update: each rank's parameters are unchanged by it (under
     DDP every rank holds the whole model, so the ranks' parameters also stay identical to each other)."""
     degree = FSDP2 if layout == "fsdp" else ["--parallelism.data_parallel_replicate_degree", "2"]
-    proc = run(tmp_path, [*degree, "--debug.on_nonfinite", "skip"], plan="nan@3:1")
+    proc = run(tmp_path, [*degree, "--debug.on_nonfinite", "skip"], plan=f"{kind}@3:1")
     assert proc.returncode == 0, proc.stdout[-6000:]
     assert len(events(tmp_path, "inject")) == 1
     digests = {(e["rank"], e["step"]): e["digest"] for e in events(tmp_path, "step")}
@@ -181,9 +192,9 @@ def test_nan_on_one_rank_is_skipped_by_every_rank(tmp_path, layout):
         for step in range(1, STEPS + 1):
             assert digests[0, step] == digests[1, step], f"replicas differ after step {step}"
     rows = {row["step"]: row["loss"] for row in read_metrics(tmp_path)}
-    assert rows[3] == "nan"
+    assert rows[3] == kind
     assert all(isinstance(rows[step], float) for step in range(4, STEPS + 1)), rows
-    print(f"non-finite, skip ({layout}): faults injected 1, survived 1")
+    report_faults(f"non-finite ({kind}), skip ({layout})", events(tmp_path, "inject"), survived=1)
 
 
 def test_stalled_rank_times_out_with_a_clear_error(tmp_path):
@@ -195,7 +206,8 @@ def test_stalled_rank_times_out_with_a_clear_error(tmp_path):
                FAULT_SLEEP_SECONDS=str(stall_seconds))
     ended = time.time()
     assert proc.returncode != 0
-    (stall,) = events(tmp_path, "inject")
+    injected = events(tmp_path, "inject")
+    (stall,) = injected
     # Rank 1 has no exit event: it was killed inside the stall.
     assert exit_codes(tmp_path) == {0: EXIT_COMM_FAILURE}, proc.stdout[-6000:]
     (rank0_exit,) = [e for e in events(tmp_path, "exit") if e["rank"] == 0]
@@ -208,7 +220,7 @@ def test_stalled_rank_times_out_with_a_clear_error(tmp_path):
     print(f"stall: rank 0 exited {detected:.1f} s after the stall began, the job {whole_job:.1f} s after it")
     assert detected < 5 + 15
     assert whole_job < stall_seconds
-    print("hang: faults injected 1 (stall), detected 1")
+    report_faults("hang", injected, survived=1)
 
 
 def free_port() -> int:
