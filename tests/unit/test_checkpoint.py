@@ -32,7 +32,8 @@ from torchtitan.config.job_config import Optimizer as OptimizerConfig
 from torchtitan.errors import UserError
 from torchtitan.models.llama3.args import model_args_for
 from torchtitan.models.llama3.model import Transformer
-from torchtitan.models.llama3.state_dict_adapter import INDEX_FILE, from_hf, load_hf, save_hf, to_hf
+from torchtitan.models.llama3.state_dict_adapter import (INDEX_FILE, from_hf, hf_config, load_hf, save_hf,
+                                                          to_hf)
 from torchtitan.tools.logging import logger
 
 SEQ_LEN = 32
@@ -204,6 +205,50 @@ def test_keep_latest_k_and_leftovers(pg, tmp_path):
     assert step_folders(tmp_path) == ["step-2", "step-3"]
 
 
+def save_steps(manager: CheckpointManager, c: Components, steps: range, last: int = -1) -> None:
+    for step in steps:
+        c.train_state.step = step
+        manager.save(step, last_step=step == last)
+
+
+def test_keep_latest_k_counts_only_full_checkpoints(pg, tmp_path):
+    """A model-only last save does not evict the full checkpoint that a relaunch resumes from."""
+    c = build_components(seed=0)
+    manager = make_manager(tmp_path, c, interval=2, keep_latest_k=1)
+    manager.save_seed()
+    save_steps(manager, c, range(1, 4), last=3)
+    # step-0 (the seed, model-only) went once a newer full checkpoint was kept.
+    assert step_folders(tmp_path) == ["step-2", "step-3"]
+    relaunched = build_components(seed=1)
+    manager = make_manager(tmp_path, relaunched, interval=2, keep_latest_k=1)
+    assert manager.load()
+    assert relaunched.train_state.step == 2
+    save_steps(manager, relaunched, range(3, 5))
+    # step-3 was replaced by a full checkpoint, then deleted with step-2 when step-4 was kept.
+    assert step_folders(tmp_path) == ["step-4"]
+
+
+@pytest.mark.parametrize("keep_latest_k", [2, 0])
+def test_rollback_retires_the_abandoned_checkpoints_after_its_first_save(pg, tmp_path, keep_latest_k):
+    c = build_components(seed=0)
+    save_steps(make_manager(tmp_path, c, interval=2), c, range(1, 7))
+    assert step_folders(tmp_path) == ["step-2", "step-4", "step-6"]
+
+    rollback = build_components(seed=1)
+    manager = make_manager(tmp_path, rollback, load_step=2, keep_latest_k=keep_latest_k)
+    assert manager.load()
+    assert rollback.train_state.step == 2
+    # Nothing is lost while the rollback run has no checkpoint of its own: if it died now, step-6 would resume.
+    assert step_folders(tmp_path) == ["step-2", "step-4", "step-6"]
+    save_steps(manager, rollback, range(3, 4))
+    retired = [] if keep_latest_k else ["step-4.abandoned", "step-6.abandoned"]
+    assert step_folders(tmp_path) == sorted(["step-2", "step-3", *retired])
+
+    restarted = build_components(seed=2)
+    make_manager(tmp_path, restarted, keep_latest_k=keep_latest_k).load()
+    assert restarted.train_state.step == 3
+
+
 def test_saving_an_existing_step_replaces_it_once_complete(pg, tmp_path):
     c = build_components(seed=0)
     manager = make_manager(tmp_path, c)
@@ -316,6 +361,28 @@ def test_initial_load_model_only(pg, tmp_path):
     assert fresh.train_state.step == 0
 
 
+def test_initial_load_of_the_whole_training_state(pg, tmp_path):
+    """initial_load_model_only = false takes over the optimizer, schedule, step and data position as well."""
+    source = build_components(seed=0)
+    train_step(source, 1)
+    train_step(source, 2)
+    make_manager(tmp_path / "pretrain", source).save(2)
+    expected = snapshot(source)
+    expected_next_loss = train_step(source, 3)
+    options = {"initial_load_path": str(tmp_path / "pretrain" / "ckpt" / "step-2"), "initial_load_model_only": False}
+    fresh = build_components(seed=1)
+    manager = make_manager(tmp_path / "run", fresh, **options)
+    assert manager.load()
+    assert_same(snapshot(fresh), expected)
+    assert fresh.train_state.step == 2 and fresh.loader.position == 4
+    assert train_step(fresh, 3) == expected_next_loss
+    # Once the run has a checkpoint of its own, a relaunch resumes it and ignores initial_load_path.
+    manager.save(3)
+    relaunched = build_components(seed=2)
+    assert make_manager(tmp_path / "run", relaunched, **options).load()
+    assert relaunched.train_state.step == 3
+
+
 @pytest.mark.parametrize("mode", ["disabled", "async"])
 def test_disk_full_keeps_earlier_checkpoints(pg, tmp_path, monkeypatch, mode):
     c = build_components(seed=0)
@@ -422,6 +489,86 @@ def test_hf_sharded_index_and_config_mismatch(tmp_path):
         load_hf(tmp_path / "hf", dataclasses.replace(MODEL_ARGS, n_layers=2))
     with pytest.raises(UserError, match=r"already exists"):
         save_hf(tmp_path / "hf", state_dict, MODEL_ARGS)
+
+
+def test_folder_saved_by_transformers_loads_with_equal_logits(tmp_path):
+    """A sharded folder written by transformers itself (its own initialisation, its config.json layout) loads
+    through load_hf into a model that computes transformers' logits."""
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    # A larger initialisation than transformers' 0.02, so that attention is far from uniform: loading without the
+    # RoPE row permutation gives logits 0.3 off (with 0.02, 0.007), loading right about 1e-6.
+    config = transformers.LlamaConfig(**hf_config(MODEL_ARGS), initializer_range=0.05)
+    hf_model = transformers.LlamaForCausalLM(config).eval()
+    hf_model.save_pretrained(tmp_path / "hf", safe_serialization=True, max_shard_size="200KB")
+    assert (tmp_path / "hf" / INDEX_FILE).is_file()
+    model = build_model(seed=1).eval()
+    model.load_state_dict(load_hf(tmp_path / "hf", MODEL_ARGS))
+    tokens = torch.randint(0, MODEL_ARGS.vocab_size, (2, SEQ_LEN), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        ours = model(tokens)
+        theirs = hf_model(tokens).logits
+    assert theirs.abs().max().item() > 1.0  # logits large enough for the bound below to mean something
+    torch.testing.assert_close(ours, theirs, atol=1e-5, rtol=0)
+
+
+def edit_config(folder: Path, edit) -> None:
+    config = json.loads((folder / "config.json").read_text())
+    edit(config)
+    (folder / "config.json").write_text(json.dumps(config))
+
+
+def transformers5_layout(config: dict) -> None:
+    """transformers 5 writes rope_theta inside rope_parameters, which replaces rope_scaling."""
+    config["rope_parameters"] = {**config.pop("rope_scaling"), "rope_theta": config.pop("rope_theta")}
+
+
+@pytest.mark.parametrize("edit, pattern", [
+    (lambda c: c.update(rope_theta=10000.0), r"rope_theta is 10000\.0, but the model uses 500000"),
+    (lambda c: c.pop("rope_theta"), r"rope_theta is 10000\.0 \(absent: transformers' default\), but the model "
+                                    r"uses 500000"),
+    (lambda c: (transformers5_layout(c), c["rope_parameters"].update(rope_theta=1e6)),
+     r"rope_theta is 1000000\.0, but the model uses 500000"),
+    (lambda c: c.update(rms_norm_eps=1e-6), r"rms_norm_eps is 1e-06, but the model uses 1e-05"),
+    (lambda c: c.pop("rms_norm_eps"), r"rms_norm_eps is 1e-06 \(absent: transformers' default\), but"),
+    (lambda c: c.update(rope_scaling=None), r"it has no rope_scaling, but the model uses Llama 3\.1 RoPE scaling "
+                                            r"with factor 8, low_freq_factor 1, high_freq_factor 4, "
+                                            r"original_max_position_embeddings 8192;"),
+    (lambda c: c.update(rope_scaling={"rope_type": "linear", "factor": 8.0}),
+     r"rope_scaling's rope_type is 'linear', but the model uses rope_type 'llama3'"),
+    (lambda c: c["rope_scaling"].update(factor=32.0), r"rope_scaling's factor is 32\.0, but .* with factor 8,"),
+    (lambda c: c["rope_scaling"].update(low_freq_factor=2.0),
+     r"rope_scaling's low_freq_factor is 2\.0, but .* low_freq_factor 1,"),
+    (lambda c: c["rope_scaling"].update(high_freq_factor=8.0),
+     r"rope_scaling's high_freq_factor is 8\.0, but .* high_freq_factor 4,"),
+    (lambda c: (transformers5_layout(c), c["rope_parameters"].update(original_max_position_embeddings=4096)),
+     r"rope_scaling's original_max_position_embeddings is 4096, but .*_embeddings 8192;"),
+])
+def test_hf_config_rope_and_norm_mismatch(tmp_path, edit, pattern):
+    """These leave every shape as it is: without the check the weights would load and give other logits."""
+    state_dict = build_model(seed=0).state_dict()
+    save_hf(tmp_path / "hf", state_dict, MODEL_ARGS)
+    edit_config(tmp_path / "hf", transformers5_layout)
+    assert_same(load_hf(tmp_path / "hf", MODEL_ARGS), state_dict)
+    (tmp_path / "hf" / "config.json").write_text(json.dumps(hf_config(MODEL_ARGS)))
+    edit_config(tmp_path / "hf", edit)
+    with pytest.raises(UserError, match=r"config\.json: " + pattern):
+        load_hf(tmp_path / "hf", MODEL_ARGS)
+
+
+def test_hf_config_scaling_for_an_unscaled_model(tmp_path):
+    unscaled = dataclasses.replace(MODEL_ARGS, use_scaled_rope=False)
+    state_dict = build_model(seed=0, args=unscaled).state_dict()
+    save_hf(tmp_path / "unscaled", state_dict, unscaled)
+    assert_same(load_hf(tmp_path / "unscaled", unscaled), state_dict)
+    edit_config(tmp_path / "unscaled", lambda c: c.update(rope_scaling=None, rope_theta=None,
+                                                          rope_parameters={"rope_type": "default", "rope_theta": 5e5}))
+    assert_same(load_hf(tmp_path / "unscaled", unscaled), state_dict)
+    with pytest.raises(UserError, match=r"it has no rope_scaling, but the model uses Llama 3\.1 RoPE scaling"):
+        load_hf(tmp_path / "unscaled", MODEL_ARGS)
+    save_hf(tmp_path / "scaled", state_dict, MODEL_ARGS)
+    with pytest.raises(UserError, match=r"rope_scaling is \{'rope_type': 'llama3'.*but the model does not scale"):
+        load_hf(tmp_path / "scaled", unscaled)
 
 
 def test_last_save_in_hf_then_resume_and_initial_load(pg, tmp_path):

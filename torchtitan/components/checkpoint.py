@@ -11,7 +11,17 @@ Every save is written into `step-N.incomplete`; only once DCP has finished on ev
 already exists (a run resumed from an earlier step reaches the same step again), the new checkpoint replaces it once
 the new one is complete: the old folder is renamed to `step-N.stale.incomplete`, the new one into place, and the old
 one deleted. A crash between those renames leaves both under `.incomplete` names, and resuming takes the previous
-complete step. `keep_latest_k` deletes older checkpoints only after the new one is in place.
+complete step.
+
+Once a new checkpoint is in place, rank 0 deletes what it supersedes:
+- `keep_latest_k` counts only full checkpoints (those holding the train state, the only ones a resume continues
+  from): the k newest are kept. A model-only checkpoint never evicts a full one; it is deleted once it is older than
+  every full checkpoint kept (it can no longer be what the run resumes from, nor its latest weights).
+- A run that resumed from a step older than a full checkpoint of the folder (`load_step`, or a load without the
+  train state, which restarts at step 0) continues another trajectory: the checkpoints newer than its starting step
+  are retired when its first checkpoint is complete, and not before, so that a rollback run that dies early loses
+  nothing. Retired means deleted, or with `keep_latest_k = 0` (keep everything) renamed to `step-N.abandoned`,
+  which no resume considers. Otherwise a later plain restart would resume the abandoned trajectory.
 
 Keys of a DCP checkpoint (DCP joins nested keys with dots):
 
@@ -371,6 +381,10 @@ class CheckpointManager:
         self.rank = _rank()
         self.rng_key = f"rng_rank{self.rank}"
         self._pending: _PendingSave | None = None
+        # Steps of another trajectory, newer than the one this run resumed from: retired at its first publish.
+        self._abandoned: list[int] = []
+        # How long each save of this run kept the training loop waiting (seconds, in order), for measurements.
+        self.blocked_s: list[float] = []
         self._async_group = None
         self._stager: DefaultStager | None = None
         if config.enable and not config.load_only and config.async_mode != "disabled":
@@ -417,7 +431,22 @@ class CheckpointManager:
             return False
         logger.info(f"Loaded {', '.join(loaded) or 'nothing'} from {source} in {time.perf_counter() - begin:.2f} s"
                     + (f" (step {self.train_state.step})" if "train_state" in loaded else ""))
+        if step is not None and not self.config.load_only:
+            self._abandoned = self._newer_trajectory(self.train_state.step)
         return bool(loaded)
+
+    def _newer_trajectory(self, start: int) -> list[int]:
+        """The complete steps after `start` if a full checkpoint is among them: this run, continuing from `start`,
+        abandons them, and they must not outlive its first checkpoint, or a later resume would pick them. Newer
+        model-only checkpoints alone (the last save that a default resume passed over) are the same trajectory."""
+        newer = [step for step in complete_steps(self.folder) if step > start]
+        if not any(self._counts_as_full(step) for step in newer):
+            return []
+        logger.warning(f"This run continues from step {start}, older than the checkpoints of steps "
+                       f"{', '.join(map(str, newer))} in {self.folder}: they will be "
+                       f"{'renamed to step-N.abandoned' if self.config.keep_latest_k == 0 else 'deleted'} once this "
+                       f"run's first checkpoint is complete, so that a later resume continues this run")
+        return newer
 
     def _step_path(self, step: int) -> Path:
         return self.folder / f"step-{step}"
@@ -519,11 +548,15 @@ class CheckpointManager:
     # ------------------------------------------------------------------------------------------------------------
     # Saving
 
-    def save(self, step: int, last_step: bool = False, force: bool = False) -> None:
+    def save(self, step: int, last_step: bool = False, force: bool = False) -> float | None:
         """Checkpoint after `step` if it is due: every `interval` steps, at step 1 with
-        `enable_first_step_checkpoint`, at the last step, or when `force`d (a preempted run)."""
+        `enable_first_step_checkpoint`, at the last step, or when `force`d (a preempted run).
+
+        Returns how long the call kept the training loop waiting, in seconds (also appended to `blocked_s`), or
+        None if no save was due. With an async mode that includes waiting for the previous background save.
+        """
         if not self._is_due(step, last_step, force):
-            return
+            return None
         begin = time.perf_counter()
         if last_step and self.config.last_save_in_hf:
             self._save_hf_export(step)
@@ -532,8 +565,11 @@ class CheckpointManager:
             self._save_dcp(step, {"model": {name: value.to(dtype) for name, value in self.model.state_dict().items()}})
         else:
             self._save_dcp(step, self._full_state())
-        logger.info(f"Checkpoint of step {step}: the training loop was blocked {time.perf_counter() - begin:.3f} s "
+        blocked = time.perf_counter() - begin
+        self.blocked_s.append(blocked)
+        logger.info(f"Checkpoint of step {step}: the training loop was blocked {blocked:.3f} s "
                     f"(async_mode {self.config.async_mode})")
+        return blocked
 
     def save_seed(self, step: int = 0) -> None:
         """Write the initialised model alone as `step-<step>`, for runs that must all start from the same weights."""
@@ -652,20 +688,72 @@ class CheckpointManager:
         else:
             os.rename(staging, final)
         _fsync_dir(self.folder)
+        self._retire_abandoned(keep=step)
         self._prune(keep=step)
 
+    def _retire_abandoned(self, keep: int) -> None:
+        """After the first checkpoint of a run that resumed from an older step, take the newer checkpoints of the
+        trajectory it abandoned out of the resume's reach (never the one just published, which may have replaced
+        one of them)."""
+        abandoned = [step for step in self._abandoned if step != keep and self._step_path(step).is_dir()]
+        self._abandoned = []
+        if not abandoned:
+            return
+        # Every one is renamed before anything is deleted: renames are quick, so a crash is unlikely to leave some
+        # of them loadable, and a `.incomplete` left half-deleted goes at the next save.
+        retired = []
+        for step in abandoned:
+            target = _incomplete(self._step_path(step))
+            if self.config.keep_latest_k == 0:
+                # Keep everything, as asked, but under a name that no resume considers.
+                target = self._step_path(step).with_name(f"step-{step}.abandoned")
+                suffix = 1
+                while target.exists():
+                    suffix += 1
+                    target = self._step_path(step).with_name(f"step-{step}.abandoned-{suffix}")
+            os.rename(self._step_path(step), target)
+            retired.append(target)
+        _fsync_dir(self.folder)
+        why = "it belongs to the trajectory that this run abandoned by resuming from an older step"
+        for step, target in zip(abandoned, retired):
+            if self.config.keep_latest_k == 0:
+                logger.warning(f"Renamed checkpoint step-{step} to {target.name}: {why}")
+            else:
+                shutil.rmtree(target)
+                logger.warning(f"Deleted checkpoint step-{step}: {why}")
+
     def _prune(self, keep: int) -> None:
-        """Delete all but the `keep_latest_k` newest complete checkpoints, never the one just published."""
+        """Keep the `keep_latest_k` newest full checkpoints and delete older ones; delete model-only checkpoints
+        older than every full one kept. Never the one just published."""
         if self.config.keep_latest_k == 0:
             return
-        others = [step for step in complete_steps(self.folder) if step != keep]
-        surplus = len(others) - (self.config.keep_latest_k - 1)
-        for step in others[:max(surplus, 0)]:
-            # Renamed first, so that a crash halfway through the deletion leaves no `step-N` with missing files.
-            doomed = _incomplete(self._step_path(step))
-            os.rename(self._step_path(step), doomed)
-            shutil.rmtree(doomed)
-            logger.info(f"Deleted checkpoint step-{step} (keep_latest_k = {self.config.keep_latest_k})")
+        steps = complete_steps(self.folder)
+        full = [step for step in steps if self._counts_as_full(step)]
+        if not full:
+            return
+        kept = full[-self.config.keep_latest_k:]
+        for step in steps:
+            if step == keep or step in kept:
+                continue
+            if step in full:
+                self._delete_step(step, f"keep_latest_k = {self.config.keep_latest_k} full checkpoints")
+            elif step < kept[0]:
+                self._delete_step(step, f"model-only, older than the {len(kept)} full checkpoint(s) kept")
+
+    def _counts_as_full(self, step: int) -> bool:
+        """Whether `step-<step>` holds the train state; one whose metadata cannot be read counts as full, so that
+        keep_latest_k deletes it in turn rather than every later save failing on it."""
+        try:
+            return self._holds_train_state(self._step_path(step))
+        except UserError:
+            return True
+
+    def _delete_step(self, step: int, why: str) -> None:
+        # Renamed first, so that a crash halfway through the deletion leaves no `step-N` with missing files.
+        doomed = _incomplete(self._step_path(step))
+        os.rename(self._step_path(step), doomed)
+        shutil.rmtree(doomed)
+        logger.info(f"Deleted checkpoint step-{step} ({why})")
 
     def _save_hf_export(self, step: int) -> None:
         """The last checkpoint as a Hugging Face folder: every rank saves its shards of the model with DCP into a

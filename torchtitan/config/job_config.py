@@ -251,7 +251,7 @@ class Checkpoint:
     """disabled (synchronous), async (a background thread writes), async_with_pinned_mem (a background process with pinned staging)."""
 
     keep_latest_k: int = 10
-    """Keep this many latest complete checkpoints (0 = all)."""
+    """Keep this many latest full checkpoints (model + optimizer + data position + train state; model-only ones do not count and go once older than all of them); 0 = all."""
 
     load_step: int = -1
     """Resume from this step's checkpoint instead of the latest (-1 = latest)."""

@@ -9,6 +9,7 @@ An HF folder holds `config.json` and either `model.safetensors` or shards listed
 """
 
 import json
+import math
 import os
 import re
 import shutil
@@ -201,6 +202,34 @@ def is_hf_folder(folder: str | os.PathLike) -> bool:
     return (folder / CONFIG_FILE).is_file() and ((folder / SINGLE_FILE).is_file() or (folder / INDEX_FILE).is_file())
 
 
+# What transformers' LlamaConfig assumes for an entry that config.json leaves out.
+_HF_DEFAULT_ROPE_THETA = 10000.0
+_HF_DEFAULT_RMS_NORM_EPS = 1e-6
+_LLAMA3_ROPE_FIELDS = ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
+
+
+def _same(saved: object, expected: float) -> bool:
+    # JSON may hold a float32 value printed in full (9.999999747378752e-06 for 1e-5): equal up to that rounding.
+    return isinstance(saved, (int, float)) and not isinstance(saved, bool) and \
+        math.isclose(saved, expected, rel_tol=1e-6)
+
+
+def _hf_rope(config: dict) -> tuple[object, dict | None]:
+    """rope_theta (None if absent) and the RoPE scaling entry of an HF config in either layout: transformers 5's
+    `rope_parameters` (theta inside, `rope_type` "default" when unscaled) or the earlier top-level `rope_theta` and
+    `rope_scaling`."""
+    parameters = config.get("rope_parameters")
+    if isinstance(parameters, dict):
+        theta = parameters.get("rope_theta", config.get("rope_theta"))
+        scaling = {key: value for key, value in parameters.items() if key != "rope_theta"}
+    else:
+        theta = config.get("rope_theta")
+        scaling = config.get("rope_scaling")
+    if isinstance(scaling, dict) and scaling.get("rope_type", scaling.get("type", "default")) == "default":
+        scaling = None
+    return theta, scaling
+
+
 def _check_config(folder: Path, model_args: TransformerModelArgs) -> None:
     config_path = folder / CONFIG_FILE
     try:
@@ -216,6 +245,42 @@ def _check_config(folder: Path, model_args: TransformerModelArgs) -> None:
             raise UserError(f"Hugging Face config {config_path}: {field} is {saved}, but the model (flavor with "
                             f"vocab_size {model_args.vocab_size}) needs {expected[field]}; choose the matching "
                             f"model.flavor")
+    # The shapes match whatever these are, so a mismatch would load silently and give other logits.
+    # An absent entry means transformers' default, which is what transformers would compute with.
+    theta, scaling = _hf_rope(config)
+    absent = " (absent: transformers' default)"
+    if not _same(_HF_DEFAULT_ROPE_THETA if theta is None else theta, model_args.rope_theta):
+        shown = f"{_HF_DEFAULT_ROPE_THETA}{absent}" if theta is None else theta
+        raise UserError(f"Hugging Face config {config_path}: rope_theta is {shown}, but the model uses "
+                        f"{model_args.rope_theta:g}; the weights were trained with other rotary embeddings than "
+                        f"this model.flavor computes, choose the matching flavor")
+    eps = config.get("rms_norm_eps")
+    if not _same(_HF_DEFAULT_RMS_NORM_EPS if eps is None else eps, model_args.norm_eps):
+        shown = f"{_HF_DEFAULT_RMS_NORM_EPS}{absent}" if eps is None else eps
+        raise UserError(f"Hugging Face config {config_path}: rms_norm_eps is {shown}, but the model uses "
+                        f"{model_args.norm_eps:g}; choose the matching model.flavor")
+    _check_rope_scaling(config_path, scaling, expected["rope_scaling"])
+
+
+def _check_rope_scaling(config_path: Path, scaling: object, expected: dict | None) -> None:
+    """The model scales RoPE as Llama 3.1 (`expected` holds its constants) or not at all (`expected` is None)."""
+    if expected is None:
+        if scaling is not None:
+            raise UserError(f"Hugging Face config {config_path}: rope_scaling is {scaling}, but the model does not "
+                            f"scale RoPE; choose a flavor with Llama 3.1 RoPE scaling")
+        return
+    described = "Llama 3.1 RoPE scaling with " + ", ".join(f"{key} {expected[key]:g}" for key in _LLAMA3_ROPE_FIELDS)
+    if not isinstance(scaling, dict):
+        raise UserError(f"Hugging Face config {config_path}: it has no rope_scaling, but the model uses "
+                        f"{described}; these weights are for unscaled RoPE, choose the matching model.flavor")
+    rope_type = scaling.get("rope_type", scaling.get("type"))
+    if rope_type != expected["rope_type"]:
+        raise UserError(f"Hugging Face config {config_path}: rope_scaling's rope_type is {rope_type!r}, but the "
+                        f"model uses rope_type 'llama3' ({described}); other scalings are not supported")
+    for key in _LLAMA3_ROPE_FIELDS:
+        if not _same(scaling.get(key), expected[key]):
+            raise UserError(f"Hugging Face config {config_path}: rope_scaling's {key} is {scaling.get(key)}, but "
+                            f"the model uses {described}; other values are not supported")
 
 
 def _read_tensors(folder: Path) -> dict[str, torch.Tensor]:

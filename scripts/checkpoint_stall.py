@@ -1,0 +1,202 @@
+"""How long each checkpoint save stalls the training loop, per checkpoint.async_mode, as one JSON line on stdout.
+
+From the repository root:
+
+    python scripts/checkpoint_stall.py                                  # the debug model, 6 steps, a save per step
+    python scripts/checkpoint_stall.py --steps 20 --interval 5 --repeats 3
+    python scripts/checkpoint_stall.py --model.flavor tiny --training.seq_len 32 --steps 3
+
+Every argument other than --steps/--interval/--repeats/--threads is a trainer option, exactly as
+`torchtitan.train` takes it; without --job.config_file, train_configs/debug_model.toml is used. For each of the
+three modes (disabled, async, async_with_pinned_mem) the real Trainer is built in this process and runs its
+training loop (`Trainer.train`) for --steps steps, saving a full checkpoint (never model-only, also at the last
+step) after every --interval steps into a fresh dump folder, a temporary one (or one under --job.dump_folder);
+validation is off. The stall of a save is the time `CheckpointManager.save` kept the loop waiting
+(`CheckpointManager.blocked_s`, the figure of its "the training loop was blocked" log line): for the async modes,
+staging the state plus waiting for the previous background save. The modes run one after the other, --repeats
+times in turn, so that load from other processes falls on all of them alike.
+
+What the line reports, per mode under `modes`: `stall_median_s` (the median over every save of every repeat; a
+median, so that one slow save on a shared machine does not move it), `stall_s` (every save, in order, repeats one
+after the other), `step_median_s` (the median time of `Trainer.train_step`, saves not included, each run's first
+step left out: a background save that competes with the steps for the cores shows here, not in the stall),
+`train_s` (each repeat's wall time of `Trainer.train`, which includes the wait for the last background save at its
+end); at the top level `ratio_async_to_sync` and `ratio_pinned_to_sync`, the medians over
+the `disabled` one, and `checkpoint_mib`, the size of one checkpoint.
+
+async_with_pinned_mem saves from a checkpoint process that torch starts at the first save and keeps for the life of
+this process (the later repeats reuse it). It is spawned, so it imports this script as its `__main__`: the entry
+point below is guarded with `if __name__ == "__main__":`, as any training script that uses that mode must be.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import gc
+import json
+import os
+import statistics
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+# Running `python scripts/checkpoint_stall.py` puts scripts/ first on sys.path, not the checkout that holds
+# torchtitan (nor the scripts package that benchmark.py is imported from).
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+import torch  # noqa: E402
+
+from scripts.benchmark import default_threads, describe_config  # noqa: E402
+from torchtitan.components.checkpoint import ASYNC_MODES, complete_steps  # noqa: E402
+from torchtitan.config import JobConfig, parse_args  # noqa: E402
+from torchtitan.errors import UserError  # noqa: E402
+from torchtitan.tools.logging import init_logger, logger  # noqa: E402
+from torchtitan.train import Trainer  # noqa: E402
+
+DEFAULT_CONFIG_FILE = Path(__file__).resolve().parent.parent / "train_configs" / "debug_model.toml"
+SYNC, ASYNC, PINNED = ASYNC_MODES
+
+
+def parse_stall_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], add_help=False,
+                                     usage="checkpoint_stall.py [trainer options...] [--steps N] [--interval N] "
+                                           "[--repeats N] [--threads N]")
+    parser.add_argument("--steps", type=int, default=6, help="training steps per mode and repeat")
+    parser.add_argument("--interval", type=int, default=1, help="save a checkpoint after every this many steps")
+    parser.add_argument("--repeats", type=int, default=1, help="runs per mode, the modes taking turns")
+    parser.add_argument("--threads", type=int, default=None,
+                        help="torch threads (default: the usable cores / processes on this node)")
+    parser.add_argument("--stall-help", action="help", help="this help (--help lists the trainer's options)")
+    args, trainer_argv = parser.parse_known_args(argv)
+    for flag in ("steps", "interval", "repeats"):
+        if getattr(args, flag) < 1:
+            raise UserError(f"--{flag}: {getattr(args, flag)} must be at least 1")
+    if args.interval > args.steps:
+        raise UserError(f"--interval: {args.interval} exceeds --steps {args.steps}, so only the last step would "
+                        f"save; use an interval of at most the number of steps")
+    if not any(arg.split("=")[0] == "--job.config_file" for arg in trainer_argv):
+        trainer_argv = ["--job.config_file", str(DEFAULT_CONFIG_FILE), *trainer_argv]
+    # Off before the options are checked: validation's own settings (its seq_len, ...) then do not matter.
+    return args, [*trainer_argv, "--validation.no_enable"]
+
+
+def stall_config(trainer_argv: list[str], args: argparse.Namespace, mode: str, dump_folder: str) -> JobConfig:
+    config = parse_args(trainer_argv)
+    config.training.steps = args.steps
+    config.validation.enable = False
+    config.job.dump_folder = dump_folder
+    checkpoint = config.checkpoint
+    checkpoint.enable = True
+    checkpoint.load_only = False
+    checkpoint.create_seed_checkpoint = False
+    checkpoint.interval = args.interval
+    checkpoint.async_mode = mode
+    # Every save the same full checkpoint, the last one too, so that the saves compare.
+    checkpoint.last_save_model_only = False
+    checkpoint.last_save_in_hf = False
+    checkpoint.initial_load_path = None
+    return config
+
+
+def folder_mib(folder: Path) -> float:
+    return sum(path.stat().st_size for path in folder.rglob("*") if path.is_file()) / 2**20
+
+
+@dataclass
+class Run:
+    stalls_s: list[float]
+    steps_s: list[float]
+    train_s: float
+    checkpoint_mib: float
+    described: dict
+
+
+def train_once(config: JobConfig, threads: int) -> Run:
+    """Train in the fresh dump folder of `config`, with a checkpoint every interval steps."""
+    trainer = Trainer(config)
+    steps_s: list[float] = []
+    train_step = trainer.train_step
+
+    def timed_train_step(batches: list[tuple[torch.Tensor, torch.Tensor]]) -> tuple[float, float, float]:
+        # A background save competes with the steps for the cores (and, on a GPU, for memory bandwidth): the step
+        # times show what the stall alone does not. train_step returns Python floats, so the device has finished.
+        begin = time.perf_counter()
+        result = train_step(batches)
+        steps_s.append(time.perf_counter() - begin)
+        return result
+
+    trainer.train_step = timed_train_step
+    try:
+        begin = time.perf_counter()
+        trainer.train()
+        train_s = time.perf_counter() - begin
+        folder = Path(config.job.dump_folder) / config.checkpoint.folder
+        steps = complete_steps(folder)
+        size = folder_mib(folder / f"step-{steps[-1]}") if steps else 0.0
+        return Run(list(trainer.checkpointer.blocked_s), steps_s, train_s, size,
+                   describe_config(config, trainer, threads))
+    finally:
+        trainer.close()
+
+
+def run(argv: list[str]) -> dict:
+    args, trainer_argv = parse_stall_args(argv)
+    if int(os.environ.get("WORLD_SIZE", "1")) > 1:
+        # Each rank would make a temporary dump folder of its own, where the checkpoint folder must be shared.
+        raise UserError("checkpoint_stall.py measures one process: run it without torchrun")
+    threads = args.threads or default_threads()
+    torch.set_num_threads(threads)
+    # Parsed once up front, so that a bad trainer option fails before any training; a dump folder given on the
+    # command line holds the runs' folders, else a temporary folder does.
+    parent = parse_args(trainer_argv).job.dump_folder if any(
+        arg.split("=")[0] == "--job.dump_folder" for arg in trainer_argv) else None
+    if parent is not None:
+        os.makedirs(parent, exist_ok=True)
+    runs: dict[str, list[Run]] = {mode: [] for mode in ASYNC_MODES}
+    with tempfile.TemporaryDirectory(prefix="checkpoint-stall-", dir=parent) as scratch:
+        for repeat in range(args.repeats):
+            for mode in ASYNC_MODES:
+                # A fresh folder per run: one that held checkpoints would be resumed from, not trained.
+                dump_folder = tempfile.mkdtemp(prefix=f"{mode}-{repeat}-", dir=scratch)
+                result = train_once(stall_config(trainer_argv, args, mode, dump_folder), threads)
+                logger.info(f"async_mode {mode}, run {repeat + 1}/{args.repeats}: {len(result.stalls_s)} saves "
+                            f"blocked the loop {', '.join(f'{s:.3f}' for s in result.stalls_s)} s")
+                runs[mode].append(result)
+                # The trainer left the collector disabled; the next run starts without this one's garbage.
+                gc.collect()
+    stalls = {mode: [s for result in results for s in result.stalls_s] for mode, results in runs.items()}
+    medians = {mode: statistics.median(values) for mode, values in stalls.items()}
+    # The first step of a run allocates and warms up: left out of the step times.
+    step_medians = {mode: statistics.median([s for result in results for s in result.steps_s[1:] or result.steps_s])
+                    for mode, results in runs.items()}
+    return {
+        "config": runs[SYNC][0].described,
+        "steps": args.steps, "interval": args.interval, "repeats": args.repeats,
+        "saves_per_run": len(runs[SYNC][0].stalls_s),
+        "checkpoint_mib": runs[SYNC][0].checkpoint_mib,
+        "modes": {mode: {"stall_median_s": medians[mode], "stall_s": stalls[mode], "step_median_s": step_medians[mode],
+                         "train_s": [result.train_s for result in runs[mode]]} for mode in ASYNC_MODES},
+        "ratio_async_to_sync": medians[ASYNC] / medians[SYNC],
+        "ratio_pinned_to_sync": medians[PINNED] / medians[SYNC],
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    init_logger()
+    # stdout carries only the JSON line: whatever is printed while the trainers run joins the log on stderr.
+    with contextlib.redirect_stdout(sys.stderr):
+        try:
+            result = run(sys.argv[1:] if argv is None else argv)
+        except UserError as e:
+            logger.error(f"error: {e}")
+            return 2
+    print(json.dumps(result), flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    with contextlib.suppress(BrokenPipeError):
+        sys.exit(main())
