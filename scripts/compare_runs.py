@@ -36,6 +36,7 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
 from torchtitan.errors import UserError  # noqa: E402
+from torchtitan.tools.files import atomic_write  # noqa: E402
 
 JSONL_FILE = "metrics.jsonl"
 TB_EVENTS_PATTERN = "events.out.tfevents.*"
@@ -274,7 +275,8 @@ def _save(fig, path: Path) -> Path:
             ax.legend()
         ax.grid(alpha=0.3)
     fig.tight_layout()
-    fig.savefig(path, dpi=100)
+    with atomic_write(path, "wb") as f:
+        fig.savefig(f, dpi=100, format="png")
     plt.close(fig)
     return path
 
@@ -364,7 +366,8 @@ def main(argv: list[str] | None = None) -> int:
         return 2
 
     table = comparison_table(runs)
-    (args.out / "comparison.md").write_text(table)
+    with atomic_write(args.out / "comparison.md") as f:
+        f.write(table)
     print(table)
     for path in plot(runs, args.out):
         print(f"wrote {path}")

@@ -25,6 +25,7 @@ from typing import TYPE_CHECKING
 
 from torchtitan.components.datasets.corpus import embedded_corpus
 from torchtitan.components.tokenizer import DEFAULT_TOKENIZER_PATH, LLAMA3_PATTERN, TiktokenTokenizer
+from torchtitan.tools.files import atomic_write
 from torchtitan.tools.logging import init_logger, logger
 
 if TYPE_CHECKING:
@@ -61,7 +62,7 @@ def train_bpe(documents: list[str], vocab_size: int) -> tokenizers.Tokenizer:
         vocab_size=vocab_size,
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
         special_tokens=[],
-        show_progress=False,
+        show_progress=True,
     )
     tokenizer.train_from_iterator(documents, trainer)
     return tokenizer
@@ -81,10 +82,10 @@ def tiktoken_ranks(bpe: tokenizers.Tokenizer, vocab_size: int) -> dict[bytes, in
 
 
 def write_ranks(ranks: dict[bytes, int], path: Path) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
     by_rank = sorted(ranks.items(), key=lambda item: item[1])
-    lines = (f"{base64.b64encode(token).decode('ascii')} {rank}\n" for token, rank in by_rank)
-    path.write_text("".join(lines), encoding="ascii")
+    # Atomic: the bundled tokenizer is replaced whole or not at all.
+    with atomic_write(path, encoding="ascii") as f:
+        f.writelines(f"{base64.b64encode(token).decode('ascii')} {rank}\n" for token, rank in by_rank)
 
 
 def count_mismatches(

@@ -29,6 +29,7 @@ from torchtitan.components.profiling import maybe_enable_memory_snapshot, maybe_
 from torchtitan.components.tokenizer import build_model_tokenizer
 from torchtitan.config import JobConfig, parse_args, save_config, to_toml
 from torchtitan.distributed import utils as dist_utils
+from torchtitan.distributed.compile import compile_loss
 from torchtitan.distributed.context_parallel import context_parallel_context
 from torchtitan.distributed.fsdp import TORCH_DTYPES
 from torchtitan.distributed.parallel_dims import ParallelDims
@@ -63,7 +64,7 @@ class Trainer:
 
         self.tokenizer = build_model_tokenizer(config.model)
         self.model_args = model_args_for(config.model.flavor, config.training.seq_len, self.tokenizer.vocab_size)
-        validate_parallelism(self.model_args, self.parallel_dims, config)
+        validate_parallelism(self.model_args, self.parallel_dims, config, self.device.type)
         self.grad_accumulation_steps = self._grad_accumulation_steps()
         self.dataloader = self._build_dataloader(config.training.dataset, config.training.dataset_path,
                                                  config.training.local_batch_size, config.training.seq_len,
@@ -94,7 +95,8 @@ class Trainer:
 
         self.loss_fn = cross_entropy_sum
         if config.compile.enable and "loss" in config.compile.components:
-            self.loss_fn = torch.compile(cross_entropy_sum, backend=config.compile.backend)
+            self.loss_fn = compile_loss(cross_entropy_sum, config.compile.backend, loss_parallel=(
+                self.parallel_dims.tp_enabled and not config.parallelism.disable_loss_parallel))
         self.global_valid_tokens = torch.ones((), device=self.device)
         self.optimizers = build_optimizers(self.model_parts, config.optimizer)
         self.lr_schedulers = build_lr_schedulers(self.optimizers, config.lr_scheduler, config.training.steps)

@@ -6,6 +6,7 @@ as `python -m torchtitan.train` to prove the exit status itself.
 
 import math
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -65,6 +66,14 @@ def test_run_train_sh_trains_the_debug_model(tmp_path):
     assert validation[0]["validation_perplexity"] == pytest.approx(math.exp(validation[0]["validation_loss"]),
                                                                   rel=1e-4)
     assert "validation at step 30: loss" in output
+
+    # The log: the trainer's lines carry the rank, each logged step is one line, and no warning repeats.
+    trainer_line = re.compile(r"\[rank0\] \d\d:\d\d:\d\d (INFO|WARNING|ERROR) ")
+    ours = [line for line in output.splitlines() if trainer_line.search(line)]
+    step_lines = [line for line in ours if " INFO step: " in line and "validation_loss" not in line]
+    assert [int(line.split(" INFO step: ")[1].split()[0]) for line in step_lines] == [1, 5, 10, 15, 20, 25, 30]
+    warnings = [line.split(" WARNING ", 1)[1] for line in ours if " WARNING " in line]
+    assert len(warnings) == len(set(warnings)), warnings
 
 
 def test_gradient_accumulation_gives_the_same_losses(tmp_path):

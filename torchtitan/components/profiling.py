@@ -16,6 +16,7 @@ from collections.abc import Iterator
 import torch
 
 from torchtitan.config.job_config import JobConfig
+from torchtitan.tools.files import atomic_write
 from torchtitan.tools.logging import logger
 
 _WARMUP_STEPS = 3
@@ -52,11 +53,13 @@ def maybe_enable_profiling(config: JobConfig, rank: int, start_step: int,
             step_folder = os.path.join(trace_folder, f"iteration_{step}")
             os.makedirs(step_folder, exist_ok=True)
             path = os.path.join(step_folder, f"rank{rank}_trace.json")
-            profiler.export_chrome_trace(path)
+            # The profiler writes by path: a temporary name, renamed, so that no reader sees half a trace.
+            profiler.export_chrome_trace(f"{path}.tmp")
+            os.replace(f"{path}.tmp", path)
             logger.info(f"Profiler trace written to {path}")
         if memory_folder is not None:
             path = os.path.join(memory_folder, f"rank{rank}_step{step}_cpu_memory.txt")
-            with open(path, "w") as f:
+            with atomic_write(path) as f:
                 f.write(profiler.key_averages().table(sort_by="self_cpu_memory_usage", row_limit=40))
             logger.info(f"CPU memory profile written to {path}")
 
@@ -79,7 +82,7 @@ class _CudaMemoryRecorder:
         self.step_num += 1
         if self.step_num % self.freq == 0:
             path = os.path.join(self.folder, f"rank{self.rank}_step{self.step_num}_memory_snapshot.pickle")
-            with open(path, "wb") as f:
+            with atomic_write(path, "wb") as f:
                 pickle.dump(torch.cuda.memory._snapshot(), f)
             logger.info(f"CUDA memory snapshot written to {path}")
 

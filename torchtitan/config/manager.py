@@ -20,6 +20,7 @@ from typing import Any, Literal
 from torchtitan.config import job_config as job_config_module
 from torchtitan.config.job_config import JobConfig
 from torchtitan.errors import UserError
+from torchtitan.tools.files import atomic_write
 from torchtitan.tools.logging import warn_once
 
 if sys.version_info >= (3, 11):
@@ -538,8 +539,6 @@ def to_toml(config: JobConfig) -> str:
 def save_config(config: JobConfig, folder: str) -> Path:
     """Write the resolved config to <folder>/config.toml atomically."""
     path = Path(folder) / "config.toml"
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_suffix(".toml.tmp")
-    tmp.write_text(to_toml(config))
-    os.replace(tmp, path)
+    with atomic_write(path) as f:
+        f.write(to_toml(config))
     return path

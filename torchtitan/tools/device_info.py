@@ -8,13 +8,13 @@ import platform
 import re
 import resource
 import sys
-import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
+from torchtitan.tools.files import atomic_write
 from torchtitan.tools.logging import logger, warn_once
 
 _GIB = 1024**3
@@ -249,19 +249,13 @@ def _read_cached_flops(cache_file: Path) -> float | None:
 
 
 def _write_cached_flops(cache_file: Path, record: dict) -> None:
-    # Written to a temporary file and renamed so that ranks measuring at the same time, or a crash
-    # mid-write, never leave a half-written file for the next run to read.
-    temp_path = None
+    # Atomic: ranks measuring at the same time, or a crash mid-write, never leave a half-written file for the next
+    # run to read.
     try:
-        cache_file.parent.mkdir(parents=True, exist_ok=True)
-        with tempfile.NamedTemporaryFile("w", dir=cache_file.parent, suffix=".tmp", delete=False) as temp:
-            temp_path = temp.name
-            json.dump(record, temp)
-        os.replace(temp_path, cache_file)
+        with atomic_write(cache_file) as f:
+            json.dump(record, f)
     except OSError as exc:
         warn_once(f"Cannot cache the measured peak FLOP/s in {cache_file} ({exc}); it will be measured again.")
-        if temp_path is not None and os.path.exists(temp_path):
-            os.unlink(temp_path)
 
 
 def _max_rss_bytes() -> int:

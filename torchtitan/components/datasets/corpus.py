@@ -21,10 +21,12 @@ import json
 import re
 import subprocess
 import sys
+import time
 from collections.abc import Iterable, Iterator
 from pathlib import Path
 
 from torchtitan.errors import UserError
+from torchtitan.tools.logging import logger
 
 SPLITS = ("train", "validation")
 
@@ -314,7 +316,10 @@ def is_validation(document: str) -> bool:
 
 @functools.lru_cache(maxsize=1)
 def _splits() -> dict[str, tuple[str, ...]]:
+    begin = time.perf_counter()
+    logger.info("embedded corpus: collecting Python's own documentation (a few seconds, once per process)")
     documents = list(dict.fromkeys(_documents_from_pristine_interpreter()))
+    logger.info(f"embedded corpus: {len(documents):,} documents in {time.perf_counter() - begin:.1f} s")
     return {
         "train": tuple(d for d in documents if not is_validation(d)),
         "validation": tuple(d for d in documents if is_validation(d)),

@@ -10,7 +10,7 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from torchtitan.config.job_config import JobConfig
 from torchtitan.distributed.activation_checkpoint import apply_ac
-from torchtitan.distributed.compile import apply_compile
+from torchtitan.distributed.compile import apply_compile, check_compile
 from torchtitan.distributed.fsdp import apply_ddp, apply_fsdp
 from torchtitan.distributed.parallel_dims import ParallelDims
 from torchtitan.distributed.tensor_parallel import apply_tp
@@ -18,8 +18,10 @@ from torchtitan.errors import UserError
 from torchtitan.models.llama3.args import TransformerModelArgs
 
 
-def validate_parallelism(args: TransformerModelArgs, parallel_dims: ParallelDims, config: JobConfig) -> None:
-    """Reject layouts the model's shapes cannot be split into, naming the option to change."""
+def validate_parallelism(args: TransformerModelArgs, parallel_dims: ParallelDims, config: JobConfig,
+                         device_type: str) -> None:
+    """Reject layouts the model's shapes cannot be split into, or that cannot run on `device_type`, naming the
+    option to change."""
     tp, cp = parallel_dims.tp, parallel_dims.cp
     for what, size in (("n_heads", args.n_heads), ("n_kv_heads", args.kv_heads),
                        ("the FFN width", args.ffn_hidden_dim), ("the vocabulary size", args.vocab_size)):
@@ -36,6 +38,8 @@ def validate_parallelism(args: TransformerModelArgs, parallel_dims: ParallelDims
     if config.validation.enable and config.validation.seq_len % multiple:
         raise UserError(f"option validation.seq_len: {config.validation.seq_len} must be divisible by {multiple} "
                         f"(as training.seq_len)")
+    check_compile(config.compile.enable and "model" in config.compile.components, parallel_dims.tp_enabled,
+                  device_type)
     if config.parallelism.enable_async_tensor_parallel and not config.compile.enable:
         raise UserError("option parallelism.enable_async_tensor_parallel: async TP is a compiler pass; it needs "
                         "compile.enable = true")

@@ -22,6 +22,7 @@ from safetensors.torch import load_file, save_file
 from torchtitan.errors import UserError
 from torchtitan.models.llama3.args import TransformerModelArgs
 from torchtitan.models.llama3.model import Transformer
+from torchtitan.tools.logging import logger
 
 SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
@@ -295,8 +296,11 @@ def _read_tensors(folder: Path) -> dict[str, torch.Tensor]:
     else:
         files = [SINGLE_FILE]
     tensors = {}
-    for filename in files:
+    for number, filename in enumerate(files, start=1):
         path = folder / filename
+        if len(files) > 1:
+            size = f" ({path.stat().st_size / 2**30:.2f} GiB)" if path.is_file() else ""
+            logger.info(f"Reading Hugging Face weights {number}/{len(files)}: {filename}{size}")
         try:
             tensors.update(load_file(path))
         except (OSError, SafetensorError) as err:

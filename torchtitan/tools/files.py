@@ -1,0 +1,26 @@
+"""Writing a file whole or not at all."""
+
+import contextlib
+import os
+import tempfile
+from collections.abc import Iterator
+from pathlib import Path
+from typing import IO
+
+
+@contextlib.contextmanager
+def atomic_write(path: str | os.PathLike, mode: str = "w", **open_args) -> Iterator[IO]:
+    """Open a temporary file beside `path` and rename it onto `path` once the block completes: a crash, a full
+    disk or a concurrent writer (ranks writing the same file) never leaves a half-written `path`, and a failed
+    block leaves what was there before."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, temp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, mode, **open_args) as f:
+            yield f
+        os.replace(temp, path)
+    except BaseException:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(temp)
+        raise
