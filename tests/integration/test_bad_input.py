@@ -9,6 +9,7 @@ real communication), and a few go through torchrun with 2 processes to cover the
 import ast
 import errno
 import hashlib
+import os
 import re
 import shutil
 import subprocess
@@ -416,15 +417,28 @@ def test_config_is_replaced_atomically(tmp_path, monkeypatch):
 
     path = save_config(JobConfig(), str(tmp_path))
     before = path.read_bytes()
-    write_text = Path.write_text
+    open_file = os.fdopen
 
-    def fill_disk_half_way(self, data, *args, **kwargs):
-        write_text(self, data[: len(data) // 2], *args, **kwargs)
-        raise OSError(errno.ENOSPC, "No space left on device")
+    class FillsHalfWay:
+        """The file being written, on a disk that fills half-way through the write."""
 
-    monkeypatch.setattr(Path, "write_text", fill_disk_half_way)
+        def __init__(self, fd, *args, **kwargs):
+            self.file = open_file(fd, *args, **kwargs)
+
+        def write(self, data):
+            self.file.write(data[: len(data) // 2])
+            raise OSError(errno.ENOSPC, "No space left on device")
+
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *exc_info):
+            self.file.close()
+
+    monkeypatch.setattr(os, "fdopen", FillsHalfWay)
     changed = JobConfig()
     changed.training.steps = 7
-    with pytest.raises(OSError):
+    with pytest.raises(OSError, match="No space left"):
         save_config(changed, str(tmp_path))
     assert path.read_bytes() == before
+    assert list(tmp_path.iterdir()) == [path], "the temporary file is removed"

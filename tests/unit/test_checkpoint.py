@@ -8,7 +8,9 @@ import json
 import multiprocessing
 import pickle
 import random
+import re
 import time
+import zlib
 from pathlib import Path
 
 import pytest
@@ -23,7 +25,9 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 
 from scripts import convert_checkpoint
-from torchtitan.components.checkpoint import CheckpointManager, TrainState, read_metadata
+from torchtitan.components import checkpoint as checkpoint_module
+from torchtitan.components.checkpoint import (CHECKSUMS_FILE, CheckpointManager, TrainState, read_full_checkpoint,
+                                              read_full_model, read_metadata)
 from torchtitan.components.lr_scheduler import LRSchedulersContainer
 from torchtitan.components.optimizer import OptimizersContainer
 from torchtitan.config.job_config import Checkpoint as CheckpointConfig
@@ -280,6 +284,79 @@ def files_and_bytes(folder: Path) -> dict[str, bytes]:
     return {p.name: p.read_bytes() for p in folder.iterdir()}
 
 
+def assert_manifest_matches(folder: Path) -> None:
+    """checksums.json lists every file DCP wrote, with its size and CRC32."""
+    written = sorted(p.name for p in folder.iterdir() if p.name == ".metadata" or p.suffix == ".distcp")
+    assert any(name.endswith(".distcp") for name in written)
+    manifest = json.loads((folder / CHECKSUMS_FILE).read_text())
+    assert manifest["algorithm"] == "crc32"
+    assert manifest["files"] == {name: {"size": (folder / name).stat().st_size,
+                                        "crc32": f"{zlib.crc32((folder / name).read_bytes()):08x}"}
+                                 for name in written}
+
+
+def flip_middle_bytes(path: Path) -> None:
+    """Damage that keeps the size: 8 bytes in the middle of the file inverted."""
+    data = bytearray(path.read_bytes())
+    middle = len(data) // 2
+    data[middle:middle + 8] = bytes(byte ^ 0xFF for byte in data[middle:middle + 8])
+    path.write_bytes(bytes(data))
+
+
+@pytest.mark.parametrize("mode", ["disabled", "async"])
+def test_every_save_writes_a_manifest_of_its_files(pg, tmp_path, mode):
+    c = build_components(seed=0)
+    manager = make_manager(tmp_path, c, async_mode=mode)
+    manager.save(1)
+    manager.save(2, last_step=True)  # model-only
+    manager.close()
+    for step in ("step-1", "step-2"):
+        assert_manifest_matches(tmp_path / "ckpt" / step)
+
+
+def test_flipped_bytes_in_a_shard_name_the_file(pg, tmp_path):
+    """Same size, other bytes: DCP would load them as weights. Resuming reports the damage of the latest checkpoint
+    rather than pass it over, and neither it nor the previous one is touched."""
+    c = build_components(seed=0)
+    manager = make_manager(tmp_path, c)
+    manager.save(1)
+    manager.save(2)
+    first = files_and_bytes(tmp_path / "ckpt" / "step-1")
+    step2 = tmp_path / "ckpt" / "step-2"
+    shard = next(step2.glob("*.distcp"))
+    recorded = json.loads((step2 / CHECKSUMS_FILE).read_text())["files"][shard.name]
+    flip_middle_bytes(shard)
+    damaged = files_and_bytes(step2)
+    size, crc = recorded["size"], recorded["crc32"]
+    actual_crc = f"{zlib.crc32(shard.read_bytes()):08x}"
+    pattern = (rf"checkpoint {re.escape(str(step2))} cannot be loaded \(corrupt\): {re.escape(str(shard))} has "
+               rf"{size} bytes with CRC32 {actual_crc}, but checksums\.json records {size} bytes with CRC32 {crc}")
+    with pytest.raises(UserError, match=pattern):
+        make_manager(tmp_path, build_components(seed=1)).load()
+    with pytest.raises(UserError, match=pattern):
+        read_full_model(step2)
+    with pytest.raises(UserError, match=pattern):
+        read_full_checkpoint(step2)
+    assert step_folders(tmp_path) == ["step-1", "step-2"]
+    assert files_and_bytes(step2) == damaged
+    assert files_and_bytes(tmp_path / "ckpt" / "step-1") == first
+
+
+def test_checkpoint_without_manifest_loads_with_a_warning(pg, tmp_path, monkeypatch):
+    """As one saved by an older version, `scripts/convert_checkpoint.py hf-to-dcp` or a plain dcp.save."""
+    saved = build_components(seed=0)
+    train_step(saved, 1)
+    make_manager(tmp_path, saved).save(1)
+    (tmp_path / "ckpt" / "step-1" / CHECKSUMS_FILE).unlink()
+    warned = []
+    monkeypatch.setattr(checkpoint_module, "warn_once", warned.append)
+    fresh = build_components(seed=1)
+    assert make_manager(tmp_path, fresh).load()
+    assert_same(snapshot(fresh), snapshot(saved))
+    assert warned == [f"checkpoint {tmp_path / 'ckpt' / 'step-1'} has no checksums.json (saved by an older "
+                      f"version or another tool): its files are loaded without an integrity check"]
+
+
 def test_corrupt_checkpoints_raise_user_errors(pg, tmp_path):
     c = build_components(seed=0)
     manager = make_manager(tmp_path, c)
@@ -288,8 +365,15 @@ def test_corrupt_checkpoints_raise_user_errors(pg, tmp_path):
     first = files_and_bytes(tmp_path / "ckpt" / "step-1")
     step2 = tmp_path / "ckpt" / "step-2"
     shard = next(step2.glob("*.distcp"))
-    shard.write_bytes(shard.read_bytes()[: shard.stat().st_size // 2])
-    with pytest.raises(UserError, match=r"step-2 cannot be loaded \(corrupt, truncated"):
+    size = shard.stat().st_size
+    shard.write_bytes(shard.read_bytes()[: size // 2])
+    with pytest.raises(UserError, match=rf"step-2 cannot be loaded \(corrupt\): {re.escape(str(shard))} has "
+                                        rf"{size // 2} bytes with CRC32 [0-9a-f]{{8}}, but checksums\.json records "
+                                        rf"{size} bytes"):
+        make_manager(tmp_path, build_components(seed=1)).load()
+    (step2 / CHECKSUMS_FILE).write_text('{"algorithm": "crc32", "files": {"../step-1/.metadata": {}}}')
+    with pytest.raises(UserError, match=r"step-2/checksums\.json cannot be read \(ValueError: an entry is not a "
+                                        r"plain file name"):
         make_manager(tmp_path, build_components(seed=1)).load()
     (step2 / ".metadata").unlink()
     with pytest.raises(UserError, match=r"step-2 has no \.metadata file; the folder is incomplete or corrupt"):
@@ -383,18 +467,28 @@ def test_initial_load_of_the_whole_training_state(pg, tmp_path):
     assert relaunched.train_state.step == 3
 
 
+def disk_full(*args, **kwargs):
+    raise OSError(errno.ENOSPC, "No space left on device")
+
+
+def disk_full_inside_torch_save(*args, **kwargs):
+    """What torch.save raises when the disk fills under it: closing its zip writer fails in turn, and the OSError
+    is only the context of that RuntimeError."""
+    try:
+        disk_full()
+    except OSError:
+        raise RuntimeError("[enforce fail at inline_container.cc:672] . unexpected pos 704 vs 598")
+
+
+@pytest.mark.parametrize("write_item", [disk_full, disk_full_inside_torch_save])
 @pytest.mark.parametrize("mode", ["disabled", "async"])
-def test_disk_full_keeps_earlier_checkpoints(pg, tmp_path, monkeypatch, mode):
+def test_disk_full_keeps_earlier_checkpoints(pg, tmp_path, monkeypatch, mode, write_item):
     c = build_components(seed=0)
     manager = make_manager(tmp_path, c, async_mode=mode)
     manager.save(1)
     manager.close()
     first = files_and_bytes(tmp_path / "ckpt" / "step-1")
-
-    def disk_full(*args, **kwargs):
-        raise OSError(errno.ENOSPC, "No space left on device")
-
-    monkeypatch.setattr(dcp_filesystem, "_write_item", disk_full)
+    monkeypatch.setattr(dcp_filesystem, "_write_item", write_item)
     with pytest.raises(UserError, match=r"step-2\.incomplete failed: rank 0: OSError: \[Errno 28\] No space left"):
         manager.save(2)
         manager.close()
@@ -418,6 +512,7 @@ def test_model_only_last_save_in_bf16(pg, tmp_path):
 def test_seed_checkpoint(pg, tmp_path):
     seed = build_components(seed=0)
     make_manager(tmp_path, seed, create_seed_checkpoint=True).save_seed()
+    assert_manifest_matches(tmp_path / "ckpt" / "step-0")
     entries = read_metadata(tmp_path / "ckpt" / "step-0").state_dict_metadata
     assert all(key.startswith("model.") for key in entries)
     fresh = build_components(seed=1)
@@ -660,12 +755,28 @@ def fsdp_worker(rank: int, world_size: int, tmp: str) -> None:
         loaded = full_state(resumed)
         if rank == 0:
             assert_same(loaded, reference)
+        # Rank r checks files r, r + 2, ... in name order: the damage that rank 1 finds is every rank's error.
+        step = Path(tmp) / "ckpt" / "step-1"
+        victim = step / sorted(json.loads((step / CHECKSUMS_FILE).read_text())["files"])[1]
+        size = victim.stat().st_size
+        if rank == 0:
+            original = victim.read_bytes()
+            flip_middle_bytes(victim)
+        dist.barrier()
+        with pytest.raises(UserError, match=rf"{re.escape(str(victim))} has {size} bytes with CRC32 [0-9a-f]{{8}}, "
+                                            rf"but checksums\.json records {size} bytes"):
+            make_manager(Path(tmp), resumed).load()
+        # Both ranks have read their files: the check ends in a collective.
+        if rank == 0:
+            victim.write_bytes(original)
     finally:
         dist.destroy_process_group()
 
 
 def test_fsdp_save_reloads_on_two_ranks_and_one(tmp_path):
     run_forked(fsdp_worker, 2, str(tmp_path))
+    # The two ranks hashed a share of the files each.
+    assert_manifest_matches(tmp_path / "ckpt" / "step-1")
     reference = torch.load(tmp_path / "reference.pt", weights_only=True)
     with single_process_group(tmp_path):
         plain = build_components(seed=1)
@@ -742,6 +853,7 @@ def save_with_pinned_memory(root: Path) -> None:
         expected = snapshot(saved)
         train_step(saved, 2)  # while the checkpoint process writes what save() staged
         manager.close()
+        assert_manifest_matches(root / "ckpt" / "step-1")
         fresh = build_components(seed=1)
         make_manager(root, fresh).load()
         assert_same(snapshot(fresh), expected)

@@ -2,8 +2,9 @@
 
 Layout under `<dump_folder>/<checkpoint.folder>`:
 
-    step-N/                  a complete checkpoint: DCP files (`.metadata`, `__R_I.distcp`), or, for a last save
-                             with `last_save_in_hf`, a Hugging Face folder (`config.json`, `model.safetensors`)
+    step-N/                  a complete checkpoint: DCP files (`.metadata`, `__R_I.distcp`) and `checksums.json`,
+                             or, for a last save with `last_save_in_hf`, a Hugging Face folder (`config.json`,
+                             `model.safetensors`)
     step-N.incomplete/       being written, or left behind by a crash: never loaded, removed by the next save
 
 Every save is written into `step-N.incomplete`; only once DCP has finished on every rank does rank 0 rename it to
@@ -12,6 +13,11 @@ already exists (a run resumed from an earlier step reaches the same step again),
 the new one is complete: the old folder is renamed to `step-N.stale.incomplete`, the new one into place, and the old
 one deleted. A crash between those renames leaves both under `.incomplete` names, and resuming takes the previous
 complete step.
+
+DCP has no checksums: a shard damaged after the save (other bytes, same size) would load silently. So before the
+rename rank 0 writes `checksums.json` into the folder, the size and CRC32 of every file DCP wrote, and every load
+checks the files against it before DCP reads them; a checkpoint without one (an older version's, or another tool's)
+loads unchecked, with a warning.
 
 Once a new checkpoint is in place, rank 0 deletes what it supersedes:
 - `keep_latest_k` counts only full checkpoints (those holding the train state, the only ones a resume continues
@@ -43,6 +49,7 @@ rest as initialised).
 
 import contextlib
 import io
+import json
 import os
 import pickle
 import random
@@ -50,6 +57,7 @@ import re
 import shutil
 import time
 import warnings
+import zlib
 from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass
@@ -62,21 +70,26 @@ import torch.distributed.checkpoint as dcp
 from torch import nn
 from torch.distributed.checkpoint import CheckpointException, DefaultLoadPlanner, FileSystemReader
 from torch.distributed.checkpoint._traverse import set_element
+from torch.distributed.checkpoint.filesystem import _FileSystemWriter
 from torch.distributed.checkpoint.metadata import Metadata, StorageMeta, TensorStorageMetadata
-from torch.distributed.checkpoint.planner import ReadItem
+from torch.distributed.checkpoint.planner import ReadItem, SavePlan, SavePlanner
 from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, set_model_state_dict
 from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType
 from torch.distributed.checkpoint.stateful import Stateful
+from torch.distributed.checkpoint.storage import WriteResult
 
 from torchtitan.config.job_config import Checkpoint as CheckpointConfig
 from torchtitan.errors import UserError
 from torchtitan.models.llama3.args import TransformerModelArgs
 from torchtitan.models.llama3.state_dict_adapter import is_hf_folder, load_hf, save_hf
-from torchtitan.tools.logging import logger
+from torchtitan.tools.logging import logger, warn_once
 
 INCOMPLETE_SUFFIX = ".incomplete"
 METADATA_FILE = ".metadata"
+CHECKSUMS_FILE = "checksums.json"
+# Files are hashed in chunks of this size: a shard may be larger than the memory left.
+_CHECKSUM_CHUNK = 16 * 2**20
 LOADABLE_PARTS = ("model", "optimizer", "lr_scheduler", "dataloader", "train_state", "rng")
 ASYNC_MODES = ("disabled", "async", "async_with_pinned_mem")
 EXPORT_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -185,6 +198,22 @@ class SafeFileSystemReader(FileSystemReader):
         return metadata
 
 
+class _FileWriter(_FileSystemWriter):
+    """DCP's file writer (without the staging that FileSystemWriter adds: async saves stage with their own stager),
+    raising the OSError of a failed write itself. When the disk fills under torch.save, closing its zip writer fails
+    in turn with a RuntimeError ("unexpected pos ...") that hides the OSError, and DCP hands errors between ranks
+    without what they were raised while handling: a full disk would end the run with that RuntimeError's traceback
+    instead of a storage error."""
+
+    def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future[list[WriteResult]]:
+        try:
+            return super().write_data(plan, planner)
+        except RuntimeError as err:
+            if isinstance(err.__context__, OSError):
+                raise err.__context__ from None
+            raise
+
+
 def _serialize(state: Any) -> bytes:
     buffer = io.BytesIO()
     torch.save(state, buffer)
@@ -281,6 +310,96 @@ def read_metadata(checkpoint: Path) -> Metadata:
                         f"the checkpoint is corrupt") from err
 
 
+def _saved_files(folder: Path) -> list[str]:
+    """The files DCP wrote into `folder` (`.metadata` and the `.distcp` shards), sorted by name."""
+    return sorted(entry.name for entry in folder.iterdir()
+                  if entry.is_file() and (entry.name == METADATA_FILE or entry.suffix == ".distcp"))
+
+
+def _file_checksum(path: Path) -> dict[str, Any]:
+    crc = 0
+    size = 0
+    chunk = bytearray(_CHECKSUM_CHUNK)
+    view = memoryview(chunk)
+    with path.open("rb", buffering=0) as f:
+        while count := f.readinto(chunk):
+            crc = zlib.crc32(view[:count], crc)
+            size += count
+    return {"size": size, "crc32": f"{crc:08x}"}
+
+
+def _checksum_files(folder: Path, names: list[str]) -> dict[str, dict[str, Any]]:
+    return {name: _file_checksum(folder / name) for name in names}
+
+
+def _write_checksums(folder: Path, checksums: dict[str, dict[str, Any]]) -> None:
+    """Write `CHECKSUMS_FILE` into the folder about to be published, whole and durable before the rename that
+    publishes it: a complete checkpoint without its manifest would load unchecked."""
+    temp = folder / f"{CHECKSUMS_FILE}.tmp"
+    with temp.open("w") as f:
+        json.dump({"algorithm": "crc32", "files": dict(sorted(checksums.items()))}, f, indent=1)
+        f.flush()
+        os.fsync(f.fileno())
+    os.rename(temp, folder / CHECKSUMS_FILE)
+    _fsync_dir(folder)
+
+
+def _read_checksums(checkpoint: Path) -> dict[str, dict[str, Any]] | None:
+    """The manifest's entries, or None (with a warning) for a checkpoint written without one."""
+    path = checkpoint / CHECKSUMS_FILE
+    if not path.is_file():
+        warn_once(f"checkpoint {checkpoint} has no {CHECKSUMS_FILE} (saved by an older version or another tool): its "
+                  f"files are loaded without an integrity check")
+        return None
+    try:
+        files = json.loads(path.read_text())["files"]
+        # Plain names only: a crafted manifest must not make the check read files elsewhere (or /dev/zero, forever).
+        if not all(Path(name).name == name and name not in ("", ".", "..") and isinstance(entry, dict)
+                   and entry.keys() == {"size", "crc32"} for name, entry in files.items()):
+            raise ValueError("an entry is not a plain file name with its size and crc32")
+    except (OSError, ValueError, KeyError, TypeError, AttributeError) as err:
+        raise UserError(f"checkpoint {checkpoint} cannot be loaded (corrupt): {path} cannot be read "
+                        f"({_describe(err)})") from err
+    return files
+
+
+def _mismatch(checkpoint: Path, name: str, expected: dict[str, Any]) -> str | None:
+    """How the file differs from its manifest entry, or None if it matches."""
+    path = checkpoint / name
+    try:
+        actual = _file_checksum(path)
+    except OSError as err:
+        return f"{path} cannot be read ({_describe(err)})"
+    if actual == expected:
+        return None
+    return (f"{path} has {actual['size']} bytes with CRC32 {actual['crc32']}, but {CHECKSUMS_FILE} records "
+            f"{expected['size']} bytes with CRC32 {expected['crc32']}")
+
+
+def verify_checkpoint(checkpoint: Path, distributed: bool = False) -> None:
+    """Check the files of a DCP checkpoint against its `CHECKSUMS_FILE` before DCP reads them: a UserError names the
+    first damaged file with its recorded and actual size and CRC32. With `distributed`, every rank of the default
+    process group calls it and reads every W-th file (the files are on a file system that every rank sees, as DCP
+    requires), so that no rank reads the whole checkpoint, and every rank raises the same error."""
+    expected = _read_checksums(checkpoint)
+    if expected is None:
+        return
+    names = sorted(expected)
+    rank, world_size = (dist.get_rank(), dist.get_world_size()) if distributed and dist.is_initialized() else (0, 1)
+    first: tuple[int, str] | None = None
+    for index in range(rank, len(names), world_size):
+        if (problem := _mismatch(checkpoint, names[index], expected[names[index]])) is not None:
+            first = (index, problem)
+            break
+    if world_size > 1:
+        outcomes: list[tuple[int, str] | None] = [None] * world_size
+        dist.all_gather_object(outcomes, first)
+        first = min((outcome for outcome in outcomes if outcome is not None), default=None)
+    if first is not None:
+        raise UserError(f"checkpoint {checkpoint} cannot be loaded (corrupt): {first[1]}; the file changed after the "
+                        f"checkpoint was saved")
+
+
 def _dcp_load(state_dict: dict[str, Any], checkpoint: Path, no_dist: bool = False) -> None:
     try:
         dcp.load(state_dict, checkpoint_id=checkpoint, storage_reader=SafeFileSystemReader(checkpoint),
@@ -294,6 +413,7 @@ def read_full_checkpoint(checkpoint: Path) -> dict[str, Any]:
     """Every entry of a DCP checkpoint, unsharded, in this process alone: the optimizer's hyperparameters and the
     data loader's state unpacked into plain values, as the trainer restores them."""
     metadata = read_metadata(checkpoint)
+    verify_checkpoint(checkpoint)
     # The template DCP loads into, nested as saved: tensors of the saved shapes, placeholders for the rest.
     state_dict: dict[str, Any] = {}
     for key, entry in metadata.state_dict_metadata.items():
@@ -317,9 +437,12 @@ def without_collectives():
         yield
 
 
-def read_full_model(checkpoint: Path) -> dict[str, torch.Tensor]:
-    """The `model.*` tensors of a DCP checkpoint, unsharded, on CPU, in this process alone (no collectives)."""
+def read_full_model(checkpoint: Path, verify: bool = True) -> dict[str, torch.Tensor]:
+    """The `model.*` tensors of a DCP checkpoint, unsharded, on CPU, in this process alone (no collectives).
+    `verify=False` skips the check against `CHECKSUMS_FILE`, for a folder this job has just written without one."""
     metadata = read_metadata(checkpoint)
+    if verify:
+        verify_checkpoint(checkpoint)
     prefix = "model."
     state_dict = {key: torch.empty(tuple(entry.size), dtype=entry.properties.dtype)
                   for key, entry in metadata.state_dict_metadata.items()
@@ -478,6 +601,7 @@ class CheckpointManager:
             logger.warning(f"{checkpoint} is a Hugging Face export: it holds only the model weights")
             return self._load_hf_model(checkpoint) if "model" in wanted else []
         saved = read_metadata(checkpoint).state_dict_metadata
+        verify_checkpoint(checkpoint, distributed=True)
         present = [part for part in wanted if self._is_saved(part, saved)]
         skipped = [part for part in wanted if part not in present and part != "rng"]
         if skipped:
@@ -485,6 +609,9 @@ class CheckpointManager:
         if "model" in present:
             self._check_model_shapes(checkpoint, saved)
         state_dict = {self._key(part): self._load_template(part, saved) for part in present}
+        files = list(checkpoint.glob("*.distcp"))
+        logger.info(f"Loading {', '.join(present)} from {checkpoint} ({len(files)} files, "
+                    f"{sum(f.stat().st_size for f in files) / 2**30:.2f} GiB)")
         _dcp_load(state_dict, checkpoint)
         for part in present:
             try:
@@ -606,26 +733,32 @@ class CheckpointManager:
         self._on_rank0(self._remove_leftovers, f"cleaning up {self.folder} before saving step {step}")
         if self.config.async_mode == "disabled":
             try:
-                dcp.save(state_dict, checkpoint_id=staging)
+                dcp.save(state_dict, checkpoint_id=staging, storage_writer=_FileWriter(staging))
+                checksums = self._gather_checksums(staging)
             except (Exception, CheckpointException) as err:
                 self._raise_save_error(err, step, staging)
-            self._on_rank0(lambda: self._publish(step), f"publishing checkpoint {staging}")
+            self._on_rank0(lambda: self._publish(step, checksums), f"publishing checkpoint {staging}")
             return
         started = time.perf_counter()
         if self._stager is not None:
-            upload = dcp.async_save(state_dict, checkpoint_id=staging, process_group=self._async_group,
+            upload = dcp.async_save(state_dict, checkpoint_id=staging, storage_writer=_FileWriter(staging),
+                                    process_group=self._async_group,
                                     async_checkpointer_type=AsyncCheckpointerType.PROCESS, async_stager=self._stager)
         else:
-            upload = dcp.async_save(state_dict, checkpoint_id=staging, process_group=self._async_group)
+            upload = dcp.async_save(state_dict, checkpoint_id=staging, storage_writer=_FileWriter(staging),
+                                    process_group=self._async_group)
         completed: Future = Future()
 
         def finish(upload: Future) -> None:
             # Runs in the background once this rank's part is written; on rank 0 that is after DCP gathered every
-            # rank's results and wrote .metadata, so the folder is complete and may be published.
+            # rank's results and wrote .metadata, so the folder is complete and may be published. The ranks'
+            # callbacks run independently, in background threads, and meet in no collective (one on the default
+            # group could interleave with the training loop's), so rank 0 hashes every rank's files itself, still in
+            # the background: only synchronous saves share the reading among the ranks.
             try:
                 upload.result()
                 if self.rank == 0:
-                    self._publish(step)
+                    self._publish(step, _checksum_files(staging, _saved_files(staging)))
                 logger.info(f"Checkpoint {self._step_path(step)} written in the background in "
                             f"{time.perf_counter() - started:.2f} s")
                 completed.set_result(None)
@@ -652,6 +785,33 @@ class CheckpointManager:
         raise UserError(f"saving the checkpoint of step {step} into {staging} failed: {_describe(err)}; earlier "
                         f"checkpoints in {self.folder} are untouched") from err
 
+    def _gather_checksums(self, staging: Path) -> dict[str, dict[str, Any]]:
+        """Checksums of the files DCP wrote into `staging`, for `_publish` on rank 0. Every rank calls it and hashes
+        every W-th file, sorted by name as rank 0 lists them (another host's view of the shared folder may lag
+        behind), so that no rank reads the whole checkpoint. A rank that cannot read makes every rank raise."""
+        if not dist.is_initialized() or dist.get_world_size() == 1:
+            return _checksum_files(staging, _saved_files(staging))
+        world_size = dist.get_world_size()
+        listing: list[Any] = [None]
+        if self.rank == 0:
+            try:
+                listing = [_saved_files(staging)]
+            except OSError as err:
+                listing = [f"rank 0: {_describe(err)}"]
+        dist.broadcast_object_list(listing, src=0)
+        share = listing[0]
+        if not isinstance(share, str):
+            try:
+                share = _checksum_files(staging, share[self.rank::world_size])
+            except OSError as err:
+                share = f"rank {self.rank}: {_describe(err)}"
+        shares: list[Any] = [None] * world_size
+        dist.all_gather_object(shares, share)
+        errors = list(dict.fromkeys(share for share in shares if isinstance(share, str)))
+        if errors:
+            raise OSError(f"reading back the files for {CHECKSUMS_FILE} failed: {'; '.join(errors)}")
+        return {name: checksum for share in shares for name, checksum in share.items()}
+
     def _on_rank0(self, action: Callable[[], None], what: str) -> None:
         """Run a filesystem action on rank 0 alone. The broadcast of its outcome doubles as a barrier, and makes
         every rank raise if it failed, rather than leave the others waiting in the next collective."""
@@ -676,9 +836,13 @@ class CheckpointManager:
                 logger.info(f"Removing {entry}, left by an interrupted save")
                 shutil.rmtree(entry)
 
-    def _publish(self, step: int) -> None:
+    def _publish(self, step: int, checksums: dict[str, dict[str, Any]] | None = None) -> None:
+        """Rename `step-N.incomplete` to `step-N`, after writing `checksums` (of a DCP checkpoint; an HF export's
+        safetensors need none) into it."""
         final = self._step_path(step)
         staging = _incomplete(final)
+        if checksums is not None:
+            _write_checksums(staging, checksums)
         if final.exists():
             logger.warning(f"Replacing the existing checkpoint {final} by the one just saved")
             stale = _incomplete(final.with_name(final.name + ".stale"))
@@ -764,13 +928,13 @@ class CheckpointManager:
         scratch = _incomplete(final.with_name(final.name + ".dcp"))
         self._on_rank0(self._remove_leftovers, f"cleaning up {self.folder} before saving step {step}")
         try:
-            dcp.save({"model": self.model.state_dict()}, checkpoint_id=scratch)
+            dcp.save({"model": self.model.state_dict()}, checkpoint_id=scratch, storage_writer=_FileWriter(scratch))
         except (Exception, CheckpointException) as err:
             self._raise_save_error(err, step, scratch)
         if self.rank != 0:
             return
         try:
-            save_hf(_incomplete(final), read_full_model(scratch), self.model_args,
+            save_hf(_incomplete(final), read_full_model(scratch, verify=False), self.model_args,
                     EXPORT_DTYPES[self.config.export_dtype])
             shutil.rmtree(scratch)
             self._publish(step)

@@ -12,7 +12,6 @@ from torch.distributed.tensor import Replicate, Shard
 from torch.distributed.tensor.parallel import (ColwiseParallel, PrepareModuleInput, RowwiseParallel,
                                                SequenceParallel, parallelize_module)
 
-from torchtitan.errors import UserError
 
 
 def apply_tp(model: nn.Module, tp_mesh: DeviceMesh, *, loss_parallel: bool, async_tp: bool) -> None:
@@ -48,10 +47,8 @@ def apply_tp(model: nn.Module, tp_mesh: DeviceMesh, *, loss_parallel: bool, asyn
 
 
 def enable_async_tp(tp_mesh: DeviceMesh) -> None:
-    """Let inductor fuse TP collectives with matmuls through symmetric memory (CUDA + NCCL + compile)."""
-    if tp_mesh.device_type != "cuda":
-        raise UserError("option parallelism.enable_async_tensor_parallel: async TP needs CUDA GPUs with NCCL "
-                        "(symmetric memory); this run is on the CPU. Turn it off, or run on GPUs")
+    """Let inductor fuse TP collectives with matmuls through symmetric memory (CUDA + NCCL + compile; checked by
+    validate_parallelism)."""
     from torch.distributed._symmetric_memory import enable_symm_mem_for_group
 
     torch._inductor.config._micro_pipeline_tp = True

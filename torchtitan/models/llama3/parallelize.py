@@ -38,11 +38,15 @@ def validate_parallelism(args: TransformerModelArgs, parallel_dims: ParallelDims
     if config.validation.enable and config.validation.seq_len % multiple:
         raise UserError(f"option validation.seq_len: {config.validation.seq_len} must be divisible by {multiple} "
                         f"(as training.seq_len)")
+    if config.parallelism.enable_async_tensor_parallel:
+        if device_type != "cuda":
+            raise UserError("option parallelism.enable_async_tensor_parallel: async TP needs CUDA GPUs with NCCL "
+                            f"(symmetric memory); this run is on the {device_type.upper()}. Turn it off, or run on GPUs")
+        if not config.compile.enable:
+            raise UserError("option parallelism.enable_async_tensor_parallel: async TP is a compiler pass; it needs "
+                            "compile.enable = true")
     check_compile(config.compile.enable and "model" in config.compile.components, parallel_dims.tp_enabled,
                   device_type)
-    if config.parallelism.enable_async_tensor_parallel and not config.compile.enable:
-        raise UserError("option parallelism.enable_async_tensor_parallel: async TP is a compiler pass; it needs "
-                        "compile.enable = true")
 
 
 def parallelize_llama(model: nn.Module, world_mesh: DeviceMesh, parallel_dims: ParallelDims,
