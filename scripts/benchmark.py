@@ -42,6 +42,7 @@ import statistics
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -293,18 +294,24 @@ def compare_with_hf(trainer: Trainer, state_dict: dict, batches: list[list[Batch
     }
 
 
-def main(argv: list[str] | None = None) -> int:
+def json_main(run_benchmark: Callable[[list[str]], dict], argv: list[str] | None) -> int:
+    """Run a benchmark on the command line's arguments and print its result as one JSON line (rank 0); a user
+    mistake is one error line and exit code 2."""
     init_logger()
     # stdout carries only the JSON line: whatever a library prints while the models run joins the log on stderr.
     with contextlib.redirect_stdout(sys.stderr):
         try:
-            result = run(sys.argv[1:] if argv is None else argv)
+            result = run_benchmark(sys.argv[1:] if argv is None else argv)
         except UserError as e:
             logger.error(f"error: {e}")
             return 2
     if int(os.environ.get("RANK", "0")) == 0:
         print(json.dumps(result), flush=True)
     return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    return json_main(run, argv)
 
 
 if __name__ == "__main__":

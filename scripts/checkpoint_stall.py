@@ -34,7 +34,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import gc
-import json
 import os
 import statistics
 import sys
@@ -49,11 +48,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import torch  # noqa: E402
 
-from scripts.benchmark import default_threads, describe_config  # noqa: E402
+from scripts.benchmark import default_threads, describe_config, json_main  # noqa: E402
 from torchtitan.components.checkpoint import ASYNC_MODES, complete_steps  # noqa: E402
 from torchtitan.config import JobConfig, parse_args  # noqa: E402
 from torchtitan.errors import UserError  # noqa: E402
-from torchtitan.tools.logging import init_logger, logger  # noqa: E402
+from torchtitan.tools.logging import logger  # noqa: E402
 from torchtitan.train import Trainer  # noqa: E402
 
 DEFAULT_CONFIG_FILE = Path(__file__).resolve().parent.parent / "train_configs" / "debug_model.toml"
@@ -185,16 +184,7 @@ def run(argv: list[str]) -> dict:
 
 
 def main(argv: list[str] | None = None) -> int:
-    init_logger()
-    # stdout carries only the JSON line: whatever is printed while the trainers run joins the log on stderr.
-    with contextlib.redirect_stdout(sys.stderr):
-        try:
-            result = run(sys.argv[1:] if argv is None else argv)
-        except UserError as e:
-            logger.error(f"error: {e}")
-            return 2
-    print(json.dumps(result), flush=True)
-    return 0
+    return json_main(run, argv)
 
 
 if __name__ == "__main__":

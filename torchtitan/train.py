@@ -326,7 +326,10 @@ class Trainer:
                 if step == 1 or step % config.metrics.log_freq == 0 or last_step:
                     self._log_step(step, loss, grad_norm, lr, batch_tokens, window)
                 if config.validation.enable and (step % config.validation.freq == 0 or last_step):
+                    validation_start = time.perf_counter()
                     self.metrics.log(step, self.validate(step))
+                    # Validation is not training: keep it out of the next logged tokens/s.
+                    window["time"] += time.perf_counter() - validation_start
                 self.checkpointer.save(step, last_step=last_step and not self.preempted, force=self.preempted)
                 if profiler is not None:
                     profiler.step()
