@@ -54,8 +54,8 @@ def test_run_train_sh_trains_the_debug_model(tmp_path):
         assert all(math.isfinite(row[key]) for key in STEP_KEYS), row
         assert row["tps"] > 0 and row["tflops"] > 0 and row["mfu"] > 0 and row["memory_gib"] > 0, row
         assert row["grad_norm"] > 0 and row["lr"] > 0, row
-    # debug_model.toml: lr 3e-3 after 5 warmup steps; the first update uses 1/6 of it.
-    assert train_rows[0]["lr"] == pytest.approx(3e-3 / 6)
+    # debug_model.toml: lr 1e-3 after 5 warmup steps; the first update uses 1/6 of it.
+    assert train_rows[0]["lr"] == pytest.approx(1e-3 / 6)
     # Measured on CPU (seed 0): 8.33 at step 1, 6.38-6.90 over the last three logged steps.
     loss = losses(rows)
     assert sum(loss[-3:]) / 3 < loss[0] - 1.0, loss
