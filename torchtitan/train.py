@@ -336,7 +336,8 @@ class Trainer:
                 if memory_profiler is not None:
                     memory_profiler.step()
                 if self.preempted:
-                    saved = (f"checkpoint {self.checkpointer.folder / f'step-{step}'} written" if config.checkpoint.enable
+                    saved = (f"checkpoint {self.checkpointer.folder / f'step-{step}'} written"
+                             if config.checkpoint.enable
                              else "NO checkpoint written (checkpoint.enable = false): a relaunch starts over")
                     logger.warning(f"SIGTERM received: stopped after step {step}, {saved}; exiting")
                     break
