@@ -314,16 +314,19 @@ def test_every_save_writes_a_manifest_of_its_files(pg, tmp_path, mode):
         assert_manifest_matches(tmp_path / "ckpt" / step)
 
 
+def two_checkpoints(tmp_path: Path) -> tuple[dict[str, bytes], Path, Path]:
+    """Saves step-1 and step-2; returns step-1's files (to check they stay untouched), step-2's folder and a shard."""
+    manager = make_manager(tmp_path, build_components(seed=0))
+    manager.save(1)
+    manager.save(2)
+    step2 = tmp_path / "ckpt" / "step-2"
+    return files_and_bytes(tmp_path / "ckpt" / "step-1"), step2, next(step2.glob("*.distcp"))
+
+
 def test_flipped_bytes_in_a_shard_name_the_file(pg, tmp_path):
     """Same size, other bytes: DCP would load them as weights. Resuming reports the damage of the latest checkpoint
     rather than pass it over, and neither it nor the previous one is touched."""
-    c = build_components(seed=0)
-    manager = make_manager(tmp_path, c)
-    manager.save(1)
-    manager.save(2)
-    first = files_and_bytes(tmp_path / "ckpt" / "step-1")
-    step2 = tmp_path / "ckpt" / "step-2"
-    shard = next(step2.glob("*.distcp"))
+    first, step2, shard = two_checkpoints(tmp_path)
     recorded = json.loads((step2 / CHECKSUMS_FILE).read_text())["files"][shard.name]
     flip_middle_bytes(shard)
     damaged = files_and_bytes(step2)
@@ -358,13 +361,7 @@ def test_checkpoint_without_manifest_loads_with_a_warning(pg, tmp_path, monkeypa
 
 
 def test_corrupt_checkpoints_raise_user_errors(pg, tmp_path):
-    c = build_components(seed=0)
-    manager = make_manager(tmp_path, c)
-    manager.save(1)
-    manager.save(2)
-    first = files_and_bytes(tmp_path / "ckpt" / "step-1")
-    step2 = tmp_path / "ckpt" / "step-2"
-    shard = next(step2.glob("*.distcp"))
+    first, step2, shard = two_checkpoints(tmp_path)
     size = shard.stat().st_size
     shard.write_bytes(shard.read_bytes()[: size // 2])
     with pytest.raises(UserError, match=rf"step-2 cannot be loaded \(corrupt\): {re.escape(str(shard))} has "

@@ -83,6 +83,7 @@ from torchtitan.config.job_config import Checkpoint as CheckpointConfig
 from torchtitan.errors import UserError
 from torchtitan.models.llama3.args import TransformerModelArgs
 from torchtitan.models.llama3.state_dict_adapter import is_hf_folder, load_hf, save_hf
+from torchtitan.tools.files import atomic_write
 from torchtitan.tools.logging import logger, warn_once
 
 INCOMPLETE_SUFFIX = ".incomplete"
@@ -335,12 +336,8 @@ def _checksum_files(folder: Path, names: list[str]) -> dict[str, dict[str, Any]]
 def _write_checksums(folder: Path, checksums: dict[str, dict[str, Any]]) -> None:
     """Write `CHECKSUMS_FILE` into the folder about to be published, whole and durable before the rename that
     publishes it: a complete checkpoint without its manifest would load unchecked."""
-    temp = folder / f"{CHECKSUMS_FILE}.tmp"
-    with temp.open("w") as f:
+    with atomic_write(folder / CHECKSUMS_FILE) as f:
         json.dump({"algorithm": "crc32", "files": dict(sorted(checksums.items()))}, f, indent=1)
-        f.flush()
-        os.fsync(f.fileno())
-    os.rename(temp, folder / CHECKSUMS_FILE)
     _fsync_dir(folder)
 
 
@@ -675,15 +672,13 @@ class CheckpointManager:
     # ------------------------------------------------------------------------------------------------------------
     # Saving
 
-    def save(self, step: int, last_step: bool = False, force: bool = False) -> float | None:
+    def save(self, step: int, last_step: bool = False, force: bool = False) -> None:
         """Checkpoint after `step` if it is due: every `interval` steps, at step 1 with
-        `enable_first_step_checkpoint`, at the last step, or when `force`d (a preempted run).
-
-        Returns how long the call kept the training loop waiting, in seconds (also appended to `blocked_s`), or
-        None if no save was due. With an async mode that includes waiting for the previous background save.
-        """
+        `enable_first_step_checkpoint`, at the last step, or when `force`d (a preempted run). How long the call kept
+        the training loop waiting is appended to `blocked_s` (with an async mode, waiting for the previous background
+        save included)."""
         if not self._is_due(step, last_step, force):
-            return None
+            return
         begin = time.perf_counter()
         if last_step and self.config.last_save_in_hf:
             self._save_hf_export(step)
@@ -696,7 +691,6 @@ class CheckpointManager:
         self.blocked_s.append(blocked)
         logger.info(f"Checkpoint of step {step}: the training loop was blocked {blocked:.3f} s "
                     f"(async_mode {self.config.async_mode})")
-        return blocked
 
     def save_seed(self, step: int = 0) -> None:
         """Write the initialised model alone as `step-<step>`, for runs that must all start from the same weights."""

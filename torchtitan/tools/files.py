@@ -10,15 +10,17 @@ from typing import IO
 
 @contextlib.contextmanager
 def atomic_write(path: str | os.PathLike, mode: str = "w", **open_args) -> Iterator[IO]:
-    """Open a temporary file beside `path` and rename it onto `path` once the block completes: a crash, a full
-    disk or a concurrent writer (ranks writing the same file) never leaves a half-written `path`, and a failed
-    block leaves what was there before."""
+    """Open a temporary file beside `path` and rename it onto `path` once the block completes and the file is on
+    disk (fsync): a crash, a full disk or a concurrent writer (ranks writing the same file) never leaves a
+    half-written `path`, and a failed block leaves what was there before."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, temp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
     try:
         with os.fdopen(fd, mode, **open_args) as f:
             yield f
+            f.flush()
+            os.fsync(f.fileno())
         os.replace(temp, path)
     except BaseException:
         with contextlib.suppress(FileNotFoundError):
