@@ -15,6 +15,7 @@ from collections.abc import Iterator
 
 import torch
 import torch.distributed as dist
+from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import loss_parallel
 
@@ -31,6 +32,7 @@ from torchtitan.config import JobConfig, parse_args, save_config, to_toml
 from torchtitan.distributed import utils as dist_utils
 from torchtitan.distributed.compile import compile_loss
 from torchtitan.distributed.context_parallel import context_parallel_context
+from torchtitan.distributed.fake import host_values
 from torchtitan.distributed.fsdp import TORCH_DTYPES
 from torchtitan.distributed.parallel_dims import ParallelDims
 from torchtitan.distributed.pipeline_parallel import pipeline_llama
@@ -49,7 +51,13 @@ class NonFiniteError(UserError):
 class Trainer:
     def __init__(self, config: JobConfig):
         self.config = config
-        self.device = dist_utils.init_distributed(config.comm.init_timeout_seconds, config.comm.trace_buf_size)
+        # A dry run (comm.mode = fake_backend, torchtitan/dry_run.py) plays one rank of a large world on fake
+        # tensors: no tokenizer or data, and the code paths of the device it stands in for.
+        self.dry_run = config.comm.mode == "fake_backend"
+        self.device = dist_utils.init_distributed(config.comm.init_timeout_seconds, config.comm.trace_buf_size,
+                                                  fake_rank=(config.comm.fake_rank, config.comm.fake_world_size)
+                                                  if self.dry_run else None)
+        self.target_device_type = config.comm.fake_device if self.dry_run else self.device.type
         self.rank, world_size = dist.get_rank(), dist.get_world_size()
         self.parallel_dims = ParallelDims.from_config(config.parallelism, world_size)
         self.world_mesh = self.parallel_dims.build_mesh(self.device.type)
@@ -62,17 +70,21 @@ class Trainer:
         self.seed = dist_utils.set_determinism(config.debug.seed, config.debug.deterministic,
                                                config.debug.deterministic_warn_only, self.device)
 
-        self.tokenizer = build_model_tokenizer(config.model)
-        self.model_args = model_args_for(config.model.flavor, config.training.seq_len, self.tokenizer.vocab_size)
-        validate_parallelism(self.model_args, self.parallel_dims, config, self.device.type)
+        # A dry run trains on the flavor's own vocabulary (128,256 for Llama 3.1), as with Meta's tokenizer.
+        self.tokenizer = None if self.dry_run else build_model_tokenizer(config.model)
+        self.model_args = dataclasses.replace(
+            model_args_for(config.model.flavor, config.training.seq_len,
+                           self.tokenizer.vocab_size if self.tokenizer else None),
+            attention_device=self.target_device_type)
+        validate_parallelism(self.model_args, self.parallel_dims, config, self.target_device_type)
         self.grad_accumulation_steps = self._grad_accumulation_steps()
-        self.dataloader = self._build_dataloader(config.training.dataset, config.training.dataset_path,
-                                                 config.training.local_batch_size, config.training.seq_len,
-                                                 infinite=config.training.dataset_loop, section="training")
+        self.dataloader = None if self.dry_run else self._build_dataloader(
+            config.training.dataset, config.training.dataset_path, config.training.local_batch_size,
+            config.training.seq_len, infinite=config.training.dataset_loop, section="training")
 
         with torch.device("meta"):
             model = Transformer(self.model_args)
-        apply_float8(model, config)
+        self.float8_layers = apply_float8(model, config)
         if config.model.print_after_conversion:
             logger.info(f"Model after conversion:\n{model}")
         self.num_params = count_parameters(model)
@@ -88,10 +100,16 @@ class Trainer:
         else:
             self.model_parts = [parallelize_llama(model, self.world_mesh, self.parallel_dims, config)]
             self.has_first_stage = self.has_last_stage = True
-        for part in self.model_parts:
-            part.to_empty(device=self.device)
-            dist_utils.init_model_weights(part, self.seed, self.device)
-            part.train()
+        # A dry run materialises the model as fake tensors (shapes, no storage); its steps run in the same mode.
+        self.fake_mode = FakeTensorMode(allow_non_fake_inputs=True) if self.dry_run else None
+        with self.fake_mode or contextlib.nullcontext():
+            for part in self.model_parts:
+                part.to_empty(device=self.device)
+                if self.dry_run:
+                    part.init_buffers(self.device)  # fake weights have no values to initialise
+                else:
+                    dist_utils.init_model_weights(part, self.seed, self.device)
+                part.train()
 
         self.loss_fn = cross_entropy_sum
         if config.compile.enable and "loss" in config.compile.components:
@@ -213,7 +231,7 @@ class Trainer:
         summary = torch.stack([loss.float() / self.parallel_dims.tp, nonfinite.float(),
                                torch.tensor(float(self.preempt_requested), device=self.device)])
         dist.all_reduce(summary)
-        global_loss, any_nonfinite, any_preempted = summary.tolist()
+        global_loss, any_nonfinite, any_preempted = host_values(summary)
         self.preempted = any_preempted > 0
         step = self.train_state.step + 1
         if any_nonfinite:
@@ -229,7 +247,7 @@ class Trainer:
             precompute_float8_scales(self.model_parts, self.config)
         lr = self.lr_schedulers.last_lr
         self.lr_schedulers.step()
-        return global_loss, grad_norm_value.item(), lr
+        return global_loss, host_values(grad_norm_value.reshape(1))[0], lr
 
     # ----------------------------------------------------------------------------------------------------------
     # Validation
@@ -416,6 +434,11 @@ def main(argv: list[str] | None = None) -> int:
             os.makedirs(config.job.dump_folder, exist_ok=True)
         except OSError as e:
             raise UserError(f"option job.dump_folder: cannot create {config.job.dump_folder}: {e}") from None
+        if config.comm.mode == "fake_backend":
+            from torchtitan.dry_run import run as dry_run
+
+            dry_run(config)
+            return 0
         trainer = Trainer(config)
         trainer.train()
     except NonFiniteError as e:

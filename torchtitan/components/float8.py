@@ -29,10 +29,11 @@ def _should_convert(module: nn.Module, fqn: str, filter_fqns: list[str], emulate
     return emulate or module.in_features * module.out_features >= _MIN_REAL_KERNEL_WEIGHTS
 
 
-def apply_float8(model: nn.Module, config: JobConfig) -> None:
-    """Swap eligible nn.Linear modules for torchao's Float8Linear (no-op unless the converter is configured)."""
+def apply_float8(model: nn.Module, config: JobConfig) -> list[str]:
+    """Swap eligible nn.Linear modules for torchao's Float8Linear (no-op unless the converter is configured);
+    returns the names of the converted layers."""
     if not float8_enabled(config):
-        return
+        return []
     cfg = config.quantize.linear.float8
     if torch.cuda.is_available() and not cfg.emulate and torch.cuda.get_device_capability() < (8, 9):
         raise UserError("option model.converters: float8 needs a GPU of compute capability 8.9+ (H100, L4, ...); "
@@ -66,6 +67,7 @@ def apply_float8(model: nn.Module, config: JobConfig) -> None:
                         f"excludes more; use a larger model, or quantize.linear.float8.emulate = true to study "
                         f"float8 numerics on any layer")
     logger.info(f"Float8 ({recipe}{', emulated' if cfg.emulate else ''}): converted {len(converted)} linear layers")
+    return converted
 
 
 def precompute_float8_scales(model_parts: list[nn.Module], config: JobConfig) -> None:

@@ -329,6 +329,21 @@ class Comm:
     trace_buf_size: int = 20000
     """Entries of the NCCL flight recorder (GPU runs)."""
 
+    mode: Literal["default", "fake_backend"] = "default"
+    """fake_backend: a dry run. One process plays rank comm.fake_rank of a world of comm.fake_world_size ranks on torch's fake process group with fake tensors (no GPU, data, tokenizer or checkpoint needed), runs two training steps of the configured layout, and reports that rank's peak memory by category and every collective of one step in dump_folder/dry_run.json (docs/scaling.md)."""
+
+    fake_rank: int = 0
+    """Dry run: the rank this process plays."""
+
+    fake_world_size: int = 0
+    """Dry run: the number of ranks (GPUs) of the world; 0 = the NGPU environment variable."""
+
+    fake_device: Literal["cuda", "cpu"] = "cuda"
+    """Dry run: the device whose code paths (attention layout, float8 kernels, async TP) the run takes."""
+
+    fake_gpu: str = "h100"
+    """Dry run on cuda: the GPU whose memory the peak must fit in (h100, h100_96gb, h200, a100, b200; see docs/scaling.md)."""
+
 
 @dataclass
 class Debug:

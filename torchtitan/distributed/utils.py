@@ -10,6 +10,7 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, distribute_tensor
 
+from torchtitan.distributed.fake import init_fake_process_group
 from torchtitan.models.llama3.model import parameter_generator
 from torchtitan.tools.logging import logger
 
@@ -28,12 +29,18 @@ def backend_for(device_kind: str) -> str:
     return "nccl" if device_kind == "cuda" else "gloo"
 
 
-def init_distributed(init_timeout_seconds: int, trace_buf_size: int = 0) -> torch.device:
+def init_distributed(init_timeout_seconds: int, trace_buf_size: int = 0,
+                     fake_rank: tuple[int, int] | None = None) -> torch.device:
     """Join the process group that torchrun set up (or a one-process group without torchrun).
 
     The store is prefixed with torchrun's restart count: after an elastic restart, the agent's store still holds
     the previous attempt's addresses, and gloo would otherwise try to connect to the dead processes.
+    `fake_rank = (rank, world_size)`: a dry run's process plays that rank on the fake backend, on the CPU.
     """
+    if fake_rank is not None:
+        init_fake_process_group(*fake_rank)
+        _timeout_in_force["joining"] = False
+        return torch.device("cpu")
     kind = device_type()
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
     device = torch.device(kind, local_rank) if kind == "cuda" else torch.device("cpu")

@@ -23,6 +23,9 @@ class TransformerModelArgs:
     max_seq_len: int = 131072
     """Longest sequence the model supports; the RoPE table is built for training.seq_len."""
     rope_len: int = 131072
+    attention_device: str | None = None
+    """Device type whose attention layout to use (cpu: grouped K/V heads into SDPA; cuda: expanded heads); None =
+    the tensors' own device. A dry run on CPU tensors sets cuda to take (and account for) the GPU layout."""
 
     @property
     def head_dim(self) -> int:

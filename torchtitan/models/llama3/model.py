@@ -54,6 +54,7 @@ class Attention(nn.Module):
     def __init__(self, args: TransformerModelArgs):
         super().__init__()
         self.head_dim = args.head_dim
+        self.attention_device = args.attention_device
         self.wq = nn.Linear(args.dim, args.n_heads * self.head_dim, bias=False)
         self.wk = nn.Linear(args.dim, args.kv_heads * self.head_dim, bias=False)
         self.wv = nn.Linear(args.dim, args.kv_heads * self.head_dim, bias=False)
@@ -69,7 +70,8 @@ class Attention(nn.Module):
         # while the embedding output holds only a slice of it.
         rope = rope[:seqlen]
         q, k = apply_rotary_emb(q, rope), apply_rotary_emb(k, rope)
-        out = causal_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2))
+        out = causal_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
+                               self.attention_device or q.device.type)
         return self.wo(out.transpose(1, 2).reshape(bsz, seqlen, -1))
 
 
@@ -77,9 +79,10 @@ class Attention(nn.Module):
 CPU_BF16_ATTENTION_MIN_HEAD_DIM = 64
 
 
-def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-    """Causal SDPA over (batch, heads, seq, head_dim), with fewer (grouped) K/V heads than query heads."""
-    if q.device.type != "cpu":
+def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, device_type: str) -> torch.Tensor:
+    """Causal SDPA over (batch, heads, seq, head_dim), with fewer (grouped) K/V heads than query heads, in the
+    layout that is fastest on `device_type`."""
+    if device_type != "cpu":
         # CUDA's cuDNN and memory-efficient kernels take no grouped K/V: expanded heads keep every kernel eligible.
         n_rep = q.shape[1] // k.shape[1]
         k, v = k.repeat_interleave(n_rep, dim=1), v.repeat_interleave(n_rep, dim=1)

@@ -1,0 +1,215 @@
+"""What a full-scale dry run needs from torch.distributed: one process playing one rank of a large world.
+
+- `init_fake_process_group`: torch's `fake` backend (every collective returns at once) for a world of any size.
+- `CollectiveCounter`: every collective the rank issues, by kind and mesh dimension, with the bytes it moves.
+- `StepMemoryTracker`: torch's own memory trackers (`FSDPMemTracker`, `MemTracker`) over this rank's model parts,
+  made to accept what a pipeline stage does: several roots, several optimizers, one forward per micro-batch.
+
+All of it runs under `FakeTensorMode`: tensors have shapes and dtypes but no storage, so a 405B model's rank fits
+in a laptop's memory. See torchtitan/dry_run.py for the run itself and docs/scaling.md for its use.
+"""
+
+import contextlib
+from collections import defaultdict
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch._subclasses.fake_tensor import FakeTensorMode, unset_fake_temporarily
+from torch.distributed._tools.fake_collectives import CollectiveOp, collective_ops, sync_ops
+from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker
+from torch.distributed._tools.mem_tracker import MemTracker
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.fsdp import FSDPModule
+from torch.utils._python_dispatch import TorchDispatchMode
+
+# Importing the module registers the `fake` backend with torch.distributed.
+from torch.testing._internal.distributed.fake_pg import FakeStore  # noqa: E402
+
+GIB = 2**30
+
+
+def init_fake_process_group(rank: int, world_size: int) -> None:
+    dist.init_process_group("fake", rank=rank, world_size=world_size, store=FakeStore())
+
+
+def is_fake(t: torch.Tensor) -> bool:
+    from torch._subclasses.fake_tensor import is_fake as _is_fake
+    return _is_fake(t)
+
+
+def host_values(t: torch.Tensor) -> list[float]:
+    """`t.tolist()` for a 1-D tensor; a fake tensor (dry run) has no values: it reads as zeros (finite, no stop)."""
+    if is_fake(t):
+        return [0.0] * t.numel()
+    return t.tolist()
+
+
+# Collectives FSDP, TP, CP and PP issue, by the name this report gives them.
+_KIND = {
+    "allgather": "all_gather", "all_gather": "all_gather", "reduce_scatter": "reduce_scatter",
+    "allreduce": "all_reduce", "all_reduce": "all_reduce", "broadcast": "broadcast", "alltoall": "all_to_all",
+    "all_to_all": "all_to_all", "shard_dim_alltoall": "all_to_all", "send": "send", "recv": "recv",
+    "batch_p2p": "p2p", "gather": "gather", "scatter": "scatter", "reduce": "reduce", "barrier": "barrier",
+}
+
+
+def _kind_of(func: torch._ops.OpOverload) -> str:
+    name = func._schema.name.split("::", 1)[1].strip("_")
+    for prefix, kind in _KIND.items():
+        if name.startswith(prefix):
+            return kind
+    return name
+
+
+class CollectiveCounter(TorchDispatchMode):
+    """Counts each collective this rank issues, grouped by (kind, mesh dimension): calls and bytes.
+
+    Bytes are those of the buffer the collective works on, as torch's own `CollectiveOp` sizes it: the gathered
+    output of an all-gather, the unreduced input of a reduce-scatter, the tensor of an all-reduce or a send.
+    """
+
+    def __init__(self, mesh: DeviceMesh):
+        super().__init__()
+        self._dim_of_group = self._group_names(mesh)
+        self.records: dict[tuple[str, str], dict[str, int]] = defaultdict(lambda: {"count": 0, "bytes": 0})
+
+    @staticmethod
+    def _group_names(mesh: DeviceMesh) -> dict[str, str]:
+        names = {}
+        dims = list(mesh.mesh_dim_names or ())
+        root = mesh._get_root_mesh() if hasattr(mesh, "_get_root_mesh") else mesh
+        flattened = list(getattr(root, "_flatten_mapping", {}) or {})
+        for dim in dims + [d for d in flattened if d not in dims]:
+            try:
+                sub = mesh[dim]
+            except (KeyError, RuntimeError, ValueError):
+                continue
+            if sub.size() > 1:
+                names.setdefault(sub.get_group().group_name, dim)
+        names.setdefault(dist.group.WORLD.group_name, "world")
+        return names
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        result = func(*args, **(kwargs or {}))
+        if func in collective_ops and func not in sync_ops:
+            group = CollectiveOp.get_process_group(func, args)
+            dim = self._dim_of_group.get(group.group_name, f"group {group.group_name}")
+            record = self.records[(_kind_of(func), dim)]
+            record["count"] += 1
+            record["bytes"] += CollectiveOp.get_comm_tensor_size(func, result, args, kwargs)
+        return result
+
+    def summary(self) -> list[dict[str, Any]]:
+        return [{"kind": kind, "mesh_dim": dim, **record}
+                for (kind, dim), record in sorted(self.records.items(), key=lambda item: -item[1]["bytes"])]
+
+
+@contextlib.contextmanager
+def separate_sharding_propagation() -> Iterator[None]:
+    """DTensor learns an op's output shape by running it on fake tensors of the global shape, in the fake mode
+    it finds active. In a dry run that is the run's own mode, where the memory trackers would count those
+    global-shape tensors (a full-vocabulary fp32 copy of the logits, say) as this rank's memory. Give the
+    propagation a fake mode of its own, which the trackers skip."""
+    from torch.distributed.tensor._sharding_prop import ShardingPropagator
+
+    original = ShardingPropagator._propagate_tensor_meta_non_cached
+    propagation_mode = FakeTensorMode()
+
+    def propagate(self, op_schema):
+        with unset_fake_temporarily(), propagation_mode:
+            return original(self, op_schema)
+
+    ShardingPropagator._propagate_tensor_meta_non_cached = propagate
+    try:
+        yield
+    finally:
+        ShardingPropagator._propagate_tensor_meta_non_cached = original
+
+
+class _RootsPerMicroBatch:
+    """A pipeline stage's module is entered once per micro-batch, from the schedule rather than from a parent
+    module; torch's trackers take a second root-level forward for the next iteration and refuse it. Forget the
+    root's per-module statistics at each entry (the tracker's global peak, which is what the dry run reads, is kept).
+    """
+
+    _roots: set[nn.Module]
+
+    def _forget_root(self, module: nn.Module) -> None:
+        if module in self._roots and not self._mod_tracker.is_bw:
+            self.memory_tracking.pop(module, None)
+
+
+class _FSDPStageMemTracker(_RootsPerMicroBatch, FSDPMemTracker):
+    def __init__(self, parts: list[nn.Module], optimizers: list[torch.optim.Optimizer]):
+        super().__init__(parts[0])
+        # Several roots (interleaved schedules hold several stages): iterated only for their modules and buffers.
+        self._root_mod = nn.ModuleList(parts)
+        self._roots = set(parts)
+        self._optimizers = optimizers
+
+    def _fsdp_state_pre_forward(self, fsdp_mod, orig_fsdp_state_pre_fw):
+        inner = super()._fsdp_state_pre_forward(fsdp_mod, orig_fsdp_state_pre_fw)
+
+        def pre_forward(*args, **kwargs):
+            self._forget_root(fsdp_mod)
+            return inner(*args, **kwargs)
+        return pre_forward
+
+    def _instrument_optimizer(self) -> None:
+        handles = []
+        for optimizer in self._optimizers:
+            self._optm = optimizer
+            super()._instrument_optimizer()
+            handles.extend(self._optimizer_hook_handles)
+        self._optimizer_hook_handles = tuple(handles)
+
+
+class _PlainStageMemTracker(_RootsPerMicroBatch, MemTracker):
+    def __init__(self, parts: list[nn.Module], optimizers: list[torch.optim.Optimizer]):
+        super().__init__()
+        self._roots = set(parts)
+        self.track_external(*parts, *optimizers)
+
+    def _pre_fw_hook(self, module: nn.Module, inputs: Any) -> None:
+        self._forget_root(module)
+        super()._pre_fw_hook(module, inputs)
+
+
+# Tracker categories -> the report's categories.
+_CATEGORY = {
+    "Sharded Param": "parameters", "Unsharded Param": "parameters_unsharded", "Parameter": "parameters",
+    "Buffer": "buffers", "Sharded Grad": "gradients", "Unsharded Grad": "gradients_unsharded",
+    "Gradient": "gradients", "Activation": "activations", "Temp": "temporaries", "All Gather": "all_gather_buffers",
+    "Reduce Scatter": "reduce_scatter_buffers", "Optstate": "optimizer_state", "OptState": "optimizer_state", "Inputs": "inputs",
+    "Other": "other",
+}
+
+
+class StepMemoryTracker:
+    """The peak memory of this rank's model parts and optimizers over what runs inside the `with` block, by
+    category, from `FSDPMemTracker` when the parts are FSDP modules, else from the generic `MemTracker`."""
+
+    def __init__(self, parts: list[nn.Module], optimizers: list[torch.optim.Optimizer]):
+        tracker_class = _FSDPStageMemTracker if isinstance(parts[0], FSDPModule) else _PlainStageMemTracker
+        self._tracker = tracker_class(parts, optimizers)
+
+    def __enter__(self) -> "StepMemoryTracker":
+        self._tracker.__enter__()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._tracker.__exit__(*exc)
+
+    def peak_by_category(self) -> dict[str, int]:
+        """Bytes per category at the moment the total peaked (all devices of this rank together)."""
+        by_category: dict[str, int] = defaultdict(int)
+        for device_snapshot in self._tracker.get_tracker_snapshot("peak").values():
+            for key, value in device_snapshot.items():
+                name = getattr(key, "value", key)
+                if name == "Total":
+                    continue
+                by_category[_CATEGORY.get(name, str(name))] += value
+        return dict(by_category)

@@ -1,0 +1,163 @@
+"""A full-scale dry run: one process plays one rank of a world of any size, on fake tensors and the fake backend.
+
+    NGPU=512 COMM_MODE=fake_backend CONFIG_FILE=train_configs/llama3_405b.toml ./run_train.sh
+    python -m torchtitan.train --job.config_file ... --comm.mode fake_backend --comm.fake_world_size 512 \
+        --comm.fake_rank 0
+
+The real `Trainer` is built (mesh, model on meta, Float8, the pipeline split, TP, AC, FSDP, optimizer) inside
+`FakeTensorMode`: tensors have shapes and dtypes but no storage, and every collective returns at once. Two
+training steps run on fake batches of the configured shape; the second one is measured (the first creates the
+optimizer state): this rank's peak memory by category from torch's own trackers, and every collective of the step.
+The report goes to `<dump_folder>/dry_run.json` and the log. No tokenizer, data or checkpoint is read or written.
+
+What a dry run does not execute: `torch.compile` (the blocks run eagerly: the memory is eager's, an upper bound
+for compile), and the numerics (fake tensors have no values: the loss and gradient norm read as zero).
+"""
+
+import dataclasses
+import json
+import os
+import time
+from pathlib import Path
+
+import torch
+
+from torchtitan.config import JobConfig
+from torchtitan.distributed.fake import GIB, CollectiveCounter, StepMemoryTracker, separate_sharding_propagation
+from torchtitan.errors import UserError
+from torchtitan.planner.hardware import gpu_named
+from torchtitan.tools.logging import logger
+
+REPORT_FILE = "dry_run.json"
+
+
+def resolve_world(config: JobConfig) -> tuple[int, int]:
+    """(rank, world size) of the dry run, from comm.fake_rank and comm.fake_world_size (or NGPU)."""
+    world_size = config.comm.fake_world_size
+    if world_size == 0:
+        ngpu = os.environ.get("NGPU", "")
+        if not ngpu.isdigit() or int(ngpu) < 1:
+            raise UserError(f"option comm.fake_world_size: not set, and NGPU = {ngpu!r} is not a positive integer; "
+                            f"give the number of GPUs to dry-run, e.g. --comm.fake_world_size 512 or NGPU=512")
+        world_size = int(ngpu)
+    if world_size < 1:
+        raise UserError(f"option comm.fake_world_size: {world_size} must be a positive integer (or 0 for NGPU)")
+    rank = config.comm.fake_rank
+    if not 0 <= rank < world_size:
+        raise UserError(f"option comm.fake_rank: {rank} is not a rank of a world of {world_size} (valid: 0 to "
+                        f"{world_size - 1})")
+    return rank, world_size
+
+
+def dry_run_config(config: JobConfig, world_size: int) -> JobConfig:
+    """The run's config with everything that reads or writes files turned off."""
+    peak_flops = config.metrics.peak_flops
+    if config.comm.fake_device == "cuda" and not peak_flops:
+        peak_flops = gpu_named(config.comm.fake_gpu, "comm.fake_gpu").bf16_flops
+    return dataclasses.replace(
+        config,
+        comm=dataclasses.replace(config.comm, fake_world_size=world_size),
+        checkpoint=dataclasses.replace(config.checkpoint, enable=False),
+        validation=dataclasses.replace(config.validation, enable=False),
+        profiling=dataclasses.replace(config.profiling, enable_profiling=False, enable_memory_snapshot=False),
+        metrics=dataclasses.replace(config.metrics, enable_tensorboard=False, enable_wandb=False,
+                                    peak_flops=peak_flops or 1.0),
+    )
+
+
+def fake_batches(trainer) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Random token ids of the configured shape, one batch per accumulation step."""
+    training = trainer.config.training
+    shape = (training.local_batch_size, training.seq_len)
+    vocab = trainer.model_args.vocab_size
+    return [(torch.randint(0, vocab, shape), torch.randint(0, vocab, shape))
+            for _ in range(trainer.grad_accumulation_steps)]
+
+
+def run(config: JobConfig) -> dict:
+    """Dry-run one rank; returns the report (also written to <dump_folder>/dry_run.json)."""
+    from torchtitan.train import Trainer  # the trainer imports this module's caller
+
+    start = time.perf_counter()
+    rank, world_size = resolve_world(config)
+    config = dry_run_config(config, world_size)
+    gpu = gpu_named(config.comm.fake_gpu, "comm.fake_gpu") if config.comm.fake_device == "cuda" else None
+    logger.info(f"Dry run: rank {rank} of {world_size} on the fake backend, fake tensors, "
+                f"{config.comm.fake_device} code paths" + (f", {gpu.description}" if gpu else ""))
+    with separate_sharding_propagation():
+        trainer = Trainer(config)
+        report = _run_steps(trainer, rank, world_size, gpu, start)
+    path = Path(config.job.dump_folder) / REPORT_FILE
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(report, indent=2) + "\n")
+    _log_summary(report, path)
+    if gpu is not None and report["peak_memory_gib"] > gpu.memory_gib:
+        raise UserError(f"dry run: rank {rank} needs {report['peak_memory_gib']:.1f} GiB at its peak (tensors only, "
+                        f"before the allocator's overhead), more than the {gpu.memory_gib} GiB of one {gpu.name} "
+                        f"(comm.fake_gpu): the run would fail with CUDA out of memory. Shard more (FSDP/TP/PP), "
+                        f"checkpoint activations (activation_checkpoint.mode), or lower training.local_batch_size")
+    return report
+
+
+def _run_steps(trainer, rank: int, world_size: int, gpu, start: float) -> dict:
+    """Two training steps on fake batches; the second is measured (the first creates the optimizer state and
+    lets a pipeline learn its stage shapes)."""
+    with trainer.fake_mode:
+        batches = fake_batches(trainer)
+        trainer.train_step(batches)
+        counter = CollectiveCounter(trainer.world_mesh)
+        with StepMemoryTracker(trainer.model_parts, trainer.optimizers.optimizers) as memory, counter:
+            trainer.train_step(batches)
+    return _report(trainer, rank, world_size, memory.peak_by_category(), counter, time.perf_counter() - start, gpu)
+
+
+def _report(trainer, rank: int, world_size: int, by_category: dict[str, int], counter: CollectiveCounter,
+            seconds: float, gpu) -> dict:
+    config, dims = trainer.config, trainer.parallel_dims
+    peak = sum(by_category.values())
+    pp_rank = trainer.world_mesh["pp"].get_local_rank()
+    return {
+        "world_size": world_size,
+        "rank": rank,
+        "flavor": config.model.flavor,
+        "layout": {"pp": dims.pp, "dp_replicate": dims.dp_replicate, "dp_shard": dims.dp_shard, "cp": dims.cp,
+                   "tp": dims.tp},
+        "pipeline_rank": pp_rank,
+        "pipeline_stages": _stage_ids(trainer),
+        "pipeline_schedule": config.parallelism.pipeline_parallel_schedule if dims.pp_enabled else None,
+        "first_stage": trainer.has_first_stage,
+        "last_stage": trainer.has_last_stage,
+        "local_batch_size": config.training.local_batch_size,
+        "seq_len": config.training.seq_len,
+        "activation_checkpoint": config.activation_checkpoint.mode,
+        "float8": bool(trainer.float8_layers),
+        "target_device": config.comm.fake_device,
+        "gpu": gpu.name if gpu else None,
+        "gpu_memory_gib": gpu.memory_gib if gpu else None,
+        "parameters": trainer.num_params,
+        "flops_per_token": trainer.flops_per_token,
+        "peak_memory_gib": peak / GIB,
+        "memory_gib_by_category": {name: value / GIB for name, value in sorted(by_category.items())},
+        "collectives": counter.summary(),
+        "seconds": seconds,
+    }
+
+
+def _stage_ids(trainer) -> list[int]:
+    schedule = trainer.pp_schedule
+    if schedule is None:
+        return [0]
+    stages = getattr(schedule, "_stages", None) or [schedule._stage]
+    return [stage.stage_index for stage in stages]
+
+
+def _log_summary(report: dict, path: Path) -> None:
+    lines = [f"Dry run of rank {report['rank']} of {report['world_size']} (pipeline rank {report['pipeline_rank']}, "
+             f"stages {report['pipeline_stages']}): peak {report['peak_memory_gib']:.2f} GiB"
+             + (f" of {report['gpu_memory_gib']} GiB ({report['gpu']})" if report["gpu"] else "")]
+    lines += [f"  {name:<24} {gib:9.3f} GiB" for name, gib in report["memory_gib_by_category"].items() if gib]
+    lines.append("Collectives of one step:")
+    lines += [f"  {c['kind']:<15} over {c['mesh_dim']:<14} {c['count']:6d} calls {c['bytes'] / GIB:10.3f} GiB"
+              for c in report["collectives"]]
+    lines.append(f"Written to {path} ({report['seconds']:.1f} s)")
+    logger.info("\n".join(lines))

@@ -1,0 +1,1 @@
+"""Planning a cluster before renting it: GPU specs, the performance model, and the search over layouts."""

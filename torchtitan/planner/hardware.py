@@ -1,0 +1,46 @@
+"""Published specifications of the GPUs the planner and the dry run know (vendor datasheets, dense figures).
+
+Memory is what the device reports as total (`torch.cuda.mem_get_info`), in GiB. Bandwidths are per GPU and per
+direction: NVLink within a host, the RDMA network card(s) between hosts.
+"""
+
+from dataclasses import dataclass
+
+from torchtitan.errors import UserError
+
+
+@dataclass(frozen=True)
+class GPU:
+    name: str
+    description: str
+    memory_gib: float
+    bf16_flops: float
+    fp8_flops: float
+    hbm_bytes_per_s: float
+    nvlink_bytes_per_s: float
+    rdma_bytes_per_s: float
+    gpus_per_host: int = 8
+
+
+GPUS: dict[str, GPU] = {gpu.name: gpu for gpu in (
+    GPU("h100", "H100 SXM 80 GB (HBM3, 700 W), NVLink 4, 400 Gb/s RDMA per GPU", memory_gib=79.6,
+        bf16_flops=989e12, fp8_flops=1979e12, hbm_bytes_per_s=3.35e12, nvlink_bytes_per_s=450e9,
+        rdma_bytes_per_s=50e9),
+    GPU("h100_96gb", "H100 96 GB (HBM2e, 2.4 TB/s, 500 W power limit; TorchTitan's Grand Teton hosts), NVLink 4, "
+        "400 Gb/s RDMA per GPU", memory_gib=95.6, bf16_flops=989e12, fp8_flops=1979e12, hbm_bytes_per_s=2.4e12,
+        nvlink_bytes_per_s=450e9, rdma_bytes_per_s=50e9),
+    GPU("h200", "H200 SXM 141 GB (HBM3e), NVLink 4, 400 Gb/s RDMA per GPU", memory_gib=139.8, bf16_flops=989e12,
+        fp8_flops=1979e12, hbm_bytes_per_s=4.8e12, nvlink_bytes_per_s=450e9, rdma_bytes_per_s=50e9),
+    GPU("a100", "A100 SXM 80 GB, NVLink 3, 200 Gb/s RDMA per GPU (no float8)", memory_gib=79.2,
+        bf16_flops=312e12, fp8_flops=0.0, hbm_bytes_per_s=2.04e12, nvlink_bytes_per_s=300e9,
+        rdma_bytes_per_s=25e9),
+    GPU("b200", "B200 180 GB (HBM3e), NVLink 5, 400 Gb/s RDMA per GPU", memory_gib=178.4, bf16_flops=2250e12,
+        fp8_flops=4500e12, hbm_bytes_per_s=8e12, nvlink_bytes_per_s=900e9, rdma_bytes_per_s=50e9),
+)}
+
+
+def gpu_named(name: str, option: str) -> GPU:
+    gpu = GPUS.get(name.lower())
+    if gpu is None:
+        raise UserError(f"option {option}: unknown GPU {name!r}; valid: {', '.join(GPUS)}")
+    return gpu
