@@ -3,6 +3,8 @@
 #   NGPU         processes to start (default: the GPUs present, else 1)
 #   CONFIG_FILE  TOML config (default: the debug model)
 #   LOG_RANK     comma-separated ranks whose output is shown (default: 0)
+#   COMM_MODE    fake_backend: a dry run. ONE process plays rank 0 of NGPU ranks on fake tensors, with no GPU, data
+#                or checkpoint, and reports memory and communication (docs/scaling.md); torchrun is not used
 # Extra arguments go to the trainer, e.g.  ./run_train.sh --training.steps 20 --parallelism.tensor_parallel_degree 2
 set -euo pipefail
 
@@ -12,6 +14,11 @@ if [ -z "${NGPU:-}" ]; then
 fi
 CONFIG_FILE=${CONFIG_FILE:-"$(dirname "$0")/train_configs/debug_model.toml"}
 LOG_RANK=${LOG_RANK:-0}
+
+if [ -n "${COMM_MODE:-}" ]; then
+  exec python -m torchtitan.train --job.config_file "$CONFIG_FILE" --comm.mode "$COMM_MODE" \
+    --comm.fake_world_size "$NGPU" "$@"
+fi
 
 exec python -m torchtitan.launch --nproc_per_node="$NGPU" --rdzv_backend c10d --rdzv_endpoint="localhost:0" \
   --local-ranks-filter "$LOG_RANK" --role rank --tee 3 \

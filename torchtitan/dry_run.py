@@ -17,16 +17,23 @@ for compile), and the numerics (fake tensors have no values: the loss and gradie
 import dataclasses
 import json
 import os
+import subprocess
+import sys
+import tempfile
 import time
 from pathlib import Path
 
 import torch
 
-from torchtitan.config import JobConfig
-from torchtitan.distributed.fake import GIB, CollectiveCounter, StepMemoryTracker, separate_sharding_propagation
+from torchtitan.config import JobConfig, parse_args, to_toml
+from torchtitan.distributed.fake import (GIB, CollectiveCounter, StepMemoryTracker, separate_sharding_propagation,
+                                        static_pipeline_warmup)
+from torchtitan.distributed.parallel_dims import ParallelDims
 from torchtitan.errors import UserError
+from torchtitan.models.llama3.args import model_args_for
+from torchtitan.models.llama3.parallelize import validate_parallelism
 from torchtitan.planner.hardware import gpu_named
-from torchtitan.tools.logging import logger
+from torchtitan.tools.logging import init_logger, logger
 
 REPORT_FILE = "dry_run.json"
 
@@ -50,13 +57,19 @@ def resolve_world(config: JobConfig) -> tuple[int, int]:
 
 
 def dry_run_config(config: JobConfig, world_size: int) -> JobConfig:
-    """The run's config with everything that reads or writes files turned off."""
+    """The run's config, checked as the real run would check it, then with what a dry run does not execute turned
+    off: everything that reads or writes files, torch.compile and async TP (compiler passes: the blocks run
+    eagerly, whose memory bounds the compiled blocks' from above; the collectives are the same)."""
+    validate_parallelism(model_args_for(config.model.flavor, config.training.seq_len),
+                         ParallelDims.from_config(config.parallelism, world_size), config, config.comm.fake_device)
     peak_flops = config.metrics.peak_flops
     if config.comm.fake_device == "cuda" and not peak_flops:
         peak_flops = gpu_named(config.comm.fake_gpu, "comm.fake_gpu").bf16_flops
     return dataclasses.replace(
         config,
         comm=dataclasses.replace(config.comm, fake_world_size=world_size),
+        compile=dataclasses.replace(config.compile, enable=False),
+        parallelism=dataclasses.replace(config.parallelism, enable_async_tensor_parallel=False),
         checkpoint=dataclasses.replace(config.checkpoint, enable=False),
         validation=dataclasses.replace(config.validation, enable=False),
         profiling=dataclasses.replace(config.profiling, enable_profiling=False, enable_memory_snapshot=False),
@@ -75,31 +88,86 @@ def fake_batches(trainer) -> list[tuple[torch.Tensor, torch.Tensor]]:
 
 
 def run(config: JobConfig) -> dict:
-    """Dry-run one rank; returns the report (also written to <dump_folder>/dry_run.json)."""
-    from torchtitan.train import Trainer  # the trainer imports this module's caller
+    """Dry-run one rank; returns the report (also written to <dump_folder>/dry_run.json).
 
+    Under pipeline parallelism the first and the last stage hold different modules (the embedding; the norm,
+    output layer and loss) and activations: the rank of the other end of the pipeline is dry-run too, and both
+    peaks are reported.
+    """
     start = time.perf_counter()
     rank, world_size = resolve_world(config)
-    config = dry_run_config(config, world_size)
+    traced_config = dry_run_config(config, world_size)
     gpu = gpu_named(config.comm.fake_gpu, "comm.fake_gpu") if config.comm.fake_device == "cuda" else None
     logger.info(f"Dry run: rank {rank} of {world_size} on the fake backend, fake tensors, "
                 f"{config.comm.fake_device} code paths" + (f", {gpu.description}" if gpu else ""))
-    with separate_sharding_propagation():
-        trainer = Trainer(config)
-        report = _run_steps(trainer, rank, world_size, gpu, start)
+    report = _dry_run_rank(traced_config, rank, world_size, gpu)
+    report.update(compile=config.compile.enable, async_tp=config.parallelism.enable_async_tensor_parallel)
+    if report["layout"]["pp"] > 1:
+        stage_peaks = {report["pipeline_rank"]: report["peak_memory_gib"]}
+        other = _other_end_of_pipeline(rank, world_size, report)
+        if other is not None:
+            other_report = _dry_run_rank_in_new_process(traced_config, other)
+            stage_peaks[other_report["pipeline_rank"]] = other_report["peak_memory_gib"]
+            report["other_end_of_pipeline"] = {key: other_report[key] for key in (
+                "rank", "pipeline_rank", "pipeline_stages", "peak_memory_gib", "memory_gib_by_category")}
+        first, last = stage_peaks.get(0, report["peak_memory_gib"]), stage_peaks.get(max(stage_peaks))
+        report["pipeline_stage_memory_gib"] = {"first": first, "last": last}
+        report["max_peak_memory_gib"] = max(stage_peaks.values())
+    else:
+        report["max_peak_memory_gib"] = report["peak_memory_gib"]
+    report["seconds"] = time.perf_counter() - start
     path = Path(config.job.dump_folder) / REPORT_FILE
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(report, indent=2) + "\n")
     _log_summary(report, path)
-    if gpu is not None and report["peak_memory_gib"] > gpu.memory_gib:
-        raise UserError(f"dry run: rank {rank} needs {report['peak_memory_gib']:.1f} GiB at its peak (tensors only, "
+    if gpu is not None and report["max_peak_memory_gib"] > gpu.memory_gib:
+        raise UserError(f"dry run: a rank needs {report['max_peak_memory_gib']:.1f} GiB at its peak (tensors only, "
                         f"before the allocator's overhead), more than the {gpu.memory_gib} GiB of one {gpu.name} "
                         f"(comm.fake_gpu): the run would fail with CUDA out of memory. Shard more (FSDP/TP/PP), "
                         f"checkpoint activations (activation_checkpoint.mode), or lower training.local_batch_size")
     return report
 
 
-def _run_steps(trainer, rank: int, world_size: int, gpu, start: float) -> dict:
+def _other_end_of_pipeline(rank: int, world_size: int, report: dict) -> int | None:
+    """The rank that holds the last stage if `rank` holds the first, and the reverse (same coordinates on the
+    other mesh dimensions); None when one pipeline rank holds both (V-shaped schedules)."""
+    pp = report["layout"]["pp"]
+    stages = report["pipeline_stages"]
+    num_stages = report["pipeline_num_stages"]
+    if 0 in stages and num_stages - 1 in stages:
+        return None
+    ranks_per_stage = world_size // pp
+    holder_of_last = (num_stages - 1) % pp
+    other_pp_rank = holder_of_last if 0 in stages else 0
+    return other_pp_rank * ranks_per_stage + rank % ranks_per_stage
+
+
+def _dry_run_rank_in_new_process(config: JobConfig, rank: int) -> dict:
+    """A second rank in a process of its own: torch keeps per-world state (process-group names in its caches)
+    that a second fake world in this process would trip over."""
+    with tempfile.TemporaryDirectory(prefix="dry-run-") as folder:
+        config_file, report_file = Path(folder) / "config.toml", Path(folder) / REPORT_FILE
+        config_file.write_text(to_toml(config))
+        proc = subprocess.run([sys.executable, "-m", "torchtitan.dry_run", str(config_file), str(rank),
+                               str(report_file)], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        if proc.returncode or not report_file.exists():
+            raise RuntimeError(f"the dry run of rank {rank} failed:\n{proc.stdout[-4000:]}")
+        return json.loads(report_file.read_text())
+
+
+def _dry_run_rank(config: JobConfig, rank: int, world_size: int, gpu) -> dict:
+    from torchtitan.train import Trainer  # the trainer calls this module
+
+    with separate_sharding_propagation(), static_pipeline_warmup():
+        trainer = Trainer(config)
+        try:
+            return _run_steps(trainer, rank, world_size, gpu)
+        finally:
+            # A second rank of the same run (the other end of the pipeline) joins a new fake world.
+            trainer.close()
+
+
+def _run_steps(trainer, rank: int, world_size: int, gpu) -> dict:
     """Two training steps on fake batches; the second is measured (the first creates the optimizer state and
     lets a pipeline learn its stage shapes)."""
     with trainer.fake_mode:
@@ -108,11 +176,11 @@ def _run_steps(trainer, rank: int, world_size: int, gpu, start: float) -> dict:
         counter = CollectiveCounter(trainer.world_mesh)
         with StepMemoryTracker(trainer.model_parts, trainer.optimizers.optimizers) as memory, counter:
             trainer.train_step(batches)
-    return _report(trainer, rank, world_size, memory.peak_by_category(), counter, time.perf_counter() - start, gpu)
+    return _report(trainer, rank, world_size, memory.peak_by_category(), counter, gpu)
 
 
 def _report(trainer, rank: int, world_size: int, by_category: dict[str, int], counter: CollectiveCounter,
-            seconds: float, gpu) -> dict:
+            gpu) -> dict:
     config, dims = trainer.config, trainer.parallel_dims
     peak = sum(by_category.values())
     pp_rank = trainer.world_mesh["pp"].get_local_rank()
@@ -124,6 +192,7 @@ def _report(trainer, rank: int, world_size: int, by_category: dict[str, int], co
                    "tp": dims.tp},
         "pipeline_rank": pp_rank,
         "pipeline_stages": _stage_ids(trainer),
+        "pipeline_num_stages": _num_stages(trainer),
         "pipeline_schedule": config.parallelism.pipeline_parallel_schedule if dims.pp_enabled else None,
         "first_stage": trainer.has_first_stage,
         "last_stage": trainer.has_last_stage,
@@ -139,7 +208,6 @@ def _report(trainer, rank: int, world_size: int, by_category: dict[str, int], co
         "peak_memory_gib": peak / GIB,
         "memory_gib_by_category": {name: value / GIB for name, value in sorted(by_category.items())},
         "collectives": counter.summary(),
-        "seconds": seconds,
     }
 
 
@@ -151,13 +219,32 @@ def _stage_ids(trainer) -> list[int]:
     return [stage.stage_index for stage in stages]
 
 
+def _num_stages(trainer) -> int:
+    schedule = trainer.pp_schedule
+    return 1 if schedule is None else schedule._num_stages
+
+
 def _log_summary(report: dict, path: Path) -> None:
     lines = [f"Dry run of rank {report['rank']} of {report['world_size']} (pipeline rank {report['pipeline_rank']}, "
              f"stages {report['pipeline_stages']}): peak {report['peak_memory_gib']:.2f} GiB"
              + (f" of {report['gpu_memory_gib']} GiB ({report['gpu']})" if report["gpu"] else "")]
     lines += [f"  {name:<24} {gib:9.3f} GiB" for name, gib in report["memory_gib_by_category"].items() if gib]
+    if "other_end_of_pipeline" in report:
+        other = report["other_end_of_pipeline"]
+        lines.append(f"Other end of the pipeline, rank {other['rank']} (pipeline rank {other['pipeline_rank']}, "
+                     f"stages {other['pipeline_stages']}): peak {other['peak_memory_gib']:.2f} GiB")
     lines.append("Collectives of one step:")
     lines += [f"  {c['kind']:<15} over {c['mesh_dim']:<14} {c['count']:6d} calls {c['bytes'] / GIB:10.3f} GiB"
               for c in report["collectives"]]
     lines.append(f"Written to {path} ({report['seconds']:.1f} s)")
     logger.info("\n".join(lines))
+
+
+if __name__ == "__main__":
+    # One rank of a dry run whose config was written by `run`: python -m torchtitan.dry_run CONFIG RANK REPORT
+    init_logger()
+    one_rank_config = parse_args(["--job.config_file", sys.argv[1], "--comm.fake_rank", sys.argv[2]])
+    gpu_of_run = (gpu_named(one_rank_config.comm.fake_gpu, "comm.fake_gpu")
+                  if one_rank_config.comm.fake_device == "cuda" else None)
+    rank_report = _dry_run_rank(one_rank_config, int(sys.argv[2]), one_rank_config.comm.fake_world_size, gpu_of_run)
+    Path(sys.argv[3]).write_text(json.dumps(rank_report))

@@ -129,6 +129,27 @@ def separate_sharding_propagation() -> Iterator[None]:
         ShardingPropagator._propagate_tensor_meta_non_cached = original
 
 
+@contextlib.contextmanager
+def static_pipeline_warmup() -> Iterator[None]:
+    """At its first step a pipeline schedule lets its stages vote, over point-to-point messages, whether all of
+    them know their shapes (static) or must exchange them (dynamic). The fake backend delivers no message, so the
+    vote cannot be read; a dry run gives every stage its shapes (`static_stage_shapes`), which is the static case."""
+    from torch.distributed.pipelining._utils import InferenceMode
+    from torch.distributed.pipelining.schedules import _PipelineSchedule
+
+    original = _PipelineSchedule._warmup_p2p
+
+    def warmup(self, stages, has_backward, p2p_done):
+        for stage in stages:
+            stage._inference_mode = InferenceMode.STATIC
+
+    _PipelineSchedule._warmup_p2p = warmup
+    try:
+        yield
+    finally:
+        _PipelineSchedule._warmup_p2p = original
+
+
 class _RootsPerMicroBatch:
     """A pipeline stage's module is entered once per micro-batch, from the schedule rather than from a parent
     module; torch's trackers take a second root-level forward for the next iteration and refuse it. Forget the

@@ -28,7 +28,7 @@ from torch.distributed.pipelining.schedules import (FORWARD, PipelineScheduleMul
                                                     ScheduleZBVZeroBubble, _Action, _add_send_recv,
                                                     _add_unshard_reshard, _PipelineSchedule, _PipelineScheduleRuntime,
                                                     get_schedule_class)
-from torch.distributed.tensor import DTensor
+from torch.distributed.tensor import DTensor, Shard
 
 from torchtitan.config.job_config import JobConfig
 from torchtitan.distributed.parallel_dims import ParallelDims
@@ -189,7 +189,9 @@ def pipeline_llama(model: nn.Module, world_mesh: DeviceMesh, parallel_dims: Para
     for stage_id in stage_ids_for_rank(pp_rank, pp_degree, plan.num_stages, plan.v_shaped):
         part = parallelize_llama(build_stage_module(model, plan.stage_names[stage_id]), world_mesh,
                                  parallel_dims, config)
-        stages.append(PipelineStage(part, stage_id, plan.num_stages, device, group=pp_mesh.get_group()))
+        shapes = (static_stage_shapes(part, config, parallel_dims, world_mesh)
+                  if config.comm.mode == "fake_backend" else {})
+        stages.append(PipelineStage(part, stage_id, plan.num_stages, device, group=pp_mesh.get_group(), **shapes))
         parts.append(part)
         logger.info(f"pipeline stage {stage_id} of {plan.num_stages} on pp rank {pp_rank}: "
                     f"{_describe(plan.stage_names[stage_id])}")
@@ -197,6 +199,44 @@ def pipeline_llama(model: nn.Module, world_mesh: DeviceMesh, parallel_dims: Para
     logger.info(f"pipeline schedule {plan.schedule_name}: {plan.num_stages} stages on {pp_degree} ranks, "
                 f"{plan.n_microbatches} micro-batches of {config.parallelism.pipeline_parallel_microbatch_size}")
     return schedule, parts, any(stage.is_first for stage in stages), any(stage.is_last for stage in stages)
+
+
+def static_stage_shapes(stage: nn.Module, config: JobConfig, parallel_dims: ParallelDims,
+                        world_mesh: DeviceMesh) -> dict[str, tuple[torch.Tensor, ...]]:
+    """A stage's inputs, outputs and their gradients as meta tensors, for a run that cannot learn them from its
+    neighbours at the first step: a dry run, whose fake backend carries no data.
+
+    Between stages travel plain hidden states (micro-batch, seq / cp / tp, dim): sequence-parallel blocks return
+    local shards; their dtype is FSDP/DDP's param_dtype, or fp32 under autocast (the embedding's output starts the
+    residual stream in fp32). The last stage returns logits, vocabulary-sharded DTensors under loss parallelism.
+    """
+    from torchtitan.distributed.fsdp import TORCH_DTYPES
+
+    args, training = stage.args, config.training
+    micro_batch = config.parallelism.pipeline_parallel_microbatch_size
+    tokens = training.seq_len // parallel_dims.cp
+    wrapped = parallel_dims.fsdp_enabled or parallel_dims.ddp_enabled
+    dtype = TORCH_DTYPES[training.mixed_precision_param] if wrapped else torch.float32
+    hidden = torch.empty(micro_batch, tokens // parallel_dims.tp, args.dim, dtype=dtype, device="meta",
+                         requires_grad=True)
+    if stage.tok_embeddings is not None:
+        inputs = torch.empty(micro_batch, tokens, dtype=torch.int64, device="meta")
+    else:
+        inputs = hidden
+    if stage.output is None:
+        outputs = hidden
+    else:
+        logits_dtype = dtype if wrapped or training.mixed_precision_param == "float32" else \
+            TORCH_DTYPES[training.mixed_precision_param]
+        if parallel_dims.tp_enabled and not config.parallelism.disable_loss_parallel:
+            local = torch.empty(micro_batch, tokens, args.vocab_size // parallel_dims.tp, dtype=logits_dtype,
+                                device="meta", requires_grad=True)
+            outputs = DTensor.from_local(local, world_mesh["tp"], [Shard(2)], run_check=False)
+        else:
+            outputs = torch.empty(micro_batch, tokens, args.vocab_size, dtype=logits_dtype, device="meta",
+                                  requires_grad=True)
+    return {"input_args": (inputs,), "output_args": (outputs,),
+            "input_grads": (None if stage.tok_embeddings is not None else hidden,), "output_grads": (outputs,)}
 
 
 def _plain_loss(loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
