@@ -1,10 +1,10 @@
 """Activation checkpointing of transformer blocks: full, every N-th block, or per op.
 
-Per-op mode keeps the outputs of the expensive ops (matmuls, attention, reduce-scatters) and recomputes the cheap
-element-wise rest in backward: most of the memory saving of full checkpointing for a fraction of its recompute.
+Per-op mode keeps the outputs of attention, of the reduce-scatters and of every other matmul of a block (the 1st,
+3rd, ...: wq, wv, w1, w2), and recomputes the rest in backward: the element-wise ops, which are cheap, and the other
+matmuls (wk, wo, w3), whose outputs would cost as much memory as the saved ones. TorchTitan's per-op policy makes
+the same trade, so the recipes of both compare like for like.
 """
-
-import functools
 
 import torch
 from torch import nn
@@ -26,8 +26,22 @@ _OPS_TO_SAVE = {
 }
 
 
-def _save_expensive_ops(ctx, op, *args, **kwargs) -> CheckpointPolicy:
-    return CheckpointPolicy.MUST_SAVE if op in _OPS_TO_SAVE else CheckpointPolicy.PREFER_RECOMPUTE
+def _per_op_policy():
+    """A fresh policy for one block: matmuls are counted in order, separately in the forward and in the
+    recomputation, which must make the same choices."""
+    matmuls = {False: 0, True: 0}
+
+    def policy(ctx, op, *args, **kwargs) -> CheckpointPolicy:
+        if op == torch.ops.aten.mm.default:
+            matmuls[ctx.is_recompute] += 1
+            if matmuls[ctx.is_recompute] % 2 == 0:
+                return CheckpointPolicy.PREFER_RECOMPUTE
+        return CheckpointPolicy.MUST_SAVE if op in _OPS_TO_SAVE else CheckpointPolicy.PREFER_RECOMPUTE
+    return policy
+
+
+def _per_op_contexts():
+    return create_selective_checkpoint_contexts(_per_op_policy())
 
 
 def apply_ac(model: nn.Module, config: ActivationCheckpoint) -> None:
@@ -41,8 +55,7 @@ def apply_ac(model: nn.Module, config: ActivationCheckpoint) -> None:
         if (index + 1) % every_nth:
             continue
         if per_op:
-            context_fn = functools.partial(create_selective_checkpoint_contexts, _save_expensive_ops)
-            wrapped = checkpoint_wrapper(block, context_fn=context_fn, preserve_rng_state=False)
+            wrapped = checkpoint_wrapper(block, context_fn=_per_op_contexts, preserve_rng_state=False)
         else:
             wrapped = checkpoint_wrapper(block, preserve_rng_state=False)
         model.layers.register_module(name, wrapped)

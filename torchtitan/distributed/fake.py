@@ -150,6 +150,28 @@ def static_pipeline_warmup() -> Iterator[None]:
         _PipelineSchedule._warmup_p2p = original
 
 
+@contextlib.contextmanager
+def float8_weights_without_values() -> Iterator[None]:
+    """torchao's float8 all-gather weight tests its precomputed scale for truth (`if scale:`), which reads the
+    value; a fake scale has none. Test it for presence, as torchao's own all-gather hook does."""
+    try:
+        from torchao.float8.fsdp_utils import WeightWithDynamicFloat8CastTensor
+    except ImportError:
+        yield
+        return
+    original = WeightWithDynamicFloat8CastTensor.__tensor_flatten__
+
+    def tensor_flatten(self):
+        tensors = ["_tensor"] + (["_precomputed_scale"] if self._precomputed_scale is not None else [])
+        return tensors, {"mm_config": self._linear_mm_config, "dtype": self._dtype}
+
+    WeightWithDynamicFloat8CastTensor.__tensor_flatten__ = tensor_flatten
+    try:
+        yield
+    finally:
+        WeightWithDynamicFloat8CastTensor.__tensor_flatten__ = original
+
+
 class _RootsPerMicroBatch:
     """A pipeline stage's module is entered once per micro-batch, from the schedule rather than from a parent
     module; torch's trackers take a second root-level forward for the next iteration and refuse it. Forget the

@@ -1,0 +1,106 @@
+"""The full-scale dry run (comm.mode = fake_backend): one process plays one rank of a large world on fake tensors.
+
+Checked: the report's memory is exact where it can be derived (parameter and optimizer shards), every parallelism
+shows its collectives, both ends of a pipeline are reported, and a layout a cluster would reject is rejected here
+with the trainer's one-line error.
+"""
+
+import json
+from pathlib import Path
+
+import pytest
+
+from tests.integration.harness import REPO, launch
+
+GIB = 2**30
+DEBUG = ["--job.config_file", str(REPO / "train_configs" / "debug_model.toml"), "--job.no_print_config",
+         "--debug.seed", "0"]
+
+
+def dry_run(dump_folder: Path, world_size: int, *args: str, expect_exit: int = 0) -> dict:
+    proc = launch(dump_folder, 1, [*DEBUG, "--comm.mode", "fake_backend", "--comm.fake_world_size", str(world_size),
+                                   *args], timeout=600)
+    assert proc.returncode == expect_exit, f"dry run exited {proc.returncode}:\n{proc.stdout[-5000:]}"
+    report_file = dump_folder / "dry_run.json"
+    report = json.loads(report_file.read_text()) if report_file.exists() else {}
+    report["_log"] = proc.stdout
+    return report
+
+
+def collectives(report: dict) -> dict[tuple[str, str], dict]:
+    return {(c["kind"], c["mesh_dim"]): c for c in report["collectives"]}
+
+
+def test_debug_model_world_64_pp_fsdp_tp(tmp_path):
+    """PP 2 x FSDP 8 x TP 4 on 64 fake ranks: the exact parameter shard, the collectives of each dimension, and
+    the memory of both ends of the pipeline."""
+    report = dry_run(tmp_path, 64, "--parallelism.pipeline_parallel_degree", "2",
+                     "--parallelism.tensor_parallel_degree", "4", "--training.seq_len", "256",
+                     "--training.local_batch_size", "4", "--comm.fake_rank", "3")
+    for key in ("world_size", "rank", "peak_memory_gib", "memory_gib_by_category", "collectives"):
+        assert key in report
+    assert (report["world_size"], report["rank"], report["pipeline_rank"]) == (64, 3, 0)
+    assert report["layout"] == {"pp": 2, "dp_replicate": 1, "dp_shard": 8, "cp": 1, "tp": 4}
+    # Stage 0 holds the embedding (2,304 x 256) and layers 0-2; fp32 master weights, sharded over 8 x 4 ranks.
+    dim, ffn, vocab, kv = 256, 768, 2304, 128
+    block = 2 * dim * dim + 2 * dim * kv + 3 * dim * ffn
+    stage_weights = vocab * dim + 3 * block
+    by_category = report["memory_gib_by_category"]
+    expected_matrices = stage_weights * 4 / 32 / GIB
+    # Norm weights are replicated over TP (sharded over FSDP only): a sliver above 1/32.
+    assert expected_matrices <= by_category["parameters"] <= expected_matrices * 1.01
+    assert by_category["optimizer_state"] == pytest.approx(2 * by_category["parameters"], rel=1e-6)
+    found = collectives(report)
+    for kind, dim_name in (("all_gather", "tp"), ("reduce_scatter", "tp"), ("all_gather", "dp_shard_cp"),
+                           ("reduce_scatter", "dp_shard_cp"), ("send", "pp"), ("recv", "pp")):
+        assert found[(kind, dim_name)]["count"] > 0 and found[(kind, dim_name)]["bytes"] > 0, (kind, dim_name)
+    other = report["other_end_of_pipeline"]
+    assert (other["rank"], other["pipeline_rank"], other["pipeline_stages"]) == (35, 1, [1])
+    assert report["pipeline_stage_memory_gib"]["first"] == report["peak_memory_gib"]
+    assert report["pipeline_stage_memory_gib"]["last"] == other["peak_memory_gib"]
+    assert "Other end of the pipeline, rank 35" in report["_log"]
+
+
+def test_8b_on_8_gpus(tmp_path):
+    """The shipped 8B preset at its published layout (FSDP 8): fp32 parameters and Adam state are exactly an
+    eighth of 8.03B parameters'; the all-gathers move the whole bf16 model (forward, and backward's re-gather)."""
+    proc = launch(tmp_path, 1, ["--job.config_file", str(REPO / "train_configs" / "llama3_8b.toml"),
+                                "--job.no_print_config", "--comm.mode", "fake_backend", "--comm.fake_world_size", "8"],
+                  timeout=600)
+    assert proc.returncode == 0, proc.stdout[-5000:]
+    report = json.loads((tmp_path / "dry_run.json").read_text())
+    params = 8_030_261_248
+    by_category = report["memory_gib_by_category"]
+    assert by_category["parameters"] == pytest.approx(params * 4 / 8 / GIB, rel=1e-3)
+    assert by_category["optimizer_state"] == pytest.approx(2 * params * 4 / 8 / GIB, rel=1e-3)
+    gathered = collectives(report)[("all_gather", "dp_shard")]["bytes"]
+    assert params * 2 <= gathered <= 2 * params * 2 * 1.01
+    assert 20 < report["peak_memory_gib"] < 79.6
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--comm.fake_rank", "8"], "option comm.fake_rank: 8 is not a rank of a world of 8"),
+    (["--parallelism.tensor_parallel_degree", "3"], "option parallelism"),
+    (["--parallelism.tensor_parallel_degree", "8", "--parallelism.enable_async_tensor_parallel"],
+     "option parallelism.enable_async_tensor_parallel"),
+    (["--comm.fake_gpu", "h900"], "option comm.fake_gpu: unknown GPU 'h900'"),
+])
+def test_bad_layouts_are_one_line_errors(tmp_path, args, message):
+    report = dry_run(tmp_path, 8, *args, expect_exit=2)
+    errors = [line for line in report["_log"].splitlines() if "error:" in line]
+    assert len(errors) == 1 and message in errors[0], report["_log"][-3000:]
+    assert "Traceback" not in report["_log"]
+
+
+def test_out_of_memory_is_reported_after_the_report(tmp_path):
+    """A layout that does not fit the GPU fails as the cluster would, after writing what it measured."""
+    report = dry_run(tmp_path, 8, "--training.seq_len", "8192", "--training.local_batch_size", "128",
+                     "--activation_checkpoint.mode", "none", expect_exit=2)
+    assert report["peak_memory_gib"] > 79.6
+    assert "more than the 79.6 GiB of one h100" in report["_log"]
+
+
+def test_world_size_must_be_given(tmp_path):
+    proc = launch(tmp_path, 1, [*DEBUG, "--comm.mode", "fake_backend"], env={"NGPU": ""})
+    assert proc.returncode == 2
+    assert "option comm.fake_world_size: not set" in proc.stdout

@@ -1,0 +1,172 @@
+"""The performance model: predicted seconds per training step of one layout, and so tokens/s per GPU.
+
+Per GPU and step (all stages of one pipeline rank together; the slowest pipeline rank sets the pace):
+
+    step = (compute + exposed communication) x pipeline bubble
+
+- compute = matmul FLOPs / (peak x efficiency) + memory-bound time.
+  Matmul FLOPs per token: 6 per linear weight (forward, and the two backward matmuls) and causal attention, 6 x d x
+  seq per block; full activation checkpointing recomputes each block's forward (2 per linear weight, 2 x d x seq).
+  Float8 runs the blocks' linear layers at the GPU's float8 peak, the rest at its bf16 peak; both at the same
+  achievable fraction EFFICIENCY (fitted). The memory-bound work (norms, RoPE, SwiGLU's product, residual adds,
+  casts, float8's scaling) moves MEMORY_BOUND_BYTES bytes per element of the hidden state per block (fitted, eager);
+  compiled blocks fuse it into COMPILED_FRACTION of that (fitted). It runs at the GPU's HBM bandwidth.
+- communication, each collective's bytes over the link it crosses (NVLink within a host of 8, the RDMA network
+  between hosts; mesh dimensions are laid out pp, dp_replicate, dp_shard, cp, tp, the last varying fastest, so a
+  dimension stays within a host when its stride x size <= 8). A ring moves (n - 1) / n of the buffer over its
+  slowest link.
+  - FSDP's all-gathers and reduce-scatters are prefetched and overlap the blocks' compute: only what exceeds the
+    compute is exposed. HSDP's replica all-reduce of the gradient shards too.
+  - Sequence-parallel TP's all-gathers and reduce-scatters sit between the matmuls that need them: exposed, unless
+    async TP decomposes them into chunks that overlap the matmuls (then exposed only beyond the matmul time).
+  - Pipeline sends are small (one micro-batch of hidden states) and overlap.
+- pipeline bubble: (micro-batches x v + pp - 1) / (micro-batches x v) for 1F1B-style schedules with v stages per
+  rank (v = 1: 1F1B; Interleaved1F1B: v >= 2); GPipe and LoopedBFS add the same warm-up and drain.
+
+The three fitted constants are fitted on the three 8B rows on 8 GPUs of the published table (eager, compiled,
+compiled + float8) and held fixed for every other row and layout (docs/scaling.md).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from torchtitan.models.llama3.args import TransformerModelArgs
+from torchtitan.planner.hardware import GPU
+
+# Fitted on the 8B, 8-GPU rows of the published table (scripts/plan.py --validate refits and prints them).
+EFFICIENCY = 0.44
+MEMORY_BOUND_BYTES = 60.0
+COMPILED_FRACTION = 0.4
+
+HOST_SIZE = 8
+
+
+@dataclass(frozen=True)
+class Layout:
+    """One way to run a model: degrees, pipeline schedule, batch, and the techniques on or off."""
+
+    dp_replicate: int
+    dp_shard: int
+    tp: int
+    pp: int
+    cp: int
+    schedule: str | None
+    stages_per_rank: int
+    local_batch: int
+    microbatch: int
+    ac: str
+    """none, full or op (selective per-op)."""
+    float8: bool
+    compile: bool
+    async_tp: bool
+
+    @property
+    def world_size(self) -> int:
+        return self.dp_replicate * self.dp_shard * self.tp * self.pp * self.cp
+
+    @property
+    def dp(self) -> int:
+        return self.dp_replicate * self.dp_shard
+
+
+@dataclass(frozen=True)
+class StepTime:
+    compute_s: float
+    exposed_comm_s: float
+    bubble: float
+    fsdp_comm_s: float
+    tp_comm_s: float
+
+    @property
+    def seconds(self) -> float:
+        return (self.compute_s + self.exposed_comm_s) * self.bubble
+
+
+def _link_bandwidth(gpu: GPU, stride: int, size: int) -> float:
+    """Bytes/s of a ring over `size` ranks `stride` apart: NVLink when the whole group sits in one host."""
+    return gpu.nvlink_bytes_per_s if stride * size <= gpu.gpus_per_host else gpu.rdma_bytes_per_s
+
+
+def _ring_seconds(buffer_bytes: float, size: int, bandwidth: float) -> float:
+    return 0.0 if size <= 1 else buffer_bytes * (size - 1) / size / bandwidth
+
+
+def block_linear_params(args: TransformerModelArgs) -> int:
+    d, q, kv, f = args.dim, args.n_heads * args.head_dim, args.kv_heads * args.head_dim, args.ffn_hidden_dim
+    return 2 * d * q + 2 * d * kv + 3 * d * f
+
+
+def recomputed_op_weights(args: TransformerModelArgs) -> int:
+    """Weights of the matmuls per-op checkpointing recomputes (the 2nd, 4th, 6th of a block: wk, wo, w3)."""
+    return args.dim * (args.kv_heads * args.head_dim + args.n_heads * args.head_dim + args.ffn_hidden_dim)
+
+
+def step_time(args: TransformerModelArgs, layout: Layout, seq_len: int, gpu: GPU,
+              efficiency: float = EFFICIENCY, memory_bound_bytes: float = MEMORY_BOUND_BYTES,
+              compiled_fraction: float = COMPILED_FRACTION) -> StepTime:
+    """Predicted time of one optimizer step on every GPU of `layout` (no gradient accumulation)."""
+    t, p, c = layout.tp, layout.pp, layout.cp
+    layers = args.n_layers / p
+    # Tokens one GPU's share of the work covers: its data-parallel rank's batch, split over tp x cp (and the
+    # pipeline splits layers, not tokens).
+    tokens = layout.local_batch * seq_len / (t * c)
+    recompute = layout.ac == "full"
+    block_weights = block_linear_params(args)
+    # Causal attention: 2 x d x seq FLOPs per token and block forward, twice that backward (heads split over tp;
+    # under CP each rank attends its shard of queries to all keys). Linear layers: 2 per weight forward, 4 backward.
+    attention_forward = 2 * args.dim * seq_len * layers * tokens
+    linear_forward = 2 * block_weights * layers * tokens
+    attention, linear = 3 * attention_forward, 3 * linear_forward
+    if recompute:  # the whole block forward again
+        attention += attention_forward
+        linear += linear_forward
+    elif layout.ac == "op":  # every other matmul again: wk, wo and w3
+        linear += 2 * recomputed_op_weights(args) * layers * tokens
+    # The output layer sits on the last pipeline stage only: that rank is the slowest.
+    output = 6 * args.dim * args.vocab_size * tokens
+    bf16 = attention + output + (0 if layout.float8 else linear)
+    fp8 = linear if layout.float8 else 0.0
+    matmul_s = bf16 / (gpu.bf16_flops * efficiency) + fp8 / (gpu.fp8_flops * efficiency)
+    hidden_elements = tokens * args.dim * layers * (4 / 3 if recompute else 1.0)
+    memory_bound = memory_bound_bytes * hidden_elements * (compiled_fraction if layout.compile else 1.0)
+    compute_s = matmul_s + memory_bound / gpu.hbm_bytes_per_s
+
+    # FSDP over dp_shard x cp (stride tp), HSDP's replicas (stride dp_shard x cp x tp).
+    stage_params = (block_weights * layers + args.vocab_size * args.dim * (2 / p)) / t
+    shard = layout.dp_shard * c
+    gather_bytes = 1 if layout.float8 else 2
+    gathers = 2 if p == 1 else 1  # parameters are gathered again for backward unless PP keeps them
+    fsdp_bytes_ag = gathers * stage_params * gather_bytes
+    fsdp_bytes_rs = stage_params * 4
+    fsdp_bw = _link_bandwidth(gpu, t, shard)
+    fsdp_s = _ring_seconds(fsdp_bytes_ag + fsdp_bytes_rs, shard, fsdp_bw)
+    if layout.dp_replicate > 1:
+        replica_bw = _link_bandwidth(gpu, t * shard, layout.dp_replicate)
+        fsdp_s += 2 * _ring_seconds(stage_params * 4 / shard, layout.dp_replicate, replica_bw)
+
+    # Sequence-parallel TP gathers the hidden state before attention and the FFN and reduce-scatters after them:
+    # per block, forward and recomputed forward 2 + 2 each, backward 2 all-gathers and 1 reduce-scatter (the
+    # dry run counts them).
+    tp_s = 0.0
+    collectives = 7 + (4 if recompute else 0)
+    if t > 1:
+        hidden_bytes = layout.local_batch * seq_len / c * args.dim * 2
+        tp_s = _ring_seconds(collectives * hidden_bytes * layers, t, _link_bandwidth(gpu, 1, t))
+    tp_exposed = tp_s
+    if layout.async_tp:
+        # Async TP (inductor's micro-pipelining) splits each all-gather feeding a matmul into chunks that overlap
+        # it: the two such all-gathers of every forward (and recomputed forward) hide; backward's stay exposed.
+        tp_exposed = tp_s * (1 - (2 + (2 if recompute else 0)) / collectives)
+    exposed = max(0.0, fsdp_s - compute_s) + tp_exposed
+
+    bubble = 1.0
+    if p > 1:
+        microbatches = layout.local_batch // layout.microbatch
+        bubble = (microbatches * layout.stages_per_rank + p - 1) / (microbatches * layout.stages_per_rank)
+    return StepTime(compute_s=compute_s, exposed_comm_s=exposed, bubble=bubble, fsdp_comm_s=fsdp_s, tp_comm_s=tp_s)
+
+
+def tokens_per_second_per_gpu(args: TransformerModelArgs, layout: Layout, seq_len: int, gpu: GPU, **constants) -> float:
+    step = step_time(args, layout, seq_len, gpu, **constants)
+    return layout.local_batch * seq_len / (layout.tp * layout.cp * layout.pp) / step.seconds

@@ -1,0 +1,285 @@
+"""Analytic peak memory per device of a training layout: fast enough to search thousands of layouts.
+
+The dry run (torchtitan/dry_run.py) traces the real step on fake tensors and is the reference; this model is
+what the planner evaluates per candidate, and scripts/estimate_memory.py compares the two.
+
+The formula (bytes, per rank; the worst pipeline rank is reported)
+-------------------------------------------------------------------
+Notation: d model width, q = heads x head_dim, kv = kv_heads x head_dim, f FFN width, V vocabulary, L blocks
+on the rank, t/p/c tensor/pipeline/context-parallel degrees, F = FSDP degree (dp_shard x c; 1 without FSDP).
+T = micro-batch x seq_len / c tokens per micro-batch; sequence-parallel regions hold T/t of them. a = bytes of
+the compute dtype (training.mixed_precision_param: 2 for bf16, 4 for fp32).
+
+State, always resident (the optimizer keeps fp32 masters):
+  parameters  P_rank x 4 / F                   P_rank: the rank's parameters, matrices and embeddings / t
+  optimizer   2 x P_rank x 4 / F               Adam(W): exp_avg and exp_avg_sq
+  gradients   P_rank x 4 / F                   fp32, sharded after FSDP's reduce-scatter; they exist from the
+                                               backward on (with gradient accumulation or PP: all the time)
+
+Activations saved for backward by one block and one micro-batch (what autograd keeps in this code; checked
+with saved-tensor hooks):
+  no AC       T/t x d x 2 x 8        both RMSNorms keep their input and normalised input in fp32
+            + T x d x a x n_in       inputs of the linear layers: one per norm (n_in = 2); under autocast
+                                     (bf16 without FSDP) every linear casts its own copy (n_in = 5)
+            + T x A                  attention, what SDPA saves (query, key, value, output = wo's input):
+                                     on CUDA the KV heads are expanded: A = 4 x q/t x a; on CPU SDPA takes
+                                     grouped KV heads: A = (2 q + 2 kv)/t x a, and bf16 heads under 64 wide
+                                     run in fp32: A = (2 q + 2 kv)/t x 4 + q/t x a (wo's input stays bf16)
+            + T x heads/t x 4        SDPA's log-sum-exp
+            + T x f/t x 4 x a        SwiGLU: w1 and w3 outputs, silu output, product (= w2's input)
+  full        T/t x d x r            only the block input (r: bytes of the residual stream: 4 under autocast
+                                     or fp32, a when FSDP casts the parameters)
+  op          T/t x d x r + a x T x ((q + kv)/t + d + f/t) + T x o [+ 2 x T/t x d x a under TP]
+                                     block input + outputs of every other matmul (wq, wv, w1, w2) and of SDPA
+                                     (what the policy saves; SDPA's output o = q/t x a, or q/t x 4 where attention
+                                     runs in fp32)
+  every N     every N-th block as `full`, the others as `none`
+A pipeline rank holds the activations of its in-flight micro-batches: 1F1B min(n_mb, p - rank), interleaved
+schedules (v stages per rank) (v - 1) x p + 2 x (p - 1 - rank) + 1 stage-micro-batches, GPipe all n_mb. The last
+stage adds the final norm (T/t x d x 8 + T x d x a).
+
+Transients, of which only the largest coexists with the rest:
+  loss         end of forward: logits, their fp32 copy and log-softmax: T x V/t x (a + 8) (8 in fp32);
+               loss backward: log-softmax output, its gradient and the logits' gradient: T x V/t x 12;
+               loss parallel (TP) adds T x V/t x 8 (two more fp32 copies, measured); without loss
+               parallel the logits are whole (V instead of V/t)
+  block        backward of a checkpointed block rebuilds its `none` activations (and autocast copies); any
+               block's backward adds the gradients inside the SwiGLU backward: T x f/t x 2 x a
+  optimizer    the foreach implementation allocates one fp32 temporary per parameter (P_rank x 4 / F); fused
+               and for-loop implementations none to speak of
+
+Mixed precision and FSDP buffers:
+  FSDP (F > 1, or DDP)  the gathered parameters of 2 blocks (the running one and the prefetched one) and of the
+                        norm + output (kept gathered after forward): (2 x P_block + P_head) / t x a_gather, with
+                        a_gather = 1 for float8 all-gather, else a; during backward also one block's unsharded
+                        gradients, in a plus their fp32 copy for the reduction when a = 2
+  autocast (no FSDP)    bf16 copies of every matrix: held by autocast's cache to the end of forward, and saved
+                        for backward by blocks without AC: P_matmul / t x 2
+
+Peak = parameters + optimizer + max over the phases of the step:
+  end of forward   activations + loss(forward) + buffers [+ gradients when accumulating]
+  loss backward    activations + loss(backward) + buffers [+ gradients when accumulating]
+  backward of      activations of blocks 0..i + block(i) + buffers + gradients of the head and of the blocks
+    block i        after i (all gradients when accumulating); the largest over i
+  optimizer step   gradients + optimizer temporaries
+plus a fixed overhead (--overhead_gib; default 2 GiB on GPUs for the CUDA context, NCCL and cuBLAS workspaces,
+not validated here; 0 for the CPU validation, which counts tensors only).
+
+Not modelled: torch.compile (inductor's partitioner usually saves less), context parallelism's exchange buffers,
+allocator fragmentation, Float8's transient casts (torchao saves the high-precision tensors for backward, so
+activations are those of bf16). With a fused RMSNorm kernel (CUDA) each norm may keep one fp32 [T, d] tensor fewer.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from torchtitan.components.float8 import float8_enabled
+from torchtitan.config import JobConfig
+from torchtitan.distributed.parallel_dims import ParallelDims
+from torchtitan.distributed.pipeline_parallel import plan_pipeline
+from torchtitan.models.llama3.args import TransformerModelArgs, model_args_for
+from torchtitan.models.llama3.model import CPU_BF16_ATTENTION_MIN_HEAD_DIM, Transformer
+from torchtitan.models.llama3.pipeline import stage_ids_for_rank
+
+# Schedules that keep every micro-batch's activations until the backward starts.
+_ALL_IN_FLIGHT_SCHEDULES = ("GPipe", "LoopedBFS")
+
+
+@dataclass(frozen=True)
+class Estimate:
+    """Bytes per rank at the peak, by component; `phase` names the moment of the step that sets the peak."""
+
+    parameters: int
+    optimizer: int
+    gradients: int
+    activations: int
+    transient: int
+    buffers: int
+    overhead: int
+    phase: str
+    rank: int
+
+    @property
+    def total(self) -> int:
+        return (self.parameters + self.optimizer + self.gradients + self.activations + self.transient
+                + self.buffers + self.overhead)
+
+
+@dataclass(frozen=True)
+class _Shapes:
+    d: int
+    q: int
+    kv: int
+    f: int
+    vocab: int
+    n_heads: int
+    head_dim: int
+
+    @classmethod
+    def of(cls, args: TransformerModelArgs) -> _Shapes:
+        return cls(d=args.dim, q=args.n_heads * args.head_dim, kv=args.kv_heads * args.head_dim,
+                   f=args.ffn_hidden_dim, vocab=args.vocab_size, n_heads=args.n_heads, head_dim=args.head_dim)
+
+    def block_matmul_params(self) -> int:
+        return 2 * self.d * self.q + 2 * self.d * self.kv + 3 * self.d * self.f
+
+
+def estimate(config: JobConfig, ngpu: int, overhead_bytes: int = 0, device: str = "cuda") -> Estimate:
+    """The peak over the pipeline ranks (every rank of a pipeline stage group holds the same) on `device` devices
+    ("cuda" or "cpu": attention saves different tensors on each)."""
+    dims = ParallelDims.from_config(config.parallelism, ngpu)
+    args = model_args_for(config.model.flavor, config.training.seq_len)
+    stages_of_rank, in_flight = _pipeline_layout(config, args, dims)
+    estimates = [_estimate_rank(config, args, dims, rank, stages, in_flight, overhead_bytes, device)
+                 for rank, stages in enumerate(stages_of_rank)]
+    return max(estimates, key=lambda e: e.total)
+
+
+def _pipeline_layout(config: JobConfig, args: TransformerModelArgs, dims: ParallelDims):
+    """Per pipeline rank, its stages as (blocks, has embedding, has head); and in_flight(rank, stage index), the
+    micro-batches whose activations a stage holds at once."""
+    if dims.pp == 1:
+        return [[(args.n_layers, True, True)]], lambda rank, stage_index: 1
+    with torch.device("meta"):
+        model = Transformer(args)
+    plan = plan_pipeline(model, dims.pp, config)
+    stages = []
+    for names in plan.stage_names:
+        blocks = sum(name.startswith("layers.") for name in names)
+        stages.append((blocks, "tok_embeddings" in names, "output" in names))
+    per_rank = [[stages[s] for s in stage_ids_for_rank(r, dims.pp, plan.num_stages, plan.v_shaped)]
+                for r in range(dims.pp)]
+    n_mb, pp, v = plan.n_microbatches, dims.pp, plan.num_stages // dims.pp
+
+    def in_flight(rank: int, stage_index: int) -> float:
+        if plan.schedule_name in _ALL_IN_FLIGHT_SCHEDULES:
+            return n_mb
+        if not plan.multi_stage:
+            return min(n_mb, pp - rank)
+        # Interleaved 1F1B's warm-up on this rank, in stage-micro-batches, spread over its v stages.
+        warmup = (v - 1) * pp + 2 * (pp - 1 - rank) + 1
+        return min(n_mb, warmup / v)
+
+    return per_rank, in_flight
+
+
+def _attention_bytes(s: _Shapes, t: int, a: int, device: str) -> tuple[float, float]:
+    """Bytes per token that attention saves for backward, and those of SDPA's output alone (model.causal_attention
+    chooses the path; see the module docstring)."""
+    if device != "cpu":
+        return 4 * s.q / t * a, s.q / t * a
+    if a == 2 and s.head_dim < CPU_BF16_ATTENTION_MIN_HEAD_DIM:
+        return (2 * s.q + 2 * s.kv) / t * 4 + s.q / t * a, s.q / t * 4
+    return (2 * s.q + 2 * s.kv) / t * a, s.q / t * a
+
+
+def _block_activations(s: _Shapes, tokens: float, t: int, a: int, r: int, autocast: bool, mode: str,
+                       device: str) -> float:
+    """Bytes one block saves for backward for one micro-batch of `tokens` tokens (see the module docstring)."""
+    sp = tokens / t
+    attention, sdpa_output = _attention_bytes(s, t, a, device)
+    if mode == "full":
+        return sp * s.d * r
+    if mode == "op":
+        # Every other matmul's output: wq, wv, w1 and w2 (the activation-checkpoint policy).
+        saved = (a * tokens * ((s.q + s.kv) / t + s.d + s.f / t) + tokens * sdpa_output
+                 + tokens * s.n_heads / t * 4)
+        return sp * s.d * r + saved + (2 * sp * s.d * a if t > 1 else 0)
+    n_in = 5 if autocast and a != 4 else 2
+    return (sp * s.d * 2 * 8 + tokens * s.d * a * n_in + tokens * attention + tokens * s.f / t * 4 * a
+            + tokens * s.n_heads / t * 4)
+
+
+def _ac_modes(config: JobConfig, n_blocks: int) -> list[str]:
+    ac = config.activation_checkpoint
+    if ac.mode == "none":
+        return ["none"] * n_blocks
+    if ac.mode == "full":
+        return ["full"] * n_blocks
+    if ac.selective_ac_option == "op":
+        return ["op"] * n_blocks
+    every = int(ac.selective_ac_option)
+    return ["full" if (i + 1) % every == 0 else "none" for i in range(n_blocks)]
+
+
+def _estimate_rank(config: JobConfig, args: TransformerModelArgs, dims: ParallelDims, rank: int,
+                   stages: list[tuple[int, bool, bool]], in_flight, overhead: int, device: str) -> Estimate:
+    s = _Shapes.of(args)
+    t, fsdp = dims.tp, dims.dp_shard * dims.cp
+    a = 2 if config.training.mixed_precision_param == "bfloat16" else 4
+    wrapped = dims.fsdp_enabled or dims.ddp_enabled
+    autocast = not wrapped and a != 4
+    residual = a if wrapped else 4
+    microbatch = config.parallelism.pipeline_parallel_microbatch_size if dims.pp > 1 else \
+        config.training.local_batch_size
+    tokens = microbatch * config.training.seq_len / dims.cp
+
+    block_params = s.block_matmul_params() / t + 2 * s.d
+    head_params = s.vocab * s.d / t + s.d
+    block_copies = s.block_matmul_params() / t * 2 if autocast else 0.0
+    none = _block_activations(s, tokens, t, a, residual, autocast, "none", device)
+    # Per block of the rank, in forward order: (saved bytes for its in-flight micro-batches, bytes rebuilt and
+    # alive during its backward, autocast copies it keeps for backward).
+    blocks: list[tuple[float, float, float]] = []
+    params = head_activations = head_copies = 0.0
+    has_head = False
+    for stage_index, (n_blocks, has_embedding, stage_has_head) in enumerate(stages):
+        mbs = in_flight(rank, stage_index)
+        params += n_blocks * block_params + (s.vocab * s.d / t if has_embedding else 0.0)
+        for mode in _ac_modes(config, n_blocks):
+            saved = mbs * _block_activations(s, tokens, t, a, residual, autocast, mode, device)
+            rebuilt = none + block_copies if mode != "none" else 0.0
+            # Autocast's cache hands every micro-batch the same copy of a weight.
+            blocks.append((saved, rebuilt, block_copies if mode == "none" else 0.0))
+        if stage_has_head:
+            has_head = True
+            params += head_params
+            head_activations += mbs * (tokens / t * s.d * 8 + tokens * s.d * a)
+            head_copies += s.vocab * s.d / t * 2 if autocast else 0.0
+
+    sharded = params / fsdp
+    parameters, optimizer, gradients = 4 * sharded, 8 * sharded, 4 * sharded
+    accumulating = dims.pp > 1 or config.training.global_batch_size > config.training.local_batch_size * dims.dp
+    resident_grads = gradients if accumulating else 0.0
+    activations = sum(b[0] for b in blocks) + head_activations
+    saved_copies = sum(b[2] for b in blocks) + head_copies
+
+    if wrapped:
+        gather = 1 if float8_enabled(config) and config.quantize.linear.float8.enable_fsdp_float8_all_gather else a
+        forward_buffers = (2 * block_params + (head_params if has_head else 0.0)) * gather
+        backward_buffers = forward_buffers + block_params * (a + (4 if a != 4 else 0))
+        forward_copies = 0.0
+    else:
+        forward_buffers = backward_buffers = 0.0
+        forward_copies = len(blocks) * block_copies + head_copies
+
+    loss_parallel = t > 1 and not config.parallelism.disable_loss_parallel
+    logits = tokens * s.vocab / (t if loss_parallel else 1) if has_head else 0.0
+    # Measured: torch's loss-parallel log-softmax keeps two more fp32 copies of the logits shard.
+    loss_parallel_extra = 8 * logits if loss_parallel else 0.0
+    phases = {
+        "end of forward": (activations, logits * (a + 8 if a != 4 else 8) + loss_parallel_extra,
+                           forward_buffers + forward_copies, resident_grads),
+        "loss backward": (activations, logits * 12 + loss_parallel_extra, forward_buffers + saved_copies,
+                          resident_grads),
+        "optimizer step": (0.0, 4 * sharded if config.optimizer.implementation == "foreach" else 0.0, 0.0,
+                           gradients),
+    }
+    # Backward walks the blocks from the last: the blocks before it still hold their activations, those after
+    # it already hold their gradients; a checkpointed block rebuilds its activations.
+    grads_after = (head_params * 4 / fsdp) if has_head else 0.0
+    for index in reversed(range(len(blocks))):
+        saved_before = sum(b[0] for b in blocks[:index + 1])
+        copies_before = sum(b[2] for b in blocks[:index + 1])
+        transient = blocks[index][1] + 2 * tokens * s.f / t * a
+        phase = (saved_before, transient, backward_buffers + copies_before, max(resident_grads, grads_after))
+        if sum(phase) > sum(phases.get("block backward", (0.0,))):
+            phases["block backward"] = phase
+        grads_after += block_params * 4 / fsdp
+    phase, (acts, transient, buffers, grads) = max(phases.items(), key=lambda item: sum(item[1]))
+    return Estimate(parameters=round(parameters), optimizer=round(optimizer), gradients=round(grads),
+                    activations=round(acts), transient=round(transient), buffers=round(buffers), overhead=overhead,
+                    phase=phase, rank=rank)

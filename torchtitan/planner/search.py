@@ -1,0 +1,186 @@
+"""Which layouts of a model fit a cluster, and how fast each is predicted to run.
+
+A layout becomes trainer options (`overrides`) on top of the flavor's shipped TOML; its memory comes from the
+analytic model (torchtitan/planner/memory.py, checked against the dry run) plus what the CUDA caching allocator
+reserves on top, and its speed from torchtitan/planner/cost.py.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+from torchtitan.config import JobConfig, parse_args
+from torchtitan.errors import UserError
+from torchtitan.models.llama3.args import llama3_flavors, model_args_for
+from torchtitan.planner.cost import Layout, step_time
+from torchtitan.planner.hardware import GPU
+from torchtitan.planner.memory import estimate
+
+GIB = 2**30
+CONFIGS = Path(__file__).resolve().parents[2] / "train_configs"
+PRESET_TOML = {"8B": "llama3_8b.toml", "70B": "llama3_70b.toml", "405B": "llama3_405b.toml",
+               "debugmodel": "debug_model.toml"}
+SCHEDULES = ("1F1B", "Interleaved1F1B")
+# What the CUDA caching allocator reserves beyond the peak of live tensors: the CUDA context and the NCCL and cuBLAS
+# workspaces (a fixed amount) and the blocks it keeps cached and cannot reuse for a tensor of another size
+# (fragmentation, a fraction of the peak). Values commonly observed on H100 training runs, not fitted here.
+ALLOCATOR_FIXED_GIB = 1.5
+ALLOCATOR_FRAGMENTATION = 0.05
+
+
+@dataclass(frozen=True)
+class Prediction:
+    layout: Layout
+    tps_per_gpu: float
+    peak_memory_gib: float
+    tensor_peak_gib: float
+    step_seconds: float
+    overrides: list[str]
+
+    def as_json(self) -> dict:
+        layout = asdict(self.layout)
+        return {**layout, "tps_per_gpu": round(self.tps_per_gpu, 1), "peak_memory_gib": round(self.peak_memory_gib, 2),
+                "step_seconds": round(self.step_seconds, 3), "overrides": self.overrides}
+
+
+def reserved_gib(tensor_peak_bytes: float) -> float:
+    """The caching allocator's reserved peak for a peak of live tensors (see ALLOCATOR_*)."""
+    return tensor_peak_bytes / GIB * (1 + ALLOCATOR_FRAGMENTATION) + ALLOCATOR_FIXED_GIB
+
+
+def layout_overrides(layout: Layout, seq_len: int, n_layers: int) -> list[str]:
+    """The trainer options that run `layout` on top of the flavor's TOML."""
+    ac_mode, ac_option = {"none": ("none", "op"), "full": ("full", "op"), "op": ("selective", "op")}[layout.ac]
+    options = [
+        "--training.seq_len", str(seq_len), "--training.local_batch_size", str(layout.local_batch),
+        "--parallelism.data_parallel_replicate_degree", str(layout.dp_replicate),
+        "--parallelism.data_parallel_shard_degree", str(layout.dp_shard),
+        "--parallelism.tensor_parallel_degree", str(layout.tp),
+        "--parallelism.pipeline_parallel_degree", str(layout.pp),
+        "--parallelism.context_parallel_degree", str(layout.cp),
+        "--activation_checkpoint.mode", ac_mode, "--activation_checkpoint.selective_ac_option", ac_option,
+        "--model.converters", "quantize.linear.float8" if layout.float8 else "",
+        "--compile.enable" if layout.compile else "--compile.no_enable",
+        "--parallelism.enable_async_tensor_parallel" if layout.async_tp else
+        "--parallelism.no_enable_async_tensor_parallel",
+    ]
+    if layout.float8:
+        # Float8 all-gathers under FSDP: half the bytes of bf16 (TorchTitan's 405B recipe).
+        options += ["--quantize.linear.float8.enable_fsdp_float8_all_gather",
+                    "--quantize.linear.float8.precompute_float8_dynamic_scale_for_fsdp"]
+    if layout.pp > 1:
+        options += ["--parallelism.pipeline_parallel_schedule", layout.schedule,
+                    "--parallelism.pipeline_parallel_microbatch_size", str(layout.microbatch)]
+        if layout.stages_per_rank > 2:
+            options += ["--parallelism.pipeline_parallel_layers_per_stage",
+                        str(math.ceil((n_layers + 2) / (layout.stages_per_rank * layout.pp)))]
+    return options
+
+
+def trainer_config(flavor: str, layout: Layout, seq_len: int) -> JobConfig:
+    toml = CONFIGS / PRESET_TOML.get(flavor, "debug_model.toml")
+    n_layers = model_args_for(flavor, seq_len).n_layers
+    return parse_args(["--job.config_file", str(toml), "--model.flavor", flavor,
+                       *layout_overrides(layout, seq_len, n_layers)])
+
+
+def predict(flavor: str, layout: Layout, seq_len: int, gpu: GPU, config: JobConfig | None = None,
+            **constants) -> Prediction:
+    """Speed and memory of one layout; `config` (a trainer config) when the layout comes from one."""
+    args = model_args_for(flavor, seq_len)
+    if config is None:
+        config = trainer_config(flavor, layout, seq_len)
+    tensors = estimate(config, layout.world_size).total
+    step = step_time(args, layout, seq_len, gpu, **constants)
+    tps = layout.local_batch * seq_len / (layout.tp * layout.cp * layout.pp) / step.seconds
+    return Prediction(layout=layout, tps_per_gpu=tps, peak_memory_gib=reserved_gib(tensors),
+                      tensor_peak_gib=tensors / GIB, step_seconds=step.seconds,
+                      overrides=layout_overrides(layout, seq_len, args.n_layers))
+
+
+def layout_from_config(config: JobConfig, world_size: int) -> Layout:
+    """The layout a trainer config describes (as the trainer resolves it)."""
+    from torchtitan.distributed.parallel_dims import ParallelDims
+
+    dims = ParallelDims.from_config(config.parallelism, world_size)
+    parallelism, ac = config.parallelism, config.activation_checkpoint
+    if ac.mode == "selective" and ac.selective_ac_option != "op":
+        raise UserError(f"option activation_checkpoint.selective_ac_option: the planner models 'op', full and none, "
+                        f"not every-{ac.selective_ac_option}-th block")
+    stages_per_rank = 1
+    if dims.pp > 1 and parallelism.pipeline_parallel_schedule != "1F1B":
+        layers = model_args_for(config.model.flavor, config.training.seq_len).n_layers
+        per_stage = parallelism.pipeline_parallel_layers_per_stage
+        stages_per_rank = math.ceil((layers + 2) / per_stage) // dims.pp if per_stage else 2
+    return Layout(dp_replicate=dims.dp_replicate, dp_shard=dims.dp_shard, tp=dims.tp, pp=dims.pp, cp=dims.cp,
+                  schedule=parallelism.pipeline_parallel_schedule if dims.pp > 1 else None,
+                  stages_per_rank=stages_per_rank, local_batch=config.training.local_batch_size,
+                  microbatch=parallelism.pipeline_parallel_microbatch_size if dims.pp > 1 else
+                  config.training.local_batch_size,
+                  ac={"none": "none", "full": "full", "selective": "op"}[ac.mode],
+                  float8=any("float8" in c for c in config.model.converters), compile=config.compile.enable,
+                  async_tp=parallelism.enable_async_tensor_parallel)
+
+
+def _divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def candidate_layouts(flavor: str, gpus: int, seq_len: int, global_batch: int, gpu: GPU) -> list[Layout]:
+    """Every layout of `gpus` GPUs that the model's shapes and the global batch allow."""
+    args = model_args_for(flavor, seq_len)
+    candidates = []
+    for tp, pp, cp in itertools.product((1, 2, 4, 8), (1, 2, 4, 8, 16), (1, 2, 4)):
+        if gpus % (tp * pp * cp) or tp > gpu.gpus_per_host:
+            continue
+        if args.n_heads % tp or args.kv_heads % tp or args.vocab_size % tp or seq_len % (tp * 2 * cp if cp > 1
+                                                                                         else tp):
+            continue
+        if pp > 1 and args.n_layers < 2 * pp:
+            continue
+        dp = gpus // (tp * pp * cp)
+        if global_batch % dp:
+            continue
+        local_batch = global_batch // dp
+        for dp_replicate in _divisors(dp):
+            dp_shard = dp // dp_replicate
+            if dp_replicate > 1 and dp_shard * cp * tp < gpu.gpus_per_host:
+                continue  # replicas only across hosts
+            schedules = [(None, 1)] if pp == 1 else [("1F1B", 1), ("Interleaved1F1B", 2)]
+            for (schedule, v), ac, float8, compile_, async_tp in itertools.product(
+                    schedules, ("op", "full"), (False, True), (False, True), (False, True)):
+                if async_tp and (tp == 1 or not compile_):
+                    continue
+                if float8 and gpu.fp8_flops == 0:
+                    continue
+                if pp > 1 and local_batch < pp * (2 if schedule == "Interleaved1F1B" else 1):
+                    continue
+                candidates.append(Layout(dp_replicate=dp_replicate, dp_shard=dp_shard, tp=tp, pp=pp, cp=cp,
+                                         schedule=schedule, stages_per_rank=v, local_batch=local_batch,
+                                         microbatch=1 if pp > 1 else local_batch, ac=ac, float8=float8,
+                                         compile=compile_, async_tp=async_tp))
+    return candidates
+
+
+def plan(flavor: str, gpus: int, gpu: GPU, seq_len: int, global_batch: int) -> list[Prediction]:
+    """The layouts that fit, fastest first."""
+    if flavor not in llama3_flavors:
+        raise UserError(f"option --flavor: unknown flavor {flavor!r}; valid: {', '.join(llama3_flavors)}")
+    candidates = candidate_layouts(flavor, gpus, seq_len, global_batch, gpu)
+    if not candidates:
+        raise UserError(f"no layout of {gpus} GPUs divides flavor {flavor} (heads, KV heads, vocabulary) and a "
+                        f"global batch of {global_batch} sequences of {seq_len}; try a global batch that is a "
+                        f"multiple of the data-parallel degree, or another GPU count")
+    fitting = []
+    for layout in candidates:
+        prediction = predict(flavor, layout, seq_len, gpu)
+        if prediction.peak_memory_gib <= gpu.memory_gib:
+            fitting.append(prediction)
+    if not fitting:
+        raise UserError(f"flavor {flavor} does not fit {gpus} x {gpu.name} ({gpu.memory_gib} GiB) in any of "
+                        f"{len(candidates)} layouts at seq_len {seq_len} and global batch {global_batch}: use more "
+                        f"GPUs, a GPU with more memory, or a smaller batch")
+    return sorted(fitting, key=lambda p: -p.tps_per_gpu)

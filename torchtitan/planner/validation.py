@@ -1,0 +1,98 @@
+"""The planner against TorchTitan's published H100 figures (data/torchtitan_llama3_h100.csv, source in its header).
+
+FIT_ROWS name the rows the three constants of the performance model are fitted on; every other row is a
+prediction. The hardware of the table is the H100 96 GB of TorchTitan's hosts (`h100_96gb`).
+"""
+
+from __future__ import annotations
+
+import csv
+import itertools
+from dataclasses import dataclass
+from pathlib import Path
+
+from torchtitan.models.llama3.args import model_args_for
+from torchtitan.planner.cost import (COMPILED_FRACTION, EFFICIENCY, MEMORY_BOUND_BYTES, Layout,
+                                     tokens_per_second_per_gpu)
+from torchtitan.planner.hardware import GPUS
+from torchtitan.planner.search import Prediction, predict
+
+PUBLISHED = Path(__file__).resolve().parent / "data" / "torchtitan_llama3_h100.csv"
+GPU = GPUS["h100_96gb"]
+# The 8B rows on one host: eager, compiled, compiled + float8.
+FIT_ROWS = (0, 1, 2)
+
+
+@dataclass(frozen=True)
+class Row:
+    index: int
+    flavor: str
+    gpus: int
+    seq_len: int
+    layout: Layout
+    tps_per_gpu: float
+    peak_memory_gib: float
+
+    @property
+    def name(self) -> str:
+        l = self.layout
+        parts = [f"{self.flavor} on {self.gpus}", f"FSDP {l.dp_shard}"]
+        parts += [f"TP {l.tp}"] if l.tp > 1 else []
+        parts += [f"PP {l.pp} {l.schedule}"] if l.pp > 1 else []
+        parts += ["compile"] if l.compile else []
+        parts += ["float8"] if l.float8 else []
+        parts += ["async TP"] if l.async_tp else []
+        return ", ".join(parts)
+
+
+def published_rows() -> list[Row]:
+    lines = [line for line in PUBLISHED.read_text().splitlines() if not line.startswith("#")]
+    rows = []
+    for index, record in enumerate(csv.DictReader(lines)):
+        pp = int(record["pp"])
+        schedule = record["pp_schedule"] or None
+        layout = Layout(dp_replicate=1, dp_shard=int(record["dp_shard"]), tp=int(record["tp"]), pp=pp,
+                        cp=int(record["cp"]), schedule=schedule,
+                        stages_per_rank=2 if schedule == "Interleaved1F1B" else 1,
+                        # TorchTitan's default of that version: as many micro-batches as pipeline ranks.
+                        local_batch=int(record["local_batch"]), microbatch=int(record["local_batch"]) // pp,
+                        ac={"selective": "op", "full": "full", "none": "none"}[record["ac"]],
+                        float8=record["float8"] == "true", compile=record["compile"] == "true",
+                        async_tp=record["async_tp"] == "true")
+        rows.append(Row(index=index, flavor=record["flavor"], gpus=int(record["gpus"]), seq_len=int(record["seq_len"]),
+                        layout=layout, tps_per_gpu=float(record["tps_per_gpu"]),
+                        peak_memory_gib=float(record["peak_mem_gib"])))
+    return rows
+
+
+def predictions(rows: list[Row], **constants) -> list[Prediction]:
+    return [predict(row.flavor, row.layout, row.seq_len, GPU, **constants) for row in rows]
+
+
+def fit_constants(rows: list[Row]) -> dict[str, float]:
+    """The constants that minimise the largest relative tokens/s error on FIT_ROWS (a grid search)."""
+    fit = [(row, model_args_for(row.flavor, row.seq_len)) for row in rows if row.index in FIT_ROWS]
+    best, best_error = {}, float("inf")
+    for efficiency, bytes_, fraction in itertools.product([x / 100 for x in range(30, 96)], range(0, 3001, 20),
+                                                          [x / 40 for x in range(0, 41)]):
+        constants = {"efficiency": efficiency, "memory_bound_bytes": float(bytes_), "compiled_fraction": fraction}
+        error = max(abs(tokens_per_second_per_gpu(args, row.layout, row.seq_len, GPU, **constants)
+                        / row.tps_per_gpu - 1) for row, args in fit)
+        if error < best_error:
+            best, best_error = constants, error
+    return best
+
+
+def validation_table(rows: list[Row] | None = None) -> list[dict]:
+    """Published vs predicted tokens/s per GPU and peak memory for every row, with the model's constants."""
+    rows = rows or published_rows()
+    constants = {"efficiency": EFFICIENCY, "memory_bound_bytes": MEMORY_BOUND_BYTES,
+                 "compiled_fraction": COMPILED_FRACTION}
+    table = []
+    for row, prediction in zip(rows, predictions(rows, **constants)):
+        table.append({"row": row.index, "name": row.name, "fitted": row.index in FIT_ROWS,
+                      "tps_published": row.tps_per_gpu, "tps_predicted": prediction.tps_per_gpu,
+                      "tps_error": prediction.tps_per_gpu / row.tps_per_gpu - 1,
+                      "memory_published_gib": row.peak_memory_gib, "memory_predicted_gib": prediction.peak_memory_gib,
+                      "memory_error": prediction.peak_memory_gib / row.peak_memory_gib - 1})
+    return table
