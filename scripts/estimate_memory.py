@@ -157,6 +157,8 @@ VALIDATION = [
                                                        "--parallelism.tensor_parallel_degree", "2")),
     ("seq 512 batch 4 bf16, AC op, TP 2", 2, _debug(512, 4, "bfloat16", "op",
                                                      "--parallelism.tensor_parallel_degree", "2")),
+    ("seq 512 batch 4 bf16, AC none, PP 2", 2, _debug(512, 4, "bfloat16", "none",
+                                                       "--parallelism.pipeline_parallel_degree", "2")),
 ]
 CONFIGS = Path(__file__).resolve().parent.parent / "train_configs"
 DEBUG_TOML = ["--job.config_file", str(CONFIGS / "debug_model.toml")]
@@ -202,15 +204,45 @@ def presets_table(device_gib: float, overhead_gib: float) -> str:
 
 
 def validation_table() -> str:
-    """Each config in fresh processes (one thread each), so that the RSS baseline is that of a new process."""
-    lines = [f"{'debugmodel, CPU':<40} {'estimate':>9} {'measured':>9} {'error':>7} {'RSS incr.':>10}"]
+    """Each config measured in fresh processes (one thread each), so that the RSS baseline is that of a new
+    process; the dry run (traced) and the analytic estimate predict it."""
+    lines = [f"{'debugmodel, CPU':<40} {'measured':>9} {'dry run':>9} {'error':>7} {'analytic':>9} {'error':>7} "
+             f"{'RSS incr.':>10}"]
     for name, nproc, overrides in VALIDATION:
         argv = [*DEBUG_TOML, *overrides]
         predicted = estimate(parse_args(argv), nproc, device="cpu").total
+        traced = traced_peak(argv, nproc, device="cpu")
         measured = _measure_in_new_processes(argv, nproc)
-        error = 100 * (predicted / measured["tensor_peak"] - 1)
-        lines.append(f"{name:<40} {predicted / MIB:7.1f}Mi {measured['tensor_peak'] / MIB:7.1f}Mi {error:+6.1f}% "
+        peak = measured["tensor_peak"]
+        lines.append(f"{name:<40} {peak / MIB:7.1f}Mi {traced / MIB:7.1f}Mi {100 * (traced / peak - 1):+6.1f}% "
+                     f"{predicted / MIB:7.1f}Mi {100 * (predicted / peak - 1):+6.1f}% "
                      f"{measured['rss_increase'] / MIB:8.1f}Mi")
+    return "\n".join(lines)
+
+
+def traced_peak(trainer_argv: list[str], nproc: int, device: str = "cuda") -> float:
+    """The dry run's peak bytes over the ranks that differ (both ends of a pipeline), in a new process."""
+    with tempfile.TemporaryDirectory(prefix="estimate-memory-") as dump_folder:
+        proc = subprocess.run([sys.executable, "-m", "torchtitan.train", *trainer_argv, "--comm.mode", "fake_backend",
+                               "--comm.fake_world_size", str(nproc), "--comm.fake_device", device,
+                               "--job.dump_folder", dump_folder, "--job.no_print_config"],
+                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=1200,
+                              env={**os.environ, "OMP_NUM_THREADS": "1"})
+        report = Path(dump_folder) / "dry_run.json"
+        if not report.exists():
+            raise RuntimeError(f"the dry run of {trainer_argv} failed:\n{proc.stdout[-4000:]}")
+        return json.loads(report.read_text())["max_peak_memory_gib"] * GIB
+
+
+def traced_table() -> str:
+    """The analytic estimate against the dry run's trace on the presets' layouts (tensors only)."""
+    lines = [f"{'GiB per device, tensors':<50} {'dry run':>8} {'analytic':>9} {'error':>7}"]
+    for name, toml, ngpu, overrides in PRESETS:
+        argv = ["--job.config_file", str(CONFIGS / toml), *overrides]
+        traced = traced_peak(argv, ngpu)
+        predicted = estimate(parse_args(argv), ngpu).total
+        lines.append(f"{name + f' ({ngpu} GPUs)':<50} {traced / GIB:8.2f} {predicted / GIB:9.2f} "
+                     f"{100 * (predicted / traced - 1):+6.1f}%")
     return "\n".join(lines)
 
 
@@ -237,6 +269,8 @@ def main(argv: list[str] | None = None) -> int:
                         help=f"fixed overhead per device (default {GPU_OVERHEAD_GIB} GiB; 0 with --cpu)")
     parser.add_argument("--cpu", action="store_true", help="a CPU run: no CUDA context, no NCCL buffers")
     parser.add_argument("--validate", action="store_true", help="compare with measurements on this CPU")
+    parser.add_argument("--traced", action="store_true",
+                        help="compare the presets' estimates with the dry run's trace (minutes per preset)")
     parser.add_argument("--measure", action="store_true",
                         help="measure the trainer options given (one line of JSON per rank; used by --validate)")
     for name in _SHORTHANDS:
@@ -248,6 +282,9 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if args.validate:
             print(validation_table())
+            return 0
+        if args.traced:
+            print(traced_table())
             return 0
         trainer_argv = _trainer_argv(args, rest)
         if args.measure:

@@ -19,6 +19,7 @@ Per GPU and step (all stages of one pipeline rank together; the slowest pipeline
     compute is exposed. HSDP's replica all-reduce of the gradient shards too.
   - Sequence-parallel TP's all-gathers and reduce-scatters sit between the matmuls that need them: exposed, unless
     async TP decomposes them into chunks that overlap the matmuls (then exposed only beyond the matmul time).
+  - Context parallelism's ring exchange of keys and values overlaps attention: exposed beyond its time.
   - Pipeline sends are small (one micro-batch of hidden states) and overlap.
 - pipeline bubble: (micro-batches x v + pp - 1) / (micro-batches x v) for 1F1B-style schedules with v stages per
   rank (v = 1: 1F1B; Interleaved1F1B: v >= 2); GPipe and LoopedBFS add the same warm-up and drain.
@@ -35,9 +36,9 @@ from torchtitan.models.llama3.args import TransformerModelArgs
 from torchtitan.planner.hardware import GPU
 
 # Fitted on the 8B, 8-GPU rows of the published table (scripts/plan.py --validate refits and prints them).
-EFFICIENCY = 0.44
-MEMORY_BOUND_BYTES = 60.0
-COMPILED_FRACTION = 0.4
+EFFICIENCY = 0.73
+MEMORY_BOUND_BYTES = 1740.0
+COMPILED_FRACTION = 0.75
 
 HOST_SIZE = 8
 
@@ -77,6 +78,7 @@ class StepTime:
     bubble: float
     fsdp_comm_s: float
     tp_comm_s: float
+    cp_comm_s: float
 
     @property
     def seconds(self) -> float:
@@ -158,13 +160,22 @@ def step_time(args: TransformerModelArgs, layout: Layout, seq_len: int, gpu: GPU
         # Async TP (inductor's micro-pipelining) splits each all-gather feeding a matmul into chunks that overlap
         # it: the two such all-gathers of every forward (and recomputed forward) hide; backward's stay exposed.
         tp_exposed = tp_s * (1 - (2 + (2 if recompute else 0)) / collectives)
-    exposed = max(0.0, fsdp_s - compute_s) + tp_exposed
+    # Context parallelism's ring passes every rank's keys and values around the ring (forward; backward also
+    # their gradients) while attention computes: exposed beyond the attention's own time.
+    cp_s = 0.0
+    if c > 1:
+        kv_bytes = layout.local_batch * seq_len / c * 2 * args.kv_heads * args.head_dim / t * 2
+        ring_bytes = kv_bytes * (c - 1) * (3 + (1 if recompute else 0)) * layers
+        cp_s = ring_bytes / _link_bandwidth(gpu, t, c)
+    attention_s = attention / (gpu.bf16_flops * efficiency)
+    exposed = max(0.0, fsdp_s - compute_s) + tp_exposed + max(0.0, cp_s - attention_s)
 
     bubble = 1.0
     if p > 1:
         microbatches = layout.local_batch // layout.microbatch
         bubble = (microbatches * layout.stages_per_rank + p - 1) / (microbatches * layout.stages_per_rank)
-    return StepTime(compute_s=compute_s, exposed_comm_s=exposed, bubble=bubble, fsdp_comm_s=fsdp_s, tp_comm_s=tp_s)
+    return StepTime(compute_s=compute_s, exposed_comm_s=exposed, bubble=bubble, fsdp_comm_s=fsdp_s, tp_comm_s=tp_s,
+                    cp_comm_s=cp_s)
 
 
 def tokens_per_second_per_gpu(args: TransformerModelArgs, layout: Layout, seq_len: int, gpu: GPU, **constants) -> float:

@@ -72,6 +72,7 @@ activations are those of bf16). With a fused RMSNorm kernel (CUDA) each norm may
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import torch
@@ -143,9 +144,11 @@ def _pipeline_layout(config: JobConfig, args: TransformerModelArgs, dims: Parall
     micro-batches whose activations a stage holds at once."""
     if dims.pp == 1:
         return [[(args.n_layers, True, True)]], lambda rank, stage_index: 1
+    # The split depends only on the depth: a skeleton of the same depth is built much faster than the model.
     with torch.device("meta"):
-        model = Transformer(args)
-    plan = plan_pipeline(model, dims.pp, config)
+        skeleton = Transformer(dataclasses.replace(args, dim=8, n_heads=1, n_kv_heads=1, vocab_size=8, multiple_of=8,
+                                                   ffn_dim_multiplier=None))
+    plan = plan_pipeline(skeleton, dims.pp, config)
     stages = []
     for names in plan.stage_names:
         blocks = sum(name.startswith("layers.") for name in names)

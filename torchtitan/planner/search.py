@@ -183,4 +183,10 @@ def plan(flavor: str, gpus: int, gpu: GPU, seq_len: int, global_batch: int) -> l
         raise UserError(f"flavor {flavor} does not fit {gpus} x {gpu.name} ({gpu.memory_gib} GiB) in any of "
                         f"{len(candidates)} layouts at seq_len {seq_len} and global batch {global_batch}: use more "
                         f"GPUs, a GPU with more memory, or a smaller batch")
-    return sorted(fitting, key=lambda p: -p.tps_per_gpu)
+    # Among equally fast layouts, the simplest first: fewer parallel dimensions, then fewer techniques.
+    return sorted(fitting, key=lambda p: (-round(p.tps_per_gpu, 1), _complexity(p.layout)))
+
+
+def _complexity(layout: Layout) -> int:
+    return (sum(degree > 1 for degree in (layout.dp_replicate, layout.tp, layout.pp, layout.cp))
+            + layout.float8 + layout.compile + layout.async_tp + (layout.ac != "op"))

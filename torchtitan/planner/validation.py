@@ -83,14 +83,15 @@ def fit_constants(rows: list[Row]) -> dict[str, float]:
     return best
 
 
-def validation_table(rows: list[Row] | None = None) -> list[dict]:
-    """Published vs predicted tokens/s per GPU and peak memory for every row, with the model's constants."""
+def validation_table(rows: list[Row] | None = None, constants: dict[str, float] | None = None) -> list[dict]:
+    """Published vs predicted tokens/s per GPU and peak memory for every row (with the model's constants unless
+    others are given)."""
     rows = rows or published_rows()
-    constants = {"efficiency": EFFICIENCY, "memory_bound_bytes": MEMORY_BOUND_BYTES,
-                 "compiled_fraction": COMPILED_FRACTION}
+    constants = constants or {"efficiency": EFFICIENCY, "memory_bound_bytes": MEMORY_BOUND_BYTES,
+                              "compiled_fraction": COMPILED_FRACTION}
     table = []
     for row, prediction in zip(rows, predictions(rows, **constants)):
-        table.append({"row": row.index, "name": row.name, "fitted": row.index in FIT_ROWS,
+        table.append({"row": row.index, "name": row.name, "fitted": row.index in FIT_ROWS, "constants": constants,
                       "tps_published": row.tps_per_gpu, "tps_predicted": prediction.tps_per_gpu,
                       "tps_error": prediction.tps_per_gpu / row.tps_per_gpu - 1,
                       "memory_published_gib": row.peak_memory_gib, "memory_predicted_gib": prediction.peak_memory_gib,

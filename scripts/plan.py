@@ -1,0 +1,126 @@
+"""Which layout to run on N GPUs, before renting them: every layout that fits, ranked by predicted tokens/s per GPU.
+
+From the repository root:
+
+    python scripts/plan.py --flavor 405B --gpus 512 --gpu h100 --seq_len 8192 --global_batch 256
+    python scripts/plan.py --flavor 8B --gpus 64 --gpu h200 --json            # the same list as JSON
+    python scripts/plan.py --predict --gpus 256 --gpu h100 --job.config_file train_configs/llama3_70b.toml \\
+        --parallelism.tensor_parallel_degree 8                                 # one configuration, as the trainer
+    python scripts/plan.py --validate                                          # against TorchTitan's published runs
+    python scripts/plan.py --validate --fit                                    # refit the three constants
+
+The model (torchtitan/planner/cost.py, docs/scaling.md): compute from FLOPs over the GPU's peak, communication
+from the bytes of each collective over the link it crosses, the pipeline bubble; memory from the analytic model
+checked against the dry run, plus what the CUDA caching allocator reserves. Confirm a choice with a dry run:
+`NGPU=512 COMM_MODE=fake_backend CONFIG_FILE=... ./run_train.sh <overrides>`.
+"""
+
+import argparse
+import contextlib
+import json
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from torchtitan.config import parse_args  # noqa: E402
+from torchtitan.errors import UserError  # noqa: E402
+from torchtitan.planner.cost import Layout  # noqa: E402
+from torchtitan.planner.hardware import GPUS, gpu_named  # noqa: E402
+from torchtitan.planner.search import Prediction, layout_from_config, plan, predict  # noqa: E402
+
+
+def describe(layout: Layout) -> str:
+    parts = []
+    if layout.dp_replicate > 1:
+        parts.append(f"HSDP {layout.dp_replicate}x{layout.dp_shard}")
+    elif layout.dp_shard > 1:
+        parts.append(f"FSDP {layout.dp_shard}")
+    parts += [f"TP {layout.tp}"] if layout.tp > 1 else []
+    parts += [f"PP {layout.pp} {layout.schedule} ({layout.stages_per_rank} stage(s)/rank, micro-batch "
+              f"{layout.microbatch})"] if layout.pp > 1 else []
+    parts += [f"CP {layout.cp}"] if layout.cp > 1 else []
+    parts.append({"op": "AC op", "full": "AC full", "none": "no AC"}[layout.ac])
+    parts += ["float8"] if layout.float8 else []
+    parts += ["compile"] if layout.compile else []
+    parts += ["async TP"] if layout.async_tp else []
+    parts.append(f"batch {layout.local_batch}")
+    return ", ".join(parts)
+
+
+def table(predictions: list[Prediction]) -> str:
+    lines = [f"{'#':>3} {'tokens/s/GPU':>12} {'peak GiB':>9}  layout"]
+    for rank, p in enumerate(predictions, 1):
+        lines.append(f"{rank:>3} {p.tps_per_gpu:12.0f} {p.peak_memory_gib:9.1f}  {describe(p.layout)}")
+        lines.append(f"{'':>27}{' '.join(p.overrides)}")
+    return "\n".join(lines)
+
+
+def validation_markdown(refit: bool) -> str:
+    from torchtitan.planner import validation
+
+    rows = validation.published_rows()
+    constants = validation.fit_constants(rows) if refit else None
+    entries = validation.validation_table(rows, constants)
+    fitted = [e for e in entries if e["fitted"]]
+    held_out = [e for e in entries if not e["fitted"]]
+    used = entries[0]["constants"]
+    lines = [f"Constants: efficiency {used['efficiency']}, memory-bound bytes {used['memory_bound_bytes']}, "
+             f"compiled fraction {used['compiled_fraction']} (fitted on rows {', '.join(map(str, validation.FIT_ROWS))}); "
+             f"GPU {validation.GPU.description}.", "",
+             "| row | run | fitted | tokens/s/GPU published | predicted | error | peak GiB published | predicted | error |",
+             "|---:|---|:---:|---:|---:|---:|---:|---:|---:|"]
+    for e in entries:
+        lines.append(f"| {e['row']} | {e['name']} | {'yes' if e['fitted'] else ''} | {e['tps_published']:,.0f} | "
+                     f"{e['tps_predicted']:,.0f} | {100 * e['tps_error']:+.1f}% | {e['memory_published_gib']:.1f} | "
+                     f"{e['memory_predicted_gib']:.1f} | {100 * e['memory_error']:+.1f}% |")
+    for name, group in (("fitted rows", fitted), ("other rows", held_out)):
+        lines.append(f"\nLargest error, {name}: tokens/s {100 * max(abs(e['tps_error']) for e in group):.1f}%, "
+                     f"peak memory {100 * max(abs(e['memory_error']) for e in group):.1f}%")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], add_help=False)
+    parser.add_argument("--flavor", default="8B")
+    parser.add_argument("--gpus", type=int, default=8)
+    parser.add_argument("--gpu", default="h100", help=f"one of {', '.join(GPUS)}")
+    parser.add_argument("--seq_len", type=int, default=8192)
+    parser.add_argument("--global_batch", type=int, default=None, help="sequences per step (default: 2 per GPU)")
+    parser.add_argument("--top", type=int, default=10, help="layouts to list")
+    parser.add_argument("--json", action="store_true", help="print JSON instead of a table")
+    parser.add_argument("--predict", action="store_true",
+                        help="predict the one configuration given by trainer options (--job.config_file ...)")
+    parser.add_argument("--validate", action="store_true", help="the model against the published H100 runs")
+    parser.add_argument("--fit", action="store_true", help="with --validate: refit the three constants")
+    parser.add_argument("--plan-help", action="help", help="this help")
+    args, trainer_argv = parser.parse_known_args(sys.argv[1:] if argv is None else argv)
+    try:
+        if args.validate:
+            print(validation_markdown(args.fit))
+            return 0
+        gpu = gpu_named(args.gpu, "--gpu")
+        if args.predict:
+            config = parse_args(trainer_argv)
+            layout = layout_from_config(config, args.gpus)
+            results = [predict(config.model.flavor, layout, config.training.seq_len, gpu, config=config)]
+        else:
+            if trainer_argv:
+                raise UserError(f"unknown arguments {' '.join(trainer_argv)} (trainer options need --predict)")
+            for name in ("gpus", "seq_len", "top"):
+                if getattr(args, name) < 1:
+                    raise UserError(f"option --{name}: {getattr(args, name)} must be a positive integer")
+            global_batch = args.global_batch or 2 * args.gpus
+            if global_batch < 1:
+                raise UserError(f"option --global_batch: {global_batch} must be a positive integer")
+            results = plan(args.flavor, args.gpus, gpu, args.seq_len, global_batch)[:args.top]
+    except UserError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    print(json.dumps([p.as_json() for p in results], indent=2) if args.json else table(results))
+    return 0
+
+
+if __name__ == "__main__":
+    with contextlib.suppress(BrokenPipeError):
+        sys.exit(main())

@@ -1,0 +1,80 @@
+"""The planner: its predictions against TorchTitan's published H100 runs, its ranking, and its command line."""
+
+import json
+
+import pytest
+
+from scripts import plan as plan_script
+from torchtitan.config import parse_args
+from torchtitan.planner import validation
+from torchtitan.planner.hardware import GPUS
+from torchtitan.planner.search import layout_from_config, plan, predict
+
+BOUND = 0.15
+
+
+@pytest.fixture(scope="module")
+def table():
+    return validation.validation_table()
+
+
+@pytest.mark.parametrize("row", range(10))
+def test_published_row_within_bound(table, row):
+    entry = table[row]
+    assert abs(entry["tps_error"]) <= BOUND, (entry["name"], entry["tps_published"], entry["tps_predicted"])
+    assert abs(entry["memory_error"]) <= BOUND, (entry["name"], entry["memory_published_gib"],
+                                                 entry["memory_predicted_gib"])
+
+
+def test_constants_are_those_fitted_on_the_named_rows():
+    fitted = validation.fit_constants(validation.published_rows())
+    used = validation.validation_table()[0]["constants"]
+    assert fitted == pytest.approx(used)
+
+
+@pytest.mark.parametrize("row", [0, 6, 9])
+def test_published_layout_in_top_5_and_first_choice_as_fast(row):
+    published = validation.published_rows()[row]
+    global_batch = published.layout.local_batch * published.layout.dp
+    ranked = plan(published.flavor, published.gpus, validation.GPU, published.seq_len, global_batch)
+    mine = predict(published.flavor, published.layout, published.seq_len, validation.GPU)
+    top5 = [p.tps_per_gpu for p in ranked[:5]]
+    assert ranked[0].tps_per_gpu >= mine.tps_per_gpu * (1 - 1e-9)
+    assert mine.tps_per_gpu >= top5[-1] * (1 - 1e-9), (mine.tps_per_gpu, top5)
+
+
+def test_overrides_round_trip_through_the_trainer_config():
+    ranked = plan("70B", 64, GPUS["h100"], 8192, 128)
+    for prediction in ranked[:5]:
+        config = parse_args(["--job.config_file", "train_configs/llama3_70b.toml", *prediction.overrides])
+        assert layout_from_config(config, 64) == prediction.layout
+
+
+def test_json_lists_every_field(capsys):
+    assert plan_script.main(["--flavor", "8B", "--gpus", "16", "--gpu", "h100", "--json", "--top", "3"]) == 0
+    layouts = json.loads(capsys.readouterr().out)
+    assert len(layouts) == 3
+    for field in ("dp_shard", "dp_replicate", "tp", "pp", "cp", "schedule", "ac", "float8", "compile", "async_tp",
+                  "local_batch", "tps_per_gpu", "peak_memory_gib", "overrides"):
+        assert field in layouts[0]
+    assert layouts[0]["tps_per_gpu"] >= layouts[1]["tps_per_gpu"] >= layouts[2]["tps_per_gpu"]
+
+
+def test_predict_takes_trainer_options(capsys):
+    assert plan_script.main(["--predict", "--gpus", "64", "--gpu", "h100", "--json", "--job.config_file",
+                             "train_configs/llama3_70b.toml", "--parallelism.tensor_parallel_degree", "8"]) == 0
+    (only,) = json.loads(capsys.readouterr().out)
+    assert (only["tp"], only["dp_shard"], only["ac"]) == (8, 8, "full")
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--gpu", "h900"], "option --gpu: unknown GPU 'h900'"),
+    (["--flavor", "405B", "--gpus", "8"], "does not fit 8 x h100"),
+    (["--flavor", "9B"], "unknown flavor '9B'"),
+    (["--predict", "--gpus", "8", "--job.config_file", "train_configs/llama3_8b.toml",
+      "--parallelism.tensor_parallel_degree", "3"], "option parallelism"),
+])
+def test_bad_input_is_one_error_line(capsys, argv, message):
+    assert plan_script.main(argv) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("error:") and message in err[0], err
