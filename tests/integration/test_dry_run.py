@@ -49,7 +49,8 @@ def test_debug_model_world_64_pp_fsdp_tp(tmp_path):
     expected_matrices = stage_weights * 4 / 32 / GIB
     # Norm weights are replicated over TP (sharded over FSDP only): a sliver above 1/32.
     assert expected_matrices <= by_category["parameters"] <= expected_matrices * 1.01
-    assert by_category["optimizer_state"] == pytest.approx(2 * by_category["parameters"], rel=1e-6)
+    # Adam keeps two fp32 moments per weight (and a step counter per tensor).
+    assert by_category["optimizer_state"] == pytest.approx(2 * by_category["parameters"], rel=1e-3)
     found = collectives(report)
     for kind, dim_name in (("all_gather", "tp"), ("reduce_scatter", "tp"), ("all_gather", "dp_shard_cp"),
                            ("reduce_scatter", "dp_shard_cp"), ("send", "pp"), ("recv", "pp")):

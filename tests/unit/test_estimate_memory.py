@@ -74,3 +74,21 @@ def test_presets_table_flags_layouts_over_80_gib():
     assert "fits" in lines["405B FSDP 2 x TP 8 x PP 8, AC full"]
     over = estimate(preset("llama3_70b.toml", "--activation_checkpoint.mode", "none"), 64, 2 * GIB)
     assert over.total > 80 * GIB
+
+
+# The dry run's trace against the real run's measured tensor peak, per layout (one process, FSDP 2, TP 2, PP 2).
+LAYOUTS = [
+    ("one_process", 1, []),
+    ("fsdp2", 2, ["--parallelism.data_parallel_shard_degree", "2"]),
+    ("tp2", 2, ["--parallelism.tensor_parallel_degree", "2"]),
+    ("pp2", 2, ["--parallelism.pipeline_parallel_degree", "2"]),
+]
+
+
+@pytest.mark.parametrize("nproc, layout", [(n, args) for _, n, args in LAYOUTS], ids=[name for name, _, _ in LAYOUTS])
+def test_dry_run_within_10_percent_of_measured_peak(nproc, layout):
+    argv = [*DEBUG_TOML, "--training.seq_len", "256", "--training.local_batch_size", "4",
+            "--training.mixed_precision_param", "bfloat16", "--activation_checkpoint.mode", "none", *layout]
+    measured = estimate_memory._measure_in_new_processes(argv, nproc)["tensor_peak"]
+    traced = estimate_memory.traced_peak(argv, nproc, device="cpu")
+    assert abs(traced / measured - 1) <= 0.10, f"dry run {traced / 2**20:.1f} MiB, measured {measured / 2**20:.1f} MiB"

@@ -52,7 +52,8 @@ Mixed precision and FSDP buffers:
   FSDP (F > 1, or DDP)  the gathered parameters of 2 blocks (the running one and the prefetched one) and of the
                         norm + output (kept gathered after forward): (2 x P_block + P_head) / t x a_gather, with
                         a_gather = 1 for float8 all-gather, else a; during backward also one block's unsharded
-                        gradients, in a plus their fp32 copy for the reduction when a = 2
+                        gradients, in a plus their fp32 copy for the reduction when a = 2; under PP (no
+                        resharding after forward) all the rank's parameters stay gathered: P_rank / t x a_gather
   autocast (no FSDP)    bf16 copies of every matrix: held by autocast's cache to the end of forward, and saved
                         for backward by blocks without AC: P_matmul / t x 2
 
@@ -253,6 +254,9 @@ def _estimate_rank(config: JobConfig, args: TransformerModelArgs, dims: Parallel
     if wrapped:
         gather = 1 if float8_enabled(config) and config.quantize.linear.float8.enable_fsdp_float8_all_gather else a
         forward_buffers = (2 * block_params + (head_params if has_head else 0.0)) * gather
+        if dims.pp > 1 and config.parallelism.fsdp_reshard_after_forward != "always":
+            # Under PP the parameters stay gathered from the first micro-batch to the last (fsdp.py).
+            forward_buffers = params * gather
         backward_buffers = forward_buffers + block_params * (a + (4 if a != 4 else 0))
         forward_copies = 0.0
     else:
