@@ -25,7 +25,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 
 from scripts import convert_checkpoint
-from torchtitan.components import checkpoint as checkpoint_module
+from torchtitan.components.checkpoint import integrity as checkpoint_integrity
 from torchtitan.components.checkpoint import (CHECKSUMS_FILE, CheckpointManager, TrainState, read_full_checkpoint,
                                               read_full_model, read_metadata)
 from torchtitan.components.lr_scheduler import LRSchedulersContainer
@@ -352,7 +352,7 @@ def test_checkpoint_without_manifest_loads_with_a_warning(pg, tmp_path, monkeypa
     make_manager(tmp_path, saved).save(1)
     (tmp_path / "ckpt" / "step-1" / CHECKSUMS_FILE).unlink()
     warned = []
-    monkeypatch.setattr(checkpoint_module, "warn_once", warned.append)
+    monkeypatch.setattr(checkpoint_integrity, "warn_once", warned.append)
     fresh = build_components(seed=1)
     assert make_manager(tmp_path, fresh).load()
     assert_same(snapshot(fresh), snapshot(saved))

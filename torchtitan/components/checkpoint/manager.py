@@ -1,63 +1,12 @@
-"""Saving and resuming the whole training state with torch.distributed.checkpoint (DCP).
+"""CheckpointManager: when to save, the folder layout (`step-N`, `.incomplete`, publishing, pruning) and resuming.
+The package's `__init__` describes the layout and the keys."""
 
-Layout under `<dump_folder>/<checkpoint.folder>`:
-
-    step-N/                  a complete checkpoint: DCP files (`.metadata`, `__R_I.distcp`) and `checksums.json`,
-                             or, for a last save with `last_save_in_hf`, a Hugging Face folder (`config.json`,
-                             `model.safetensors`)
-    step-N.incomplete/       being written, or left behind by a crash: never loaded, removed by the next save
-
-Every save is written into `step-N.incomplete`; only once DCP has finished on every rank does rank 0 rename it to
-`step-N` (an atomic rename), so a folder named `step-N` is always complete, whenever a process dies. If `step-N`
-already exists (a run resumed from an earlier step reaches the same step again), the new checkpoint replaces it once
-the new one is complete: the old folder is renamed to `step-N.stale.incomplete`, the new one into place, and the old
-one deleted. A crash between those renames leaves both under `.incomplete` names, and resuming takes the previous
-complete step.
-
-DCP has no checksums: a shard damaged after the save (other bytes, same size) would load silently. So before the
-rename rank 0 writes `checksums.json` into the folder, the size and CRC32 of every file DCP wrote, and every load
-checks the files against it before DCP reads them; a checkpoint without one (an older version's, or another tool's)
-loads unchecked, with a warning.
-
-Once a new checkpoint is in place, rank 0 deletes what it supersedes:
-- `keep_latest_k` counts only full checkpoints (those holding the train state, the only ones a resume continues
-  from): the k newest are kept. A model-only checkpoint never evicts a full one; it is deleted once it is older than
-  every full checkpoint kept (it can no longer be what the run resumes from, nor its latest weights).
-- A run that resumed from a step older than a full checkpoint of the folder (`load_step`, or a load without the
-  train state, which restarts at step 0) continues another trajectory: the checkpoints newer than its starting step
-  are retired when its first checkpoint is complete, and not before, so that a rollback run that dies early loses
-  nothing. Retired means deleted, or with `keep_latest_k = 0` (keep everything) renamed to `step-N.abandoned`,
-  which no resume considers. Otherwise a later plain restart would resume the abandoned trajectory.
-
-Keys of a DCP checkpoint (DCP joins nested keys with dots):
-
-    model.<parameter name>       full names, whatever the sharding or pipeline split, so any layout reloads them
-    optimizer.state.<name>.<k>   OptimizersContainer's flattened state; optimizer.param_groups.<name> packs that
-                                 parameter's hyperparameters into one record
-    lr_scheduler.last_epoch
-    dataloader                   the data loader's state, serialised into one value under one key for all ranks:
-                                 DCP writes it once, every rank loads it (any rank's position resumes every rank,
-                                 also with another number of ranks), and its structure may change as iteration
-                                 starts without breaking the load
-    train_state.step, train_state.tokens_seen
-    rng_rank<R>.python/.torch/.cuda   each rank's random generators, restored only on a rank that has an entry
-
-Model-only checkpoints (the seed checkpoint, `last_save_model_only`) hold only `model.*`. Resuming picks the latest
-checkpoint that holds the train state; only when there is none does it load a model-only one (the model, with the
-rest as initialised).
-"""
-
-import contextlib
-import io
-import json
 import os
 import pickle
 import random
 import re
 import shutil
 import time
-import warnings
-import zlib
 from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass
@@ -68,29 +17,26 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import nn
-from torch.distributed.checkpoint import CheckpointException, DefaultLoadPlanner, FileSystemReader
+from torch.distributed.checkpoint import CheckpointException
 from torch.distributed.checkpoint._traverse import set_element
-from torch.distributed.checkpoint.filesystem import _FileSystemWriter
-from torch.distributed.checkpoint.metadata import Metadata, StorageMeta, TensorStorageMetadata
-from torch.distributed.checkpoint.planner import ReadItem, SavePlan, SavePlanner
+from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, set_model_state_dict
 from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType
 from torch.distributed.checkpoint.stateful import Stateful
-from torch.distributed.checkpoint.storage import WriteResult
 
+from torchtitan.components.checkpoint.hf import load_hf_model
+from torchtitan.components.checkpoint.integrity import (CHECKSUMS_FILE, checksum_files, fsync_dir, saved_files,
+                                                        verify_checkpoint, write_checksums)
+from torchtitan.components.checkpoint.safe_io import (METADATA_FILE, FileWriter, dcp_load, describe, deserialize,
+                                                      is_storage_error, read_metadata, serialize, without_collectives)
 from torchtitan.config.job_config import Checkpoint as CheckpointConfig
 from torchtitan.errors import UserError
 from torchtitan.models.llama3.args import TransformerModelArgs
-from torchtitan.models.llama3.state_dict_adapter import is_hf_folder, load_hf, save_hf
-from torchtitan.tools.files import atomic_write
-from torchtitan.tools.logging import logger, warn_once
+from torchtitan.models.llama3.state_dict_adapter import is_hf_folder, save_hf
+from torchtitan.tools.logging import logger
 
 INCOMPLETE_SUFFIX = ".incomplete"
-METADATA_FILE = ".metadata"
-CHECKSUMS_FILE = "checksums.json"
-# Files are hashed in chunks of this size: a shard may be larger than the memory left.
-_CHECKSUM_CHUNK = 16 * 2**20
 LOADABLE_PARTS = ("model", "optimizer", "lr_scheduler", "dataloader", "train_state", "rng")
 ASYNC_MODES = ("disabled", "async", "async_with_pinned_mem")
 EXPORT_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -144,86 +90,6 @@ class RNGState(Stateful):
             torch.cuda.set_rng_state(state_dict["cuda"])
 
 
-class WeightsOnlyLoadPlanner(DefaultLoadPlanner):
-    """DCP's default planner unpickles non-tensor entries with `weights_only=False`, which runs arbitrary code
-    from a crafted checkpoint; this one unpickles them with `weights_only=True`, which accepts only tensors and
-    plain containers of numbers and strings."""
-
-    def load_bytes(self, read_item: ReadItem, value: io.BytesIO) -> None:
-        loaded = torch.load(value, weights_only=True)
-        if self.flatten_state_dict:
-            set_element(self.original_state_dict, self.mappings[read_item.dest_index.fqn], loaded)
-        else:
-            self.state_dict[read_item.dest_index.fqn] = loaded
-
-
-# Everything DCP's `.metadata` pickle is made of (FileSystemWriter, any sharding), besides torch's dtypes, layouts,
-# memory formats and Size.
-_METADATA_GLOBALS = {
-    *(("torch.distributed.checkpoint.metadata", name) for name in (
-        "Metadata", "StorageMeta", "MetadataIndex", "TensorStorageMetadata", "BytesStorageMetadata",
-        "ChunkStorageMetadata", "TensorProperties", "_MEM_FORMAT_ENCODING")),
-    ("torch.distributed.checkpoint.filesystem", "_StorageInfo"),
-    ("torch.serialization", "_get_layout"),
-    ("collections", "OrderedDict"),
-    *(("pathlib", name) for name in ("Path", "PosixPath", "WindowsPath", "PurePosixPath", "PureWindowsPath")),
-}
-
-
-class _MetadataUnpickler(pickle.Unpickler):
-    """Unpickles DCP's `.metadata` from the classes it is made of and nothing else. FileSystemReader uses plain
-    `pickle.load`, which calls whatever a crafted file names (os.system, ...) before any check could run."""
-
-    def find_class(self, module: str, name: str) -> Any:
-        if (module, name) in _METADATA_GLOBALS:
-            return super().find_class(module, name)
-        if module == "torch":
-            value = getattr(torch, name, None)
-            if value is torch.Size or isinstance(value, (torch.dtype, torch.layout, torch.memory_format)):
-                return value
-        raise pickle.UnpicklingError(f"{module}.{name} is not part of a DCP checkpoint's metadata")
-
-
-class SafeFileSystemReader(FileSystemReader):
-    """DCP's file reader with `.metadata` read by `_MetadataUnpickler` (the tensors it already loads weights-only;
-    WeightsOnlyLoadPlanner does the rest)."""
-
-    def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
-        with self.fs.create_stream(Path(self.path) / METADATA_FILE, "rb") as metadata_file:
-            metadata = _MetadataUnpickler(metadata_file).load()
-        if not isinstance(metadata, Metadata):
-            raise pickle.UnpicklingError(f"it holds a {type(metadata).__name__}, not DCP's Metadata")
-        if metadata.storage_meta is None:
-            metadata.storage_meta = StorageMeta()
-        metadata.storage_meta.load_id = self.load_id
-        return metadata
-
-
-class _FileWriter(_FileSystemWriter):
-    """DCP's file writer (without the staging that FileSystemWriter adds: async saves stage with their own stager),
-    raising the OSError of a failed write itself. When the disk fills under torch.save, closing its zip writer fails
-    in turn with a RuntimeError ("unexpected pos ...") that hides the OSError, and DCP hands errors between ranks
-    without what they were raised while handling: a full disk would end the run with that RuntimeError's traceback
-    instead of a storage error."""
-
-    def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future[list[WriteResult]]:
-        try:
-            return super().write_data(plan, planner)
-        except RuntimeError as err:
-            if isinstance(err.__context__, OSError):
-                raise err.__context__ from None
-            raise
-
-
-def _serialize(state: Any) -> bytes:
-    buffer = io.BytesIO()
-    torch.save(state, buffer)
-    return buffer.getvalue()
-
-
-def _deserialize(blob: bytes) -> Any:
-    return torch.load(io.BytesIO(blob), weights_only=True)
-
 
 _PARAM_GROUPS = "param_groups."
 
@@ -241,7 +107,7 @@ def _pack_param_groups(optimizer_state: dict[str, Any]) -> dict[str, Any]:
             groups.setdefault(name, {})[field] = value
         else:
             packed[key] = value
-    packed.update({_PARAM_GROUPS + name: _serialize(fields) for name, fields in groups.items()})
+    packed.update({_PARAM_GROUPS + name: serialize(fields) for name, fields in groups.items()})
     return packed
 
 
@@ -249,7 +115,7 @@ def _unpack_param_groups(packed: dict[str, Any]) -> dict[str, Any]:
     optimizer_state: dict[str, Any] = {}
     for key, value in packed.items():
         if key.startswith(_PARAM_GROUPS):
-            optimizer_state.update({f"{key}.{field}": v for field, v in _deserialize(value).items()})
+            optimizer_state.update({f"{key}.{field}": v for field, v in deserialize(value).items()})
         else:
             optimizer_state[key] = value
     return optimizer_state
@@ -263,30 +129,6 @@ def _incomplete(path: Path) -> Path:
     return path.with_name(path.name + INCOMPLETE_SUFFIX)
 
 
-def _fsync_dir(folder: Path) -> None:
-    """Make renames inside `folder` durable: without it a power loss may undo them."""
-    fd = os.open(folder, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def _describe(err: BaseException) -> str:
-    """The error in one line per failing rank, instead of the tracebacks that CheckpointException prints."""
-    if isinstance(err, CheckpointException):
-        return "; ".join(f"rank {rank}: {_describe(failure[0])}" for rank, failure in sorted(err.failures.items()))
-    return f"{type(err).__name__}: {err}"
-
-
-def _is_storage_error(err: BaseException) -> bool:
-    """An OSError (disk full, permissions, I/O), also one raised on any rank inside a DCP collective."""
-    if isinstance(err, OSError):
-        return True
-    if isinstance(err, CheckpointException):
-        return any(isinstance(failure[0], OSError) for failure in err.failures.values())
-    return False
-
 
 def complete_steps(folder: Path) -> list[int]:
     """Steps with a complete checkpoint (`step-N` folders) in `folder`, ascending."""
@@ -294,116 +136,6 @@ def complete_steps(folder: Path) -> list[int]:
         return []
     steps = [int(m.group(1)) for entry in folder.iterdir() if entry.is_dir() and (m := _STEP_FOLDER.match(entry.name))]
     return sorted(steps)
-
-
-def read_metadata(checkpoint: Path) -> Metadata:
-    """DCP's metadata of a checkpoint folder, with a UserError naming the folder if it is missing or unreadable."""
-    if not checkpoint.is_dir():
-        raise UserError(f"checkpoint folder {checkpoint} does not exist")
-    if not (checkpoint / METADATA_FILE).is_file():
-        hint = ("; it is a Hugging Face folder: set checkpoint.initial_load_in_hf" if is_hf_folder(checkpoint)
-                else "; the folder is incomplete or corrupt")
-        raise UserError(f"checkpoint {checkpoint} has no {METADATA_FILE} file{hint}")
-    try:
-        return SafeFileSystemReader(checkpoint).read_metadata()
-    except Exception as err:  # a truncated or foreign file fails in pickle with any of several exception types
-        raise UserError(f"checkpoint {checkpoint}: {METADATA_FILE} cannot be read ({type(err).__name__}: {err}); "
-                        f"the checkpoint is corrupt") from err
-
-
-def _saved_files(folder: Path) -> list[str]:
-    """The files DCP wrote into `folder` (`.metadata` and the `.distcp` shards), sorted by name."""
-    return sorted(entry.name for entry in folder.iterdir()
-                  if entry.is_file() and (entry.name == METADATA_FILE or entry.suffix == ".distcp"))
-
-
-def _file_checksum(path: Path) -> dict[str, Any]:
-    crc = 0
-    size = 0
-    chunk = bytearray(_CHECKSUM_CHUNK)
-    view = memoryview(chunk)
-    with path.open("rb", buffering=0) as f:
-        while count := f.readinto(chunk):
-            crc = zlib.crc32(view[:count], crc)
-            size += count
-    return {"size": size, "crc32": f"{crc:08x}"}
-
-
-def _checksum_files(folder: Path, names: list[str]) -> dict[str, dict[str, Any]]:
-    return {name: _file_checksum(folder / name) for name in names}
-
-
-def _write_checksums(folder: Path, checksums: dict[str, dict[str, Any]]) -> None:
-    """Write `CHECKSUMS_FILE` into the folder about to be published, whole and durable before the rename that
-    publishes it: a complete checkpoint without its manifest would load unchecked."""
-    with atomic_write(folder / CHECKSUMS_FILE) as f:
-        json.dump({"algorithm": "crc32", "files": dict(sorted(checksums.items()))}, f, indent=1)
-    _fsync_dir(folder)
-
-
-def _read_checksums(checkpoint: Path) -> dict[str, dict[str, Any]] | None:
-    """The manifest's entries, or None (with a warning) for a checkpoint written without one."""
-    path = checkpoint / CHECKSUMS_FILE
-    if not path.is_file():
-        warn_once(f"checkpoint {checkpoint} has no {CHECKSUMS_FILE} (saved by an older version or another tool): its "
-                  f"files are loaded without an integrity check")
-        return None
-    try:
-        files = json.loads(path.read_text())["files"]
-        # Plain names only: a crafted manifest must not make the check read files elsewhere (or /dev/zero, forever).
-        if not all(Path(name).name == name and name not in ("", ".", "..") and isinstance(entry, dict)
-                   and entry.keys() == {"size", "crc32"} for name, entry in files.items()):
-            raise ValueError("an entry is not a plain file name with its size and crc32")
-    except (OSError, ValueError, KeyError, TypeError, AttributeError) as err:
-        raise UserError(f"checkpoint {checkpoint} cannot be loaded (corrupt): {path} cannot be read "
-                        f"({_describe(err)})") from err
-    return files
-
-
-def _mismatch(checkpoint: Path, name: str, expected: dict[str, Any]) -> str | None:
-    """How the file differs from its manifest entry, or None if it matches."""
-    path = checkpoint / name
-    try:
-        actual = _file_checksum(path)
-    except OSError as err:
-        return f"{path} cannot be read ({_describe(err)})"
-    if actual == expected:
-        return None
-    return (f"{path} has {actual['size']} bytes with CRC32 {actual['crc32']}, but {CHECKSUMS_FILE} records "
-            f"{expected['size']} bytes with CRC32 {expected['crc32']}")
-
-
-def verify_checkpoint(checkpoint: Path, distributed: bool = False) -> None:
-    """Check the files of a DCP checkpoint against its `CHECKSUMS_FILE` before DCP reads them: a UserError names the
-    first damaged file with its recorded and actual size and CRC32. With `distributed`, every rank of the default
-    process group calls it and reads every W-th file (the files are on a file system that every rank sees, as DCP
-    requires), so that no rank reads the whole checkpoint, and every rank raises the same error."""
-    expected = _read_checksums(checkpoint)
-    if expected is None:
-        return
-    names = sorted(expected)
-    rank, world_size = (dist.get_rank(), dist.get_world_size()) if distributed and dist.is_initialized() else (0, 1)
-    first: tuple[int, str] | None = None
-    for index in range(rank, len(names), world_size):
-        if (problem := _mismatch(checkpoint, names[index], expected[names[index]])) is not None:
-            first = (index, problem)
-            break
-    if world_size > 1:
-        outcomes: list[tuple[int, str] | None] = [None] * world_size
-        dist.all_gather_object(outcomes, first)
-        first = min((outcome for outcome in outcomes if outcome is not None), default=None)
-    if first is not None:
-        raise UserError(f"checkpoint {checkpoint} cannot be loaded (corrupt): {first[1]}; the file changed after the "
-                        f"checkpoint was saved")
-
-
-def _dcp_load(state_dict: dict[str, Any], checkpoint: Path, no_dist: bool = False) -> None:
-    try:
-        dcp.load(state_dict, checkpoint_id=checkpoint, storage_reader=SafeFileSystemReader(checkpoint),
-                 planner=WeightsOnlyLoadPlanner(), no_dist=no_dist)
-    except (CheckpointException, OSError, RuntimeError) as err:
-        raise UserError(f"checkpoint {checkpoint} cannot be loaded (corrupt, truncated, or of another setup): "
-                        f"{_describe(err)}") from err
 
 
 def read_full_checkpoint(checkpoint: Path) -> dict[str, Any]:
@@ -418,20 +150,12 @@ def read_full_checkpoint(checkpoint: Path) -> dict[str, Any]:
                  if isinstance(entry, TensorStorageMetadata) else b"")
         set_element(state_dict, (metadata.planner_data or {}).get(key, (key,)), value)
     with without_collectives():
-        _dcp_load(state_dict, checkpoint, no_dist=True)
+        dcp_load(state_dict, checkpoint, no_dist=True)
     if "optimizer" in state_dict:
         state_dict["optimizer"] = _unpack_param_groups(state_dict["optimizer"])
     if isinstance(state_dict.get("dataloader"), bytes):
-        state_dict["dataloader"] = _deserialize(state_dict["dataloader"])
+        state_dict["dataloader"] = deserialize(state_dict["dataloader"])
     return state_dict
-
-
-@contextlib.contextmanager
-def without_collectives():
-    """DCP warns each time it runs in one process without collectives, which is the intent inside this block."""
-    with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
-        yield
 
 
 def read_full_model(checkpoint: Path, verify: bool = True) -> dict[str, torch.Tensor]:
@@ -447,7 +171,7 @@ def read_full_model(checkpoint: Path, verify: bool = True) -> dict[str, torch.Te
     if not state_dict:
         raise UserError(f"checkpoint {checkpoint} holds no model weights (no 'model.*' entries)")
     with without_collectives():
-        _dcp_load(state_dict, checkpoint, no_dist=True)
+        dcp_load(state_dict, checkpoint, no_dist=True)
     return {key.removeprefix(prefix): tensor for key, tensor in state_dict.items()}
 
 
@@ -609,12 +333,12 @@ class CheckpointManager:
         files = list(checkpoint.glob("*.distcp"))
         logger.info(f"Loading {', '.join(present)} from {checkpoint} ({len(files)} files, "
                     f"{sum(f.stat().st_size for f in files) / 2**30:.2f} GiB)")
-        _dcp_load(state_dict, checkpoint)
+        dcp_load(state_dict, checkpoint)
         for part in present:
             try:
                 self._apply(part, state_dict[self._key(part)])
             except pickle.UnpicklingError as err:
-                raise UserError(f"checkpoint {checkpoint}: its {part} state is refused ({_describe(err)})") from err
+                raise UserError(f"checkpoint {checkpoint}: its {part} state is refused ({describe(err)})") from err
         return present
 
     def _key(self, part: str) -> str:
@@ -643,7 +367,7 @@ class CheckpointManager:
 
     def _apply(self, part: str, state: Any) -> None:
         if part == "dataloader":
-            self.dataloader.load_state_dict(_deserialize(state))
+            self.dataloader.load_state_dict(deserialize(state))
         elif part == "optimizer":
             self.optimizers.load_state_dict(_unpack_param_groups(state))
         else:
@@ -662,11 +386,7 @@ class CheckpointManager:
                                 f"model.flavor")
 
     def _load_hf_model(self, folder: Path) -> list[str]:
-        full_state_dict = load_hf(folder, self.model_args)
-        for part in self.model.model_parts:
-            # Every rank holds the full tensors; set_model_state_dict shards them into the part's DTensors.
-            set_model_state_dict(part, dict(full_state_dict),
-                                 options=StateDictOptions(full_state_dict=True, strict=False))
+        load_hf_model(self.model.model_parts, folder, self.model_args)
         return ["model"]
 
     # ------------------------------------------------------------------------------------------------------------
@@ -716,7 +436,7 @@ class CheckpointManager:
             "model": self.model.state_dict(),
             "optimizer": _pack_param_groups(self.optimizers.state_dict()),
             "lr_scheduler": self.lr_schedulers.state_dict(),
-            "dataloader": _serialize(self.dataloader.state_dict()),
+            "dataloader": serialize(self.dataloader.state_dict()),
             "train_state": self.train_state.state_dict(),
             self.rng_key: self.rng.state_dict(),
         }
@@ -727,7 +447,7 @@ class CheckpointManager:
         self._on_rank0(self._remove_leftovers, f"cleaning up {self.folder} before saving step {step}")
         if self.config.async_mode == "disabled":
             try:
-                dcp.save(state_dict, checkpoint_id=staging, storage_writer=_FileWriter(staging))
+                dcp.save(state_dict, checkpoint_id=staging, storage_writer=FileWriter(staging))
                 checksums = self._gather_checksums(staging)
             except (Exception, CheckpointException) as err:
                 self._raise_save_error(err, step, staging)
@@ -735,11 +455,11 @@ class CheckpointManager:
             return
         started = time.perf_counter()
         if self._stager is not None:
-            upload = dcp.async_save(state_dict, checkpoint_id=staging, storage_writer=_FileWriter(staging),
+            upload = dcp.async_save(state_dict, checkpoint_id=staging, storage_writer=FileWriter(staging),
                                     process_group=self._async_group,
                                     async_checkpointer_type=AsyncCheckpointerType.PROCESS, async_stager=self._stager)
         else:
-            upload = dcp.async_save(state_dict, checkpoint_id=staging, storage_writer=_FileWriter(staging),
+            upload = dcp.async_save(state_dict, checkpoint_id=staging, storage_writer=FileWriter(staging),
                                     process_group=self._async_group)
         completed: Future = Future()
 
@@ -752,7 +472,7 @@ class CheckpointManager:
             try:
                 upload.result()
                 if self.rank == 0:
-                    self._publish(step, _checksum_files(staging, _saved_files(staging)))
+                    self._publish(step, checksum_files(staging, saved_files(staging)))
                 logger.info(f"Checkpoint {self._step_path(step)} written in the background in "
                             f"{time.perf_counter() - started:.2f} s")
                 completed.set_result(None)
@@ -774,9 +494,9 @@ class CheckpointManager:
     def _raise_save_error(self, err: BaseException, step: int, staging: Path) -> None:
         if self.rank == 0:
             shutil.rmtree(staging, ignore_errors=True)
-        if not _is_storage_error(err):
+        if not is_storage_error(err):
             raise err
-        raise UserError(f"saving the checkpoint of step {step} into {staging} failed: {_describe(err)}; earlier "
+        raise UserError(f"saving the checkpoint of step {step} into {staging} failed: {describe(err)}; earlier "
                         f"checkpoints in {self.folder} are untouched") from err
 
     def _gather_checksums(self, staging: Path) -> dict[str, dict[str, Any]]:
@@ -784,21 +504,21 @@ class CheckpointManager:
         every W-th file, sorted by name as rank 0 lists them (another host's view of the shared folder may lag
         behind), so that no rank reads the whole checkpoint. A rank that cannot read makes every rank raise."""
         if not dist.is_initialized() or dist.get_world_size() == 1:
-            return _checksum_files(staging, _saved_files(staging))
+            return checksum_files(staging, saved_files(staging))
         world_size = dist.get_world_size()
         listing: list[Any] = [None]
         if self.rank == 0:
             try:
-                listing = [_saved_files(staging)]
+                listing = [saved_files(staging)]
             except OSError as err:
-                listing = [f"rank 0: {_describe(err)}"]
+                listing = [f"rank 0: {describe(err)}"]
         dist.broadcast_object_list(listing, src=0)
         share = listing[0]
         if not isinstance(share, str):
             try:
-                share = _checksum_files(staging, share[self.rank::world_size])
+                share = checksum_files(staging, share[self.rank::world_size])
             except OSError as err:
-                share = f"rank {self.rank}: {_describe(err)}"
+                share = f"rank {self.rank}: {describe(err)}"
         shares: list[Any] = [None] * world_size
         dist.all_gather_object(shares, share)
         errors = list(dict.fromkeys(share for share in shares if isinstance(share, str)))
@@ -836,7 +556,7 @@ class CheckpointManager:
         final = self._step_path(step)
         staging = _incomplete(final)
         if checksums is not None:
-            _write_checksums(staging, checksums)
+            write_checksums(staging, checksums)
         if final.exists():
             logger.warning(f"Replacing the existing checkpoint {final} by the one just saved")
             stale = _incomplete(final.with_name(final.name + ".stale"))
@@ -845,7 +565,7 @@ class CheckpointManager:
             shutil.rmtree(stale)
         else:
             os.rename(staging, final)
-        _fsync_dir(self.folder)
+        fsync_dir(self.folder)
         self._retire_abandoned(keep=step)
         self._prune(keep=step)
 
@@ -871,7 +591,7 @@ class CheckpointManager:
                     target = self._step_path(step).with_name(f"step-{step}.abandoned-{suffix}")
             os.rename(self._step_path(step), target)
             retired.append(target)
-        _fsync_dir(self.folder)
+        fsync_dir(self.folder)
         why = "it belongs to the trajectory that this run abandoned by resuming from an older step"
         for step, target in zip(abandoned, retired):
             if self.config.keep_latest_k == 0:
@@ -922,7 +642,7 @@ class CheckpointManager:
         scratch = _incomplete(final.with_name(final.name + ".dcp"))
         self._on_rank0(self._remove_leftovers, f"cleaning up {self.folder} before saving step {step}")
         try:
-            dcp.save({"model": self.model.state_dict()}, checkpoint_id=scratch, storage_writer=_FileWriter(scratch))
+            dcp.save({"model": self.model.state_dict()}, checkpoint_id=scratch, storage_writer=FileWriter(scratch))
         except (Exception, CheckpointException) as err:
             self._raise_save_error(err, step, scratch)
         if self.rank != 0:
@@ -933,6 +653,6 @@ class CheckpointManager:
             shutil.rmtree(scratch)
             self._publish(step)
         except OSError as err:
-            raise UserError(f"writing the Hugging Face checkpoint {final} failed: {_describe(err)}; earlier "
+            raise UserError(f"writing the Hugging Face checkpoint {final} failed: {describe(err)}; earlier "
                             f"checkpoints in {self.folder} are untouched") from err
         logger.info(f"Hugging Face checkpoint written to {final} ({self.config.export_dtype})")
