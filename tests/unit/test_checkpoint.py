@@ -26,6 +26,7 @@ from torch.distributed.fsdp import fully_shard
 
 from scripts import convert_checkpoint
 from torchtitan.components.checkpoint import integrity as checkpoint_integrity
+from torchtitan.components.checkpoint import manager as manager_module
 from torchtitan.components.checkpoint import (CHECKSUMS_FILE, CheckpointManager, TrainState, read_full_checkpoint,
                                               read_full_model, read_metadata)
 from torchtitan.components.lr_scheduler import LRSchedulersContainer
@@ -251,6 +252,26 @@ def test_rollback_retires_the_abandoned_checkpoints_after_its_first_save(pg, tmp
     restarted = build_components(seed=2)
     make_manager(tmp_path, restarted, keep_latest_k=keep_latest_k).load()
     assert restarted.train_state.step == 3
+
+
+def test_resume_without_train_state_keeps_the_checkpoint_it_loaded(pg, tmp_path):
+    """Excluding train_state restarts at step 0 from the latest checkpoint: that run's first save retires the newer
+    trajectory, but the checkpoint it loaded is renamed aside, not deleted."""
+    c = build_components(seed=0)
+    save_steps(make_manager(tmp_path, c, interval=2), c, range(1, 5))
+    assert step_folders(tmp_path) == ["step-2", "step-4"]
+    restarted = build_components(seed=1)
+    manager = make_manager(tmp_path, restarted, interval=2, exclude_from_loading=["train_state"])
+    assert manager.load()
+    assert restarted.train_state.step == 0
+    save_steps(manager, restarted, range(1, 3))
+    assert step_folders(tmp_path) == ["step-2", "step-4.abandoned"]
+    # The kept folder is still a loadable checkpoint of step 4.
+    (tmp_path / "ckpt" / "step-4.abandoned").rename(tmp_path / "elsewhere")
+    fresh = build_components(seed=2)
+    make_manager(tmp_path, fresh, initial_load_path=str(tmp_path / "elsewhere"),
+                 initial_load_model_only=False, folder="other").load()
+    assert fresh.train_state.step == 4
 
 
 def test_saving_an_existing_step_replaces_it_once_complete(pg, tmp_path):
@@ -784,6 +805,35 @@ def test_fsdp_save_reloads_on_two_ranks_and_one(tmp_path):
                                                                flatten_optimizer_state_dict=True))},
                     reference)
         assert plain.train_state.step == 1 and plain.loader.position == 2
+
+
+def disagreeing_listing_worker(rank: int, world_size: int, tmp: str) -> None:
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", store=dist.FileStore(f"{tmp}/store", world_size), rank=rank,
+                            world_size=world_size)
+    try:
+        c = build_components(seed=0)
+        save_steps(make_manager(Path(tmp), c, interval=2), c, range(1, 5))
+        listing = manager_module.complete_steps
+        # Rank 1's view of the shared folder differs from rank 0's: first it shows a step-6 that rank 0 does not
+        # list, then it lags behind, without step-4.
+        for seen_by_rank1 in ([2, 4, 6], [2]):
+            manager_module.complete_steps = (lambda folder: seen_by_rank1) if rank == 1 else listing
+            resumed = build_components(seed=1)
+            manager = make_manager(Path(tmp), resumed)
+            if 4 in seen_by_rank1:
+                assert manager.load() and resumed.train_state.step == 4
+            else:
+                with pytest.raises(UserError, match=r"rank 0 resumes from checkpoint step-4 in .*ckpt, which "
+                                                    r"rank\(s\) 1 cannot see there"):
+                    manager.load()
+        manager_module.complete_steps = listing
+    finally:
+        dist.destroy_process_group()
+
+
+def test_every_rank_resumes_from_the_step_rank_0_chose(tmp_path):
+    run_forked(disagreeing_listing_worker, 2, str(tmp_path))
 
 
 def save_until_killed(root: Path, marker: Path) -> None:

@@ -227,6 +227,8 @@ class CheckpointManager:
         self._pending: _PendingSave | None = None
         # Steps of another trajectory, newer than the one this run resumed from: retired at its first publish.
         self._abandoned: list[int] = []
+        # The step this run resumed from: if it is among the abandoned ones it is renamed aside, never deleted.
+        self._resumed_from: int | None = None
         # How long each save of this run kept the training loop waiting (seconds, in order), for measurements.
         self.blocked_s: list[float] = []
         self._async_group = None
@@ -256,7 +258,7 @@ class CheckpointManager:
             return False
         begin = time.perf_counter()
         wanted = [part for part in LOADABLE_PARTS if part not in self.config.exclude_from_loading]
-        step = self._step_to_resume()
+        step = self._agreed_step_to_resume()
         if step is not None:
             source = self._step_path(step)
             if self.config.initial_load_path:
@@ -277,6 +279,7 @@ class CheckpointManager:
                     + (f" (step {self.train_state.step})" if "train_state" in loaded else ""))
         if step is not None and not self.config.load_only:
             self._abandoned = self._newer_trajectory(self.train_state.step)
+            self._resumed_from = step
         return bool(loaded)
 
     def _newer_trajectory(self, start: int) -> list[int]:
@@ -294,6 +297,33 @@ class CheckpointManager:
 
     def _step_path(self, step: int) -> Path:
         return self.folder / f"step-{step}"
+
+    def _agreed_step_to_resume(self) -> int | None:
+        """The step every rank resumes from, or None: chosen on rank 0 and broadcast, since hosts may list the shared
+        folder differently (a lagging view) and ranks that loaded different steps would train on silently. A rank
+        that cannot see the chosen step makes every rank raise, naming the step and the folder."""
+        if not dist.is_initialized() or dist.get_world_size() == 1:
+            return self._step_to_resume()
+        choice: list[Any] = [None]
+        if self.rank == 0:
+            try:
+                choice = [self._step_to_resume()]
+            except UserError as err:
+                choice = [err]
+        dist.broadcast_object_list(choice, src=0)
+        if isinstance(choice[0], UserError):
+            raise UserError(str(choice[0]))
+        step = choice[0]
+        if step is None:
+            return None
+        seen: list[Any] = [None] * dist.get_world_size()
+        dist.all_gather_object(seen, step in complete_steps(self.folder))
+        blind = [rank for rank, visible in enumerate(seen) if not visible]
+        if blind:
+            raise UserError(f"rank 0 resumes from checkpoint step-{step} in {self.folder}, which rank(s) "
+                            f"{', '.join(map(str, blind))} cannot see there; every rank must see the same checkpoint "
+                            f"folder (a shared file system, checkpoint.folder under job.dump_folder)")
+        return step
 
     def _step_to_resume(self) -> int | None:
         steps = complete_steps(self.folder)
@@ -575,6 +605,7 @@ class CheckpointManager:
         one of them)."""
         abandoned = [step for step in self._abandoned if step != keep and self._step_path(step).is_dir()]
         self._abandoned = []
+        resumed_from, self._resumed_from = self._resumed_from, None
         if not abandoned:
             return
         # Every one is renamed before anything is deleted: renames are quick, so a crash is unlikely to leave some
@@ -582,8 +613,9 @@ class CheckpointManager:
         retired = []
         for step in abandoned:
             target = _incomplete(self._step_path(step))
-            if self.config.keep_latest_k == 0:
-                # Keep everything, as asked, but under a name that no resume considers.
+            # Kept when asked to keep everything, and always the checkpoint this run loaded its weights from (a
+            # resume without its train state restarts at step 0 from it), but under a name no resume considers.
+            if self.config.keep_latest_k == 0 or step == resumed_from:
                 target = self._step_path(step).with_name(f"step-{step}.abandoned")
                 suffix = 1
                 while target.exists():
@@ -594,11 +626,11 @@ class CheckpointManager:
         fsync_dir(self.folder)
         why = "it belongs to the trajectory that this run abandoned by resuming from an older step"
         for step, target in zip(abandoned, retired):
-            if self.config.keep_latest_k == 0:
-                logger.warning(f"Renamed checkpoint step-{step} to {target.name}: {why}")
-            else:
+            if target.name.endswith(INCOMPLETE_SUFFIX):
                 shutil.rmtree(target)
                 logger.warning(f"Deleted checkpoint step-{step}: {why}")
+            else:
+                logger.warning(f"Renamed checkpoint step-{step} to {target.name}: {why}")
 
     def _prune(self, keep: int) -> None:
         """Keep the `keep_latest_k` newest full checkpoints and delete older ones; delete model-only checkpoints
