@@ -27,13 +27,14 @@ from torch.distributed.fsdp import fully_shard
 from scripts import convert_checkpoint
 from torchtitan.components.checkpoint import integrity as checkpoint_integrity
 from torchtitan.components.checkpoint import manager as manager_module
-from torchtitan.components.checkpoint import (CHECKSUMS_FILE, CheckpointManager, TrainState, read_full_checkpoint,
-                                              read_full_model, read_metadata)
+from torchtitan.components.checkpoint import (CHECKSUMS_FILE, CheckpointManager, TrainState, complete_steps,
+                                              read_full_checkpoint, read_full_model, read_metadata)
 from torchtitan.components.lr_scheduler import LRSchedulersContainer
 from torchtitan.components.optimizer import OptimizersContainer
 from torchtitan.config.job_config import Checkpoint as CheckpointConfig
 from torchtitan.config.job_config import LRScheduler as LRSchedulerConfig
 from torchtitan.config.job_config import Optimizer as OptimizerConfig
+from torchtitan.distributed import utils as dist_utils
 from torchtitan.errors import UserError
 from torchtitan.models.llama3.args import model_args_for
 from torchtitan.models.llama3.model import Transformer
@@ -325,7 +326,11 @@ def flip_middle_bytes(path: Path) -> None:
 
 
 @pytest.mark.parametrize("mode", ["disabled", "async"])
-def test_every_save_writes_a_manifest_of_its_files(pg, tmp_path, mode):
+def test_every_save_writes_a_manifest_of_its_files(pg, tmp_path, monkeypatch, mode):
+    read_back = []
+    file_checksum = checkpoint_integrity._file_checksum
+    monkeypatch.setattr(checkpoint_integrity, "_file_checksum", lambda path: read_back.append(path.name)
+                        or file_checksum(path))
     c = build_components(seed=0)
     manager = make_manager(tmp_path, c, async_mode=mode)
     manager.save(1)
@@ -333,6 +338,8 @@ def test_every_save_writes_a_manifest_of_its_files(pg, tmp_path, mode):
     manager.close()
     for step in ("step-1", "step-2"):
         assert_manifest_matches(tmp_path / "ckpt" / step)
+    # The shards were hashed as they were written; only the small .metadata is read back.
+    assert read_back == [".metadata", ".metadata"]
 
 
 def two_checkpoints(tmp_path: Path) -> tuple[dict[str, bytes], Path, Path]:
@@ -834,6 +841,28 @@ def disagreeing_listing_worker(rank: int, world_size: int, tmp: str) -> None:
 
 def test_every_rank_resumes_from_the_step_rank_0_chose(tmp_path):
     run_forked(disagreeing_listing_worker, 2, str(tmp_path))
+
+
+def slow_writer_worker(rank: int, world_size: int, tmp: str) -> None:
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", store=dist.FileStore(f"{tmp}/store", world_size), rank=rank,
+                            world_size=world_size)
+    try:
+        c = build_components(seed=0)
+        manager = make_manager(Path(tmp), c, timeout_seconds=60)
+        # After the first step the trainer bounds every collective by the training timeout; the checkpoint's
+        # collectives keep theirs, and wait for a rank whose writes take longer than a step.
+        dist_utils.set_train_timeout(1)
+        if rank == 1:
+            time.sleep(2.5)
+        manager.save(1)
+        assert complete_steps(Path(tmp) / "ckpt") == [1]
+    finally:
+        dist.destroy_process_group()
+
+
+def test_checkpoint_collectives_outlast_the_training_timeout(tmp_path):
+    run_forked(slow_writer_worker, 2, str(tmp_path))
 
 
 def save_until_killed(root: Path, marker: Path) -> None:

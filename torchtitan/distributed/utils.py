@@ -55,11 +55,25 @@ def init_distributed(init_timeout_seconds: int, trace_buf_size: int = 0) -> torc
     return device
 
 
+# Groups whose collectives have a timeout of their own (checkpoint I/O), which set_train_timeout leaves alone.
+_groups_with_own_timeout: list[dist.ProcessGroup] = []
+
+
+def new_group_with_own_timeout(seconds: int) -> dist.ProcessGroup:
+    """A gloo group of every rank whose collectives wait up to `seconds`, also after set_train_timeout: waits on the
+    slowest writer of a checkpoint grow with the checkpoint, not with a training step."""
+    group = dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=seconds))
+    _groups_with_own_timeout.append(group)
+    return group
+
+
 def set_train_timeout(seconds: int) -> None:
-    """After the first step, bound every collective by the (shorter) training timeout."""
+    """After the first step, bound every collective by the (shorter) training timeout, except in the groups that
+    have their own."""
     timeout = datetime.timedelta(seconds=seconds)
     for group in [dist.group.WORLD, *dist.distributed_c10d._world.pg_map]:
-        dist.distributed_c10d._set_pg_timeout(timeout, group)
+        if not any(group is own for own in _groups_with_own_timeout):
+            dist.distributed_c10d._set_pg_timeout(timeout, group)
     _timeout_in_force.update(option="comm.train_timeout_seconds", seconds=seconds, joining=False)
 
 

@@ -1,15 +1,26 @@
 """Checksums of a DCP checkpoint: `checksums.json` records the size and CRC32 of every file DCP wrote, and every load
-checks the files against it before DCP reads them (DCP itself has none: a damaged shard would load silently)."""
+checks the files against it before DCP reads them (DCP itself has none: a damaged shard would load silently).
 
+Each rank hashes its own files while it writes them (`ChecksummedFileWriter`), and the checksums travel to the
+coordinating rank with DCP's own gather of the write results: nothing is read back, and the coordinator's cost does
+not grow with the number of ranks."""
+
+import contextlib
 import json
 import os
 import zlib
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import torch.distributed as dist
+from torch.distributed.checkpoint.filesystem import FileSystem
+from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex
+from torch.distributed.checkpoint.planner import SavePlan, SavePlanner
+from torch.distributed.checkpoint.storage import WriteResult
+from torch.futures import Future
 
-from torchtitan.components.checkpoint.safe_io import METADATA_FILE, describe
+from torchtitan.components.checkpoint.safe_io import METADATA_FILE, FileWriter, describe
 from torchtitan.errors import UserError
 from torchtitan.tools.files import atomic_write
 from torchtitan.tools.logging import warn_once
@@ -28,12 +39,6 @@ def fsync_dir(folder: Path) -> None:
         os.close(fd)
 
 
-def saved_files(folder: Path) -> list[str]:
-    """The files DCP wrote into `folder` (`.metadata` and the `.distcp` shards), sorted by name."""
-    return sorted(entry.name for entry in folder.iterdir()
-                  if entry.is_file() and (entry.name == METADATA_FILE or entry.suffix == ".distcp"))
-
-
 def _file_checksum(path: Path) -> dict[str, Any]:
     crc = 0
     size = 0
@@ -46,8 +51,87 @@ def _file_checksum(path: Path) -> dict[str, Any]:
     return {"size": size, "crc32": f"{crc:08x}"}
 
 
-def checksum_files(folder: Path, names: list[str]) -> dict[str, dict[str, Any]]:
-    return {name: _file_checksum(folder / name) for name in names}
+class _HashingStream:
+    """A file being written, whose size and CRC32 are computed from the bytes on their way to it. DCP writes its
+    files front to back (torch.save writes through a wrapper that cannot seek); a seek would void the checksum."""
+
+    def __init__(self, stream: Any):
+        self._stream = stream
+        self._crc = 0
+        self._size = 0
+        self._sequential = True
+
+    def write(self, data: Any) -> int:
+        view = memoryview(data).cast("B")
+        self._crc = zlib.crc32(view, self._crc)
+        self._size += view.nbytes
+        return self._stream.write(data)
+
+    def seek(self, *args: Any) -> int:
+        self._sequential = False
+        return self._stream.seek(*args)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._stream, name)
+
+    def checksum(self) -> dict[str, Any] | None:
+        return {"size": self._size, "crc32": f"{self._crc:08x}"} if self._sequential else None
+
+
+class _HashingFileSystem(FileSystem):
+    """DCP's file system, hashing every file written through it (by name, in `checksums`)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.checksums: dict[str, dict[str, Any] | None] = {}
+
+    @contextlib.contextmanager
+    def create_stream(self, path: str | os.PathLike, mode: str) -> Iterator[Any]:
+        with super().create_stream(path, mode) as stream:
+            if "w" not in mode:
+                yield stream
+                return
+            hashing = _HashingStream(stream)
+            yield hashing
+        self.checksums[Path(path).name] = hashing.checksum()
+
+
+# The key of the extra write result in which a rank hands its files' checksums to the coordinator.
+_CHECKSUMS_RESULT = MetadataIndex("__checksums__")
+
+
+class ChecksummedFileWriter(FileWriter):
+    """DCP's file writer that also writes `CHECKSUMS_FILE`: each rank hashes the files it writes as it writes them
+    and adds their checksums to the write results that DCP gathers on the coordinator, which writes the manifest
+    after `.metadata`. Within the DCP save, so in every async mode too (in the checkpoint process of
+    `async_with_pinned_mem`)."""
+
+    def __init__(self, path: str | os.PathLike) -> None:
+        super().__init__(path)
+        self.fs = _HashingFileSystem()
+
+    def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future[list[WriteResult]]:
+        results = super().write_data(plan, planner).wait()
+        folder = Path(self.path)
+        checksums = {}
+        for name in sorted({result.storage_data.relative_path for result in results}):
+            # A file written out of order (never seen with DCP's writer) is read back instead.
+            checksums[name] = self.fs.checksums.get(name) or _file_checksum(folder / name)
+        written: Future[list[WriteResult]] = Future()
+        written.set_result([*results, WriteResult(index=_CHECKSUMS_RESULT, size_in_bytes=0, storage_data=checksums)])
+        return written
+
+    def finish(self, metadata: Metadata, results: list[list[WriteResult]]) -> None:
+        checksums: dict[str, dict[str, Any]] = {}
+        for rank_results in results:
+            for result in rank_results:
+                if result.index == _CHECKSUMS_RESULT:
+                    checksums.update(result.storage_data)
+        super().finish(metadata, [[result for result in rank_results if result.index != _CHECKSUMS_RESULT]
+                                  for rank_results in results])
+        folder = Path(self.path)
+        checksums[METADATA_FILE] = _file_checksum(folder / METADATA_FILE)
+        write_checksums(folder, checksums)
 
 
 def write_checksums(folder: Path, checksums: dict[str, dict[str, Any]]) -> None:
@@ -90,7 +174,7 @@ def _mismatch(checkpoint: Path, name: str, expected: dict[str, Any]) -> str | No
             f"{expected['size']} bytes with CRC32 {expected['crc32']}")
 
 
-def verify_checkpoint(checkpoint: Path, distributed: bool = False) -> None:
+def verify_checkpoint(checkpoint: Path, distributed: bool = False, group: dist.ProcessGroup | None = None) -> None:
     """Check the files of a DCP checkpoint against its `CHECKSUMS_FILE` before DCP reads them: a UserError names the
     first damaged file with its recorded and actual size and CRC32. With `distributed`, every rank of the default
     process group calls it and reads every W-th file (the files are on a file system that every rank sees, as DCP
@@ -107,7 +191,7 @@ def verify_checkpoint(checkpoint: Path, distributed: bool = False) -> None:
             break
     if world_size > 1:
         outcomes: list[tuple[int, str] | None] = [None] * world_size
-        dist.all_gather_object(outcomes, first)
+        dist.all_gather_object(outcomes, first, group=group)
         first = min((outcome for outcome in outcomes if outcome is not None), default=None)
     if first is not None:
         raise UserError(f"checkpoint {checkpoint} cannot be loaded (corrupt): {first[1]}; the file changed after the "

@@ -26,11 +26,11 @@ from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType
 from torch.distributed.checkpoint.stateful import Stateful
 
 from torchtitan.components.checkpoint.hf import load_hf_model
-from torchtitan.components.checkpoint.integrity import (CHECKSUMS_FILE, checksum_files, fsync_dir, saved_files,
-                                                        verify_checkpoint, write_checksums)
+from torchtitan.components.checkpoint.integrity import ChecksummedFileWriter, fsync_dir, verify_checkpoint
 from torchtitan.components.checkpoint.safe_io import (METADATA_FILE, FileWriter, dcp_load, describe, deserialize,
                                                       is_storage_error, read_metadata, serialize, without_collectives)
 from torchtitan.config.job_config import Checkpoint as CheckpointConfig
+from torchtitan.distributed.utils import new_group_with_own_timeout
 from torchtitan.errors import UserError
 from torchtitan.models.llama3.args import TransformerModelArgs
 from torchtitan.models.llama3.state_dict_adapter import is_hf_folder, save_hf
@@ -191,6 +191,8 @@ def validate_config(config: CheckpointConfig) -> None:
     if unknown:
         raise UserError(f"option checkpoint.exclude_from_loading: {', '.join(map(repr, unknown))} is not one of "
                         f"{', '.join(LOADABLE_PARTS)}")
+    if config.timeout_seconds < 1:
+        raise UserError(f"option checkpoint.timeout_seconds: {config.timeout_seconds} must be at least 1")
     if config.create_seed_checkpoint and not config.enable:
         raise UserError("option checkpoint.create_seed_checkpoint: it needs checkpoint.enable = true")
 
@@ -231,12 +233,13 @@ class CheckpointManager:
         self._resumed_from: int | None = None
         # How long each save of this run kept the training loop waiting (seconds, in order), for measurements.
         self.blocked_s: list[float] = []
-        self._async_group = None
+        self._group = None
         self._stager: DefaultStager | None = None
-        if config.enable and not config.load_only and config.async_mode != "disabled":
-            # Background saves coordinate over their own gloo group, so their collectives never interleave with
-            # the training loop's on the default (possibly NCCL) group.
-            self._async_group = dist.new_group(backend="gloo")
+        if config.enable and dist.is_initialized():
+            # Every collective of a save or load runs in a gloo group of its own: its waits on the slowest writer
+            # are bounded by checkpoint.timeout_seconds, not by the training timeout, and background saves never
+            # interleave with the training loop's collectives on the default (possibly NCCL) group.
+            self._group = new_group_with_own_timeout(config.timeout_seconds)
         if config.enable and not config.load_only and config.async_mode == "async_with_pinned_mem":
             # Staging copies into shared memory (pinned too on CUDA) that the checkpoint process reads without
             # another copy, and reuses the buffers from one save to the next. It runs synchronously in save():
@@ -310,14 +313,14 @@ class CheckpointManager:
                 choice = [self._step_to_resume()]
             except UserError as err:
                 choice = [err]
-        dist.broadcast_object_list(choice, src=0)
+        dist.broadcast_object_list(choice, src=0, group=self._group)
         if isinstance(choice[0], UserError):
             raise UserError(str(choice[0]))
         step = choice[0]
         if step is None:
             return None
         seen: list[Any] = [None] * dist.get_world_size()
-        dist.all_gather_object(seen, step in complete_steps(self.folder))
+        dist.all_gather_object(seen, step in complete_steps(self.folder), group=self._group)
         blind = [rank for rank, visible in enumerate(seen) if not visible]
         if blind:
             raise UserError(f"rank 0 resumes from checkpoint step-{step} in {self.folder}, which rank(s) "
@@ -352,7 +355,7 @@ class CheckpointManager:
             logger.warning(f"{checkpoint} is a Hugging Face export: it holds only the model weights")
             return self._load_hf_model(checkpoint) if "model" in wanted else []
         saved = read_metadata(checkpoint).state_dict_metadata
-        verify_checkpoint(checkpoint, distributed=True)
+        verify_checkpoint(checkpoint, distributed=True, group=self._group)
         present = [part for part in wanted if self._is_saved(part, saved)]
         skipped = [part for part in wanted if part not in present and part != "rng"]
         if skipped:
@@ -363,7 +366,7 @@ class CheckpointManager:
         files = list(checkpoint.glob("*.distcp"))
         logger.info(f"Loading {', '.join(present)} from {checkpoint} ({len(files)} files, "
                     f"{sum(f.stat().st_size for f in files) / 2**30:.2f} GiB)")
-        dcp_load(state_dict, checkpoint)
+        dcp_load(state_dict, checkpoint, process_group=self._group)
         for part in present:
             try:
                 self._apply(part, state_dict[self._key(part)])
@@ -477,32 +480,30 @@ class CheckpointManager:
         self._on_rank0(self._remove_leftovers, f"cleaning up {self.folder} before saving step {step}")
         if self.config.async_mode == "disabled":
             try:
-                dcp.save(state_dict, checkpoint_id=staging, storage_writer=FileWriter(staging))
-                checksums = self._gather_checksums(staging)
+                dcp.save(state_dict, checkpoint_id=staging, storage_writer=ChecksummedFileWriter(staging),
+                         process_group=self._group)
             except (Exception, CheckpointException) as err:
                 self._raise_save_error(err, step, staging)
-            self._on_rank0(lambda: self._publish(step, checksums), f"publishing checkpoint {staging}")
+            self._on_rank0(lambda: self._publish(step), f"publishing checkpoint {staging}")
             return
         started = time.perf_counter()
         if self._stager is not None:
-            upload = dcp.async_save(state_dict, checkpoint_id=staging, storage_writer=FileWriter(staging),
-                                    process_group=self._async_group,
+            upload = dcp.async_save(state_dict, checkpoint_id=staging, storage_writer=ChecksummedFileWriter(staging),
+                                    process_group=self._group,
                                     async_checkpointer_type=AsyncCheckpointerType.PROCESS, async_stager=self._stager)
         else:
-            upload = dcp.async_save(state_dict, checkpoint_id=staging, storage_writer=FileWriter(staging),
-                                    process_group=self._async_group)
+            upload = dcp.async_save(state_dict, checkpoint_id=staging, storage_writer=ChecksummedFileWriter(staging),
+                                    process_group=self._group)
         completed: Future = Future()
 
         def finish(upload: Future) -> None:
             # Runs in the background once this rank's part is written; on rank 0 that is after DCP gathered every
-            # rank's results and wrote .metadata, so the folder is complete and may be published. The ranks'
-            # callbacks run independently, in background threads, and meet in no collective (one on the default
-            # group could interleave with the training loop's), so rank 0 hashes every rank's files itself, still in
-            # the background: only synchronous saves share the reading among the ranks.
+            # rank's results (with their files' checksums) and wrote .metadata and the manifest, so the folder is
+            # complete and may be published.
             try:
                 upload.result()
                 if self.rank == 0:
-                    self._publish(step, checksum_files(staging, saved_files(staging)))
+                    self._publish(step)
                 logger.info(f"Checkpoint {self._step_path(step)} written in the background in "
                             f"{time.perf_counter() - started:.2f} s")
                 completed.set_result(None)
@@ -529,33 +530,6 @@ class CheckpointManager:
         raise UserError(f"saving the checkpoint of step {step} into {staging} failed: {describe(err)}; earlier "
                         f"checkpoints in {self.folder} are untouched") from err
 
-    def _gather_checksums(self, staging: Path) -> dict[str, dict[str, Any]]:
-        """Checksums of the files DCP wrote into `staging`, for `_publish` on rank 0. Every rank calls it and hashes
-        every W-th file, sorted by name as rank 0 lists them (another host's view of the shared folder may lag
-        behind), so that no rank reads the whole checkpoint. A rank that cannot read makes every rank raise."""
-        if not dist.is_initialized() or dist.get_world_size() == 1:
-            return checksum_files(staging, saved_files(staging))
-        world_size = dist.get_world_size()
-        listing: list[Any] = [None]
-        if self.rank == 0:
-            try:
-                listing = [saved_files(staging)]
-            except OSError as err:
-                listing = [f"rank 0: {describe(err)}"]
-        dist.broadcast_object_list(listing, src=0)
-        share = listing[0]
-        if not isinstance(share, str):
-            try:
-                share = checksum_files(staging, share[self.rank::world_size])
-            except OSError as err:
-                share = f"rank {self.rank}: {describe(err)}"
-        shares: list[Any] = [None] * world_size
-        dist.all_gather_object(shares, share)
-        errors = list(dict.fromkeys(share for share in shares if isinstance(share, str)))
-        if errors:
-            raise OSError(f"reading back the files for {CHECKSUMS_FILE} failed: {'; '.join(errors)}")
-        return {name: checksum for share in shares for name, checksum in share.items()}
-
     def _on_rank0(self, action: Callable[[], None], what: str) -> None:
         """Run a filesystem action on rank 0 alone. The broadcast of its outcome doubles as a barrier, and makes
         every rank raise if it failed, rather than leave the others waiting in the next collective."""
@@ -567,7 +541,7 @@ class CheckpointManager:
                 error = f"{what} failed: {err}"
         if dist.is_initialized():
             outcome = [error]
-            dist.broadcast_object_list(outcome, src=0)
+            dist.broadcast_object_list(outcome, src=0, group=self._group)
             error = outcome[0]
         if error is not None:
             raise UserError(error)
@@ -580,13 +554,10 @@ class CheckpointManager:
                 logger.info(f"Removing {entry}, left by an interrupted save")
                 shutil.rmtree(entry)
 
-    def _publish(self, step: int, checksums: dict[str, dict[str, Any]] | None = None) -> None:
-        """Rename `step-N.incomplete` to `step-N`, after writing `checksums` (of a DCP checkpoint; an HF export's
-        safetensors need none) into it."""
+    def _publish(self, step: int) -> None:
+        """Rename `step-N.incomplete` (with its checksums, if a DCP checkpoint) to `step-N`."""
         final = self._step_path(step)
         staging = _incomplete(final)
-        if checksums is not None:
-            write_checksums(staging, checksums)
         if final.exists():
             logger.warning(f"Replacing the existing checkpoint {final} by the one just saved")
             stale = _incomplete(final.with_name(final.name + ".stale"))
@@ -674,7 +645,8 @@ class CheckpointManager:
         scratch = _incomplete(final.with_name(final.name + ".dcp"))
         self._on_rank0(self._remove_leftovers, f"cleaning up {self.folder} before saving step {step}")
         try:
-            dcp.save({"model": self.model.state_dict()}, checkpoint_id=scratch, storage_writer=FileWriter(scratch))
+            dcp.save({"model": self.model.state_dict()}, checkpoint_id=scratch, storage_writer=FileWriter(scratch),
+                     process_group=self._group)
         except (Exception, CheckpointException) as err:
             self._raise_save_error(err, step, scratch)
         if self.rank != 0:

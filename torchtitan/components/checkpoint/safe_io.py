@@ -5,11 +5,11 @@ import contextlib
 import io
 import pickle
 import warnings
-from concurrent.futures import Future
 from pathlib import Path
 from typing import Any
 
 import torch
+import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import CheckpointException, DefaultLoadPlanner, FileSystemReader
 from torch.distributed.checkpoint._traverse import set_element
@@ -17,6 +17,7 @@ from torch.distributed.checkpoint.filesystem import _FileSystemWriter
 from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
 from torch.distributed.checkpoint.planner import ReadItem, SavePlan, SavePlanner
 from torch.distributed.checkpoint.storage import WriteResult
+from torch.futures import Future
 
 from torchtitan.errors import UserError
 from torchtitan.models.llama3.state_dict_adapter import is_hf_folder
@@ -137,10 +138,11 @@ def read_metadata(checkpoint: Path) -> Metadata:
                         f"the checkpoint is corrupt") from err
 
 
-def dcp_load(state_dict: dict[str, Any], checkpoint: Path, no_dist: bool = False) -> None:
+def dcp_load(state_dict: dict[str, Any], checkpoint: Path, no_dist: bool = False,
+             process_group: dist.ProcessGroup | None = None) -> None:
     try:
         dcp.load(state_dict, checkpoint_id=checkpoint, storage_reader=SafeFileSystemReader(checkpoint),
-                 planner=WeightsOnlyLoadPlanner(), no_dist=no_dist)
+                 planner=WeightsOnlyLoadPlanner(), no_dist=no_dist, process_group=process_group)
     except (CheckpointException, OSError, RuntimeError) as err:
         raise UserError(f"checkpoint {checkpoint} cannot be loaded (corrupt, truncated, or of another setup): "
                         f"{describe(err)}") from err
