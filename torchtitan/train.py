@@ -49,7 +49,8 @@ class NonFiniteError(UserError):
 class Trainer:
     def __init__(self, config: JobConfig):
         self.config = config
-        self.device = dist_utils.init_distributed(config.comm.init_timeout_seconds, config.comm.trace_buf_size)
+        self.device = dist_utils.init_distributed(config.comm.init_timeout_seconds, config.comm.trace_buf_size,
+                                                  config.job.dump_folder)
         self.rank, world_size = dist.get_rank(), dist.get_world_size()
         self.parallel_dims = ParallelDims.from_config(config.parallelism, world_size)
         self.world_mesh = self.parallel_dims.build_mesh(self.device.type)
@@ -159,7 +160,11 @@ class Trainer:
 
     def _next_batches(self, data_iterator: Iterator) -> list[tuple[torch.Tensor, torch.Tensor]]:
         batches = [batch for _ in range(self.grad_accumulation_steps) if (batch := next(data_iterator, None))]
-        complete = len(batches) == self.grad_accumulation_steps
+        # The data's last batch can be short: it would weigh its sequences unlike every other step's, and pipeline
+        # micro-batching cannot split it (the first stage raises, the others wait). The run stops before it, so
+        # that no checkpoint records the data position the loader moved to after it (the start of the data).
+        complete = len(batches) == self.grad_accumulation_steps and all(
+            inputs.shape[0] == self.config.training.local_batch_size for inputs, _ in batches)
         if not self.config.training.dataset_loop:
             # Data-parallel ranks can run out a step apart: all stop at the first step any rank cannot fill,
             # rather than some raising while the others wait for them in the step's collectives.
