@@ -149,7 +149,7 @@ def fake_process_group(world_size: int):
     """Stands in for init_distributed: this process becomes rank 0 of `world_size` ranks that never talk."""
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
-    def init(init_timeout_seconds: int, trace_buf_size: int = 0) -> torch.device:
+    def init(init_timeout_seconds: int, trace_buf_size: int = 0, trace_folder: str | None = None) -> torch.device:
         dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=world_size)
         return torch.device("cpu")
 

@@ -10,6 +10,7 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, distribute_tensor
 
+from torchtitan.errors import UserError
 from torchtitan.models.llama3.model import parameter_generator
 from torchtitan.tools.logging import logger
 
@@ -28,19 +29,48 @@ def backend_for(device_kind: str) -> str:
     return "nccl" if device_kind == "cuda" else "gloo"
 
 
-def init_distributed(init_timeout_seconds: int, trace_buf_size: int = 0) -> torch.device:
+def cuda_device_index(local_rank: int, local_world_size: int, visible: int) -> int:
+    """The GPU of this process among the `visible` ones. `local_world_size` processes of this node share them
+    (torchrun's LOCAL_WORLD_SIZE; 1 where a scheduler starts each task alone, with GPUs of its own): local rank r
+    takes GPU r. A scheduler that shows each task only its own GPU(s) may still number the tasks of a node 0..7:
+    such a process takes GPU `local_rank % visible` of its own."""
+    if local_world_size > visible:
+        raise UserError(f"{local_world_size} training processes on this node (NGPU / --nproc_per_node) but only "
+                        f"{visible} GPU(s) visible (CUDA_VISIBLE_DEVICES="
+                        f"{os.environ.get('CUDA_VISIBLE_DEVICES', 'unset')}): start at most {visible} per node")
+    return local_rank % visible
+
+
+def nccl_environment(trace_buf_size: int, trace_folder: str | None) -> dict[str, str]:
+    """What NCCL runs need in the environment, unless the user set it. On NCCL a failed or timed-out collective is
+    seen by the watchdog thread, not raised in the training thread: with async error handling 1 the watchdog aborts
+    the communicators and ends the process (SIGABRT), so that a dead peer never leaves the others hanging, and with
+    the flight recorder on, each rank first dumps its last collectives (`trace_buf_size` entries) into
+    `trace_folder`/nccl_trace_rank_<R>, which tells which rank stalled in which collective."""
+    environment = {"TORCH_NCCL_ASYNC_ERROR_HANDLING": "1", "TORCH_NCCL_TRACE_BUFFER_SIZE": str(trace_buf_size)}
+    if trace_buf_size > 0:
+        environment["TORCH_NCCL_DUMP_ON_TIMEOUT"] = "1"
+        if trace_folder is not None:
+            environment["TORCH_NCCL_DEBUG_INFO_TEMP_FILE"] = os.path.join(trace_folder, "nccl_trace_rank_")
+    return environment
+
+
+def init_distributed(init_timeout_seconds: int, trace_buf_size: int = 0,
+                     trace_folder: str | None = None) -> torch.device:
     """Join the process group that torchrun set up (or a one-process group without torchrun).
 
     The store is prefixed with torchrun's restart count: after an elastic restart, the agent's store still holds
     the previous attempt's addresses, and gloo would otherwise try to connect to the dead processes.
     """
     kind = device_type()
-    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
-    device = torch.device(kind, local_rank) if kind == "cuda" else torch.device("cpu")
+    device = torch.device("cpu")
     if kind == "cuda":
+        device = torch.device(kind, cuda_device_index(int(os.environ.get("LOCAL_RANK", "0")),
+                                                      int(os.environ.get("LOCAL_WORLD_SIZE", "1")),
+                                                      torch.cuda.device_count()))
         torch.cuda.set_device(device)
-        # NCCL's flight recorder: the last collectives of each rank, dumped when a collective times out.
-        os.environ.setdefault("TORCH_NCCL_TRACE_BUFFER_SIZE", str(trace_buf_size))
+        for name, value in nccl_environment(trace_buf_size, trace_folder).items():
+            os.environ.setdefault(name, value)
     timeout = datetime.timedelta(seconds=init_timeout_seconds)
     _timeout_in_force.update(option="comm.init_timeout_seconds", seconds=init_timeout_seconds, joining=True)
     if "WORLD_SIZE" in os.environ:

@@ -45,6 +45,10 @@ def validate_parallelism(args: TransformerModelArgs, parallel_dims: ParallelDims
         if not config.compile.enable:
             raise UserError("option parallelism.enable_async_tensor_parallel: async TP is a compiler pass; it needs "
                             "compile.enable = true")
+        if "model" not in config.compile.components:
+            raise UserError(f"option parallelism.enable_async_tensor_parallel: async TP is a compiler pass over the "
+                            f"model's blocks; compile.components = {config.compile.components} does not compile "
+                            f"them: add 'model'")
     check_compile(config.compile.enable and "model" in config.compile.components, parallel_dims.tp_enabled,
                   device_type)
 
