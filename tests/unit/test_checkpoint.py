@@ -865,6 +865,31 @@ def test_checkpoint_collectives_outlast_the_training_timeout(tmp_path):
     run_forked(slow_writer_worker, 2, str(tmp_path))
 
 
+def failed_publish_worker(rank: int, world_size: int, tmp: str) -> None:
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", store=dist.FileStore(f"{tmp}/store", world_size), rank=rank,
+                            world_size=world_size)
+    try:
+        c = build_components(seed=0)
+        manager = make_manager(Path(tmp), c, async_mode="async", timeout_seconds=20)
+        if rank == 0:
+            def disk_full_on_publish(step: int) -> None:
+                raise OSError(errno.ENOSPC, "No space left on device")
+
+            manager._publish = disk_full_on_publish
+        manager.save(1)
+        # Rank 0's background publish failed; every rank learns it at the next save, as that storage error.
+        with pytest.raises(UserError, match=r"saving the checkpoint of step 1 into .*step-1.incomplete failed.*"
+                                            r"No space left on device"):
+            manager.save(2)
+    finally:
+        dist.destroy_process_group()
+
+
+def test_a_failed_background_publish_reaches_every_rank(tmp_path):
+    run_forked(failed_publish_worker, 2, str(tmp_path), timeout=60)
+
+
 def save_until_killed(root: Path, marker: Path) -> None:
     """Runs in a child process: saves step 1, then hangs in the middle of writing step 2 until it is killed."""
     c = build_components(seed=0)

@@ -8,6 +8,7 @@ not grow with the number of ranks."""
 import contextlib
 import json
 import os
+import time
 import zlib
 from collections.abc import Iterator
 from pathlib import Path
@@ -109,6 +110,9 @@ class ChecksummedFileWriter(FileWriter):
     def __init__(self, path: str | os.PathLike) -> None:
         super().__init__(path)
         self.fs = _HashingFileSystem()
+        # What this rank wrote, and on the coordinator how long the manifest took (for the save's cost).
+        self.written_bytes = 0
+        self.manifest_s: float | None = None
 
     def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future[list[WriteResult]]:
         results = super().write_data(plan, planner).wait()
@@ -117,11 +121,13 @@ class ChecksummedFileWriter(FileWriter):
         for name in sorted({result.storage_data.relative_path for result in results}):
             # A file written out of order (never seen with DCP's writer) is read back instead.
             checksums[name] = self.fs.checksums.get(name) or _file_checksum(folder / name)
+        self.written_bytes = sum(checksum["size"] for checksum in checksums.values())
         written: Future[list[WriteResult]] = Future()
         written.set_result([*results, WriteResult(index=_CHECKSUMS_RESULT, size_in_bytes=0, storage_data=checksums)])
         return written
 
     def finish(self, metadata: Metadata, results: list[list[WriteResult]]) -> None:
+        begin = time.perf_counter()
         checksums: dict[str, dict[str, Any]] = {}
         for rank_results in results:
             for result in rank_results:
@@ -132,6 +138,7 @@ class ChecksummedFileWriter(FileWriter):
         folder = Path(self.path)
         checksums[METADATA_FILE] = _file_checksum(folder / METADATA_FILE)
         write_checksums(folder, checksums)
+        self.manifest_s = time.perf_counter() - begin
 
 
 def write_checksums(folder: Path, checksums: dict[str, dict[str, Any]]) -> None:

@@ -231,8 +231,11 @@ class CheckpointManager:
         self._abandoned: list[int] = []
         # The step this run resumed from: if it is among the abandoned ones it is renamed aside, never deleted.
         self._resumed_from: int | None = None
-        # How long each save of this run kept the training loop waiting (seconds, in order), for measurements.
+        # How long each save of this run kept the training loop waiting (seconds, in order), how long until every
+        # rank had written, and on rank 0 how long the manifest and the publishing rename took after that.
         self.blocked_s: list[float] = []
+        self.save_s: list[float] = []
+        self.publish_s: list[float] = []
         self._group = None
         self._stager: DefaultStager | None = None
         if config.enable and dist.is_initialized():
@@ -478,22 +481,22 @@ class CheckpointManager:
         self._wait_for_pending_save()
         staging = _incomplete(self._step_path(step))
         self._on_rank0(self._remove_leftovers, f"cleaning up {self.folder} before saving step {step}")
+        writer = ChecksummedFileWriter(staging)
+        started = time.perf_counter()
         if self.config.async_mode == "disabled":
             try:
-                dcp.save(state_dict, checkpoint_id=staging, storage_writer=ChecksummedFileWriter(staging),
-                         process_group=self._group)
+                dcp.save(state_dict, checkpoint_id=staging, storage_writer=writer, process_group=self._group)
             except (Exception, CheckpointException) as err:
                 self._raise_save_error(err, step, staging)
+            written = time.perf_counter()
             self._on_rank0(lambda: self._publish(step), f"publishing checkpoint {staging}")
+            self._record_cost(step, writer, started, written)
             return
-        started = time.perf_counter()
         if self._stager is not None:
-            upload = dcp.async_save(state_dict, checkpoint_id=staging, storage_writer=ChecksummedFileWriter(staging),
-                                    process_group=self._group,
+            upload = dcp.async_save(state_dict, checkpoint_id=staging, storage_writer=writer, process_group=self._group,
                                     async_checkpointer_type=AsyncCheckpointerType.PROCESS, async_stager=self._stager)
         else:
-            upload = dcp.async_save(state_dict, checkpoint_id=staging, storage_writer=ChecksummedFileWriter(staging),
-                                    process_group=self._group)
+            upload = dcp.async_save(state_dict, checkpoint_id=staging, storage_writer=writer, process_group=self._group)
         completed: Future = Future()
 
         def finish(upload: Future) -> None:
@@ -502,10 +505,10 @@ class CheckpointManager:
             # complete and may be published.
             try:
                 upload.result()
+                written = time.perf_counter()
                 if self.rank == 0:
                     self._publish(step)
-                logger.info(f"Checkpoint {self._step_path(step)} written in the background in "
-                            f"{time.perf_counter() - started:.2f} s")
+                self._record_cost(step, writer, started, written)
                 completed.set_result(None)
             except BaseException as err:  # CheckpointException is a BaseException; it must reach the waiter
                 completed.set_exception(err)
@@ -513,14 +516,46 @@ class CheckpointManager:
         upload.add_done_callback(finish)
         self._pending = _PendingSave(completed, step, staging)
 
+    def _record_cost(self, step: int, writer: ChecksummedFileWriter, started: float, written: float) -> None:
+        """Log what the save cost, the figures a preemption budget needs (docs/checkpointing.md): the bytes rank 0
+        wrote, the time from the start of the save until DCP's save returned (every rank had written, `save_s`),
+        and on rank 0 the time of what only it does: `.metadata`, the manifest and the publishing rename
+        (`publish_s`). A save's duration depends on the largest rank's share and the file system's bandwidth per
+        rank, not on the number of ranks. (The checkpoint process of async_with_pinned_mem writes `.metadata` and
+        the manifest where this process does not time them.)"""
+        published = time.perf_counter()
+        self.save_s.append(written - started)
+        if self.rank != 0:
+            return
+        self.publish_s.append((writer.manifest_s or 0.0) + published - written)
+        gib = writer.written_bytes / 2**30
+        logger.info(f"Checkpoint {self._step_path(step)}: rank 0 wrote {gib:.3f} GiB ({gib / (written - started):.2f} "
+                    f"GiB/s), every rank had written after {written - started:.2f} s, publishing took "
+                    f"{self.publish_s[-1]:.3f} s (async_mode {self.config.async_mode})")
+
     def _wait_for_pending_save(self) -> None:
+        """Wait for the background save and agree on its outcome: it can fail on one rank alone (rank 0 publishes),
+        and every rank must then raise that error here, rather than the others wait for the failed rank in the next
+        collective until the checkpoint timeout."""
         if self._pending is None:
             return
         pending, self._pending = self._pending, None
+        error = None
         try:
             pending.completion.result()
         except (Exception, CheckpointException) as err:
-            self._raise_save_error(err, pending.step, pending.staging)
+            error = err
+        failures: list[Any] = [None if error is None else describe(error)]
+        if self._group is not None and dist.get_world_size(self._group) > 1:
+            failures = [None] * dist.get_world_size(self._group)
+            dist.all_gather_object(failures, None if error is None else describe(error), group=self._group)
+        if error is not None:
+            self._raise_save_error(error, pending.step, pending.staging)
+        failed = [(rank, failure) for rank, failure in enumerate(failures) if failure is not None]
+        if failed:
+            raise UserError(f"saving the checkpoint of step {pending.step} into {pending.staging} failed on "
+                            + "; ".join(f"rank {rank}: {failure}" for rank, failure in failed)
+                            + f"; earlier checkpoints in {self.folder} are untouched")
 
     def _raise_save_error(self, err: BaseException, step: int, staging: Path) -> None:
         if self.rank == 0:
