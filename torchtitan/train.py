@@ -90,7 +90,7 @@ class Trainer:
             self.model_parts = [parallelize_llama(model, self.world_mesh, self.parallel_dims, config)]
             self.has_first_stage = self.has_last_stage = True
         for part in self.model_parts:
-            part.to_empty(device=self.device)
+            dist_utils.materialize_model(part, self.device, config.training.enable_cpu_offload)
             dist_utils.init_model_weights(part, self.seed, self.device)
             part.train()
 
@@ -209,7 +209,8 @@ class Trainer:
         loss = sum(self.forward_backward(inputs, labels) for inputs, labels in batches)
         parameters = [p for part in self.model_parts for p in part.parameters()]
         grad_norm = dist_utils.clip_grad_norm_(parameters, self.config.training.max_norm,
-                                               self.world_mesh["pp"] if self.parallel_dims.pp_enabled else None)
+                                               self.world_mesh["pp"] if self.parallel_dims.pp_enabled else None,
+                                               self.device)
         # One all-reduce gives every rank the global loss (each TP rank holds a copy: divide by tp; stages
         # without the loss add zero), whether any rank saw a non-finite value, and whether any rank was told to
         # stop (SIGTERM may reach ranks at different steps; all must stop after the same one).

@@ -6,9 +6,16 @@ import os
 import pytest
 import torch
 import torch.distributed as dist
+from torch._subclasses.fake_tensor import FakeTensorMode
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import CPUOffloadPolicy, fully_shard
+from torch.distributed.tensor import DTensor, Shard
+from torch.testing._internal.distributed.fake_pg import FakeStore
 
 from torchtitan.distributed import utils as dist_utils
 from torchtitan.errors import UserError
+from torchtitan.models.llama3.args import model_args_for
+from torchtitan.models.llama3.model import Transformer
 
 NCCL_VARIABLES = ("TORCH_NCCL_ASYNC_ERROR_HANDLING", "TORCH_NCCL_TRACE_BUFFER_SIZE", "TORCH_NCCL_DUMP_ON_TIMEOUT",
                   "TORCH_NCCL_DEBUG_INFO_TEMP_FILE")
@@ -58,3 +65,42 @@ def test_nccl_runs_abort_on_a_failed_collective_and_dump_the_flight_recorder(stu
         "TORCH_NCCL_DUMP_ON_TIMEOUT": "1", "TORCH_NCCL_DEBUG_INFO_TEMP_FILE": "/runs/job/nccl_trace_rank_"}
     assert dist_utils.nccl_environment(0, "/runs/job") == {"TORCH_NCCL_ASYNC_ERROR_HANDLING": "1",
                                                            "TORCH_NCCL_TRACE_BUFFER_SIZE": "0"}
+
+
+@pytest.fixture
+def fake_world():
+    """Rank 0 of 4 ranks on the fake backend: collectives return at once."""
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=4)
+    yield
+    dist.destroy_process_group()
+
+
+def test_cpu_offload_materialises_parameters_on_the_host_and_buffers_on_the_gpu(fake_world):
+    """FSDP2 requires offloaded parameters on the CPU at materialisation; the RoPE table stays on the GPU. Checked
+    with fake tensors, which may claim a CUDA device on this CPU-only build."""
+    mesh = init_device_mesh("cpu", (4,))
+    with FakeTensorMode(allow_non_fake_inputs=True):
+        with torch.device("meta"):
+            model = Transformer(model_args_for("tiny", 32))
+        for block in model.layers.values():
+            fully_shard(block, mesh=mesh, offload_policy=CPUOffloadPolicy(pin_memory=False))
+        fully_shard(model, mesh=mesh, offload_policy=CPUOffloadPolicy(pin_memory=False))
+        dist_utils.materialize_model(model, torch.device("cuda"), cpu_offload=True)
+        assert {p.device.type for p in model.parameters()} == {"cpu"}
+        assert model.rope.device.type == "cuda"
+
+
+def test_clip_grad_norm_reduces_on_the_process_groups_device(fake_world, monkeypatch):
+    """Offloaded gradients live on the CPU while NCCL sends only GPU tensors: every reduction of the norm happens
+    on the device given, whatever the gradients' device. The meta device stands in for the GPU here."""
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("pp", "dp"))
+    reduced = []
+    all_reduce = dist.all_reduce
+    monkeypatch.setattr(dist, "all_reduce", lambda tensor, *args, **kwargs: reduced.append(tensor.device)
+                        or all_reduce(tensor, *args, **kwargs))
+    sharded = torch.nn.Parameter(DTensor.from_local(torch.ones(4, 3), mesh["dp"], [Shard(0)]))
+    sharded.grad = DTensor.from_local(torch.ones(4, 3), mesh["dp"], [Shard(0)])
+    plain = torch.nn.Parameter(torch.ones(5))
+    plain.grad = torch.ones(5)
+    norm = dist_utils.clip_grad_norm_([sharded, plain], 0.0, mesh["pp"], torch.device("meta"))
+    assert norm.device.type == "meta" and reduced == [torch.device("meta")]

@@ -156,7 +156,8 @@ def set_determinism(seed: int | None, deterministic: bool, warn_only: bool, devi
 
 @torch.no_grad()
 def init_model_weights(model: nn.Module, seed: int, device: torch.device) -> None:
-    """Initialise a materialised model part so that its values do not depend on the layout.
+    """Initialise the parameters of a materialised model part so that their values do not depend on the layout.
+    They are drawn on `device`, also when they live in host memory (CPU offload), so offloading changes no value.
 
     Each parameter is drawn from its own generator (seed, name) at its full shape; a sharded parameter then keeps
     only its local slice. The transient full tensor costs one parameter's memory at a time.
@@ -169,25 +170,35 @@ def init_model_weights(model: nn.Module, seed: int, device: torch.device) -> Non
             param.to_local().copy_(local)
         else:
             initializer(param, parameter_generator(seed, name, device))
+
+
+def materialize_model(model: nn.Module, device: torch.device, cpu_offload: bool) -> None:
+    """Allocate the parameters of a model part built on the meta device (and sharded), and compute its buffers,
+    for training on `device`; init_model_weights then fills the parameters.
+
+    With FSDP's CPU offload the parameters (and with them gradients and optimizer state) live in host memory, as
+    FSDP2 requires them at materialisation; buffers (the RoPE table), which FSDP does not offload, go to `device`.
+    """
+    model.to_empty(device="cpu" if cpu_offload else device)
     model.init_buffers(device)
 
 
-def _local_tensor(t: torch.Tensor) -> torch.Tensor:
-    return t.full_tensor() if isinstance(t, DTensor) else t
-
-
 @torch.no_grad()
-def clip_grad_norm_(parameters: list[nn.Parameter], max_norm: float, pp_mesh: DeviceMesh | None) -> torch.Tensor:
+def clip_grad_norm_(parameters: list[nn.Parameter], max_norm: float, pp_mesh: DeviceMesh | None,
+                    device: torch.device) -> torch.Tensor:
     """Total L2 norm of all gradients across every mesh (DTensor reductions, plus a sum over pipeline stages),
-    then scale gradients down to `max_norm` if it is exceeded (max_norm = 0 only measures)."""
+    then scale gradients down to `max_norm` if it is exceeded (max_norm = 0 only measures).
+
+    The gradients may live in host memory (CPU offload) while the process group communicates on `device`: every
+    reduction takes the local norms to `device` first, so no collective gets a tensor its backend cannot send."""
     by_mesh: dict[object, list[nn.Parameter]] = {}
     for p in parameters:
         if p.grad is not None:
             by_mesh.setdefault(p.grad.device_mesh if isinstance(p.grad, DTensor) else None, []).append(p)
     # DTensors on different meshes cannot be stacked together: reduce each group to a plain scalar first.
-    squares = [_full(torch.nn.utils.get_total_norm([p.grad for p in group], 2.0, foreach=True)).float().square()
+    squares = [_reduced_on(torch.nn.utils.get_total_norm([p.grad for p in group], 2.0, foreach=True),
+                           device).float().square()
                for group in by_mesh.values()]
-    device = parameters[0].device if parameters else torch.device("cpu")
     total_sq = torch.stack(squares).sum() if squares else torch.zeros((), device=device)
     if pp_mesh is not None and pp_mesh.size() > 1:
         dist.all_reduce(total_sq, op=dist.ReduceOp.SUM, group=pp_mesh.get_group())
@@ -198,5 +209,8 @@ def clip_grad_norm_(parameters: list[nn.Parameter], max_norm: float, pp_mesh: De
     return total_norm
 
 
-def _full(t: torch.Tensor) -> torch.Tensor:
-    return t.full_tensor() if isinstance(t, DTensor) else t
+def _reduced_on(t: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """`t` on `device`, reduced over its mesh if it is a (partial) DTensor."""
+    if not isinstance(t, DTensor):
+        return t.to(device)
+    return DTensor.from_local(t.to_local().to(device), t.device_mesh, t.placements, run_check=False).full_tensor()
