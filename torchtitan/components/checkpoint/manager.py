@@ -25,7 +25,7 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_
 from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType
 from torch.distributed.checkpoint.stateful import Stateful
 
-from torchtitan.components.checkpoint.hf import load_hf_model
+from torchtitan.components.checkpoint.hf import export_hf_from_dcp, load_hf_model
 from torchtitan.components.checkpoint.integrity import ChecksummedFileWriter, fsync_dir, verify_checkpoint
 from torchtitan.components.checkpoint.safe_io import (METADATA_FILE, FileWriter, dcp_load, describe, deserialize,
                                                       is_storage_error, read_metadata, serialize, without_collectives)
@@ -33,7 +33,7 @@ from torchtitan.config.job_config import Checkpoint as CheckpointConfig
 from torchtitan.distributed.utils import new_group_with_own_timeout
 from torchtitan.errors import UserError
 from torchtitan.models.llama3.args import TransformerModelArgs
-from torchtitan.models.llama3.state_dict_adapter import is_hf_folder, save_hf
+from torchtitan.models.llama3.state_dict_adapter import is_hf_folder
 from torchtitan.tools.logging import logger
 
 INCOMPLETE_SUFFIX = ".incomplete"
@@ -672,23 +672,25 @@ class CheckpointManager:
         logger.info(f"Deleted checkpoint step-{step} ({why})")
 
     def _save_hf_export(self, step: int) -> None:
-        """The last checkpoint as a Hugging Face folder: every rank saves its shards of the model with DCP into a
-        scratch folder, from which rank 0 assembles the full tensors (so any sharding or pipeline split works).
-        The other ranks do not wait for rank 0: converting a large model could outlast the collective timeout."""
+        """The last checkpoint as a Hugging Face folder: every rank saves its shards of the model, in the export
+        dtype, with DCP into a scratch folder, from which rank 0 writes the HF folder one safetensors shard at a time
+        (so any sharding or pipeline split works, and rank 0 never holds the whole model). The other ranks do not
+        wait for rank 0: converting a large model could outlast the collective timeout."""
         self._wait_for_pending_save()
         final = self._step_path(step)
         scratch = _incomplete(final.with_name(final.name + ".dcp"))
         self._on_rank0(self._remove_leftovers, f"cleaning up {self.folder} before saving step {step}")
+        dtype = EXPORT_DTYPES[self.config.export_dtype]
         try:
-            dcp.save({"model": self.model.state_dict()}, checkpoint_id=scratch, storage_writer=FileWriter(scratch),
-                     process_group=self._group)
+            # In the export dtype already: no larger scratch copy on disk than the export itself.
+            dcp.save({"model": {name: value.to(dtype) for name, value in self.model.state_dict().items()}},
+                     checkpoint_id=scratch, storage_writer=FileWriter(scratch), process_group=self._group)
         except (Exception, CheckpointException) as err:
             self._raise_save_error(err, step, scratch)
         if self.rank != 0:
             return
         try:
-            save_hf(_incomplete(final), read_full_model(scratch, verify=False), self.model_args,
-                    EXPORT_DTYPES[self.config.export_dtype])
+            export_hf_from_dcp(scratch, _incomplete(final), self.model_args, dtype)
             shutil.rmtree(scratch)
             self._publish(step)
         except OSError as err:
