@@ -196,6 +196,22 @@ def test_save_schedule(pg, tmp_path):
     assert step_folders(tmp_path) == ["step-1", "step-3", "step-5", "step-7"]
 
 
+def test_saves_log_their_cost_and_a_forced_save_its_estimate(pg, tmp_path, monkeypatch):
+    messages = []
+    monkeypatch.setattr(manager_module.logger, "info", messages.append)
+    monkeypatch.setattr(manager_module.logger, "warning", messages.append)
+    c = build_components(seed=0)
+    manager = make_manager(tmp_path, c, interval=2)
+    manager.save(2)
+    assert len(manager.save_s) == len(manager.publish_s) == 1
+    assert any(re.search(r"step-2: rank 0 wrote 0\.\d+ GiB .* every rank had written after \d+\.\d+ s, publishing "
+                         r"took \d+\.\d+ s", message) for message in messages), messages
+    manager.save(3, force=True)
+    assert any(re.fullmatch(rf"Preemption: saving a full checkpoint of step 3 now; the previous save of this run "
+                            rf"took {manager.save_s[0]:.2f} s until every rank had written", message)
+               for message in messages), messages
+
+
 def test_keep_latest_k_and_leftovers(pg, tmp_path):
     c = build_components(seed=0)
     manager = make_manager(tmp_path, c, keep_latest_k=2)

@@ -435,6 +435,12 @@ class CheckpointManager:
         save included)."""
         if not self._is_due(step, last_step, force):
             return
+        if force:
+            # What the preemption budget needs (docs/checkpointing.md): this save must be published before the
+            # scheduler's kill.
+            estimate = (f"the previous save of this run took {self.save_s[-1]:.2f} s until every rank had written"
+                        if self.save_s else "no earlier save of this run tells how long it takes")
+            logger.warning(f"Preemption: saving a full checkpoint of step {step} now; {estimate}")
         begin = time.perf_counter()
         if last_step and self.config.last_save_in_hf:
             self._save_hf_export(step)
