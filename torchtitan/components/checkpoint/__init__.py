@@ -15,9 +15,9 @@ one deleted. A crash between those renames leaves both under `.incomplete` names
 complete step.
 
 DCP has no checksums: a shard damaged after the save (other bytes, same size) would load silently. So before the
-rename rank 0 writes `checksums.json` into the folder, the size and CRC32 of every file DCP wrote, and every load
-checks the files against it before DCP reads them; a checkpoint without one (an older version's, or another tool's)
-loads unchecked, with a warning.
+rename rank 0 writes `checksums.json` into the folder, the size and CRC32 of every file DCP wrote (each rank hashes
+its own files as it writes them; rank 0 gathers the entries), and every load checks the files against it before DCP
+reads them; a checkpoint without one (an older version's, or another tool's) loads unchecked, with a warning.
 
 Once a new checkpoint is in place, rank 0 deletes what it supersedes:
 - `keep_latest_k` counts only full checkpoints (those holding the train state, the only ones a resume continues

@@ -90,7 +90,6 @@ class RNGState(Stateful):
             torch.cuda.set_rng_state(state_dict["cuda"])
 
 
-
 _PARAM_GROUPS = "param_groups."
 
 
@@ -129,7 +128,6 @@ def _incomplete(path: Path) -> Path:
     return path.with_name(path.name + INCOMPLETE_SUFFIX)
 
 
-
 def complete_steps(folder: Path) -> list[int]:
     """Steps with a complete checkpoint (`step-N` folders) in `folder`, ascending."""
     if not folder.is_dir():
@@ -158,12 +156,10 @@ def read_full_checkpoint(checkpoint: Path) -> dict[str, Any]:
     return state_dict
 
 
-def read_full_model(checkpoint: Path, verify: bool = True) -> dict[str, torch.Tensor]:
-    """The `model.*` tensors of a DCP checkpoint, unsharded, on CPU, in this process alone (no collectives).
-    `verify=False` skips the check against `CHECKSUMS_FILE`, for a folder this job has just written without one."""
+def read_full_model(checkpoint: Path) -> dict[str, torch.Tensor]:
+    """The `model.*` tensors of a DCP checkpoint, unsharded, on CPU, in this process alone (no collectives)."""
     metadata = read_metadata(checkpoint)
-    if verify:
-        verify_checkpoint(checkpoint)
+    verify_checkpoint(checkpoint)
     prefix = "model."
     state_dict = {key: torch.empty(tuple(entry.size), dtype=entry.properties.dtype)
                   for key, entry in metadata.state_dict_metadata.items()

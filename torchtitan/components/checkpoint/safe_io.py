@@ -106,7 +106,6 @@ def deserialize(blob: bytes) -> Any:
     return torch.load(io.BytesIO(blob), weights_only=True)
 
 
-
 def describe(err: BaseException) -> str:
     """The error in one line per failing rank, instead of the tracebacks that CheckpointException prints."""
     if isinstance(err, CheckpointException):
