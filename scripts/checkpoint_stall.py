@@ -24,8 +24,9 @@ step left out: a background save that competes with the steps for the cores show
 `train_s` (each repeat's wall time of `Trainer.train`, which includes the wait for the last background save at its
 end), `save_median_s` (from the start of a save until DCP's save returned, every rank having written: in the
 background for the async modes), `publish_s` and `publish_median_s` (what rank 0 alone does after that: `.metadata`,
-the checksum manifest and the publishing rename, `CheckpointManager.publish_s`); at the top level `ratio_async_to_sync` and `ratio_pinned_to_sync`, the medians over
-the `disabled` one, and `checkpoint_mib`, the size of one checkpoint.
+the checksum manifest and the publishing rename, `CheckpointManager.publish_s`); at the top level
+`ratio_async_to_sync` and `ratio_pinned_to_sync`, the medians over the `disabled` one, and `checkpoint_mib`, the size
+of one checkpoint.
 
 With --processes N the script starts N training processes on this machine (gloo, one process group per run), which
 share each run's dump folder; the figures are rank 0's. Comparing --processes 1, 2 and 4 on one model shows how
@@ -212,9 +213,10 @@ def run(argv: list[str]) -> dict:
                                nprocs=args.processes, start_method="spawn")
             results = [Run(**fields) for fields in json.loads(rank0_results.read_text())]
         for index, (mode, result) in enumerate(zip(order, results)):
+            stalls = ", ".join(f"{s:.3f}" for s in result.stalls_s)
             logger.info(f"async_mode {mode}, run {index // len(ASYNC_MODES) + 1}/{args.repeats}: "
-                        f"{len(result.stalls_s)} saves blocked the loop {', '.join(f'{s:.3f}' for s in result.stalls_s)} "
-                        f"s, published in {', '.join(f'{s:.4f}' for s in result.publish_s)} s")
+                        f"{len(result.stalls_s)} saves blocked the loop {stalls} s, published in "
+                        f"{', '.join(f'{s:.4f}' for s in result.publish_s)} s")
             runs[mode].append(result)
     stalls = {mode: [s for result in results for s in result.stalls_s] for mode, results in runs.items()}
     medians = {mode: statistics.median(values) for mode, values in stalls.items()}

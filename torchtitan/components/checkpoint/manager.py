@@ -232,13 +232,8 @@ class CheckpointManager:
         self.blocked_s: list[float] = []
         self.save_s: list[float] = []
         self.publish_s: list[float] = []
-        self._group = None
+        self._own_group: dist.ProcessGroup | None = None
         self._stager: DefaultStager | None = None
-        if config.enable and dist.is_initialized():
-            # Every collective of a save or load runs in a gloo group of its own: its waits on the slowest writer
-            # are bounded by checkpoint.timeout_seconds, not by the training timeout, and background saves never
-            # interleave with the training loop's collectives on the default (possibly NCCL) group.
-            self._group = new_group_with_own_timeout(config.timeout_seconds)
         if config.enable and not config.load_only and config.async_mode == "async_with_pinned_mem":
             # Staging copies into shared memory (pinned too on CUDA) that the checkpoint process reads without
             # another copy, and reuses the buffers from one save to the next. It runs synchronously in save():
@@ -247,6 +242,15 @@ class CheckpointManager:
             on_cuda = torch.cuda.is_available()
             self._stager = DefaultStager(StagingOptions(use_pinned_memory=on_cuda, use_shared_memory=True,
                                                         use_async_staging=False, use_non_blocking_copy=False))
+
+    def _group(self) -> dist.ProcessGroup | None:
+        """The process group of every collective of a save or load: gloo, of its own, so that its waits on the
+        slowest writer are bounded by checkpoint.timeout_seconds, not by the training timeout, and background saves
+        never interleave with the training loop's collectives on the default (possibly NCCL) group. Created at its
+        first use, which every rank reaches in the same call (load, or the first save)."""
+        if self._own_group is None and dist.is_initialized():
+            self._own_group = new_group_with_own_timeout(self.config.timeout_seconds)
+        return self._own_group
 
     # ------------------------------------------------------------------------------------------------------------
     # Loading
@@ -312,14 +316,14 @@ class CheckpointManager:
                 choice = [self._step_to_resume()]
             except UserError as err:
                 choice = [err]
-        dist.broadcast_object_list(choice, src=0, group=self._group)
+        dist.broadcast_object_list(choice, src=0, group=self._group())
         if isinstance(choice[0], UserError):
             raise UserError(str(choice[0]))
         step = choice[0]
         if step is None:
             return None
         seen: list[Any] = [None] * dist.get_world_size()
-        dist.all_gather_object(seen, step in complete_steps(self.folder), group=self._group)
+        dist.all_gather_object(seen, step in complete_steps(self.folder), group=self._group())
         blind = [rank for rank, visible in enumerate(seen) if not visible]
         if blind:
             raise UserError(f"rank 0 resumes from checkpoint step-{step} in {self.folder}, which rank(s) "
@@ -354,7 +358,7 @@ class CheckpointManager:
             logger.warning(f"{checkpoint} is a Hugging Face export: it holds only the model weights")
             return self._load_hf_model(checkpoint) if "model" in wanted else []
         saved = read_metadata(checkpoint).state_dict_metadata
-        verify_checkpoint(checkpoint, distributed=True, group=self._group)
+        verify_checkpoint(checkpoint, distributed=True, group=self._group())
         present = [part for part in wanted if self._is_saved(part, saved)]
         skipped = [part for part in wanted if part not in present and part != "rng"]
         if skipped:
@@ -365,7 +369,7 @@ class CheckpointManager:
         files = list(checkpoint.glob("*.distcp"))
         logger.info(f"Loading {', '.join(present)} from {checkpoint} ({len(files)} files, "
                     f"{sum(f.stat().st_size for f in files) / 2**30:.2f} GiB)")
-        dcp_load(state_dict, checkpoint, process_group=self._group)
+        dcp_load(state_dict, checkpoint, process_group=self._group())
         for part in present:
             try:
                 self._apply(part, state_dict[self._key(part)])
@@ -487,7 +491,7 @@ class CheckpointManager:
         started = time.perf_counter()
         if self.config.async_mode == "disabled":
             try:
-                dcp.save(state_dict, checkpoint_id=staging, storage_writer=writer, process_group=self._group)
+                dcp.save(state_dict, checkpoint_id=staging, storage_writer=writer, process_group=self._group())
             except (Exception, CheckpointException) as err:
                 self._raise_save_error(err, step, staging)
             written = time.perf_counter()
@@ -495,10 +499,12 @@ class CheckpointManager:
             self._record_cost(step, writer, started, written)
             return
         if self._stager is not None:
-            upload = dcp.async_save(state_dict, checkpoint_id=staging, storage_writer=writer, process_group=self._group,
-                                    async_checkpointer_type=AsyncCheckpointerType.PROCESS, async_stager=self._stager)
+            upload = dcp.async_save(state_dict, checkpoint_id=staging, storage_writer=writer,
+                                    process_group=self._group(), async_checkpointer_type=AsyncCheckpointerType.PROCESS,
+                                    async_stager=self._stager)
         else:
-            upload = dcp.async_save(state_dict, checkpoint_id=staging, storage_writer=writer, process_group=self._group)
+            upload = dcp.async_save(state_dict, checkpoint_id=staging, storage_writer=writer,
+                                    process_group=self._group())
         completed: Future = Future()
 
         def finish(upload: Future) -> None:
@@ -548,9 +554,10 @@ class CheckpointManager:
         except (Exception, CheckpointException) as err:
             error = err
         failures: list[Any] = [None if error is None else describe(error)]
-        if self._group is not None and dist.get_world_size(self._group) > 1:
-            failures = [None] * dist.get_world_size(self._group)
-            dist.all_gather_object(failures, None if error is None else describe(error), group=self._group)
+        group = self._group()
+        if group is not None and dist.get_world_size(group) > 1:
+            failures = [None] * dist.get_world_size(group)
+            dist.all_gather_object(failures, None if error is None else describe(error), group=group)
         if error is not None:
             self._raise_save_error(error, pending.step, pending.staging)
         failed = [(rank, failure) for rank, failure in enumerate(failures) if failure is not None]
@@ -578,7 +585,7 @@ class CheckpointManager:
                 error = f"{what} failed: {err}"
         if dist.is_initialized():
             outcome = [error]
-            dist.broadcast_object_list(outcome, src=0, group=self._group)
+            dist.broadcast_object_list(outcome, src=0, group=self._group())
             error = outcome[0]
         if error is not None:
             raise UserError(error)
@@ -686,7 +693,7 @@ class CheckpointManager:
         try:
             # In the export dtype already: no larger scratch copy on disk than the export itself.
             dcp.save({"model": {name: value.to(dtype) for name, value in self.model.state_dict().items()}},
-                     checkpoint_id=scratch, storage_writer=FileWriter(scratch), process_group=self._group)
+                     checkpoint_id=scratch, storage_writer=FileWriter(scratch), process_group=self._group())
         except (Exception, CheckpointException) as err:
             self._raise_save_error(err, step, scratch)
         if self.rank != 0:
