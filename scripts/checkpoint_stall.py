@@ -5,8 +5,9 @@ From the repository root:
     python scripts/checkpoint_stall.py                                  # the debug model, 6 steps, a save per step
     python scripts/checkpoint_stall.py --steps 20 --interval 5 --repeats 3
     python scripts/checkpoint_stall.py --model.flavor tiny --training.seq_len 32 --steps 3
+    python scripts/checkpoint_stall.py --processes 4                    # 4 training processes (FSDP 4 by default)
 
-Every argument other than --steps/--interval/--repeats/--threads is a trainer option, exactly as
+Every argument other than --steps/--interval/--repeats/--threads/--processes is a trainer option, exactly as
 `torchtitan.train` takes it; without --job.config_file, train_configs/debug_model.toml is used. For each of the
 three modes (disabled, async, async_with_pinned_mem) the real Trainer is built in this process and runs its
 training loop (`Trainer.train`) for --steps steps, saving a full checkpoint (never model-only, also at the last
@@ -21,8 +22,15 @@ median, so that one slow save on a shared machine does not move it), `stall_s` (
 after the other), `step_median_s` (the median time of `Trainer.train_step`, saves not included, each run's first
 step left out: a background save that competes with the steps for the cores shows here, not in the stall),
 `train_s` (each repeat's wall time of `Trainer.train`, which includes the wait for the last background save at its
-end); at the top level `ratio_async_to_sync` and `ratio_pinned_to_sync`, the medians over
-the `disabled` one, and `checkpoint_mib`, the size of one checkpoint.
+end), `save_median_s` (from the start of a save until DCP's save returned, every rank having written: in the
+background for the async modes), `publish_s` and `publish_median_s` (what rank 0 alone does after that: `.metadata`,
+the checksum manifest and the publishing rename, `CheckpointManager.publish_s`); at the top level
+`ratio_async_to_sync` and `ratio_pinned_to_sync`, the medians over the `disabled` one, and `checkpoint_mib`, the size
+of one checkpoint.
+
+With --processes N the script starts N training processes on this machine (gloo, one process group per run), which
+share each run's dump folder; the figures are rank 0's. Comparing --processes 1, 2 and 4 on one model shows how
+rank 0's publish time depends on the number of ranks.
 
 async_with_pinned_mem saves from a checkpoint process that torch starts at the first save and keeps for the life of
 this process (the later repeats reuse it). It is spawned, so it imports this script as its `__main__`: the entry
@@ -33,8 +41,11 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import gc
+import json
 import os
+import socket
 import statistics
 import sys
 import tempfile
@@ -47,6 +58,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import torch  # noqa: E402
+import torch.multiprocessing as mp  # noqa: E402
 
 from scripts.benchmark import default_threads, describe_config, json_main  # noqa: E402
 from torchtitan.components.checkpoint import ASYNC_MODES, complete_steps  # noqa: E402
@@ -68,9 +80,12 @@ def parse_stall_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
     parser.add_argument("--repeats", type=int, default=1, help="runs per mode, the modes taking turns")
     parser.add_argument("--threads", type=int, default=None,
                         help="torch threads (default: the usable cores / processes on this node)")
+    parser.add_argument("--processes", type=int, default=1,
+                        help="training processes on this machine (gloo; the default layout shards the model over "
+                             "them); the figures are rank 0's")
     parser.add_argument("--stall-help", action="help", help="this help (--help lists the trainer's options)")
     args, trainer_argv = parser.parse_known_args(argv)
-    for flag in ("steps", "interval", "repeats"):
+    for flag in ("steps", "interval", "repeats", "processes"):
         if getattr(args, flag) < 1:
             raise UserError(f"--{flag}: {getattr(args, flag)} must be at least 1")
     if args.interval > args.steps:
@@ -107,6 +122,8 @@ def folder_mib(folder: Path) -> float:
 @dataclass
 class Run:
     stalls_s: list[float]
+    saves_s: list[float]
+    publish_s: list[float]
     steps_s: list[float]
     train_s: float
     checkpoint_mib: float
@@ -135,18 +152,40 @@ def train_once(config: JobConfig, threads: int) -> Run:
         folder = Path(config.job.dump_folder) / config.checkpoint.folder
         steps = complete_steps(folder)
         size = folder_mib(folder / f"step-{steps[-1]}") if steps else 0.0
-        return Run(list(trainer.checkpointer.blocked_s), steps_s, train_s, size,
-                   describe_config(config, trainer, threads))
+        checkpointer = trainer.checkpointer
+        return Run(list(checkpointer.blocked_s), list(checkpointer.save_s), list(checkpointer.publish_s), steps_s,
+                   train_s, size, describe_config(config, trainer, threads))
     finally:
         trainer.close()
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def train_as_rank(rank: int, world_size: int, configs: list[JobConfig], ports: list[int], threads: int,
+                  results: str) -> None:
+    """One of --processes training processes: every run in turn, on a process group of its own (a fresh port);
+    rank 0 leaves its figures in `results`."""
+    torch.set_num_threads(threads)
+    runs = []
+    for config, port in zip(configs, ports):
+        os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), LOCAL_RANK=str(rank),
+                          WORLD_SIZE=str(world_size))
+        runs.append(train_once(config, threads))
+        gc.collect()
+    if rank == 0:
+        Path(results).write_text(json.dumps([dataclasses.asdict(run) for run in runs]))
 
 
 def run(argv: list[str]) -> dict:
     args, trainer_argv = parse_stall_args(argv)
     if int(os.environ.get("WORLD_SIZE", "1")) > 1:
         # Each rank would make a temporary dump folder of its own, where the checkpoint folder must be shared.
-        raise UserError("checkpoint_stall.py measures one process: run it without torchrun")
-    threads = args.threads or default_threads()
+        raise UserError("checkpoint_stall.py starts its processes itself (--processes): run it without torchrun")
+    threads = args.threads or max(1, default_threads() // args.processes)
     torch.set_num_threads(threads)
     # Parsed once up front, so that a bad trainer option fails before any training; a dump folder given on the
     # command line holds the runs' folders, else a temporary folder does.
@@ -156,27 +195,45 @@ def run(argv: list[str]) -> dict:
         os.makedirs(parent, exist_ok=True)
     runs: dict[str, list[Run]] = {mode: [] for mode in ASYNC_MODES}
     with tempfile.TemporaryDirectory(prefix="checkpoint-stall-", dir=parent) as scratch:
-        for repeat in range(args.repeats):
-            for mode in ASYNC_MODES:
-                # A fresh folder per run: one that held checkpoints would be resumed from, not trained.
-                dump_folder = tempfile.mkdtemp(prefix=f"{mode}-{repeat}-", dir=scratch)
-                result = train_once(stall_config(trainer_argv, args, mode, dump_folder), threads)
-                logger.info(f"async_mode {mode}, run {repeat + 1}/{args.repeats}: {len(result.stalls_s)} saves "
-                            f"blocked the loop {', '.join(f'{s:.3f}' for s in result.stalls_s)} s")
-                runs[mode].append(result)
+        # A fresh folder per run: one that held checkpoints would be resumed from, not trained. The modes run one
+        # after the other, --repeats times in turn.
+        order = [mode for _ in range(args.repeats) for mode in ASYNC_MODES]
+        configs = [stall_config(trainer_argv, args, mode, tempfile.mkdtemp(prefix=f"{mode}-{index}-", dir=scratch))
+                   for index, mode in enumerate(order)]
+        if args.processes == 1:
+            results = []
+            for config in configs:
+                results.append(train_once(config, threads))
                 # The trainer left the collector disabled; the next run starts without this one's garbage.
                 gc.collect()
+        else:
+            rank0_results = Path(scratch) / "rank0.json"
+            mp.start_processes(train_as_rank, args=(args.processes, configs, [free_port() for _ in configs],
+                                                    threads, str(rank0_results)),
+                               nprocs=args.processes, start_method="spawn")
+            results = [Run(**fields) for fields in json.loads(rank0_results.read_text())]
+        for index, (mode, result) in enumerate(zip(order, results)):
+            stalls = ", ".join(f"{s:.3f}" for s in result.stalls_s)
+            logger.info(f"async_mode {mode}, run {index // len(ASYNC_MODES) + 1}/{args.repeats}: "
+                        f"{len(result.stalls_s)} saves blocked the loop {stalls} s, published in "
+                        f"{', '.join(f'{s:.4f}' for s in result.publish_s)} s")
+            runs[mode].append(result)
     stalls = {mode: [s for result in results for s in result.stalls_s] for mode, results in runs.items()}
     medians = {mode: statistics.median(values) for mode, values in stalls.items()}
     # The first step of a run allocates and warms up: left out of the step times.
     step_medians = {mode: statistics.median([s for result in results for s in result.steps_s[1:] or result.steps_s])
                     for mode, results in runs.items()}
+    publish = {mode: [s for result in results for s in result.publish_s] for mode, results in runs.items()}
+    saves = {mode: [s for result in results for s in result.saves_s] for mode, results in runs.items()}
     return {
         "config": runs[SYNC][0].described,
+        "processes": args.processes,
         "steps": args.steps, "interval": args.interval, "repeats": args.repeats,
         "saves_per_run": len(runs[SYNC][0].stalls_s),
         "checkpoint_mib": runs[SYNC][0].checkpoint_mib,
         "modes": {mode: {"stall_median_s": medians[mode], "stall_s": stalls[mode], "step_median_s": step_medians[mode],
+                         "save_median_s": statistics.median(saves[mode]),
+                         "publish_median_s": statistics.median(publish[mode]), "publish_s": publish[mode],
                          "train_s": [result.train_s for result in runs[mode]]} for mode in ASYNC_MODES},
         "ratio_async_to_sync": medians[ASYNC] / medians[SYNC],
         "ratio_pinned_to_sync": medians[PINNED] / medians[SYNC],

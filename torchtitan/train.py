@@ -55,6 +55,7 @@ class Trainer:
         # tensors: no tokenizer or data, and the code paths of the device it stands in for.
         self.dry_run = config.comm.mode == "fake_backend"
         self.device = dist_utils.init_distributed(config.comm.init_timeout_seconds, config.comm.trace_buf_size,
+                                                  config.job.dump_folder,
                                                   fake_rank=(config.comm.fake_rank, config.comm.fake_world_size)
                                                   if self.dry_run else None)
         self.target_device_type = config.comm.fake_device if self.dry_run else self.device.type
@@ -104,10 +105,8 @@ class Trainer:
         self.fake_mode = FakeTensorMode(allow_non_fake_inputs=True) if self.dry_run else None
         with self.fake_mode or contextlib.nullcontext():
             for part in self.model_parts:
-                part.to_empty(device=self.device)
-                if self.dry_run:
-                    part.init_buffers(self.device)  # fake weights have no values to initialise
-                else:
+                dist_utils.materialize_model(part, self.device, config.training.enable_cpu_offload)
+                if not self.dry_run:  # fake weights have no values to initialise
                     dist_utils.init_model_weights(part, self.seed, self.device)
                 part.train()
 
@@ -177,7 +176,11 @@ class Trainer:
 
     def _next_batches(self, data_iterator: Iterator) -> list[tuple[torch.Tensor, torch.Tensor]]:
         batches = [batch for _ in range(self.grad_accumulation_steps) if (batch := next(data_iterator, None))]
-        complete = len(batches) == self.grad_accumulation_steps
+        # The data's last batch can be short: it would weigh its sequences unlike every other step's, and pipeline
+        # micro-batching cannot split it (the first stage raises, the others wait). The run stops before it, so
+        # that no checkpoint records the data position the loader moved to after it (the start of the data).
+        complete = len(batches) == self.grad_accumulation_steps and all(
+            inputs.shape[0] == self.config.training.local_batch_size for inputs, _ in batches)
         if not self.config.training.dataset_loop:
             # Data-parallel ranks can run out a step apart: all stop at the first step any rank cannot fill,
             # rather than some raising while the others wait for them in the step's collectives.
@@ -222,7 +225,8 @@ class Trainer:
         loss = sum(self.forward_backward(inputs, labels) for inputs, labels in batches)
         parameters = [p for part in self.model_parts for p in part.parameters()]
         grad_norm = dist_utils.clip_grad_norm_(parameters, self.config.training.max_norm,
-                                               self.world_mesh["pp"] if self.parallel_dims.pp_enabled else None)
+                                               self.world_mesh["pp"] if self.parallel_dims.pp_enabled else None,
+                                               self.device)
         # One all-reduce gives every rank the global loss (each TP rank holds a copy: divide by tp; stages
         # without the loss add zero), whether any rank saw a non-finite value, and whether any rank was told to
         # stop (SIGTERM may reach ranks at different steps; all must stop after the same one).

@@ -114,6 +114,7 @@ CASES = [
          "option parallelism.pipeline_parallel_schedule: unknown schedule '1F2B'", world_size=2),
     Case("seed_checkpoint_with_two_ranks", ["--checkpoint.enable", "--checkpoint.create_seed_checkpoint"],
          "option checkpoint.create_seed_checkpoint: run it with one process", world_size=2),
+    Case("cpu_offload_on_cpu", ["--training.enable_cpu_offload"], "option training.enable_cpu_offload"),
     Case("async_tp_on_cpu", ["--parallelism.tensor_parallel_degree", "2", "--parallelism.enable_async_tensor_parallel",
                              "--compile.enable"], "option parallelism.enable_async_tensor_parallel", world_size=2),
     # Tokenizer and data.
@@ -149,7 +150,7 @@ def fake_process_group(world_size: int):
     """Stands in for init_distributed: this process becomes rank 0 of `world_size` ranks that never talk."""
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
-    def init(init_timeout_seconds: int, trace_buf_size: int = 0) -> torch.device:
+    def init(init_timeout_seconds: int, trace_buf_size: int = 0, trace_folder: str | None = None) -> torch.device:
         dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=world_size)
         return torch.device("cpu")
 

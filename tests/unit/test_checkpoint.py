@@ -25,14 +25,16 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 
 from scripts import convert_checkpoint
-from torchtitan.components import checkpoint as checkpoint_module
-from torchtitan.components.checkpoint import (CHECKSUMS_FILE, CheckpointManager, TrainState, read_full_checkpoint,
-                                              read_full_model, read_metadata)
+from torchtitan.components.checkpoint import integrity as checkpoint_integrity
+from torchtitan.components.checkpoint import manager as manager_module
+from torchtitan.components.checkpoint import (CHECKSUMS_FILE, CheckpointManager, TrainState, complete_steps,
+                                              read_full_checkpoint, read_full_model, read_metadata)
 from torchtitan.components.lr_scheduler import LRSchedulersContainer
 from torchtitan.components.optimizer import OptimizersContainer
 from torchtitan.config.job_config import Checkpoint as CheckpointConfig
 from torchtitan.config.job_config import LRScheduler as LRSchedulerConfig
 from torchtitan.config.job_config import Optimizer as OptimizerConfig
+from torchtitan.distributed import utils as dist_utils
 from torchtitan.errors import UserError
 from torchtitan.models.llama3.args import model_args_for
 from torchtitan.models.llama3.model import Transformer
@@ -194,6 +196,22 @@ def test_save_schedule(pg, tmp_path):
     assert step_folders(tmp_path) == ["step-1", "step-3", "step-5", "step-7"]
 
 
+def test_saves_log_their_cost_and_a_forced_save_its_estimate(pg, tmp_path, monkeypatch):
+    messages = []
+    monkeypatch.setattr(manager_module.logger, "info", messages.append)
+    monkeypatch.setattr(manager_module.logger, "warning", messages.append)
+    c = build_components(seed=0)
+    manager = make_manager(tmp_path, c, interval=2)
+    manager.save(2)
+    assert len(manager.save_s) == len(manager.publish_s) == 1
+    assert any(re.search(r"step-2: rank 0 wrote 0\.\d+ GiB .* every rank had written after \d+\.\d+ s, publishing "
+                         r"took \d+\.\d+ s", message) for message in messages), messages
+    manager.save(3, force=True)
+    assert any(re.fullmatch(rf"Preemption: saving a full checkpoint of step 3 now; the previous save of this run "
+                            rf"took {manager.save_s[0]:.2f} s until every rank had written", message)
+               for message in messages), messages
+
+
 def test_keep_latest_k_and_leftovers(pg, tmp_path):
     c = build_components(seed=0)
     manager = make_manager(tmp_path, c, keep_latest_k=2)
@@ -253,6 +271,26 @@ def test_rollback_retires_the_abandoned_checkpoints_after_its_first_save(pg, tmp
     assert restarted.train_state.step == 3
 
 
+def test_resume_without_train_state_keeps_the_checkpoint_it_loaded(pg, tmp_path):
+    """Excluding train_state restarts at step 0 from the latest checkpoint: that run's first save retires the newer
+    trajectory, but the checkpoint it loaded is renamed aside, not deleted."""
+    c = build_components(seed=0)
+    save_steps(make_manager(tmp_path, c, interval=2), c, range(1, 5))
+    assert step_folders(tmp_path) == ["step-2", "step-4"]
+    restarted = build_components(seed=1)
+    manager = make_manager(tmp_path, restarted, interval=2, exclude_from_loading=["train_state"])
+    assert manager.load()
+    assert restarted.train_state.step == 0
+    save_steps(manager, restarted, range(1, 3))
+    assert step_folders(tmp_path) == ["step-2", "step-4.abandoned"]
+    # The kept folder is still a loadable checkpoint of step 4.
+    (tmp_path / "ckpt" / "step-4.abandoned").rename(tmp_path / "elsewhere")
+    fresh = build_components(seed=2)
+    make_manager(tmp_path, fresh, initial_load_path=str(tmp_path / "elsewhere"),
+                 initial_load_model_only=False, folder="other").load()
+    assert fresh.train_state.step == 4
+
+
 def test_saving_an_existing_step_replaces_it_once_complete(pg, tmp_path):
     c = build_components(seed=0)
     manager = make_manager(tmp_path, c)
@@ -304,7 +342,11 @@ def flip_middle_bytes(path: Path) -> None:
 
 
 @pytest.mark.parametrize("mode", ["disabled", "async"])
-def test_every_save_writes_a_manifest_of_its_files(pg, tmp_path, mode):
+def test_every_save_writes_a_manifest_of_its_files(pg, tmp_path, monkeypatch, mode):
+    read_back = []
+    file_checksum = checkpoint_integrity._file_checksum
+    monkeypatch.setattr(checkpoint_integrity, "_file_checksum", lambda path: read_back.append(path.name)
+                        or file_checksum(path))
     c = build_components(seed=0)
     manager = make_manager(tmp_path, c, async_mode=mode)
     manager.save(1)
@@ -312,6 +354,8 @@ def test_every_save_writes_a_manifest_of_its_files(pg, tmp_path, mode):
     manager.close()
     for step in ("step-1", "step-2"):
         assert_manifest_matches(tmp_path / "ckpt" / step)
+    # The shards were hashed as they were written; only the small .metadata is read back.
+    assert read_back == [".metadata", ".metadata"]
 
 
 def two_checkpoints(tmp_path: Path) -> tuple[dict[str, bytes], Path, Path]:
@@ -352,7 +396,7 @@ def test_checkpoint_without_manifest_loads_with_a_warning(pg, tmp_path, monkeypa
     make_manager(tmp_path, saved).save(1)
     (tmp_path / "ckpt" / "step-1" / CHECKSUMS_FILE).unlink()
     warned = []
-    monkeypatch.setattr(checkpoint_module, "warn_once", warned.append)
+    monkeypatch.setattr(checkpoint_integrity, "warn_once", warned.append)
     fresh = build_components(seed=1)
     assert make_manager(tmp_path, fresh).load()
     assert_same(snapshot(fresh), snapshot(saved))
@@ -784,6 +828,82 @@ def test_fsdp_save_reloads_on_two_ranks_and_one(tmp_path):
                                                                flatten_optimizer_state_dict=True))},
                     reference)
         assert plain.train_state.step == 1 and plain.loader.position == 2
+
+
+def disagreeing_listing_worker(rank: int, world_size: int, tmp: str) -> None:
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", store=dist.FileStore(f"{tmp}/store", world_size), rank=rank,
+                            world_size=world_size)
+    try:
+        c = build_components(seed=0)
+        save_steps(make_manager(Path(tmp), c, interval=2), c, range(1, 5))
+        listing = manager_module.complete_steps
+        # Rank 1's view of the shared folder differs from rank 0's: first it shows a step-6 that rank 0 does not
+        # list, then it lags behind, without step-4.
+        for seen_by_rank1 in ([2, 4, 6], [2]):
+            manager_module.complete_steps = (lambda folder: seen_by_rank1) if rank == 1 else listing
+            resumed = build_components(seed=1)
+            manager = make_manager(Path(tmp), resumed)
+            if 4 in seen_by_rank1:
+                assert manager.load() and resumed.train_state.step == 4
+            else:
+                with pytest.raises(UserError, match=r"rank 0 resumes from checkpoint step-4 in .*ckpt, which "
+                                                    r"rank\(s\) 1 cannot see there"):
+                    manager.load()
+        manager_module.complete_steps = listing
+    finally:
+        dist.destroy_process_group()
+
+
+def test_every_rank_resumes_from_the_step_rank_0_chose(tmp_path):
+    run_forked(disagreeing_listing_worker, 2, str(tmp_path))
+
+
+def slow_writer_worker(rank: int, world_size: int, tmp: str) -> None:
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", store=dist.FileStore(f"{tmp}/store", world_size), rank=rank,
+                            world_size=world_size)
+    try:
+        c = build_components(seed=0)
+        manager = make_manager(Path(tmp), c, timeout_seconds=60)
+        # After the first step the trainer bounds every collective by the training timeout; the checkpoint's
+        # collectives keep theirs, and wait for a rank whose writes take longer than a step.
+        dist_utils.set_train_timeout(1)
+        if rank == 1:
+            time.sleep(2.5)
+        manager.save(1)
+        assert complete_steps(Path(tmp) / "ckpt") == [1]
+    finally:
+        dist.destroy_process_group()
+
+
+def test_checkpoint_collectives_outlast_the_training_timeout(tmp_path):
+    run_forked(slow_writer_worker, 2, str(tmp_path))
+
+
+def failed_publish_worker(rank: int, world_size: int, tmp: str) -> None:
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", store=dist.FileStore(f"{tmp}/store", world_size), rank=rank,
+                            world_size=world_size)
+    try:
+        c = build_components(seed=0)
+        manager = make_manager(Path(tmp), c, async_mode="async", timeout_seconds=20)
+        if rank == 0:
+            def disk_full_on_publish(step: int) -> None:
+                raise OSError(errno.ENOSPC, "No space left on device")
+
+            manager._publish = disk_full_on_publish
+        manager.save(1)
+        # Rank 0's background publish failed; every rank learns it at the next save, as that storage error.
+        with pytest.raises(UserError, match=r"saving the checkpoint of step 1 into .*step-1.incomplete failed.*"
+                                            r"No space left on device"):
+            manager.save(2)
+    finally:
+        dist.destroy_process_group()
+
+
+def test_a_failed_background_publish_reaches_every_rank(tmp_path):
+    run_forked(failed_publish_worker, 2, str(tmp_path), timeout=60)
 
 
 def save_until_killed(root: Path, marker: Path) -> None:

@@ -32,10 +32,27 @@ def test_reports_the_stall_of_every_mode(tmp_path):
     for mode in ASYNC_MODES:
         figures = result["modes"][mode]
         assert figures["stall_median_s"] > 0 and figures["step_median_s"] > 0
+        assert len(figures["publish_s"]) == steps and figures["publish_median_s"] > 0
         assert len(figures["stall_s"]) == steps and all(stall > 0 for stall in figures["stall_s"])
         assert len(figures["train_s"]) == 1 and figures["train_s"][0] > 0
     assert result["ratio_async_to_sync"] > 0 and result["ratio_pinned_to_sync"] > 0
     assert list(tmp_path.iterdir()) == []  # the runs' folders were temporary
+
+
+@pytest.mark.slow
+def test_several_processes_report_rank_0s_publish_time(tmp_path):
+    completed = subprocess.run(
+        [sys.executable, str(SCRIPT), "--model.flavor", "tiny", "--training.seq_len", "32",
+         "--training.local_batch_size", "2", "--steps", "2", "--threads", "1", "--processes", "2",
+         "--job.dump_folder", str(tmp_path)],
+        capture_output=True, text=True, timeout=180)
+    assert completed.returncode == 0, completed.stderr[-3000:]
+    result = json.loads(completed.stdout)
+    assert result["processes"] == 2 and result["config"]["world_size"] == 2
+    for mode in ASYNC_MODES:
+        figures = result["modes"][mode]
+        assert len(figures["publish_s"]) == 2
+        assert all(0 < s < figures["save_median_s"] + 1 for s in figures["publish_s"])
 
 
 @pytest.mark.parametrize("argv, pattern", [

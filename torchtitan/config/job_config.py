@@ -268,6 +268,9 @@ class Checkpoint:
     load_only: bool = False
     """Load checkpoints but never save."""
 
+    timeout_seconds: int = 1800
+    """Timeout of the collectives of a checkpoint save or load (their own process group, not comm.train_timeout_seconds): they wait for the slowest rank's writes."""
+
 
 @dataclass
 class ActivationCheckpoint:

@@ -11,6 +11,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, distribute_tensor
 
 from torchtitan.distributed.fake import init_fake_process_group
+from torchtitan.errors import UserError
 from torchtitan.models.llama3.model import parameter_generator
 from torchtitan.tools.logging import logger
 
@@ -29,7 +30,33 @@ def backend_for(device_kind: str) -> str:
     return "nccl" if device_kind == "cuda" else "gloo"
 
 
-def init_distributed(init_timeout_seconds: int, trace_buf_size: int = 0,
+def cuda_device_index(local_rank: int, local_world_size: int, visible: int) -> int:
+    """The GPU of this process among the `visible` ones. `local_world_size` processes of this node share them
+    (torchrun's LOCAL_WORLD_SIZE; 1 where a scheduler starts each task alone, with GPUs of its own): local rank r
+    takes GPU r. A scheduler that shows each task only its own GPU(s) may still number the tasks of a node 0..7:
+    such a process takes GPU `local_rank % visible` of its own."""
+    if local_world_size > visible:
+        raise UserError(f"{local_world_size} training processes on this node (NGPU / --nproc_per_node) but only "
+                        f"{visible} GPU(s) visible (CUDA_VISIBLE_DEVICES="
+                        f"{os.environ.get('CUDA_VISIBLE_DEVICES', 'unset')}): start at most {visible} per node")
+    return local_rank % visible
+
+
+def nccl_environment(trace_buf_size: int, trace_folder: str | None) -> dict[str, str]:
+    """What NCCL runs need in the environment, unless the user set it. On NCCL a failed or timed-out collective is
+    seen by the watchdog thread, not raised in the training thread: with async error handling 1 the watchdog aborts
+    the communicators and ends the process (SIGABRT), so that a dead peer never leaves the others hanging, and with
+    the flight recorder on, each rank first dumps its last collectives (`trace_buf_size` entries) into
+    `trace_folder`/nccl_trace_rank_<R>, which tells which rank stalled in which collective."""
+    environment = {"TORCH_NCCL_ASYNC_ERROR_HANDLING": "1", "TORCH_NCCL_TRACE_BUFFER_SIZE": str(trace_buf_size)}
+    if trace_buf_size > 0:
+        environment["TORCH_NCCL_DUMP_ON_TIMEOUT"] = "1"
+        if trace_folder is not None:
+            environment["TORCH_NCCL_DEBUG_INFO_TEMP_FILE"] = os.path.join(trace_folder, "nccl_trace_rank_")
+    return environment
+
+
+def init_distributed(init_timeout_seconds: int, trace_buf_size: int = 0, trace_folder: str | None = None,
                      fake_rank: tuple[int, int] | None = None) -> torch.device:
     """Join the process group that torchrun set up (or a one-process group without torchrun).
 
@@ -42,12 +69,14 @@ def init_distributed(init_timeout_seconds: int, trace_buf_size: int = 0,
         _timeout_in_force["joining"] = False
         return torch.device("cpu")
     kind = device_type()
-    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
-    device = torch.device(kind, local_rank) if kind == "cuda" else torch.device("cpu")
+    device = torch.device("cpu")
     if kind == "cuda":
+        device = torch.device(kind, cuda_device_index(int(os.environ.get("LOCAL_RANK", "0")),
+                                                      int(os.environ.get("LOCAL_WORLD_SIZE", "1")),
+                                                      torch.cuda.device_count()))
         torch.cuda.set_device(device)
-        # NCCL's flight recorder: the last collectives of each rank, dumped when a collective times out.
-        os.environ.setdefault("TORCH_NCCL_TRACE_BUFFER_SIZE", str(trace_buf_size))
+        for name, value in nccl_environment(trace_buf_size, trace_folder).items():
+            os.environ.setdefault(name, value)
     timeout = datetime.timedelta(seconds=init_timeout_seconds)
     _timeout_in_force.update(option="comm.init_timeout_seconds", seconds=init_timeout_seconds, joining=True)
     if "WORLD_SIZE" in os.environ:
@@ -62,11 +91,25 @@ def init_distributed(init_timeout_seconds: int, trace_buf_size: int = 0,
     return device
 
 
+# Groups whose collectives have a timeout of their own (checkpoint I/O), which set_train_timeout leaves alone.
+_groups_with_own_timeout: list[dist.ProcessGroup] = []
+
+
+def new_group_with_own_timeout(seconds: int) -> dist.ProcessGroup:
+    """A gloo group of every rank whose collectives wait up to `seconds`, also after set_train_timeout: waits on the
+    slowest writer of a checkpoint grow with the checkpoint, not with a training step."""
+    group = dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=seconds))
+    _groups_with_own_timeout.append(group)
+    return group
+
+
 def set_train_timeout(seconds: int) -> None:
-    """After the first step, bound every collective by the (shorter) training timeout."""
+    """After the first step, bound every collective by the (shorter) training timeout, except in the groups that
+    have their own."""
     timeout = datetime.timedelta(seconds=seconds)
     for group in [dist.group.WORLD, *dist.distributed_c10d._world.pg_map]:
-        dist.distributed_c10d._set_pg_timeout(timeout, group)
+        if not any(group is own for own in _groups_with_own_timeout):
+            dist.distributed_c10d._set_pg_timeout(timeout, group)
     _timeout_in_force.update(option="comm.train_timeout_seconds", seconds=seconds, joining=False)
 
 
@@ -119,7 +162,8 @@ def set_determinism(seed: int | None, deterministic: bool, warn_only: bool, devi
 
 @torch.no_grad()
 def init_model_weights(model: nn.Module, seed: int, device: torch.device) -> None:
-    """Initialise a materialised model part so that its values do not depend on the layout.
+    """Initialise the parameters of a materialised model part so that their values do not depend on the layout.
+    They are drawn on `device`, also when they live in host memory (CPU offload), so offloading changes no value.
 
     Each parameter is drawn from its own generator (seed, name) at its full shape; a sharded parameter then keeps
     only its local slice. The transient full tensor costs one parameter's memory at a time.
@@ -132,25 +176,35 @@ def init_model_weights(model: nn.Module, seed: int, device: torch.device) -> Non
             param.to_local().copy_(local)
         else:
             initializer(param, parameter_generator(seed, name, device))
+
+
+def materialize_model(model: nn.Module, device: torch.device, cpu_offload: bool) -> None:
+    """Allocate the parameters of a model part built on the meta device (and sharded), and compute its buffers,
+    for training on `device`; init_model_weights then fills the parameters.
+
+    With FSDP's CPU offload the parameters (and with them gradients and optimizer state) live in host memory, as
+    FSDP2 requires them at materialisation; buffers (the RoPE table), which FSDP does not offload, go to `device`.
+    """
+    model.to_empty(device="cpu" if cpu_offload else device)
     model.init_buffers(device)
 
 
-def _local_tensor(t: torch.Tensor) -> torch.Tensor:
-    return t.full_tensor() if isinstance(t, DTensor) else t
-
-
 @torch.no_grad()
-def clip_grad_norm_(parameters: list[nn.Parameter], max_norm: float, pp_mesh: DeviceMesh | None) -> torch.Tensor:
+def clip_grad_norm_(parameters: list[nn.Parameter], max_norm: float, pp_mesh: DeviceMesh | None,
+                    device: torch.device) -> torch.Tensor:
     """Total L2 norm of all gradients across every mesh (DTensor reductions, plus a sum over pipeline stages),
-    then scale gradients down to `max_norm` if it is exceeded (max_norm = 0 only measures)."""
+    then scale gradients down to `max_norm` if it is exceeded (max_norm = 0 only measures).
+
+    The gradients may live in host memory (CPU offload) while the process group communicates on `device`: every
+    reduction takes the local norms to `device` first, so no collective gets a tensor its backend cannot send."""
     by_mesh: dict[object, list[nn.Parameter]] = {}
     for p in parameters:
         if p.grad is not None:
             by_mesh.setdefault(p.grad.device_mesh if isinstance(p.grad, DTensor) else None, []).append(p)
     # DTensors on different meshes cannot be stacked together: reduce each group to a plain scalar first.
-    squares = [_full(torch.nn.utils.get_total_norm([p.grad for p in group], 2.0, foreach=True)).float().square()
+    squares = [_reduced_on(torch.nn.utils.get_total_norm([p.grad for p in group], 2.0, foreach=True),
+                           device).float().square()
                for group in by_mesh.values()]
-    device = parameters[0].device if parameters else torch.device("cpu")
     total_sq = torch.stack(squares).sum() if squares else torch.zeros((), device=device)
     if pp_mesh is not None and pp_mesh.size() > 1:
         dist.all_reduce(total_sq, op=dist.ReduceOp.SUM, group=pp_mesh.get_group())
@@ -161,5 +215,8 @@ def clip_grad_norm_(parameters: list[nn.Parameter], max_norm: float, pp_mesh: De
     return total_norm
 
 
-def _full(t: torch.Tensor) -> torch.Tensor:
-    return t.full_tensor() if isinstance(t, DTensor) else t
+def _reduced_on(t: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """`t` on `device`, reduced over its mesh if it is a (partial) DTensor."""
+    if not isinstance(t, DTensor):
+        return t.to(device)
+    return DTensor.from_local(t.to_local().to(device), t.device_mesh, t.placements, run_check=False).full_tensor()

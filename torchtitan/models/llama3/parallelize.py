@@ -45,6 +45,19 @@ def validate_parallelism(args: TransformerModelArgs, parallel_dims: ParallelDims
         if not config.compile.enable:
             raise UserError("option parallelism.enable_async_tensor_parallel: async TP is a compiler pass; it needs "
                             "compile.enable = true")
+        if "model" not in config.compile.components:
+            raise UserError(f"option parallelism.enable_async_tensor_parallel: async TP is a compiler pass over the "
+                            f"model's blocks; compile.components = {config.compile.components} does not compile "
+                            f"them: add 'model'")
+    if config.training.enable_cpu_offload:
+        if device_type != "cuda":
+            raise UserError(f"option training.enable_cpu_offload: it keeps FSDP's shards in host memory instead of "
+                            f"GPU memory; this run is on the {device_type.upper()}, where they are already: turn it "
+                            f"off, or run on GPUs")
+        if not parallel_dims.fsdp_enabled:
+            raise UserError("option training.enable_cpu_offload: it offloads FSDP's shards, but this layout does not "
+                            "shard with FSDP (data_parallel_shard_degree x context_parallel_degree = 1): turn it off, "
+                            "or shard over more ranks")
     check_compile(config.compile.enable and "model" in config.compile.components, parallel_dims.tp_enabled,
                   device_type)
 

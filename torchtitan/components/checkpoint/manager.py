@@ -1,63 +1,12 @@
-"""Saving and resuming the whole training state with torch.distributed.checkpoint (DCP).
+"""CheckpointManager: when to save, the folder layout (`step-N`, `.incomplete`, publishing, pruning) and resuming.
+The package's `__init__` describes the layout and the keys."""
 
-Layout under `<dump_folder>/<checkpoint.folder>`:
-
-    step-N/                  a complete checkpoint: DCP files (`.metadata`, `__R_I.distcp`) and `checksums.json`,
-                             or, for a last save with `last_save_in_hf`, a Hugging Face folder (`config.json`,
-                             `model.safetensors`)
-    step-N.incomplete/       being written, or left behind by a crash: never loaded, removed by the next save
-
-Every save is written into `step-N.incomplete`; only once DCP has finished on every rank does rank 0 rename it to
-`step-N` (an atomic rename), so a folder named `step-N` is always complete, whenever a process dies. If `step-N`
-already exists (a run resumed from an earlier step reaches the same step again), the new checkpoint replaces it once
-the new one is complete: the old folder is renamed to `step-N.stale.incomplete`, the new one into place, and the old
-one deleted. A crash between those renames leaves both under `.incomplete` names, and resuming takes the previous
-complete step.
-
-DCP has no checksums: a shard damaged after the save (other bytes, same size) would load silently. So before the
-rename rank 0 writes `checksums.json` into the folder, the size and CRC32 of every file DCP wrote, and every load
-checks the files against it before DCP reads them; a checkpoint without one (an older version's, or another tool's)
-loads unchecked, with a warning.
-
-Once a new checkpoint is in place, rank 0 deletes what it supersedes:
-- `keep_latest_k` counts only full checkpoints (those holding the train state, the only ones a resume continues
-  from): the k newest are kept. A model-only checkpoint never evicts a full one; it is deleted once it is older than
-  every full checkpoint kept (it can no longer be what the run resumes from, nor its latest weights).
-- A run that resumed from a step older than a full checkpoint of the folder (`load_step`, or a load without the
-  train state, which restarts at step 0) continues another trajectory: the checkpoints newer than its starting step
-  are retired when its first checkpoint is complete, and not before, so that a rollback run that dies early loses
-  nothing. Retired means deleted, or with `keep_latest_k = 0` (keep everything) renamed to `step-N.abandoned`,
-  which no resume considers. Otherwise a later plain restart would resume the abandoned trajectory.
-
-Keys of a DCP checkpoint (DCP joins nested keys with dots):
-
-    model.<parameter name>       full names, whatever the sharding or pipeline split, so any layout reloads them
-    optimizer.state.<name>.<k>   OptimizersContainer's flattened state; optimizer.param_groups.<name> packs that
-                                 parameter's hyperparameters into one record
-    lr_scheduler.last_epoch
-    dataloader                   the data loader's state, serialised into one value under one key for all ranks:
-                                 DCP writes it once, every rank loads it (any rank's position resumes every rank,
-                                 also with another number of ranks), and its structure may change as iteration
-                                 starts without breaking the load
-    train_state.step, train_state.tokens_seen
-    rng_rank<R>.python/.torch/.cuda   each rank's random generators, restored only on a rank that has an entry
-
-Model-only checkpoints (the seed checkpoint, `last_save_model_only`) hold only `model.*`. Resuming picks the latest
-checkpoint that holds the train state; only when there is none does it load a model-only one (the model, with the
-rest as initialised).
-"""
-
-import contextlib
-import io
-import json
 import os
 import pickle
 import random
 import re
 import shutil
 import time
-import warnings
-import zlib
 from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass
@@ -68,29 +17,26 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import nn
-from torch.distributed.checkpoint import CheckpointException, DefaultLoadPlanner, FileSystemReader
+from torch.distributed.checkpoint import CheckpointException
 from torch.distributed.checkpoint._traverse import set_element
-from torch.distributed.checkpoint.filesystem import _FileSystemWriter
-from torch.distributed.checkpoint.metadata import Metadata, StorageMeta, TensorStorageMetadata
-from torch.distributed.checkpoint.planner import ReadItem, SavePlan, SavePlanner
+from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, set_model_state_dict
 from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType
 from torch.distributed.checkpoint.stateful import Stateful
-from torch.distributed.checkpoint.storage import WriteResult
 
+from torchtitan.components.checkpoint.hf import export_hf_from_dcp, load_hf_model
+from torchtitan.components.checkpoint.integrity import ChecksummedFileWriter, fsync_dir, verify_checkpoint
+from torchtitan.components.checkpoint.safe_io import (METADATA_FILE, FileWriter, dcp_load, describe, deserialize,
+                                                      is_storage_error, read_metadata, serialize, without_collectives)
 from torchtitan.config.job_config import Checkpoint as CheckpointConfig
+from torchtitan.distributed.utils import new_group_with_own_timeout
 from torchtitan.errors import UserError
 from torchtitan.models.llama3.args import TransformerModelArgs
-from torchtitan.models.llama3.state_dict_adapter import is_hf_folder, load_hf, save_hf
-from torchtitan.tools.files import atomic_write
-from torchtitan.tools.logging import logger, warn_once
+from torchtitan.models.llama3.state_dict_adapter import is_hf_folder
+from torchtitan.tools.logging import logger
 
 INCOMPLETE_SUFFIX = ".incomplete"
-METADATA_FILE = ".metadata"
-CHECKSUMS_FILE = "checksums.json"
-# Files are hashed in chunks of this size: a shard may be larger than the memory left.
-_CHECKSUM_CHUNK = 16 * 2**20
 LOADABLE_PARTS = ("model", "optimizer", "lr_scheduler", "dataloader", "train_state", "rng")
 ASYNC_MODES = ("disabled", "async", "async_with_pinned_mem")
 EXPORT_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -144,87 +90,6 @@ class RNGState(Stateful):
             torch.cuda.set_rng_state(state_dict["cuda"])
 
 
-class WeightsOnlyLoadPlanner(DefaultLoadPlanner):
-    """DCP's default planner unpickles non-tensor entries with `weights_only=False`, which runs arbitrary code
-    from a crafted checkpoint; this one unpickles them with `weights_only=True`, which accepts only tensors and
-    plain containers of numbers and strings."""
-
-    def load_bytes(self, read_item: ReadItem, value: io.BytesIO) -> None:
-        loaded = torch.load(value, weights_only=True)
-        if self.flatten_state_dict:
-            set_element(self.original_state_dict, self.mappings[read_item.dest_index.fqn], loaded)
-        else:
-            self.state_dict[read_item.dest_index.fqn] = loaded
-
-
-# Everything DCP's `.metadata` pickle is made of (FileSystemWriter, any sharding), besides torch's dtypes, layouts,
-# memory formats and Size.
-_METADATA_GLOBALS = {
-    *(("torch.distributed.checkpoint.metadata", name) for name in (
-        "Metadata", "StorageMeta", "MetadataIndex", "TensorStorageMetadata", "BytesStorageMetadata",
-        "ChunkStorageMetadata", "TensorProperties", "_MEM_FORMAT_ENCODING")),
-    ("torch.distributed.checkpoint.filesystem", "_StorageInfo"),
-    ("torch.serialization", "_get_layout"),
-    ("collections", "OrderedDict"),
-    *(("pathlib", name) for name in ("Path", "PosixPath", "WindowsPath", "PurePosixPath", "PureWindowsPath")),
-}
-
-
-class _MetadataUnpickler(pickle.Unpickler):
-    """Unpickles DCP's `.metadata` from the classes it is made of and nothing else. FileSystemReader uses plain
-    `pickle.load`, which calls whatever a crafted file names (os.system, ...) before any check could run."""
-
-    def find_class(self, module: str, name: str) -> Any:
-        if (module, name) in _METADATA_GLOBALS:
-            return super().find_class(module, name)
-        if module == "torch":
-            value = getattr(torch, name, None)
-            if value is torch.Size or isinstance(value, (torch.dtype, torch.layout, torch.memory_format)):
-                return value
-        raise pickle.UnpicklingError(f"{module}.{name} is not part of a DCP checkpoint's metadata")
-
-
-class SafeFileSystemReader(FileSystemReader):
-    """DCP's file reader with `.metadata` read by `_MetadataUnpickler` (the tensors it already loads weights-only;
-    WeightsOnlyLoadPlanner does the rest)."""
-
-    def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
-        with self.fs.create_stream(Path(self.path) / METADATA_FILE, "rb") as metadata_file:
-            metadata = _MetadataUnpickler(metadata_file).load()
-        if not isinstance(metadata, Metadata):
-            raise pickle.UnpicklingError(f"it holds a {type(metadata).__name__}, not DCP's Metadata")
-        if metadata.storage_meta is None:
-            metadata.storage_meta = StorageMeta()
-        metadata.storage_meta.load_id = self.load_id
-        return metadata
-
-
-class _FileWriter(_FileSystemWriter):
-    """DCP's file writer (without the staging that FileSystemWriter adds: async saves stage with their own stager),
-    raising the OSError of a failed write itself. When the disk fills under torch.save, closing its zip writer fails
-    in turn with a RuntimeError ("unexpected pos ...") that hides the OSError, and DCP hands errors between ranks
-    without what they were raised while handling: a full disk would end the run with that RuntimeError's traceback
-    instead of a storage error."""
-
-    def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future[list[WriteResult]]:
-        try:
-            return super().write_data(plan, planner)
-        except RuntimeError as err:
-            if isinstance(err.__context__, OSError):
-                raise err.__context__ from None
-            raise
-
-
-def _serialize(state: Any) -> bytes:
-    buffer = io.BytesIO()
-    torch.save(state, buffer)
-    return buffer.getvalue()
-
-
-def _deserialize(blob: bytes) -> Any:
-    return torch.load(io.BytesIO(blob), weights_only=True)
-
-
 _PARAM_GROUPS = "param_groups."
 
 
@@ -241,7 +106,7 @@ def _pack_param_groups(optimizer_state: dict[str, Any]) -> dict[str, Any]:
             groups.setdefault(name, {})[field] = value
         else:
             packed[key] = value
-    packed.update({_PARAM_GROUPS + name: _serialize(fields) for name, fields in groups.items()})
+    packed.update({_PARAM_GROUPS + name: serialize(fields) for name, fields in groups.items()})
     return packed
 
 
@@ -249,7 +114,7 @@ def _unpack_param_groups(packed: dict[str, Any]) -> dict[str, Any]:
     optimizer_state: dict[str, Any] = {}
     for key, value in packed.items():
         if key.startswith(_PARAM_GROUPS):
-            optimizer_state.update({f"{key}.{field}": v for field, v in _deserialize(value).items()})
+            optimizer_state.update({f"{key}.{field}": v for field, v in deserialize(value).items()})
         else:
             optimizer_state[key] = value
     return optimizer_state
@@ -263,147 +128,12 @@ def _incomplete(path: Path) -> Path:
     return path.with_name(path.name + INCOMPLETE_SUFFIX)
 
 
-def _fsync_dir(folder: Path) -> None:
-    """Make renames inside `folder` durable: without it a power loss may undo them."""
-    fd = os.open(folder, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def _describe(err: BaseException) -> str:
-    """The error in one line per failing rank, instead of the tracebacks that CheckpointException prints."""
-    if isinstance(err, CheckpointException):
-        return "; ".join(f"rank {rank}: {_describe(failure[0])}" for rank, failure in sorted(err.failures.items()))
-    return f"{type(err).__name__}: {err}"
-
-
-def _is_storage_error(err: BaseException) -> bool:
-    """An OSError (disk full, permissions, I/O), also one raised on any rank inside a DCP collective."""
-    if isinstance(err, OSError):
-        return True
-    if isinstance(err, CheckpointException):
-        return any(isinstance(failure[0], OSError) for failure in err.failures.values())
-    return False
-
-
 def complete_steps(folder: Path) -> list[int]:
     """Steps with a complete checkpoint (`step-N` folders) in `folder`, ascending."""
     if not folder.is_dir():
         return []
     steps = [int(m.group(1)) for entry in folder.iterdir() if entry.is_dir() and (m := _STEP_FOLDER.match(entry.name))]
     return sorted(steps)
-
-
-def read_metadata(checkpoint: Path) -> Metadata:
-    """DCP's metadata of a checkpoint folder, with a UserError naming the folder if it is missing or unreadable."""
-    if not checkpoint.is_dir():
-        raise UserError(f"checkpoint folder {checkpoint} does not exist")
-    if not (checkpoint / METADATA_FILE).is_file():
-        hint = ("; it is a Hugging Face folder: set checkpoint.initial_load_in_hf" if is_hf_folder(checkpoint)
-                else "; the folder is incomplete or corrupt")
-        raise UserError(f"checkpoint {checkpoint} has no {METADATA_FILE} file{hint}")
-    try:
-        return SafeFileSystemReader(checkpoint).read_metadata()
-    except Exception as err:  # a truncated or foreign file fails in pickle with any of several exception types
-        raise UserError(f"checkpoint {checkpoint}: {METADATA_FILE} cannot be read ({type(err).__name__}: {err}); "
-                        f"the checkpoint is corrupt") from err
-
-
-def _saved_files(folder: Path) -> list[str]:
-    """The files DCP wrote into `folder` (`.metadata` and the `.distcp` shards), sorted by name."""
-    return sorted(entry.name for entry in folder.iterdir()
-                  if entry.is_file() and (entry.name == METADATA_FILE or entry.suffix == ".distcp"))
-
-
-def _file_checksum(path: Path) -> dict[str, Any]:
-    crc = 0
-    size = 0
-    chunk = bytearray(_CHECKSUM_CHUNK)
-    view = memoryview(chunk)
-    with path.open("rb", buffering=0) as f:
-        while count := f.readinto(chunk):
-            crc = zlib.crc32(view[:count], crc)
-            size += count
-    return {"size": size, "crc32": f"{crc:08x}"}
-
-
-def _checksum_files(folder: Path, names: list[str]) -> dict[str, dict[str, Any]]:
-    return {name: _file_checksum(folder / name) for name in names}
-
-
-def _write_checksums(folder: Path, checksums: dict[str, dict[str, Any]]) -> None:
-    """Write `CHECKSUMS_FILE` into the folder about to be published, whole and durable before the rename that
-    publishes it: a complete checkpoint without its manifest would load unchecked."""
-    with atomic_write(folder / CHECKSUMS_FILE) as f:
-        json.dump({"algorithm": "crc32", "files": dict(sorted(checksums.items()))}, f, indent=1)
-    _fsync_dir(folder)
-
-
-def _read_checksums(checkpoint: Path) -> dict[str, dict[str, Any]] | None:
-    """The manifest's entries, or None (with a warning) for a checkpoint written without one."""
-    path = checkpoint / CHECKSUMS_FILE
-    if not path.is_file():
-        warn_once(f"checkpoint {checkpoint} has no {CHECKSUMS_FILE} (saved by an older version or another tool): its "
-                  f"files are loaded without an integrity check")
-        return None
-    try:
-        files = json.loads(path.read_text())["files"]
-        # Plain names only: a crafted manifest must not make the check read files elsewhere (or /dev/zero, forever).
-        if not all(Path(name).name == name and name not in ("", ".", "..") and isinstance(entry, dict)
-                   and entry.keys() == {"size", "crc32"} for name, entry in files.items()):
-            raise ValueError("an entry is not a plain file name with its size and crc32")
-    except (OSError, ValueError, KeyError, TypeError, AttributeError) as err:
-        raise UserError(f"checkpoint {checkpoint} cannot be loaded (corrupt): {path} cannot be read "
-                        f"({_describe(err)})") from err
-    return files
-
-
-def _mismatch(checkpoint: Path, name: str, expected: dict[str, Any]) -> str | None:
-    """How the file differs from its manifest entry, or None if it matches."""
-    path = checkpoint / name
-    try:
-        actual = _file_checksum(path)
-    except OSError as err:
-        return f"{path} cannot be read ({_describe(err)})"
-    if actual == expected:
-        return None
-    return (f"{path} has {actual['size']} bytes with CRC32 {actual['crc32']}, but {CHECKSUMS_FILE} records "
-            f"{expected['size']} bytes with CRC32 {expected['crc32']}")
-
-
-def verify_checkpoint(checkpoint: Path, distributed: bool = False) -> None:
-    """Check the files of a DCP checkpoint against its `CHECKSUMS_FILE` before DCP reads them: a UserError names the
-    first damaged file with its recorded and actual size and CRC32. With `distributed`, every rank of the default
-    process group calls it and reads every W-th file (the files are on a file system that every rank sees, as DCP
-    requires), so that no rank reads the whole checkpoint, and every rank raises the same error."""
-    expected = _read_checksums(checkpoint)
-    if expected is None:
-        return
-    names = sorted(expected)
-    rank, world_size = (dist.get_rank(), dist.get_world_size()) if distributed and dist.is_initialized() else (0, 1)
-    first: tuple[int, str] | None = None
-    for index in range(rank, len(names), world_size):
-        if (problem := _mismatch(checkpoint, names[index], expected[names[index]])) is not None:
-            first = (index, problem)
-            break
-    if world_size > 1:
-        outcomes: list[tuple[int, str] | None] = [None] * world_size
-        dist.all_gather_object(outcomes, first)
-        first = min((outcome for outcome in outcomes if outcome is not None), default=None)
-    if first is not None:
-        raise UserError(f"checkpoint {checkpoint} cannot be loaded (corrupt): {first[1]}; the file changed after the "
-                        f"checkpoint was saved")
-
-
-def _dcp_load(state_dict: dict[str, Any], checkpoint: Path, no_dist: bool = False) -> None:
-    try:
-        dcp.load(state_dict, checkpoint_id=checkpoint, storage_reader=SafeFileSystemReader(checkpoint),
-                 planner=WeightsOnlyLoadPlanner(), no_dist=no_dist)
-    except (CheckpointException, OSError, RuntimeError) as err:
-        raise UserError(f"checkpoint {checkpoint} cannot be loaded (corrupt, truncated, or of another setup): "
-                        f"{_describe(err)}") from err
 
 
 def read_full_checkpoint(checkpoint: Path) -> dict[str, Any]:
@@ -418,28 +148,18 @@ def read_full_checkpoint(checkpoint: Path) -> dict[str, Any]:
                  if isinstance(entry, TensorStorageMetadata) else b"")
         set_element(state_dict, (metadata.planner_data or {}).get(key, (key,)), value)
     with without_collectives():
-        _dcp_load(state_dict, checkpoint, no_dist=True)
+        dcp_load(state_dict, checkpoint, no_dist=True)
     if "optimizer" in state_dict:
         state_dict["optimizer"] = _unpack_param_groups(state_dict["optimizer"])
     if isinstance(state_dict.get("dataloader"), bytes):
-        state_dict["dataloader"] = _deserialize(state_dict["dataloader"])
+        state_dict["dataloader"] = deserialize(state_dict["dataloader"])
     return state_dict
 
 
-@contextlib.contextmanager
-def without_collectives():
-    """DCP warns each time it runs in one process without collectives, which is the intent inside this block."""
-    with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
-        yield
-
-
-def read_full_model(checkpoint: Path, verify: bool = True) -> dict[str, torch.Tensor]:
-    """The `model.*` tensors of a DCP checkpoint, unsharded, on CPU, in this process alone (no collectives).
-    `verify=False` skips the check against `CHECKSUMS_FILE`, for a folder this job has just written without one."""
+def read_full_model(checkpoint: Path) -> dict[str, torch.Tensor]:
+    """The `model.*` tensors of a DCP checkpoint, unsharded, on CPU, in this process alone (no collectives)."""
     metadata = read_metadata(checkpoint)
-    if verify:
-        verify_checkpoint(checkpoint)
+    verify_checkpoint(checkpoint)
     prefix = "model."
     state_dict = {key: torch.empty(tuple(entry.size), dtype=entry.properties.dtype)
                   for key, entry in metadata.state_dict_metadata.items()
@@ -447,7 +167,7 @@ def read_full_model(checkpoint: Path, verify: bool = True) -> dict[str, torch.Te
     if not state_dict:
         raise UserError(f"checkpoint {checkpoint} holds no model weights (no 'model.*' entries)")
     with without_collectives():
-        _dcp_load(state_dict, checkpoint, no_dist=True)
+        dcp_load(state_dict, checkpoint, no_dist=True)
     return {key.removeprefix(prefix): tensor for key, tensor in state_dict.items()}
 
 
@@ -467,6 +187,8 @@ def validate_config(config: CheckpointConfig) -> None:
     if unknown:
         raise UserError(f"option checkpoint.exclude_from_loading: {', '.join(map(repr, unknown))} is not one of "
                         f"{', '.join(LOADABLE_PARTS)}")
+    if config.timeout_seconds < 1:
+        raise UserError(f"option checkpoint.timeout_seconds: {config.timeout_seconds} must be at least 1")
     if config.create_seed_checkpoint and not config.enable:
         raise UserError("option checkpoint.create_seed_checkpoint: it needs checkpoint.enable = true")
 
@@ -503,14 +225,15 @@ class CheckpointManager:
         self._pending: _PendingSave | None = None
         # Steps of another trajectory, newer than the one this run resumed from: retired at its first publish.
         self._abandoned: list[int] = []
-        # How long each save of this run kept the training loop waiting (seconds, in order), for measurements.
+        # The step this run resumed from: if it is among the abandoned ones it is renamed aside, never deleted.
+        self._resumed_from: int | None = None
+        # How long each save of this run kept the training loop waiting (seconds, in order), how long until every
+        # rank had written, and on rank 0 how long the manifest and the publishing rename took after that.
         self.blocked_s: list[float] = []
-        self._async_group = None
+        self.save_s: list[float] = []
+        self.publish_s: list[float] = []
+        self._own_group: dist.ProcessGroup | None = None
         self._stager: DefaultStager | None = None
-        if config.enable and not config.load_only and config.async_mode != "disabled":
-            # Background saves coordinate over their own gloo group, so their collectives never interleave with
-            # the training loop's on the default (possibly NCCL) group.
-            self._async_group = dist.new_group(backend="gloo")
         if config.enable and not config.load_only and config.async_mode == "async_with_pinned_mem":
             # Staging copies into shared memory (pinned too on CUDA) that the checkpoint process reads without
             # another copy, and reuses the buffers from one save to the next. It runs synchronously in save():
@@ -519,6 +242,15 @@ class CheckpointManager:
             on_cuda = torch.cuda.is_available()
             self._stager = DefaultStager(StagingOptions(use_pinned_memory=on_cuda, use_shared_memory=True,
                                                         use_async_staging=False, use_non_blocking_copy=False))
+
+    def _group(self) -> dist.ProcessGroup | None:
+        """The process group of every collective of a save or load: gloo, of its own, so that its waits on the
+        slowest writer are bounded by checkpoint.timeout_seconds, not by the training timeout, and background saves
+        never interleave with the training loop's collectives on the default (possibly NCCL) group. Created at its
+        first use, which every rank reaches in the same call (load, or the first save)."""
+        if self._own_group is None and dist.is_initialized():
+            self._own_group = new_group_with_own_timeout(self.config.timeout_seconds)
+        return self._own_group
 
     # ------------------------------------------------------------------------------------------------------------
     # Loading
@@ -532,7 +264,7 @@ class CheckpointManager:
             return False
         begin = time.perf_counter()
         wanted = [part for part in LOADABLE_PARTS if part not in self.config.exclude_from_loading]
-        step = self._step_to_resume()
+        step = self._agreed_step_to_resume()
         if step is not None:
             source = self._step_path(step)
             if self.config.initial_load_path:
@@ -553,6 +285,7 @@ class CheckpointManager:
                     + (f" (step {self.train_state.step})" if "train_state" in loaded else ""))
         if step is not None and not self.config.load_only:
             self._abandoned = self._newer_trajectory(self.train_state.step)
+            self._resumed_from = step
         return bool(loaded)
 
     def _newer_trajectory(self, start: int) -> list[int]:
@@ -570,6 +303,33 @@ class CheckpointManager:
 
     def _step_path(self, step: int) -> Path:
         return self.folder / f"step-{step}"
+
+    def _agreed_step_to_resume(self) -> int | None:
+        """The step every rank resumes from, or None: chosen on rank 0 and broadcast, since hosts may list the shared
+        folder differently (a lagging view) and ranks that loaded different steps would train on silently. A rank
+        that cannot see the chosen step makes every rank raise, naming the step and the folder."""
+        if not dist.is_initialized() or dist.get_world_size() == 1:
+            return self._step_to_resume()
+        choice: list[Any] = [None]
+        if self.rank == 0:
+            try:
+                choice = [self._step_to_resume()]
+            except UserError as err:
+                choice = [err]
+        dist.broadcast_object_list(choice, src=0, group=self._group())
+        if isinstance(choice[0], UserError):
+            raise UserError(str(choice[0]))
+        step = choice[0]
+        if step is None:
+            return None
+        seen: list[Any] = [None] * dist.get_world_size()
+        dist.all_gather_object(seen, step in complete_steps(self.folder), group=self._group())
+        blind = [rank for rank, visible in enumerate(seen) if not visible]
+        if blind:
+            raise UserError(f"rank 0 resumes from checkpoint step-{step} in {self.folder}, which rank(s) "
+                            f"{', '.join(map(str, blind))} cannot see there; every rank must see the same checkpoint "
+                            f"folder (a shared file system, checkpoint.folder under job.dump_folder)")
+        return step
 
     def _step_to_resume(self) -> int | None:
         steps = complete_steps(self.folder)
@@ -598,7 +358,7 @@ class CheckpointManager:
             logger.warning(f"{checkpoint} is a Hugging Face export: it holds only the model weights")
             return self._load_hf_model(checkpoint) if "model" in wanted else []
         saved = read_metadata(checkpoint).state_dict_metadata
-        verify_checkpoint(checkpoint, distributed=True)
+        verify_checkpoint(checkpoint, distributed=True, group=self._group())
         present = [part for part in wanted if self._is_saved(part, saved)]
         skipped = [part for part in wanted if part not in present and part != "rng"]
         if skipped:
@@ -609,12 +369,12 @@ class CheckpointManager:
         files = list(checkpoint.glob("*.distcp"))
         logger.info(f"Loading {', '.join(present)} from {checkpoint} ({len(files)} files, "
                     f"{sum(f.stat().st_size for f in files) / 2**30:.2f} GiB)")
-        _dcp_load(state_dict, checkpoint)
+        dcp_load(state_dict, checkpoint, process_group=self._group())
         for part in present:
             try:
                 self._apply(part, state_dict[self._key(part)])
             except pickle.UnpicklingError as err:
-                raise UserError(f"checkpoint {checkpoint}: its {part} state is refused ({_describe(err)})") from err
+                raise UserError(f"checkpoint {checkpoint}: its {part} state is refused ({describe(err)})") from err
         return present
 
     def _key(self, part: str) -> str:
@@ -643,7 +403,7 @@ class CheckpointManager:
 
     def _apply(self, part: str, state: Any) -> None:
         if part == "dataloader":
-            self.dataloader.load_state_dict(_deserialize(state))
+            self.dataloader.load_state_dict(deserialize(state))
         elif part == "optimizer":
             self.optimizers.load_state_dict(_unpack_param_groups(state))
         else:
@@ -662,11 +422,7 @@ class CheckpointManager:
                                 f"model.flavor")
 
     def _load_hf_model(self, folder: Path) -> list[str]:
-        full_state_dict = load_hf(folder, self.model_args)
-        for part in self.model.model_parts:
-            # Every rank holds the full tensors; set_model_state_dict shards them into the part's DTensors.
-            set_model_state_dict(part, dict(full_state_dict),
-                                 options=StateDictOptions(full_state_dict=True, strict=False))
+        load_hf_model(self.model.model_parts, folder, self.model_args)
         return ["model"]
 
     # ------------------------------------------------------------------------------------------------------------
@@ -679,6 +435,12 @@ class CheckpointManager:
         save included)."""
         if not self._is_due(step, last_step, force):
             return
+        if force:
+            # What the preemption budget needs (docs/checkpointing.md): this save must be published before the
+            # scheduler's kill.
+            estimate = (f"the previous save of this run took {self.save_s[-1]:.2f} s until every rank had written"
+                        if self.save_s else "no earlier save of this run tells how long it takes")
+            logger.warning(f"Preemption: saving a full checkpoint of step {step} now; {estimate}")
         begin = time.perf_counter()
         if last_step and self.config.last_save_in_hf:
             self._save_hf_export(step)
@@ -716,7 +478,7 @@ class CheckpointManager:
             "model": self.model.state_dict(),
             "optimizer": _pack_param_groups(self.optimizers.state_dict()),
             "lr_scheduler": self.lr_schedulers.state_dict(),
-            "dataloader": _serialize(self.dataloader.state_dict()),
+            "dataloader": serialize(self.dataloader.state_dict()),
             "train_state": self.train_state.state_dict(),
             self.rng_key: self.rng.state_dict(),
         }
@@ -725,36 +487,36 @@ class CheckpointManager:
         self._wait_for_pending_save()
         staging = _incomplete(self._step_path(step))
         self._on_rank0(self._remove_leftovers, f"cleaning up {self.folder} before saving step {step}")
+        writer = ChecksummedFileWriter(staging)
+        started = time.perf_counter()
         if self.config.async_mode == "disabled":
             try:
-                dcp.save(state_dict, checkpoint_id=staging, storage_writer=_FileWriter(staging))
-                checksums = self._gather_checksums(staging)
+                dcp.save(state_dict, checkpoint_id=staging, storage_writer=writer, process_group=self._group())
             except (Exception, CheckpointException) as err:
                 self._raise_save_error(err, step, staging)
-            self._on_rank0(lambda: self._publish(step, checksums), f"publishing checkpoint {staging}")
+            written = time.perf_counter()
+            self._on_rank0(lambda: self._publish(step), f"publishing checkpoint {staging}")
+            self._record_cost(step, writer, started, written)
             return
-        started = time.perf_counter()
         if self._stager is not None:
-            upload = dcp.async_save(state_dict, checkpoint_id=staging, storage_writer=_FileWriter(staging),
-                                    process_group=self._async_group,
-                                    async_checkpointer_type=AsyncCheckpointerType.PROCESS, async_stager=self._stager)
+            upload = dcp.async_save(state_dict, checkpoint_id=staging, storage_writer=writer,
+                                    process_group=self._group(), async_checkpointer_type=AsyncCheckpointerType.PROCESS,
+                                    async_stager=self._stager)
         else:
-            upload = dcp.async_save(state_dict, checkpoint_id=staging, storage_writer=_FileWriter(staging),
-                                    process_group=self._async_group)
+            upload = dcp.async_save(state_dict, checkpoint_id=staging, storage_writer=writer,
+                                    process_group=self._group())
         completed: Future = Future()
 
         def finish(upload: Future) -> None:
             # Runs in the background once this rank's part is written; on rank 0 that is after DCP gathered every
-            # rank's results and wrote .metadata, so the folder is complete and may be published. The ranks'
-            # callbacks run independently, in background threads, and meet in no collective (one on the default
-            # group could interleave with the training loop's), so rank 0 hashes every rank's files itself, still in
-            # the background: only synchronous saves share the reading among the ranks.
+            # rank's results (with their files' checksums) and wrote .metadata and the manifest, so the folder is
+            # complete and may be published.
             try:
                 upload.result()
+                written = time.perf_counter()
                 if self.rank == 0:
-                    self._publish(step, _checksum_files(staging, _saved_files(staging)))
-                logger.info(f"Checkpoint {self._step_path(step)} written in the background in "
-                            f"{time.perf_counter() - started:.2f} s")
+                    self._publish(step)
+                self._record_cost(step, writer, started, written)
                 completed.set_result(None)
             except BaseException as err:  # CheckpointException is a BaseException; it must reach the waiter
                 completed.set_exception(err)
@@ -762,49 +524,55 @@ class CheckpointManager:
         upload.add_done_callback(finish)
         self._pending = _PendingSave(completed, step, staging)
 
+    def _record_cost(self, step: int, writer: ChecksummedFileWriter, started: float, written: float) -> None:
+        """Log what the save cost, the figures a preemption budget needs (docs/checkpointing.md): the bytes rank 0
+        wrote, the time from the start of the save until DCP's save returned (every rank had written, `save_s`),
+        and on rank 0 the time of what only it does: `.metadata`, the manifest and the publishing rename
+        (`publish_s`). A save's duration depends on the largest rank's share and the file system's bandwidth per
+        rank, not on the number of ranks. (The checkpoint process of async_with_pinned_mem writes `.metadata` and
+        the manifest where this process does not time them.)"""
+        published = time.perf_counter()
+        self.save_s.append(written - started)
+        if self.rank != 0:
+            return
+        self.publish_s.append((writer.manifest_s or 0.0) + published - written)
+        gib = writer.written_bytes / 2**30
+        logger.info(f"Checkpoint {self._step_path(step)}: rank 0 wrote {gib:.3f} GiB ({gib / (written - started):.2f} "
+                    f"GiB/s), every rank had written after {written - started:.2f} s, publishing took "
+                    f"{self.publish_s[-1]:.3f} s (async_mode {self.config.async_mode})")
+
     def _wait_for_pending_save(self) -> None:
+        """Wait for the background save and agree on its outcome: it can fail on one rank alone (rank 0 publishes),
+        and every rank must then raise that error here, rather than the others wait for the failed rank in the next
+        collective until the checkpoint timeout."""
         if self._pending is None:
             return
         pending, self._pending = self._pending, None
+        error = None
         try:
             pending.completion.result()
         except (Exception, CheckpointException) as err:
-            self._raise_save_error(err, pending.step, pending.staging)
+            error = err
+        failures: list[Any] = [None if error is None else describe(error)]
+        group = self._group()
+        if group is not None and dist.get_world_size(group) > 1:
+            failures = [None] * dist.get_world_size(group)
+            dist.all_gather_object(failures, None if error is None else describe(error), group=group)
+        if error is not None:
+            self._raise_save_error(error, pending.step, pending.staging)
+        failed = [(rank, failure) for rank, failure in enumerate(failures) if failure is not None]
+        if failed:
+            raise UserError(f"saving the checkpoint of step {pending.step} into {pending.staging} failed on "
+                            + "; ".join(f"rank {rank}: {failure}" for rank, failure in failed)
+                            + f"; earlier checkpoints in {self.folder} are untouched")
 
     def _raise_save_error(self, err: BaseException, step: int, staging: Path) -> None:
         if self.rank == 0:
             shutil.rmtree(staging, ignore_errors=True)
-        if not _is_storage_error(err):
+        if not is_storage_error(err):
             raise err
-        raise UserError(f"saving the checkpoint of step {step} into {staging} failed: {_describe(err)}; earlier "
+        raise UserError(f"saving the checkpoint of step {step} into {staging} failed: {describe(err)}; earlier "
                         f"checkpoints in {self.folder} are untouched") from err
-
-    def _gather_checksums(self, staging: Path) -> dict[str, dict[str, Any]]:
-        """Checksums of the files DCP wrote into `staging`, for `_publish` on rank 0. Every rank calls it and hashes
-        every W-th file, sorted by name as rank 0 lists them (another host's view of the shared folder may lag
-        behind), so that no rank reads the whole checkpoint. A rank that cannot read makes every rank raise."""
-        if not dist.is_initialized() or dist.get_world_size() == 1:
-            return _checksum_files(staging, _saved_files(staging))
-        world_size = dist.get_world_size()
-        listing: list[Any] = [None]
-        if self.rank == 0:
-            try:
-                listing = [_saved_files(staging)]
-            except OSError as err:
-                listing = [f"rank 0: {_describe(err)}"]
-        dist.broadcast_object_list(listing, src=0)
-        share = listing[0]
-        if not isinstance(share, str):
-            try:
-                share = _checksum_files(staging, share[self.rank::world_size])
-            except OSError as err:
-                share = f"rank {self.rank}: {_describe(err)}"
-        shares: list[Any] = [None] * world_size
-        dist.all_gather_object(shares, share)
-        errors = list(dict.fromkeys(share for share in shares if isinstance(share, str)))
-        if errors:
-            raise OSError(f"reading back the files for {CHECKSUMS_FILE} failed: {'; '.join(errors)}")
-        return {name: checksum for share in shares for name, checksum in share.items()}
 
     def _on_rank0(self, action: Callable[[], None], what: str) -> None:
         """Run a filesystem action on rank 0 alone. The broadcast of its outcome doubles as a barrier, and makes
@@ -817,7 +585,7 @@ class CheckpointManager:
                 error = f"{what} failed: {err}"
         if dist.is_initialized():
             outcome = [error]
-            dist.broadcast_object_list(outcome, src=0)
+            dist.broadcast_object_list(outcome, src=0, group=self._group())
             error = outcome[0]
         if error is not None:
             raise UserError(error)
@@ -830,13 +598,10 @@ class CheckpointManager:
                 logger.info(f"Removing {entry}, left by an interrupted save")
                 shutil.rmtree(entry)
 
-    def _publish(self, step: int, checksums: dict[str, dict[str, Any]] | None = None) -> None:
-        """Rename `step-N.incomplete` to `step-N`, after writing `checksums` (of a DCP checkpoint; an HF export's
-        safetensors need none) into it."""
+    def _publish(self, step: int) -> None:
+        """Rename `step-N.incomplete` (with its checksums, if a DCP checkpoint) to `step-N`."""
         final = self._step_path(step)
         staging = _incomplete(final)
-        if checksums is not None:
-            _write_checksums(staging, checksums)
         if final.exists():
             logger.warning(f"Replacing the existing checkpoint {final} by the one just saved")
             stale = _incomplete(final.with_name(final.name + ".stale"))
@@ -845,7 +610,7 @@ class CheckpointManager:
             shutil.rmtree(stale)
         else:
             os.rename(staging, final)
-        _fsync_dir(self.folder)
+        fsync_dir(self.folder)
         self._retire_abandoned(keep=step)
         self._prune(keep=step)
 
@@ -855,6 +620,7 @@ class CheckpointManager:
         one of them)."""
         abandoned = [step for step in self._abandoned if step != keep and self._step_path(step).is_dir()]
         self._abandoned = []
+        resumed_from, self._resumed_from = self._resumed_from, None
         if not abandoned:
             return
         # Every one is renamed before anything is deleted: renames are quick, so a crash is unlikely to leave some
@@ -862,8 +628,9 @@ class CheckpointManager:
         retired = []
         for step in abandoned:
             target = _incomplete(self._step_path(step))
-            if self.config.keep_latest_k == 0:
-                # Keep everything, as asked, but under a name that no resume considers.
+            # Kept when asked to keep everything, and always the checkpoint this run loaded its weights from (a
+            # resume without its train state restarts at step 0 from it), but under a name no resume considers.
+            if self.config.keep_latest_k == 0 or step == resumed_from:
                 target = self._step_path(step).with_name(f"step-{step}.abandoned")
                 suffix = 1
                 while target.exists():
@@ -871,14 +638,14 @@ class CheckpointManager:
                     target = self._step_path(step).with_name(f"step-{step}.abandoned-{suffix}")
             os.rename(self._step_path(step), target)
             retired.append(target)
-        _fsync_dir(self.folder)
+        fsync_dir(self.folder)
         why = "it belongs to the trajectory that this run abandoned by resuming from an older step"
         for step, target in zip(abandoned, retired):
-            if self.config.keep_latest_k == 0:
-                logger.warning(f"Renamed checkpoint step-{step} to {target.name}: {why}")
-            else:
+            if target.name.endswith(INCOMPLETE_SUFFIX):
                 shutil.rmtree(target)
                 logger.warning(f"Deleted checkpoint step-{step}: {why}")
+            else:
+                logger.warning(f"Renamed checkpoint step-{step} to {target.name}: {why}")
 
     def _prune(self, keep: int) -> None:
         """Keep the `keep_latest_k` newest full checkpoints and delete older ones; delete model-only checkpoints
@@ -914,25 +681,28 @@ class CheckpointManager:
         logger.info(f"Deleted checkpoint step-{step} ({why})")
 
     def _save_hf_export(self, step: int) -> None:
-        """The last checkpoint as a Hugging Face folder: every rank saves its shards of the model with DCP into a
-        scratch folder, from which rank 0 assembles the full tensors (so any sharding or pipeline split works).
-        The other ranks do not wait for rank 0: converting a large model could outlast the collective timeout."""
+        """The last checkpoint as a Hugging Face folder: every rank saves its shards of the model, in the export
+        dtype, with DCP into a scratch folder, from which rank 0 writes the HF folder one safetensors shard at a time
+        (so any sharding or pipeline split works, and rank 0 never holds the whole model). The other ranks do not
+        wait for rank 0: converting a large model could outlast the collective timeout."""
         self._wait_for_pending_save()
         final = self._step_path(step)
         scratch = _incomplete(final.with_name(final.name + ".dcp"))
         self._on_rank0(self._remove_leftovers, f"cleaning up {self.folder} before saving step {step}")
+        dtype = EXPORT_DTYPES[self.config.export_dtype]
         try:
-            dcp.save({"model": self.model.state_dict()}, checkpoint_id=scratch, storage_writer=_FileWriter(scratch))
+            # In the export dtype already: no larger scratch copy on disk than the export itself.
+            dcp.save({"model": {name: value.to(dtype) for name, value in self.model.state_dict().items()}},
+                     checkpoint_id=scratch, storage_writer=FileWriter(scratch), process_group=self._group())
         except (Exception, CheckpointException) as err:
             self._raise_save_error(err, step, scratch)
         if self.rank != 0:
             return
         try:
-            save_hf(_incomplete(final), read_full_model(scratch, verify=False), self.model_args,
-                    EXPORT_DTYPES[self.config.export_dtype])
+            export_hf_from_dcp(scratch, _incomplete(final), self.model_args, dtype)
             shutil.rmtree(scratch)
             self._publish(step)
         except OSError as err:
-            raise UserError(f"writing the Hugging Face checkpoint {final} failed: {_describe(err)}; earlier "
+            raise UserError(f"writing the Hugging Face checkpoint {final} failed: {describe(err)}; earlier "
                             f"checkpoints in {self.folder} are untouched") from err
         logger.info(f"Hugging Face checkpoint written to {final} ({self.config.export_dtype})")
