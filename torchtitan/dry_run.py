@@ -27,7 +27,8 @@ import torch
 
 from torchtitan.config import JobConfig, parse_args, to_toml
 from torchtitan.distributed.fake import (GIB, CollectiveCounter, StepMemoryTracker, float8_weights_without_values,
-                                        separate_sharding_propagation, static_pipeline_warmup)
+                                        pinning_without_storage, separate_sharding_propagation,
+                                        static_pipeline_warmup)
 from torchtitan.distributed.parallel_dims import ParallelDims
 from torchtitan.errors import UserError
 from torchtitan.models.llama3.args import model_args_for
@@ -158,7 +159,8 @@ def _dry_run_rank_in_new_process(config: JobConfig, rank: int) -> dict:
 def _dry_run_rank(config: JobConfig, rank: int, world_size: int, gpu) -> dict:
     from torchtitan.train import Trainer  # the trainer calls this module
 
-    with separate_sharding_propagation(), static_pipeline_warmup(), float8_weights_without_values():
+    with separate_sharding_propagation(), static_pipeline_warmup(), float8_weights_without_values(), \
+            pinning_without_storage():
         trainer = Trainer(config)
         try:
             return _run_steps(trainer, rank, world_size, gpu)
@@ -201,6 +203,9 @@ def _report(trainer, rank: int, world_size: int, by_category: dict[str, int], co
         "activation_checkpoint": config.activation_checkpoint.mode,
         "float8": bool(trainer.float8_layers),
         "target_device": config.comm.fake_device,
+        # Under CPU offload these live in host memory; the other categories on the device.
+        "offloaded_to_host": ["parameters", "gradients", "optimizer_state"] if config.training.enable_cpu_offload
+        else [],
         "gpu": gpu.name if gpu else None,
         "gpu_memory_gib": gpu.memory_gib if gpu else None,
         "parameters": trainer.num_params,

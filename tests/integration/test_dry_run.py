@@ -105,3 +105,10 @@ def test_world_size_must_be_given(tmp_path):
     proc = launch(tmp_path, 1, [*DEBUG, "--comm.mode", "fake_backend"], env={"NGPU": ""})
     assert proc.returncode == 2
     assert "option comm.fake_world_size: not set" in proc.stdout
+
+
+def test_cpu_offload_on_the_gpu_target(tmp_path):
+    """FSDP's CPU offload takes the GPU's path (parameters materialised in host memory, pinned) at world 8."""
+    report = dry_run(tmp_path, 8, "--training.enable_cpu_offload")
+    assert report["offloaded_to_host"] == ["parameters", "gradients", "optimizer_state"]
+    assert report["memory_gib_by_category"]["parameters"] > 0

@@ -172,6 +172,22 @@ def float8_weights_without_values() -> Iterator[None]:
         WeightWithDynamicFloat8CastTensor.__tensor_flatten__ = original
 
 
+@contextlib.contextmanager
+def pinning_without_storage() -> Iterator[None]:
+    """FSDP's CPU offload pins the host copies of the shards; a fake tensor has no memory to pin (torch raises
+    "NYI: aten._pin_memory"). The accounting is the same pinned or not: let pinning return the tensor itself."""
+    original = torch.Tensor.pin_memory
+
+    def pin_memory(self, *args, **kwargs):
+        return self if is_fake(self) else original(self, *args, **kwargs)
+
+    torch.Tensor.pin_memory = pin_memory
+    try:
+        yield
+    finally:
+        torch.Tensor.pin_memory = original
+
+
 class _RootsPerMicroBatch:
     """A pipeline stage's module is entered once per micro-batch, from the schedule rather than from a parent
     module; torch's trackers take a second root-level forward for the next iteration and refuse it. Forget the
