@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from torchtitan.config import JobConfig, parse_args, save_config, to_toml
+from torchtitan.config import JobConfig, parse_args, save_config, to_toml, validation_shape
 from torchtitan.config import manager
 from torchtitan.config.manager import get_option, option_specs
 from torchtitan.errors import UserError
@@ -571,7 +571,7 @@ def test_options_that_must_be_positive(key, value):
     (["--model.converters", "quantize.linear.mx"],
      r"model\.converters: 'quantize\.linear\.mx' is not a known converter; valid: quantize\.linear\.float8"),
     (["--checkpoint.keep_latest_k", "-1"], r"keep_latest_k: -1 must be 0 \(keep all\) or positive"),
-    (["--validation.enable", "--training.seq_len", "128"],
+    (["--validation.enable", "--training.seq_len", "128", "--validation.seq_len", "2048"],
      r"option validation\.seq_len: 2048 is longer than training\.seq_len = 128"),
 ])
 def test_validate_rejects(argv, pattern):
@@ -593,9 +593,24 @@ def test_validate_accepts_the_edges_of_each_range():
 
 
 def test_validation_seq_len_is_only_checked_when_validation_runs():
-    assert parse_args(["--training.seq_len", "128"]).validation.seq_len == 2048
+    config = parse_args(["--training.seq_len", "128", "--validation.seq_len", "256"])
+    assert config.validation.seq_len == 256
     config = parse_args(["--validation.enable", "--training.seq_len", "128", "--validation.seq_len", "64"])
     assert config.validation.seq_len == 64
+
+
+def test_validation_follows_training_shape_unless_set():
+    config = parse_args(["--job.config_file", "train_configs/debug_model.toml", "--training.seq_len", "128",
+                         "--training.local_batch_size", "4"])
+    assert (config.validation.enable, config.validation.seq_len, config.validation.local_batch_size) == (True, None,
+                                                                                                          None)
+    assert validation_shape(config) == (4, 128)
+    config = parse_args(["--training.seq_len", "128", "--validation.local_batch_size", "2",
+                         "--validation.seq_len", "64"])
+    assert validation_shape(config) == (2, 64)
+    # Unset stays unset in the saved config, so that re-running it with another training.seq_len still works.
+    saved_validation = to_toml(parse_args([])).split("[validation]")[1]
+    assert "seq_len" not in saved_validation and "local_batch_size" not in saved_validation
 
 
 def test_selective_ac_option_is_only_checked_in_selective_mode():

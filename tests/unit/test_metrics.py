@@ -1,3 +1,4 @@
+import io
 import json
 import logging
 import math
@@ -14,7 +15,7 @@ from torchtitan.config.job_config import Metrics
 from torchtitan.errors import UserError
 from torchtitan.tools import device_info
 from torchtitan.tools.device_info import memory_stats, peak_flops, reset_peak_memory
-from torchtitan.tools.logging import logger
+from torchtitan.tools.logging import CONSOLE_IS_TTY_ENV, logger
 
 STEP_METRICS = {
     "loss": 7.1234,
@@ -108,14 +109,54 @@ def test_console_line_shows_every_value_without_ansi_codes_when_colour_is_off(tm
     ]
 
 
-def test_console_line_is_coloured_by_default(tmp_path, console):
-    metrics_logger = MetricsLogger(Metrics(), str(tmp_path), rank=0, is_logging_rank=True)
+class _Terminal(io.StringIO):
+    def isatty(self) -> bool:
+        return True
+
+
+def _on_a_terminal(monkeypatch):
+    """stderr is a terminal, and nothing in the environment says otherwise. (Set in the test itself: pytest
+    installs its own capturing stderr again between a fixture's setup and the test.)"""
+    monkeypatch.setattr(sys, "stderr", _Terminal())
+    monkeypatch.delenv("NO_COLOR", raising=False)
+    monkeypatch.delenv(CONSOLE_IS_TTY_ENV, raising=False)
+
+
+def _console_line(tmp_path, console, config: Metrics | None = None) -> str:
+    metrics_logger = MetricsLogger(config or Metrics(), str(tmp_path), rank=0, is_logging_rank=True)
     metrics_logger.log(1, {"loss": 2.0, "memory_gib": 2.5, "extra": 0.25})
     metrics_logger.close()
-
     (message,) = console.messages
+    return message
+
+
+def test_console_line_is_coloured_on_a_terminal(tmp_path, console, monkeypatch):
+    _on_a_terminal(monkeypatch)
+    message = _console_line(tmp_path, console)
     assert message.count("\033[0m") == 4
     assert ANSI_CODE.sub("", message) == "step:   1  loss:  2.0000  memory:  2.50GiB  extra: 0.25"
+
+
+@pytest.mark.parametrize("environment", [{"NO_COLOR": "1"}, {CONSOLE_IS_TTY_ENV: "0"}, {}], ids=[
+    "NO_COLOR", "launcher-console-is-a-file", "disable_color_printing"])
+def test_console_line_is_plain_with_no_color_a_launcher_file_or_the_option(tmp_path, console, monkeypatch,
+                                                                         environment):
+    _on_a_terminal(monkeypatch)
+    for name, value in environment.items():
+        monkeypatch.setenv(name, value)
+    config = Metrics(disable_color_printing=not environment)
+    assert _console_line(tmp_path, console, config) == "step:   1  loss:  2.0000  memory:  2.50GiB  extra: 0.25"
+
+
+def test_console_line_is_plain_when_stderr_is_a_file_or_pipe(tmp_path, console, monkeypatch):
+    monkeypatch.setattr(sys, "stderr", io.StringIO())
+    monkeypatch.delenv("NO_COLOR", raising=False)
+    monkeypatch.delenv(CONSOLE_IS_TTY_ENV, raising=False)
+    assert not ANSI_CODE.search(_console_line(tmp_path, console))
+    # Through torchtitan.launch, whose own console is a terminal: coloured although stderr is a log file.
+    monkeypatch.setenv(CONSOLE_IS_TTY_ENV, "1")
+    console.messages.clear()
+    assert ANSI_CODE.search(_console_line(tmp_path, console))
 
 
 def test_tensorboard_event_file_holds_the_logged_scalars(tmp_path):

@@ -50,7 +50,7 @@ class Metrics:
     """Write TensorBoard event files."""
 
     disable_color_printing: bool = False
-    """Print the per-step console line without ANSI colours."""
+    """Print the per-step console line without ANSI colours. Colours are only ever used when the console is a terminal and NO_COLOR is unset."""
 
     save_tb_folder: str = "tb"
     """Folder (under dump_folder) for TensorBoard event files."""
@@ -356,11 +356,11 @@ class Validation:
     dataset_path: str | None = None
     """Local data or HF hub id for validation, as training.dataset_path."""
 
-    local_batch_size: int = 8
-    """Validation sequences per data-parallel rank per step."""
+    local_batch_size: int | None = None
+    """Validation sequences per data-parallel rank per step. None = training.local_batch_size."""
 
-    seq_len: int = 2048
-    """Tokens per validation sequence."""
+    seq_len: int | None = None
+    """Tokens per validation sequence (at most training.seq_len). None = training.seq_len."""
 
     freq: int = 500
     """Validate every this many training steps."""

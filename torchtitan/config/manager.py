@@ -411,6 +411,14 @@ def get_option(config: Any, key: str) -> Any:
     return config
 
 
+def validation_shape(config: JobConfig) -> tuple[int, int]:
+    """(local batch size, sequence length) of validation batches: training's, where [validation] leaves them unset,
+    so that overriding training.seq_len alone keeps validation valid."""
+    validation, training = config.validation, config.training
+    return (training.local_batch_size if validation.local_batch_size is None else validation.local_batch_size,
+            training.seq_len if validation.seq_len is None else validation.seq_len)
+
+
 def parse_args(argv: list[str] | None = None) -> JobConfig:
     """Defaults <- TOML (job.config_file) <- command-line flags, then validated. `--help` prints every option."""
     argv = list(sys.argv[1:] if argv is None else argv)
@@ -443,7 +451,7 @@ def validate(config: JobConfig) -> None:
                 "parallelism.context_parallel_degree", "parallelism.pipeline_parallel_microbatch_size"]
     for key in positive:
         value = get_option(config, key)
-        if value <= 0:
+        if value is not None and value <= 0:
             raise UserError(f"option {key}: {value} must be a positive integer")
     shard = config.parallelism.data_parallel_shard_degree
     if shard == 0 or shard < -1:
@@ -466,10 +474,11 @@ def validate(config: JobConfig) -> None:
     ratio = config.lr_scheduler.decay_ratio
     if ratio is not None and not 0 <= ratio <= 1:
         raise UserError(f"option lr_scheduler.decay_ratio: {ratio} must be in [0, 1] (or unset)")
-    if config.validation.enable and config.validation.seq_len > config.training.seq_len:
+    if config.validation.enable and validation_shape(config)[1] > config.training.seq_len:
         # The model's RoPE table is built for training.seq_len: longer validation sequences have no angles.
         raise UserError(f"option validation.seq_len: {config.validation.seq_len} is longer than training.seq_len = "
-                        f"{config.training.seq_len}; set validation.seq_len <= training.seq_len")
+                        f"{config.training.seq_len}; set validation.seq_len <= training.seq_len (or leave it unset "
+                        f"to follow training.seq_len)")
     option = config.activation_checkpoint.selective_ac_option
     if config.activation_checkpoint.mode == "selective" and option != "op" and not (option.isdigit() and
                                                                                   int(option) > 0):

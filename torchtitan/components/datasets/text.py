@@ -32,6 +32,7 @@ builder reads them.
 import glob
 import os
 import re
+import warnings
 from collections import deque
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
@@ -45,6 +46,11 @@ from torchdata.stateful_dataloader import StatefulDataLoader
 from torchtitan.components.datasets.corpus import embedded_corpus
 from torchtitan.errors import UserError
 from torchtitan.tools.logging import logger
+
+# Every StatefulDataLoader calls torch.set_vital, which torch has emptied and deprecated: a warning the user can do
+# nothing about. Only that warning, and only from torchdata's loader, is silenced.
+warnings.filterwarnings("ignore", message="'set_vital' is deprecated", category=UserWarning,
+                        module=r"torchdata\.stateful_dataloader")
 
 __all__ = ["DATASETS", "TextDataset", "build_dataloader"]
 
