@@ -51,6 +51,8 @@ CASES = [
     Case("unknown_section", ["--job.config_file", "{tmp}/c.toml"], "unknown section [trainng]",
          files={"c.toml": "[trainng]\nsteps = 3\n"}),
     Case("unknown_option_cli", ["--training.stepz", "3"], "unknown option training.stepz; did you mean training.steps"),
+    Case("option_of_another_section", ["--training.lr", "1e-3"],
+         "unknown option training.lr; did you mean optimizer.lr?"),
     Case("unknown_option_toml", ["--job.config_file", "{tmp}/c.toml"],
          "unknown option training.stepss; did you mean training.steps", files={"c.toml": "[training]\nstepss = 3\n"}),
     Case("wrong_type_int", ["--training.steps", "three"], "option training.steps: 'three' is not a valid value"),

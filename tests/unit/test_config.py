@@ -226,6 +226,12 @@ def test_short_help_flag(capsys):
     (["--trainng.steps", "5"], r"unknown option trainng\.steps; did you mean training\.steps\?"),
     (["--optimizer.learning_rate=0.1"], r"unknown option optimizer\.learning_rate; did you mean optimizer\.\w+"),
     (["--compile.enabel"], r"unknown option compile\.enabel; did you mean compile\.enable\?"),
+    # Every section is searched, and an option of exactly that name in another section comes first.
+    (["--training.lr", "1e-3"], r"unknown option training\.lr; did you mean optimizer\.lr\?"),
+    (["--training.weight_decay", "0"], r"did you mean optimizer\.weight_decay\?"),
+    (["--training.log_freq", "1"], r"did you mean metrics\.log_freq\?"),
+    (["--training.warmup_step", "2"], r"training\.warmup_step; did you mean lr_scheduler\.warmup_steps\?"),
+    (["--validaton.seq_len", "64"], r"did you mean validation\.seq_len\?"),
 ])
 def test_unknown_option_names_the_closest_key(argv, pattern):
     with raises(pattern):

@@ -242,12 +242,33 @@ def _convert(key: str, value: Any, tp: Any, from_cli: bool) -> Any:
 
 
 def _closest(key: str, specs: dict[str, OptionSpec]) -> str:
-    matches = difflib.get_close_matches(key, list(specs), n=1, cutoff=0.5)
-    if not matches:
-        section = key.rsplit(".", 1)[0]
-        matches = difflib.get_close_matches(key.rsplit(".", 1)[-1], [k for k in specs if k.startswith(section + ".")],
-                                            n=1, cutoff=0.0)
-    return f"; did you mean {matches[0]}?" if matches else ""
+    """`; did you mean ...?` for an unknown `section.option`, searching every section: first an option of exactly
+    that name elsewhere (training.lr -> optimizer.lr), else the option most alike, the option's name weighing more
+    than its section (training.warmup_step -> lr_scheduler.warmup_steps, trainng.steps -> training.steps)."""
+    section, _, name = key.rpartition(".")
+
+    def section_likeness(candidate: str) -> float:
+        return difflib.SequenceMatcher(None, section, candidate.rpartition(".")[0]).ratio()
+
+    same_name = sorted((k for k in specs if k.rpartition(".")[2] == name), key=section_likeness, reverse=True)
+    if same_name:
+        # A misspelt section (trainng.steps) means that one; a wrong section (training.lr) may mean any of them.
+        if section_likeness(same_name[0]) >= 0.75:
+            same_name = same_name[:1]
+        return f"; did you mean {' or '.join(same_name)}?"
+
+    def likeness(candidate: str) -> float:
+        name_likeness = difflib.SequenceMatcher(None, name, candidate.rpartition(".")[2]).ratio()
+        return 0.7 * name_likeness + 0.3 * section_likeness(candidate)
+
+    best = max(specs, key=likeness)
+    if likeness(best) < 0.5:
+        # Nothing alike anywhere: the closest option of the section named, if it exists, still shows what it holds.
+        in_section = [k for k in specs if k.startswith(section + ".")]
+        if not in_section:
+            return ""
+        best = max(in_section, key=likeness)
+    return f"; did you mean {best}?"
 
 
 def _closest_section(name: str, specs: dict[str, OptionSpec]) -> str:
