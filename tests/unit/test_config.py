@@ -346,6 +346,19 @@ def test_missing_config_file_names_the_path(tmp_path):
         parse_args(["--job.config_file", missing])
 
 
+def test_config_file_that_is_a_folder_lists_its_toml_files(tmp_path):
+    for name in ("b.toml", "a.toml", "notes.txt"):
+        (tmp_path / name).write_text("")
+    (tmp_path / "sub.toml").mkdir()
+    folder = str(tmp_path)
+    with raises(rf"option job\.config_file: {re.escape(repr(folder))} is a folder, not a TOML file; pass one of the "
+                rf"files in it: {re.escape(folder)}/a\.toml, {re.escape(folder)}/b\.toml$"):
+        parse_args(["--job.config_file", folder])
+    empty = tmp_path / "sub.toml"
+    with raises(rf"{re.escape(repr(str(empty)))} is a folder, not a TOML file; it holds no \.toml file$"):
+        parse_args(["--job.config_file", str(empty)])
+
+
 @pytest.mark.parametrize("old, new, value", [
     ("checkpoint.enable_checkpoint", "checkpoint.enable", "true"),
     ("training.seed", "debug.seed", "1"),

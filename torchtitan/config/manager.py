@@ -355,6 +355,10 @@ def _flatten_toml(data: dict, specs: dict[str, OptionSpec], where: str = "config
 
 def load_toml(path: str) -> dict:
     """Read a TOML file, turning a missing file or a syntax error into a UserError naming the file."""
+    if os.path.isdir(path):
+        tomls = sorted(os.path.join(path, entry.name) for entry in Path(path).glob("*.toml") if entry.is_file())
+        raise UserError(f"option job.config_file: {path!r} is a folder, not a TOML file; "
+                        + (f"pass one of the files in it: {', '.join(tomls)}" if tomls else "it holds no .toml file"))
     if not os.path.isfile(path):
         raise UserError(f"option job.config_file: {path!r} does not exist (pass a TOML file, e.g. "
                         f"train_configs/debug_model.toml)")
