@@ -35,7 +35,7 @@ from torchtitan.distributed.fsdp import TORCH_DTYPES
 from torchtitan.distributed.parallel_dims import ParallelDims
 from torchtitan.distributed.pipeline_parallel import pipeline_llama
 from torchtitan.errors import UserError
-from torchtitan.models.llama3.args import model_args_for
+from torchtitan.models.llama3.args import describe_model, model_args_for, shape_overrides
 from torchtitan.models.llama3.model import Transformer, count_parameters, flops_per_token
 from torchtitan.models.llama3.parallelize import parallelize_llama, validate_parallelism
 from torchtitan.tools.device_info import memory_stats, peak_flops, reset_peak_memory
@@ -63,7 +63,8 @@ class Trainer:
                                                config.debug.deterministic_warn_only, self.device)
 
         self.tokenizer = build_model_tokenizer(config.model)
-        self.model_args = model_args_for(config.model.flavor, config.training.seq_len, self.tokenizer.vocab_size)
+        self.model_args = model_args_for(config.model.flavor, config.training.seq_len, self.tokenizer.vocab_size,
+                                         overrides=shape_overrides(config.model))
         validate_parallelism(self.model_args, self.parallel_dims, config, self.device.type)
         self.grad_accumulation_steps = self._grad_accumulation_steps()
         self.dataloader = self._build_dataloader(config.training.dataset, config.training.dataset_path,
@@ -78,7 +79,8 @@ class Trainer:
         self.num_params = count_parameters(model)
         self.flops_per_token = flops_per_token(self.model_args, count_parameters(model, exclude_embeddings=True),
                                                config.training.seq_len)
-        logger.info(f"Model llama3 {config.model.flavor}: {self.num_params:,} parameters, "
+        logger.info(f"Model llama3 {describe_model(config.model.flavor, shape_overrides(config.model))}: "
+                    f"{self.num_params:,} parameters, "
                     f"{self.flops_per_token / 1e9:.3f} GFLOPs per token")
 
         self.pp_schedule = None

@@ -144,6 +144,15 @@ CASES = [
     Case("malformed_jsonl_line", ["--training.dataset_path", "{tmp}/data.jsonl"],
          "training.dataset_path='{tmp}/data.jsonl': {tmp}/data.jsonl line 3 is not valid JSON: Expecting ',' delimiter",
          files={"data.jsonl": '{"text": "a"}\n{"text": "b"}\n{"text": "c" "d"}\n'}),
+    Case("model_dim_not_divisible_by_heads", ["--model.dim", "100"],
+         "option model.dim: 100 is not divisible by model.n_heads = 8"),
+    Case("model_odd_head_dim", ["--model.dim", "72", "--model.n_heads", "8"],
+         "option model.n_heads: dim / n_heads = 72 / 8 = 9 is odd"),
+    Case("model_kv_heads_do_not_divide_heads", ["--model.n_kv_heads", "3"],
+         "option model.n_kv_heads: 3 does not divide model.n_heads = 8"),
+    Case("model_vocab_smaller_than_tokenizer", ["--model.vocab_size", "1000"],
+         "option model.vocab_size: 1000 is smaller than the tokenizer's vocabulary (2304 tokens)"),
+    Case("model_layers_not_positive", ["--model.n_layers", "0"], "option model.n_layers: 0 must be a positive integer"),
     Case("unknown_dataset_name", ["--training.dataset", "c5"], "training.dataset='c5' is not a known dataset"),
     Case("data_runs_out", ["--training.dataset_path", "{tmp}/short.jsonl", "--training.no_dataset_loop",
                            "--training.steps", "50"], "option training.dataset_loop: the data ran out at step",
@@ -231,7 +240,14 @@ def truncate(path: Path) -> None:
 CHECKPOINT_CASES = [
     # (name, damage done to the copy of the good run before resuming, extra options, text the error names)
     ("load_step_absent", None, ["--checkpoint.load_step", "7"], "option checkpoint.load_step: step 7"),
-    ("another_model_shape", None, ["--model.flavor", "debugmodel"], "was saved from another model, check model.flavor"),
+    ("another_model_shape", None, ["--model.flavor", "debugmodel"],
+     "was saved from another model: dim 64 (this run: 256), n_layers 4 (this run: 6)"),
+    # Same parameter shapes (8 heads of 8 = 4 heads of 16): only the saved model.json tells them apart.
+    ("another_head_count", None, ["--model.n_heads", "4", "--model.n_kv_heads", "2"],
+     "was saved from another model: n_heads 8 (this run: 4), n_kv_heads 4 (this run: 2); set model.flavor and the "
+     "[model] shape options it was trained with"),
+    ("another_rope_theta", None, ["--model.rope_theta", "10000"],
+     "was saved from another model: rope_theta 500000.0 (this run: 10000.0)"),
     ("truncated_shard", lambda d: truncate(next((d / "checkpoint/step-2").glob("*.distcp"))), [],
      "checkpoint {dump}/checkpoint/step-2 cannot be loaded (corrupt"),
     ("truncated_metadata", lambda d: truncate(d / "checkpoint/step-2/.metadata"), [],

@@ -14,6 +14,11 @@ the new one is complete: the old folder is renamed to `step-N.stale.incomplete`,
 one deleted. A crash between those renames leaves both under `.incomplete` names, and resuming takes the previous
 complete step.
 
+Rank 0 also writes `model.json` into every DCP checkpoint: the model's shape (width, layers, heads, FFN width,
+vocabulary, RoPE), which `[model]` may have set on top of the flavor. Loading a checkpoint (resume or
+`initial_load_path`) compares it with this run's model first, and names the options that differ: the parameter shapes
+do not reveal the head count or the RoPE base, which would load silently and compute something else.
+
 DCP has no checksums: a shard damaged after the save (other bytes, same size) would load silently. So before the
 rename rank 0 writes `checksums.json` into the folder, the size and CRC32 of every file DCP wrote, and every load
 checks the files against it before DCP reads them; a checkpoint without one (an older version's, or another tool's)
@@ -89,6 +94,7 @@ from torchtitan.tools.logging import logger, warn_once
 INCOMPLETE_SUFFIX = ".incomplete"
 METADATA_FILE = ".metadata"
 CHECKSUMS_FILE = "checksums.json"
+MODEL_FILE = "model.json"
 # Files are hashed in chunks of this size: a shard may be larger than the memory left.
 _CHECKSUM_CHUNK = 16 * 2**20
 LOADABLE_PARTS = ("model", "optimizer", "lr_scheduler", "dataloader", "train_state", "rng")
@@ -373,6 +379,33 @@ def _mismatch(checkpoint: Path, name: str, expected: dict[str, Any]) -> str | No
             f"{expected['size']} bytes with CRC32 {expected['crc32']}")
 
 
+def _model_shape(model_args: TransformerModelArgs) -> dict[str, Any]:
+    """What `MODEL_FILE` records: every value that decides what the weights compute, named as the model.* options."""
+    return {"dim": model_args.dim, "n_layers": model_args.n_layers, "n_heads": model_args.n_heads,
+            "n_kv_heads": model_args.kv_heads, "ffn_hidden_dim": model_args.ffn_hidden_dim,
+            "vocab_size": model_args.vocab_size, "rope_theta": model_args.rope_theta, "norm_eps": model_args.norm_eps,
+            "use_scaled_rope": model_args.use_scaled_rope}
+
+
+def check_model_shape(checkpoint: Path, model_args: TransformerModelArgs) -> None:
+    """A UserError naming every shape value in which the checkpoint's `MODEL_FILE` differs from this run's model
+    (a checkpoint without one, from an older version, is left to the parameter-shape check)."""
+    path = checkpoint / MODEL_FILE
+    if not path.is_file():
+        return
+    try:
+        saved = json.loads(path.read_text())
+    except (OSError, ValueError) as err:
+        raise UserError(f"checkpoint {checkpoint}: {path} cannot be read ({_describe(err)})") from err
+    ours = _model_shape(model_args)
+    differ = [name for name in ours if name in saved and saved[name] != ours[name]]
+    if differ:
+        raise UserError(f"checkpoint {checkpoint} was saved from another model: "
+                        + ", ".join(f"{name} {saved[name]} (this run: {ours[name]})" for name in differ)
+                        + "; set model.flavor and the [model] shape options it was trained with (its shape is in "
+                        f"{path})")
+
+
 def verify_checkpoint(checkpoint: Path, distributed: bool = False) -> None:
     """Check the files of a DCP checkpoint against its `CHECKSUMS_FILE` before DCP reads them: a UserError names the
     first damaged file with its recorded and actual size and CRC32. With `distributed`, every rank of the default
@@ -604,6 +637,7 @@ class CheckpointManager:
         if skipped:
             logger.warning(f"Checkpoint {checkpoint} holds no {', '.join(skipped)}; they keep their initial state")
         if "model" in present:
+            check_model_shape(checkpoint, self.model_args)
             self._check_model_shapes(checkpoint, saved)
         state_dict = {self._key(part): self._load_template(part, saved) for part in present}
         files = list(checkpoint.glob("*.distcp"))
@@ -836,6 +870,8 @@ class CheckpointManager:
         final = self._step_path(step)
         staging = _incomplete(final)
         if checksums is not None:
+            with atomic_write(staging / MODEL_FILE) as f:
+                json.dump(_model_shape(self.model_args), f, indent=1)
             _write_checksums(staging, checksums)
         if final.exists():
             logger.warning(f"Replacing the existing checkpoint {final} by the one just saved")
