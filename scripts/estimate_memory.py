@@ -110,7 +110,7 @@ from torchtitan.config import JobConfig, parse_args  # noqa: E402
 from torchtitan.distributed.parallel_dims import ParallelDims  # noqa: E402
 from torchtitan.distributed.pipeline_parallel import plan_pipeline  # noqa: E402
 from torchtitan.errors import UserError  # noqa: E402
-from torchtitan.models.llama3.args import TransformerModelArgs, model_args_for  # noqa: E402
+from torchtitan.models.llama3.args import TransformerModelArgs, model_args_for, shape_overrides  # noqa: E402
 from torchtitan.models.llama3.model import CPU_BF16_ATTENTION_MIN_HEAD_DIM, Transformer  # noqa: E402
 from torchtitan.models.llama3.pipeline import stage_ids_for_rank  # noqa: E402
 
@@ -164,7 +164,7 @@ def estimate(config: JobConfig, ngpu: int, overhead_bytes: int = 0, device: str 
     """The peak over the pipeline ranks (every rank of a pipeline stage group holds the same) on `device` devices
     ("cuda" or "cpu": attention saves different tensors on each)."""
     dims = ParallelDims.from_config(config.parallelism, ngpu)
-    args = model_args_for(config.model.flavor, config.training.seq_len)
+    args = model_args_for(config.model.flavor, config.training.seq_len, overrides=shape_overrides(config.model))
     stages_of_rank, in_flight = _pipeline_layout(config, args, dims)
     estimates = [_estimate_rank(config, args, dims, rank, stages, in_flight, overhead_bytes, device)
                  for rank, stages in enumerate(stages_of_rank)]

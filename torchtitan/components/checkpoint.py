@@ -380,9 +380,11 @@ def _mismatch(checkpoint: Path, name: str, expected: dict[str, Any]) -> str | No
 
 
 def _model_shape(model_args: TransformerModelArgs) -> dict[str, Any]:
-    """What `MODEL_FILE` records: every value that decides what the weights compute, named as the model.* options."""
+    """What `MODEL_FILE` records: every value that decides what the weights compute, named as the model.* options
+    (the SwiGLU width both as its options and as the width they give, which is what is compared)."""
     return {"dim": model_args.dim, "n_layers": model_args.n_layers, "n_heads": model_args.n_heads,
-            "n_kv_heads": model_args.kv_heads, "ffn_hidden_dim": model_args.ffn_hidden_dim,
+            "n_kv_heads": model_args.kv_heads, "ffn_dim_multiplier": model_args.ffn_dim_multiplier,
+            "multiple_of": model_args.multiple_of, "ffn_hidden_dim": model_args.ffn_hidden_dim,
             "vocab_size": model_args.vocab_size, "rope_theta": model_args.rope_theta, "norm_eps": model_args.norm_eps,
             "use_scaled_rope": model_args.use_scaled_rope}
 
@@ -398,7 +400,8 @@ def check_model_shape(checkpoint: Path, model_args: TransformerModelArgs) -> Non
     except (OSError, ValueError) as err:
         raise UserError(f"checkpoint {checkpoint}: {path} cannot be read ({_describe(err)})") from err
     ours = _model_shape(model_args)
-    differ = [name for name in ours if name in saved and saved[name] != ours[name]]
+    differ = [name for name in ours if name in saved and saved[name] != ours[name]
+              and name not in ("ffn_dim_multiplier", "multiple_of")]
     if differ:
         raise UserError(f"checkpoint {checkpoint} was saved from another model: "
                         + ", ".join(f"{name} {saved[name]} (this run: {ours[name]})" for name in differ)
