@@ -14,9 +14,9 @@ console is a terminal, so that colours appear there and nowhere else.
 import os
 import sys
 
+from torch.distributed.elastic.multiprocessing import Std
 from torch.distributed.elastic.multiprocessing.api import SignalException
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
-from torch.distributed.elastic.multiprocessing import Std
 from torch.distributed.run import parse_args, run
 
 from torchtitan.tools.logging import CONSOLE_IS_TTY_ENV, LAUNCHER_PREFIXES_RANK_ENV

@@ -319,6 +319,18 @@ def test_measurement_on_a_busy_cpu_is_not_cached(private_flops_cache, monkeypatc
     assert not list(private_flops_cache.glob("*.json"))
 
 
+@pytest.mark.parametrize(("load", "others", "threads", "busy"), [
+    (0.5, 0, 2, None), (3.0, 0, 1, "load average 3.0 on 2 CPUs"),
+    (0.5, 1, 2, "1 other runnable threads beside 2 of ours on 2 CPUs"), (0.5, 1, 1, None),
+    (0.5, 2, 1, "2 other runnable threads beside 1 of ours on 2 CPUs"), (0.5, None, 2, None)])
+def test_cpu_is_busy_over_the_last_minute_or_right_now(monkeypatch, load, others, threads, busy):
+    monkeypatch.setattr(device_info.os, "cpu_count", lambda: 2)
+    monkeypatch.setattr(device_info.os, "getloadavg", lambda: (load, load, load))
+    monkeypatch.setattr(device_info, "_other_runnable_threads", lambda: others)
+    monkeypatch.setattr(torch, "get_num_threads", lambda: threads)
+    assert device_info._cpu_is_busy() == busy
+
+
 def test_stable_measurement_is_the_best_trial_and_cached(private_flops_cache, monkeypatch, console):
     _trials(monkeypatch, STABLE_TRIALS)
     flops, source = peak_flops(CPU, torch.float32)

@@ -67,8 +67,8 @@ def peak_flops(device: torch.device, dtype: torch.dtype, configured: float = 0.0
     result is also cached on disk under `$XDG_CACHE_HOME/torchtitan` (default `~/.cache/torchtitan`),
     keyed by CPU model, dtype and torch.get_num_threads(), so later runs skip the measurement. A figure
     whose trials differ by more than 10% (the CPU was shared part of the time), or measured while other
-    processes keep the CPU busy (1-minute load average above the CPU count, or other runnable threads
-    for half the CPUs), is used for this run with a warning but not cached.
+    processes keep the CPU busy (1-minute load average above the CPU count, or more other runnable
+    threads than the cores our threads leave), is used for this run with a warning but not cached.
     """
     if configured > 0:
         return configured, "configured (metrics.peak_flops)"
@@ -261,20 +261,27 @@ def _cpu_model_name() -> str:
 
 def _cpu_is_busy() -> str | None:
     """Why other processes compete for the cores, if they do: over the last minute (load average above the CPU
-    count), or right now (other runnable threads for half the CPUs or more: /proc/loadavg's less this process's)."""
+    count), or right now (more other runnable threads, /proc/loadavg's less this process's, than the CPUs this
+    process's torch threads leave free; other ranks measuring beside it with a core each do not count)."""
     cpus = os.cpu_count() or 1
     load = os.getloadavg()[0]
     if load > cpus:
         return f"load average {load:.1f} on {cpus} CPUs"
+    others = _other_runnable_threads()
+    if others is not None and others > cpus - torch.get_num_threads():
+        return f"{others} other runnable threads beside {torch.get_num_threads()} of ours on {cpus} CPUs"
+    return None
+
+
+def _other_runnable_threads() -> int | None:
+    """Threads of other processes running or waiting for a core right now (Linux), or None where unknown."""
     try:
         with open("/proc/loadavg") as loadavg:
             runnable = int(loadavg.read().split()[3].split("/")[0])
         own = sum(1 for stat in Path("/proc/self/task").glob("*/stat") if _thread_state(stat) == "R")
     except (OSError, ValueError, IndexError):
         return None
-    if runnable - own >= max(1, cpus // 2):
-        return f"{runnable - own} other runnable threads on {cpus} CPUs"
-    return None
+    return max(runnable - own, 0)
 
 
 def _thread_state(stat_file: Path) -> str:
