@@ -26,8 +26,8 @@ directly, streaming datasets skip the documents before it without tokenizing the
 
 Empty documents (and null values) contribute nothing to the stream: a `BOS EOS` pair carries no
 text to learn from. A malformed record of a local file (not JSON, not an object, without the text
-field, or not text) is an error naming the file and line (records.py). Plain-text (.txt) files hold one document per line, as the Hugging Face `text`
-builder reads them.
+field, or not text) is an error naming the file and line (records.py). Plain-text (.txt) files
+hold one document per line, as the Hugging Face `text` builder reads them.
 """
 
 import glob
