@@ -45,8 +45,9 @@ _DATASHEETS = (
 )
 
 # The measurement: _TRIALS timed trials of back-to-back matmuls, _MEASURE_SECONDS in all, after a short ramp that
-# picks the matmul size. The best trial is the peak; when the trials differ by more than _MAX_SPREAD of it, the
-# device was shared during the measurement and the figure is not trusted (used for this run, never cached).
+# picks the matmul size; a trial's figure is its fastest matmul. The best trial is the peak; when the trials differ
+# by more than _MAX_SPREAD of it, the device was shared during the measurement and the figure is not trusted (used
+# for this run, never cached).
 _MEASURE_SECONDS = 1.0
 _TRIALS = 5
 _MAX_SPREAD = 0.10
@@ -204,7 +205,7 @@ def _measured_accelerator_peak_flops(device: torch.device, dtype: torch.dtype) -
 def _measure_matmul_flops(device: torch.device, dtype: torch.dtype) -> _Measurement:
     """The best of _TRIALS timed trials of back-to-back square matmuls (_MEASURE_SECONDS in all), at the largest
     size of the ramp whose single matmul fits in a quarter of a trial. Other work sharing the device can only make
-    a trial slower, so the best trial is the peak, and the spread of the trials shows whether there was any."""
+    a matmul slower, so the best is the peak, and the spread of the trials shows whether there was any."""
     sizes = _CPU_MATMUL_SIZES if device.type == "cpu" else _ACCELERATOR_MATMUL_SIZES
     trial_seconds = _MEASURE_SECONDS / _TRIALS
     size = sizes[0]
@@ -233,19 +234,23 @@ def _matmul_seconds(device: torch.device, dtype: torch.dtype, size: int) -> floa
 
 
 def _trial_flops(device: torch.device, dtype: torch.dtype, size: int, seconds: float) -> float:
-    """FLOP/s of size x size matmuls run back to back for at least `seconds` (and at least twice)."""
+    """FLOP/s of the fastest of the size x size matmuls run back to back for at least `seconds` (and at least
+    twice): a time slice lost to another process slows some matmuls of the trial, not the fastest."""
     a = torch.randn(size, size, device=device, dtype=dtype)
     b = torch.randn(size, size, device=device, dtype=dtype)
     count = 0
-    start = time.perf_counter()
+    fastest = math.inf
+    started = time.perf_counter()
     while True:
+        start = time.perf_counter()
         torch.matmul(a, b)
         if device.type != "cpu":
             torch.accelerator.synchronize(device)
+        now = time.perf_counter()
+        fastest = min(fastest, now - start)
         count += 1
-        elapsed = time.perf_counter() - start
-        if count >= 2 and elapsed >= seconds:
-            return count * 2 * size**3 / elapsed
+        if count >= 2 and now - started >= seconds:
+            return 2 * size**3 / fastest
 
 
 def _cpu_model_name() -> str:
