@@ -8,7 +8,8 @@ From the repository root:
 
 `hf-to-dcp` writes a model-only checkpoint (keys `model.*`) to start training from, with
 `checkpoint.initial_load_path` (its `initial_load_model_only` default). The vocabulary size is read from the
-checkpoint: training replaces the flavor's with the tokenizer's.
+checkpoint: training replaces the flavor's with the tokenizer's. `dcp-to-hf` takes the model's shape from the
+checkpoint's model.json (written by the trainer, with any [model] shape options), on top of --flavor.
 """
 
 import argparse
@@ -21,17 +22,29 @@ from pathlib import Path
 import torch
 import torch.distributed.checkpoint as dcp
 
-from torchtitan.components.checkpoint import (EXPORT_DTYPES, INCOMPLETE_SUFFIX, read_full_checkpoint, read_full_model,
-                                              without_collectives)
+from torchtitan.components.checkpoint import (EXPORT_DTYPES, INCOMPLETE_SUFFIX, MODEL_FILE, check_model_shape,
+                                              read_full_checkpoint, read_full_model, without_collectives)
 from torchtitan.errors import UserError
-from torchtitan.models.llama3.args import TransformerModelArgs, llama3_flavors, model_args_for
+from torchtitan.models.llama3.args import SHAPE_OPTIONS, TransformerModelArgs, llama3_flavors, model_args_for
 from torchtitan.models.llama3.state_dict_adapter import CONFIG_FILE, expected_shapes, load_hf, save_hf
 from torchtitan.tools.logging import init_logger, logger
 
 
-def _model_args(flavor: str, vocab_size: int) -> TransformerModelArgs:
+def _model_args(flavor: str, vocab_size: int, overrides: dict | None = None) -> TransformerModelArgs:
     # seq_len only sizes the RoPE table, which checkpoints do not hold.
-    return model_args_for(flavor, seq_len=1, vocab_size=vocab_size)
+    return model_args_for(flavor, seq_len=1, vocab_size=vocab_size, overrides=overrides)
+
+
+def _saved_shape_options(checkpoint: Path) -> dict:
+    """The [model] shape options recorded in the checkpoint's model.json (none for a checkpoint without one)."""
+    path = checkpoint / MODEL_FILE
+    if not path.is_file():
+        return {}
+    try:
+        saved = json.loads(path.read_text())
+    except (OSError, ValueError) as err:
+        raise UserError(f"{path} cannot be read: {err}") from err
+    return {name: saved[name] for name in SHAPE_OPTIONS if saved.get(name) is not None and name != "vocab_size"}
 
 
 def _check_shapes(state_dict: dict[str, torch.Tensor], model_args: TransformerModelArgs, source: Path,
@@ -49,7 +62,8 @@ def dcp_to_hf(source: Path, output: Path, flavor: str, dtype: str) -> None:
     state_dict = read_full_model(source)
     if "tok_embeddings.weight" not in state_dict:
         raise UserError(f"{source} has no model.tok_embeddings.weight, so it is not a Llama checkpoint")
-    model_args = _model_args(flavor, state_dict["tok_embeddings.weight"].shape[0])
+    model_args = _model_args(flavor, state_dict["tok_embeddings.weight"].shape[0], _saved_shape_options(source))
+    check_model_shape(source, model_args)
     _check_shapes(state_dict, model_args, source, flavor)
     save_hf(output, state_dict, model_args, EXPORT_DTYPES[dtype])
 

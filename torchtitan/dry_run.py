@@ -31,7 +31,7 @@ from torchtitan.distributed.fake import (GIB, CollectiveCounter, StepMemoryTrack
                                         static_pipeline_warmup)
 from torchtitan.distributed.parallel_dims import ParallelDims
 from torchtitan.errors import UserError
-from torchtitan.models.llama3.args import model_args_for
+from torchtitan.models.llama3.args import model_args_for, shape_overrides
 from torchtitan.models.llama3.parallelize import validate_parallelism
 from torchtitan.planner.hardware import gpu_named
 from torchtitan.tools.logging import init_logger, logger
@@ -61,7 +61,8 @@ def dry_run_config(config: JobConfig, world_size: int) -> JobConfig:
     """The run's config, checked as the real run would check it, then with what a dry run does not execute turned
     off: everything that reads or writes files, torch.compile and async TP (compiler passes: the blocks run
     eagerly, whose memory bounds the compiled blocks' from above; the collectives are the same)."""
-    validate_parallelism(model_args_for(config.model.flavor, config.training.seq_len),
+    validate_parallelism(model_args_for(config.model.flavor, config.training.seq_len,
+                                        overrides=shape_overrides(config.model)),
                          ParallelDims.from_config(config.parallelism, world_size), config, config.comm.fake_device)
     peak_flops = config.metrics.peak_flops
     if config.comm.fake_device == "cuda" and not peak_flops:

@@ -28,7 +28,7 @@ from torchtitan.components.metrics import MetricsLogger
 from torchtitan.components.optimizer import build_optimizers
 from torchtitan.components.profiling import maybe_enable_memory_snapshot, maybe_enable_profiling
 from torchtitan.components.tokenizer import build_model_tokenizer
-from torchtitan.config import JobConfig, parse_args, save_config, to_toml
+from torchtitan.config import JobConfig, parse_args, save_config, to_toml, validation_shape
 from torchtitan.distributed import utils as dist_utils
 from torchtitan.distributed.compile import compile_loss
 from torchtitan.distributed.context_parallel import context_parallel_context
@@ -37,7 +37,7 @@ from torchtitan.distributed.fsdp import TORCH_DTYPES
 from torchtitan.distributed.parallel_dims import ParallelDims
 from torchtitan.distributed.pipeline_parallel import pipeline_llama
 from torchtitan.errors import UserError
-from torchtitan.models.llama3.args import model_args_for
+from torchtitan.models.llama3.args import describe_model, model_args_for, shape_overrides
 from torchtitan.models.llama3.model import Transformer, count_parameters, flops_per_token
 from torchtitan.models.llama3.parallelize import parallelize_llama, validate_parallelism
 from torchtitan.tools.device_info import memory_stats, peak_flops, reset_peak_memory
@@ -75,7 +75,8 @@ class Trainer:
         self.tokenizer = None if self.dry_run else build_model_tokenizer(config.model)
         self.model_args = dataclasses.replace(
             model_args_for(config.model.flavor, config.training.seq_len,
-                           self.tokenizer.vocab_size if self.tokenizer else None),
+                           self.tokenizer.vocab_size if self.tokenizer else None,
+                           overrides=shape_overrides(config.model)),
             attention_device=self.target_device_type)
         validate_parallelism(self.model_args, self.parallel_dims, config, self.target_device_type)
         self.grad_accumulation_steps = self._grad_accumulation_steps()
@@ -91,7 +92,8 @@ class Trainer:
         self.num_params = count_parameters(model)
         self.flops_per_token = flops_per_token(self.model_args, count_parameters(model, exclude_embeddings=True),
                                                config.training.seq_len)
-        logger.info(f"Model llama3 {config.model.flavor}: {self.num_params:,} parameters, "
+        logger.info(f"Model llama3 {describe_model(config.model.flavor, shape_overrides(config.model))}: "
+                    f"{self.num_params:,} parameters, "
                     f"{self.flops_per_token / 1e9:.3f} GFLOPs per token")
 
         self.pp_schedule = None
@@ -150,7 +152,7 @@ class Trainer:
 
     def _build_dataloader(self, dataset: str, dataset_path: str | None, batch_size: int, seq_len: int,
                           infinite: bool, section: str):
-        dp_mesh = self.world_mesh["dp"]
+        dp_mesh = self.parallel_dims.get_mesh("dp")
         return build_dataloader(dataset=dataset, dataset_path=dataset_path,
                                 text_field=self.config.training.dataset_text_field, tokenizer=self.tokenizer,
                                 seq_len=seq_len, local_batch_size=batch_size, dp_rank=dp_mesh.get_local_rank(),
@@ -220,7 +222,7 @@ class Trainer:
         self.optimizers.zero_grad()
         local_tokens = torch.stack([count_valid_tokens(labels) for _, labels in batches]).sum().float()
         # Ranks of one data-parallel group hold the same sequences, so the global count sums over dp only.
-        dist.all_reduce(local_tokens, group=self.world_mesh["dp"].get_group())
+        dist.all_reduce(local_tokens, group=self.parallel_dims.get_mesh("dp").get_group())
         self.global_valid_tokens = local_tokens
         loss = sum(self.forward_backward(inputs, labels) for inputs, labels in batches)
         parameters = [p for part in self.model_parts for p in part.parameters()]
@@ -259,8 +261,9 @@ class Trainer:
     @torch.no_grad()
     def validate(self, step: int) -> dict[str, float]:
         cfg = self.config.validation
-        loader = self._build_dataloader(cfg.dataset, cfg.dataset_path, cfg.local_batch_size, cfg.seq_len,
-                                        infinite=False, section="validation")
+        batch_size, seq_len = validation_shape(self.config)
+        loader = self._build_dataloader(cfg.dataset, cfg.dataset_path, batch_size, seq_len, infinite=False,
+                                        section="validation")
         loss_sum = torch.zeros((), device=self.device)
         tokens = torch.zeros((), device=self.device)
         data_iterator = iter(loader)
@@ -269,7 +272,7 @@ class Trainer:
             batch = next(data_iterator, None)
             # Data-parallel ranks can hold one batch more or less, and the last batch can be short (which pipeline
             # micro-batching cannot split): stop together when any rank has no full batch left.
-            full = batch is not None and batch[0].shape[0] == cfg.local_batch_size
+            full = batch is not None and batch[0].shape[0] == batch_size
             has_batch = torch.tensor(float(full), device=self.device)
             dist.all_reduce(has_batch, op=dist.ReduceOp.MIN)
             if not has_batch.item():

@@ -12,7 +12,9 @@ REPO = Path(__file__).resolve().parents[2]
 # A tiny fp32 model, fixed seed and data: the base of every parity comparison.
 TINY = ["--model.flavor", "tiny", "--training.seq_len", "32", "--training.mixed_precision_param", "float32",
         "--debug.seed", "0", "--lr_scheduler.warmup_steps", "2", "--activation_checkpoint.mode", "none",
-        "--metrics.log_freq", "1", "--validation.no_enable", "--metrics.disable_color_printing"]
+        "--metrics.log_freq", "1", "--validation.no_enable", "--metrics.disable_color_printing",
+        # MFU against a fixed peak: the peak probe (over a second per process) is tested in tests/unit/test_metrics.py.
+        "--metrics.peak_flops", "1e12"]
 
 
 def launch(dump_folder: Path, nproc: int, args: list[str], timeout: int = 300,

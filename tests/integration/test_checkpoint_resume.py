@@ -19,9 +19,11 @@ from tests.integration.harness import TINY, losses, max_relative_difference, rea
 from torchtitan.components.checkpoint import WeightsOnlyLoadPlanner, read_metadata, without_collectives
 from torchtitan.components.datasets import build_dataloader
 from torchtitan.components.tokenizer import build_tokenizer
-from torchtitan.models.llama3.args import model_args_for
+from torchtitan.config import parse_args
+from torchtitan.models.llama3.args import model_args_for, shape_overrides
 from torchtitan.models.llama3.model import Transformer
 from torchtitan.models.llama3.state_dict_adapter import load_hf
+from torchtitan.train import main as train_main
 
 pytestmark = pytest.mark.integration
 
@@ -302,3 +304,54 @@ def test_seed_checkpoint_starts_fsdp_training(tmp_path, runs):
     difference = max_relative_difference(losses(rows), losses(runs.straight("fsdp2"))[:2])
     print(f"seed checkpoint under FSDP 2: max relative loss difference of steps 1-2 {difference:.2e}")
     assert difference <= 1e-6
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# [model] shape options
+
+
+SHAPE = {"dim": 96, "n_layers": 2, "n_heads": 6, "n_kv_heads": 2, "rope_theta": 10000.0}
+
+
+def shape_args(**changes) -> list[str]:
+    return [arg for name, value in {**SHAPE, **changes}.items() if value is not None
+            for arg in (f"--model.{name}", str(value))]
+
+
+def test_model_shape_options_are_saved_checked_on_resume_and_exported(tmp_path, capsys, monkeypatch):
+    """A model shaped by [model] options: echoed in config.toml, written as model.json with each checkpoint, resumed
+    with the same options, refused with others (named), and exported to Hugging Face with its shape."""
+    for name in ("WORLD_SIZE", "RANK", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
+        monkeypatch.delenv(name, raising=False)
+    dump = tmp_path / "dump"
+    base = [*TINY, "--training.local_batch_size", "2", *CHECKPOINT, "--job.dump_folder", str(dump)]
+    assert train_main([*base, *shape_args(), "--training.steps", "2"]) == 0
+    saved = parse_args(["--job.config_file", str(dump / "config.toml")])
+    assert shape_overrides(saved.model) == SHAPE
+    assert json.loads((dump / "checkpoint" / "step-2" / "model.json").read_text()) == {
+        "dim": 96, "n_layers": 2, "n_heads": 6, "n_kv_heads": 2, "ffn_dim_multiplier": None, "multiple_of": 64,
+        "ffn_hidden_dim": 256, "vocab_size": 2304,
+        "rope_theta": 10000.0, "norm_eps": 1e-5, "use_scaled_rope": True}
+    assert "Model llama3 tiny with dim 96, n_layers 2, n_heads 6, n_kv_heads 2, rope_theta 10000:" in \
+        capsys.readouterr().err
+
+    # The flavor's RoPE base with the same parameter shapes: refused before anything is loaded, naming the option.
+    assert train_main([*base, *shape_args(rope_theta=None), "--training.steps", "3"]) == 2
+    assert "was saved from another model: rope_theta 10000.0 (this run: 500000.0)" in capsys.readouterr().err
+    assert train_main([*base, *shape_args(), "--training.steps", "3"]) == 0
+    assert "(step 2)" in capsys.readouterr().err
+    assert [row["step"] for row in read_metrics(dump)] == [1, 2, 3]
+
+    export = tmp_path / "export"
+    assert train_main([*TINY, "--training.local_batch_size", "2", *shape_args(), "--training.steps", "1",
+                       "--checkpoint.enable", "--checkpoint.last_save_in_hf", "--job.dump_folder", str(export)]) == 0
+    hf_folder = export / "checkpoint" / "step-1"
+    config = json.loads((hf_folder / "config.json").read_text())
+    assert (config["hidden_size"], config["num_hidden_layers"], config["num_attention_heads"],
+            config["num_key_value_heads"], config["rope_theta"]) == (96, 2, 6, 2, 10000.0)
+    capsys.readouterr()
+    from_hf = [*TINY, "--training.local_batch_size", "2", "--training.steps", "1", "--checkpoint.enable",
+               "--checkpoint.initial_load_path", str(hf_folder), "--checkpoint.initial_load_in_hf"]
+    assert train_main([*from_hf, *shape_args(rope_theta=None), "--job.dump_folder", str(tmp_path / "a")]) == 2
+    assert "rope_theta is 10000.0, but the model uses 500000" in capsys.readouterr().err
+    assert train_main([*from_hf, *shape_args(), "--job.dump_folder", str(tmp_path / "b")]) == 0

@@ -30,8 +30,8 @@ def test_run_train_sh_trains_the_debug_model(tmp_path):
            # run_train.sh calls `torchrun` by name: find the one of the interpreter running the tests.
            "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}"}
     command = ["./run_train.sh", "--training.steps", "30", "--training.seq_len", "128", "--training.local_batch_size",
-               "4", "--validation.freq", "30", "--validation.steps", "2", "--validation.seq_len", "128",
-               "--metrics.log_freq", "5", "--metrics.disable_color_printing", "--job.dump_folder", str(dump)]
+               "4", "--validation.freq", "30", "--validation.steps", "2", "--metrics.log_freq", "5",
+               "--job.dump_folder", str(dump)]
     # A session of its own: on a timeout the trainer torchrun started is killed too, not only torchrun.
     with subprocess.Popen(command, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                           start_new_session=True) as proc:
@@ -67,8 +67,13 @@ def test_run_train_sh_trains_the_debug_model(tmp_path):
                                                                   rel=1e-4)
     assert "validation at step 30: loss" in output
 
-    # The log: the trainer's lines carry the rank, each logged step is one line, and no warning repeats.
-    trainer_line = re.compile(r"\[rank0\] \d\d:\d\d:\d\d (INFO|WARNING|ERROR) ")
+    # The log: every line of the trainer carries its rank once (torchrun's tee prefix is the only one), no colour
+    # codes reach a pipe, no Python warning is printed, each logged step is one line, and no warning repeats.
+    assert all(line.startswith("[rank0] ") for line in output.splitlines()), output[:3000]
+    assert "[rank0]:" not in output and "[rank0] [rank0]" not in output, output[:3000]
+    assert "\033[" not in output, output[:3000]
+    assert "Warning:" not in output, output
+    trainer_line = re.compile(r"^\[rank0\] \d\d:\d\d:\d\d (INFO|WARNING|ERROR) ")
     ours = [line for line in output.splitlines() if trainer_line.search(line)]
     step_lines = [line for line in ours if " INFO step: " in line and "validation_loss" not in line]
     assert [int(line.split(" INFO step: ")[1].split()[0]) for line in step_lines] == [1, 5, 10, 15, 20, 25, 30]

@@ -743,7 +743,12 @@ def test_convert_script(pg, tmp_path, capsys, monkeypatch):
     assert everything["train_state"] == saved.train_state.state_dict()
     assert everything["dataloader"] == saved.loader.state_dict()
 
-    assert convert_checkpoint.main(["dcp-to-hf", str(step), str(tmp_path / "hf2"), "--flavor", "debugmodel"]) == 2
+    # The shape comes from the checkpoint's model.json, on top of the flavor; without one, from the flavor alone.
+    assert convert_checkpoint.main(["dcp-to-hf", str(step), str(tmp_path / "hf2"), "--flavor", "debugmodel",
+                                    "--dtype", "float32"]) == 0
+    assert_same(load_hf(tmp_path / "hf2", MODEL_ARGS), snapshot(saved)["model"])
+    (step / "model.json").unlink()
+    assert convert_checkpoint.main(["dcp-to-hf", str(step), str(tmp_path / "hf3"), "--flavor", "debugmodel"]) == 2
     assert "--flavor debugmodel expects" in capsys.readouterr().err
     assert convert_checkpoint.main(["dcp-to-torch", str(tmp_path / "missing"), str(tmp_path / "x.pt")]) == 2
     assert "missing does not exist" in capsys.readouterr().err

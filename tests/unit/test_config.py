@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from torchtitan.config import JobConfig, parse_args, save_config, to_toml
+from torchtitan.config import JobConfig, parse_args, save_config, to_toml, validation_shape
 from torchtitan.config import manager
 from torchtitan.config.manager import get_option, option_specs
 from torchtitan.errors import UserError
@@ -226,6 +226,12 @@ def test_short_help_flag(capsys):
     (["--trainng.steps", "5"], r"unknown option trainng\.steps; did you mean training\.steps\?"),
     (["--optimizer.learning_rate=0.1"], r"unknown option optimizer\.learning_rate; did you mean optimizer\.\w+"),
     (["--compile.enabel"], r"unknown option compile\.enabel; did you mean compile\.enable\?"),
+    # Every section is searched, and an option of exactly that name in another section comes first.
+    (["--training.lr", "1e-3"], r"unknown option training\.lr; did you mean optimizer\.lr\?"),
+    (["--training.weight_decay", "0"], r"did you mean optimizer\.weight_decay\?"),
+    (["--training.log_freq", "1"], r"did you mean metrics\.log_freq\?"),
+    (["--training.warmup_step", "2"], r"training\.warmup_step; did you mean lr_scheduler\.warmup_steps\?"),
+    (["--validaton.seq_len", "64"], r"did you mean validation\.seq_len\?"),
 ])
 def test_unknown_option_names_the_closest_key(argv, pattern):
     with raises(pattern):
@@ -338,6 +344,19 @@ def test_missing_config_file_names_the_path(tmp_path):
     missing = str(tmp_path / "nope.toml")
     with raises(rf"option job\.config_file: {re.escape(repr(missing))} does not exist"):
         parse_args(["--job.config_file", missing])
+
+
+def test_config_file_that_is_a_folder_lists_its_toml_files(tmp_path):
+    for name in ("b.toml", "a.toml", "notes.txt"):
+        (tmp_path / name).write_text("")
+    (tmp_path / "sub.toml").mkdir()
+    folder = str(tmp_path)
+    with raises(rf"option job\.config_file: {re.escape(repr(folder))} is a folder, not a TOML file; pass one of the "
+                rf"files in it: {re.escape(folder)}/a\.toml, {re.escape(folder)}/b\.toml$"):
+        parse_args(["--job.config_file", folder])
+    empty = tmp_path / "sub.toml"
+    with raises(rf"{re.escape(repr(str(empty)))} is a folder, not a TOML file; it holds no \.toml file$"):
+        parse_args(["--job.config_file", str(empty)])
 
 
 @pytest.mark.parametrize("old, new, value", [
@@ -571,7 +590,7 @@ def test_options_that_must_be_positive(key, value):
     (["--model.converters", "quantize.linear.mx"],
      r"model\.converters: 'quantize\.linear\.mx' is not a known converter; valid: quantize\.linear\.float8"),
     (["--checkpoint.keep_latest_k", "-1"], r"keep_latest_k: -1 must be 0 \(keep all\) or positive"),
-    (["--validation.enable", "--training.seq_len", "128"],
+    (["--validation.enable", "--training.seq_len", "128", "--validation.seq_len", "2048"],
      r"option validation\.seq_len: 2048 is longer than training\.seq_len = 128"),
 ])
 def test_validate_rejects(argv, pattern):
@@ -593,9 +612,24 @@ def test_validate_accepts_the_edges_of_each_range():
 
 
 def test_validation_seq_len_is_only_checked_when_validation_runs():
-    assert parse_args(["--training.seq_len", "128"]).validation.seq_len == 2048
+    config = parse_args(["--training.seq_len", "128", "--validation.seq_len", "256"])
+    assert config.validation.seq_len == 256
     config = parse_args(["--validation.enable", "--training.seq_len", "128", "--validation.seq_len", "64"])
     assert config.validation.seq_len == 64
+
+
+def test_validation_follows_training_shape_unless_set():
+    config = parse_args(["--job.config_file", "train_configs/debug_model.toml", "--training.seq_len", "128",
+                         "--training.local_batch_size", "4"])
+    assert (config.validation.enable, config.validation.seq_len, config.validation.local_batch_size) == (True, None,
+                                                                                                          None)
+    assert validation_shape(config) == (4, 128)
+    config = parse_args(["--training.seq_len", "128", "--validation.local_batch_size", "2",
+                         "--validation.seq_len", "64"])
+    assert validation_shape(config) == (2, 64)
+    # Unset stays unset in the saved config, so that re-running it with another training.seq_len still works.
+    saved_validation = to_toml(parse_args([])).split("[validation]")[1]
+    assert "seq_len" not in saved_validation and "local_batch_size" not in saved_validation
 
 
 def test_selective_ac_option_is_only_checked_in_selective_mode():

@@ -7,6 +7,7 @@ import torch
 
 from torchtitan.components.datasets import TextDataset, build_dataloader
 from torchtitan.components.datasets import text as text_module
+from torchtitan.components.datasets.records import first_malformed_record
 from torchtitan.errors import UserError
 
 BOS, EOS = 256, 257
@@ -350,15 +351,27 @@ def test_validation_split(corpus):
         (dict(path="{tmp}/data.csv"), r"data\.csv.*valid extensions are \.jsonl, \.json, \.parquet, \.txt"),
         (dict(path="{tmp}/nodata"), "training.dataset_path='.*nodata' is a folder without"),
         (dict(path="{tmp}/mixed"), "mixes file types"),
-        (dict(path="{tmp}/good.jsonl", field="body"), "training.dataset_text_field='body'.*'text'"),
-        (dict(path="{tmp}/numbers.jsonl"), "training.dataset_text_field='text'.*int"),
+        (dict(path="{tmp}/good.jsonl", field="body"),
+         r"dataset_path='.*good.jsonl': .*good\.jsonl line 1 has no field 'body' \(it has 'text'\); set "
+         r"training\.dataset_text_field"),
+        (dict(path="{tmp}/numbers.jsonl"), r"numbers\.jsonl line 1 has a number in field 'text', not a string$"),
         (dict(path="{tmp}/empty.txt"), "training.dataset_path='.*empty.txt' has no documents"),
         (dict(path="{tmp}/blank.jsonl"), "has only empty documents"),
         (dict(path="{tmp}/blank_lines.jsonl"), r"training.dataset_path='.*blank_lines.jsonl' has no documents"),
         (dict(path="{tmp}/empty_list.json"), r"training.dataset_path='.*empty_list.json' has no documents"),
         (dict(path="{tmp}/empty_object.json"), r"training.dataset_path='.*empty_object.json' has no documents"),
-        (dict(path="{tmp}/no_text.json"), r"training.dataset_text_field='text' .*no field 'text'; they have 'body'"),
-        (dict(path="{tmp}/broken.jsonl"), "training.dataset_path='.*broken.jsonl' could not be read as json"),
+        (dict(path="{tmp}/no_text.json"), r"no_text\.json line 1 has no field 'text' \(it has 'body'\)"),
+        # Malformed records: the file, the line (counting from 1) and what is wrong.
+        (dict(path="{tmp}/broken.jsonl"), r"broken\.jsonl line 2 is not valid JSON: Expecting value \(column 10\)$"),
+        (dict(path="{tmp}/one_without_text.jsonl"), r"one_without_text\.jsonl line 3 has no field 'text' \(it has "
+                                                    r"'body', 'id'\)"),
+        (dict(path="{tmp}/list_line.jsonl"), r"list_line\.jsonl line 2 is a list, not a JSON object"),
+        (dict(path="{tmp}/array.json"), r"array\.json line 4 has a boolean in field 'text', not a string$"),
+        # A trailing comma after line 3's record: json finds the error at the closing bracket.
+        (dict(path="{tmp}/broken_array.json"), r"broken_array\.json line 4 is not valid JSON: Expecting value"),
+        (dict(path="{tmp}/pq/numbers.parquet"), r"numbers\.parquet row 2: column 'text' holds int64, not strings$"),
+        (dict(path="{tmp}/pq/no_text.parquet"), r"no_text\.parquet has no column 'text' \(it has 'body'\)"),
+        (dict(path="{tmp}/pq/not.parquet"), r"not\.parquet is not a Parquet file"),
         (dict(seq_len=0), r"training.seq_len=0"),
         (dict(batch=0), r"training.local_batch_size=0"),
     ],
@@ -379,10 +392,27 @@ def test_user_errors(corpus, tmp_path, kwargs, message):
     (tmp_path / "empty_list.json").write_text("[]\n")
     (tmp_path / "empty_object.json").write_text("{}\n")
     (tmp_path / "no_text.json").write_text(json.dumps([{"body": "hello"}, {"body": "world"}]))
+    write_jsonl(tmp_path / "one_without_text.jsonl", [{"text": "a"}, {"text": None}, {"body": "b", "id": 3}])
+    (tmp_path / "list_line.jsonl").write_text('{"text": "a"}\n["b"]\n')
+    (tmp_path / "array.json").write_text('[\n  {"text": "a"},\n  {"text": "b"},\n  {"text": true}\n]\n')
+    (tmp_path / "broken_array.json").write_text('[\n  {"text": "a"},\n  {"text": "b"},\n]\n')
+    (tmp_path / "pq").mkdir()
+    pq.write_table(pa.table({"text": [None, 5]}), tmp_path / "pq" / "numbers.parquet")
+    pq.write_table(pa.table({"body": ["a"]}), tmp_path / "pq" / "no_text.parquet")
+    (tmp_path / "pq" / "not.parquet").write_bytes(b"not parquet at all")
     if "path" in kwargs:
         kwargs["path"] = kwargs["path"].format(tmp=tmp_path)
     with pytest.raises(UserError, match=message):
         loader(**kwargs)
+
+
+def test_first_malformed_record_names_the_first_bad_file_and_line(tmp_path):
+    good = write_jsonl(tmp_path / "a.jsonl", [{"text": "x"}, {"text": None}])
+    bad = tmp_path / "b.jsonl"
+    bad.write_text('{"text": "x"}\n\n{"text": "y"}\n{"text": 1.5}\n{"nope": 1}\n')
+    assert first_malformed_record([str(good)], "text") is None
+    assert first_malformed_record([str(good), str(bad)], "text") == (
+        f"{bad} line 4 has a number in field 'text', not a string")
 
 
 def test_too_small_for_every_rank(corpus):

@@ -9,7 +9,9 @@ import pytest
 import torch
 
 from torchtitan.errors import UserError
-from torchtitan.models.llama3.args import TransformerModelArgs, llama3_flavors, model_args_for
+from torchtitan.config import parse_args
+from torchtitan.models.llama3.args import (TransformerModelArgs, describe_model, llama3_flavors, model_args_for,
+                                           shape_overrides)
 from torchtitan.models.llama3.model import (Transformer, apply_rotary_emb, count_parameters, flops_per_token,
                                             rope_table, scale_rope_frequencies)
 
@@ -101,6 +103,47 @@ def test_model_args_for_replaces_vocab_and_rope_length():
 def test_model_args_for_errors_name_the_option(flavor, seq_len, pattern):
     with pytest.raises(UserError, match=pattern):
         model_args_for(flavor, seq_len)
+
+
+def test_shape_options_apply_on_top_of_the_flavor():
+    overrides = {"dim": 96, "n_layers": 2, "n_heads": 6, "n_kv_heads": 2, "ffn_dim_multiplier": 1.5,
+                 "multiple_of": 32, "vocab_size": 2368, "rope_theta": 10000.0}
+    args = model_args_for("tiny", 64, vocab_size=2304, overrides=overrides)
+    assert {name: getattr(args, name) for name in overrides} == overrides
+    assert (args.head_dim, args.kv_heads, args.ffn_hidden_dim, args.rope_len) == (16, 2, 384, 64)
+    assert (args.norm_eps, args.use_scaled_rope, args.max_seq_len) == (1e-5, True, 8192), "the rest is the flavor's"
+    assert llama3_flavors["tiny"].dim == 64, "model_args_for must not modify the flavor table"
+    model = cpu_model(args)
+    assert model(torch.randint(0, 2304, (2, 64))).shape == (2, 64, 2368)
+    assert describe_model("tiny", overrides).startswith("tiny with dim 96, n_layers 2, n_heads 6, n_kv_heads 2, "
+                                                        "ffn_dim_multiplier 1.5, multiple_of 32")
+    assert describe_model("tiny", {}) == "tiny"
+
+
+def test_shipped_125m_config_trains_the_shape_it_says():
+    config = parse_args(["--job.config_file", str(REPO / "train_configs/llama3_125m.toml")])
+    args = model_args_for(config.model.flavor, config.training.seq_len, 2304, overrides=shape_overrides(config.model))
+    assert (args.dim, args.n_layers, args.n_heads, args.kv_heads, args.head_dim, args.ffn_hidden_dim) == (
+        768, 12, 12, 4, 64, 2048)
+    # The figures its comment (and docs/recipes.md) give.
+    assert count_parameters(meta_model(args)) == 79_055_616
+    with_llama3_tokenizer = dataclasses.replace(args, vocab_size=128256)
+    assert count_parameters(meta_model(with_llama3_tokenizer)) == 272_517_888
+
+
+@pytest.mark.parametrize("overrides, pattern", [
+    ({"dim": 100}, r"option model\.dim: 100 is not divisible by model\.n_heads = 8"),
+    ({"dim": 72}, r"option model\.n_heads: dim / n_heads = 72 / 8 = 9 is odd"),
+    ({"n_heads": 2}, r"option model\.n_kv_heads: 4 does not divide model\.n_heads = 2"),
+    ({"n_layers": 0}, r"option model\.n_layers: 0 must be a positive integer"),
+    ({"n_kv_heads": -1}, r"option model\.n_kv_heads: -1 must be a positive integer"),
+    ({"ffn_dim_multiplier": 0.0}, r"option model\.ffn_dim_multiplier: 0\.0 must be positive"),
+    ({"rope_theta": -1.0}, r"option model\.rope_theta: -1\.0 must be positive"),
+    ({"vocab_size": 2000}, r"option model\.vocab_size: 2000 is smaller than the tokenizer.s vocabulary \(2304 "),
+])
+def test_shape_option_errors_name_the_option(overrides, pattern):
+    with pytest.raises(UserError, match=pattern):
+        model_args_for("tiny", 32, vocab_size=2304, overrides=overrides)
 
 
 def test_flops_per_token_formula():

@@ -9,7 +9,7 @@ from dataclasses import dataclass
 
 from torchtitan.config.job_config import Metrics
 from torchtitan.errors import UserError
-from torchtitan.tools.logging import logger
+from torchtitan.tools.logging import console_has_color, logger
 
 _JSONL_FILE_NAME = "metrics.jsonl"
 _RESET = "\033[0m"
@@ -55,7 +55,7 @@ class MetricsLogger:
         self, config: Metrics, dump_folder: str, rank: int, is_logging_rank: bool, run_config: dict | None = None
     ):
         self._is_logging_rank = is_logging_rank
-        self._colored = not config.disable_color_printing
+        self._colored = not config.disable_color_printing and console_has_color()
         writes_sinks = is_logging_rank or config.save_for_all_ranks
         self._jsonl_file = None
         self._tensorboard = None

@@ -50,7 +50,7 @@ class Metrics:
     """Write TensorBoard event files."""
 
     disable_color_printing: bool = False
-    """Print the per-step console line without ANSI colours."""
+    """Print the per-step console line without ANSI colours. Colours are only ever used when the console is a terminal and NO_COLOR is unset."""
 
     save_tb_folder: str = "tb"
     """Folder (under dump_folder) for TensorBoard event files."""
@@ -71,7 +71,31 @@ class Model:
     """Model family to train: llama3 is the only one this project implements."""
 
     flavor: str = "debugmodel"
-    """Model size: debugmodel, tiny (for tests), 8B, 70B or 405B (see torchtitan/models/llama3/args.py)."""
+    """Model size: debugmodel, tiny (for tests), 8B, 70B or 405B (see torchtitan/models/llama3/args.py). The shape options below change it."""
+
+    dim: int | None = None
+    """Model width (hidden size); a multiple of n_heads giving an even head dimension. None = the flavor's."""
+
+    n_layers: int | None = None
+    """Transformer blocks. None = the flavor's."""
+
+    n_heads: int | None = None
+    """Attention (query) heads. None = the flavor's."""
+
+    n_kv_heads: int | None = None
+    """Key/value heads (grouped-query attention); must divide n_heads. None = the flavor's."""
+
+    ffn_dim_multiplier: float | None = None
+    """Multiplier of the SwiGLU width (8/3 x dim, times this, rounded up to multiple_of). None = the flavor's."""
+
+    multiple_of: int | None = None
+    """The SwiGLU width is rounded up to a multiple of this. None = the flavor's."""
+
+    vocab_size: int | None = None
+    """Embedding rows, at least the tokenizer's vocabulary (larger pads it, e.g. to a multiple of 64). None = the tokenizer's."""
+
+    rope_theta: float | None = None
+    """Base of the rotary embedding frequencies. None = the flavor's."""
 
     hf_assets_path: str = ""
     """Folder (or file) with the tokenizer: tokenizer.json, or a tiktoken tokenizer.model as Meta ships it. Empty = the small tokenizer bundled with torchtitan."""
@@ -374,11 +398,11 @@ class Validation:
     dataset_path: str | None = None
     """Local data or HF hub id for validation, as training.dataset_path."""
 
-    local_batch_size: int = 8
-    """Validation sequences per data-parallel rank per step."""
+    local_batch_size: int | None = None
+    """Validation sequences per data-parallel rank per step. None = training.local_batch_size."""
 
-    seq_len: int = 2048
-    """Tokens per validation sequence."""
+    seq_len: int | None = None
+    """Tokens per validation sequence (at most training.seq_len). None = training.seq_len."""
 
     freq: int = 500
     """Validate every this many training steps."""

@@ -242,12 +242,33 @@ def _convert(key: str, value: Any, tp: Any, from_cli: bool) -> Any:
 
 
 def _closest(key: str, specs: dict[str, OptionSpec]) -> str:
-    matches = difflib.get_close_matches(key, list(specs), n=1, cutoff=0.5)
-    if not matches:
-        section = key.rsplit(".", 1)[0]
-        matches = difflib.get_close_matches(key.rsplit(".", 1)[-1], [k for k in specs if k.startswith(section + ".")],
-                                            n=1, cutoff=0.0)
-    return f"; did you mean {matches[0]}?" if matches else ""
+    """`; did you mean ...?` for an unknown `section.option`, searching every section: first an option of exactly
+    that name elsewhere (training.lr -> optimizer.lr), else the option most alike, the option's name weighing more
+    than its section (training.warmup_step -> lr_scheduler.warmup_steps, trainng.steps -> training.steps)."""
+    section, _, name = key.rpartition(".")
+
+    def section_likeness(candidate: str) -> float:
+        return difflib.SequenceMatcher(None, section, candidate.rpartition(".")[0]).ratio()
+
+    same_name = sorted((k for k in specs if k.rpartition(".")[2] == name), key=section_likeness, reverse=True)
+    if same_name:
+        # A misspelt section (trainng.steps) means that one; a wrong section (training.lr) may mean any of them.
+        if section_likeness(same_name[0]) >= 0.75:
+            same_name = same_name[:1]
+        return f"; did you mean {' or '.join(same_name)}?"
+
+    def likeness(candidate: str) -> float:
+        name_likeness = difflib.SequenceMatcher(None, name, candidate.rpartition(".")[2]).ratio()
+        return 0.7 * name_likeness + 0.3 * section_likeness(candidate)
+
+    best = max(specs, key=likeness)
+    if likeness(best) < 0.5:
+        # Nothing alike anywhere: the closest option of the section named, if it exists, still shows what it holds.
+        in_section = [k for k in specs if k.startswith(section + ".")]
+        if not in_section:
+            return ""
+        best = max(in_section, key=likeness)
+    return f"; did you mean {best}?"
 
 
 def _closest_section(name: str, specs: dict[str, OptionSpec]) -> str:
@@ -334,6 +355,10 @@ def _flatten_toml(data: dict, specs: dict[str, OptionSpec], where: str = "config
 
 def load_toml(path: str) -> dict:
     """Read a TOML file, turning a missing file or a syntax error into a UserError naming the file."""
+    if os.path.isdir(path):
+        tomls = sorted(os.path.join(path, entry.name) for entry in Path(path).glob("*.toml") if entry.is_file())
+        raise UserError(f"option job.config_file: {path!r} is a folder, not a TOML file; "
+                        + (f"pass one of the files in it: {', '.join(tomls)}" if tomls else "it holds no .toml file"))
     if not os.path.isfile(path):
         raise UserError(f"option job.config_file: {path!r} does not exist (pass a TOML file, e.g. "
                         f"train_configs/debug_model.toml)")
@@ -411,6 +436,14 @@ def get_option(config: Any, key: str) -> Any:
     return config
 
 
+def validation_shape(config: JobConfig) -> tuple[int, int]:
+    """(local batch size, sequence length) of validation batches: training's, where [validation] leaves them unset,
+    so that overriding training.seq_len alone keeps validation valid."""
+    validation, training = config.validation, config.training
+    return (training.local_batch_size if validation.local_batch_size is None else validation.local_batch_size,
+            training.seq_len if validation.seq_len is None else validation.seq_len)
+
+
 def parse_args(argv: list[str] | None = None) -> JobConfig:
     """Defaults <- TOML (job.config_file) <- command-line flags, then validated. `--help` prints every option."""
     argv = list(sys.argv[1:] if argv is None else argv)
@@ -443,7 +476,7 @@ def validate(config: JobConfig) -> None:
                 "parallelism.context_parallel_degree", "parallelism.pipeline_parallel_microbatch_size"]
     for key in positive:
         value = get_option(config, key)
-        if value <= 0:
+        if value is not None and value <= 0:
             raise UserError(f"option {key}: {value} must be a positive integer")
     shard = config.parallelism.data_parallel_shard_degree
     if shard == 0 or shard < -1:
@@ -466,10 +499,11 @@ def validate(config: JobConfig) -> None:
     ratio = config.lr_scheduler.decay_ratio
     if ratio is not None and not 0 <= ratio <= 1:
         raise UserError(f"option lr_scheduler.decay_ratio: {ratio} must be in [0, 1] (or unset)")
-    if config.validation.enable and config.validation.seq_len > config.training.seq_len:
+    if config.validation.enable and validation_shape(config)[1] > config.training.seq_len:
         # The model's RoPE table is built for training.seq_len: longer validation sequences have no angles.
         raise UserError(f"option validation.seq_len: {config.validation.seq_len} is longer than training.seq_len = "
-                        f"{config.training.seq_len}; set validation.seq_len <= training.seq_len")
+                        f"{config.training.seq_len}; set validation.seq_len <= training.seq_len (or leave it unset "
+                        f"to follow training.seq_len)")
     option = config.activation_checkpoint.selective_ac_option
     if config.activation_checkpoint.mode == "selective" and option != "op" and not (option.isdigit() and
                                                                                   int(option) > 0):

@@ -4,10 +4,12 @@ The mesh always has the five named dimensions `pp, dp_replicate, dp_shard, cp, t
 plus flattened views:
 - `dp` (dp_replicate x dp_shard): the ranks that read different data;
 - `dp_shard_cp` (dp_shard x cp): the ranks FSDP shards parameters over;
-- `dp_cp` (dp_replicate x dp_shard x cp): the ranks whose losses and token counts are summed.
+- `dp_cp` (dp_replicate x dp_shard x cp): the ranks whose losses and token counts are summed;
+and `hsdp`, the 2-D (dp_replicate, dp_shard_cp) mesh that HSDP shards over. torch deprecates slicing a flattened
+dimension from the root mesh ("users need to bookkeep the flattened mesh directly"): ask `get_mesh` for these.
 """
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
@@ -25,6 +27,7 @@ class ParallelDims:
     tp: int
     pp: int
     world_size: int
+    _meshes: dict[str, DeviceMesh] = field(default_factory=dict, init=False, repr=False, compare=False)
 
     @classmethod
     def from_config(cls, config: Parallelism, world_size: int) -> "ParallelDims":
@@ -52,10 +55,17 @@ class ParallelDims:
     def build_mesh(self, device_type: str) -> DeviceMesh:
         sizes = (self.pp, self.dp_replicate, self.dp_shard, self.cp, self.tp)
         mesh = init_device_mesh(device_type, sizes, mesh_dim_names=MESH_DIMS)
-        mesh["dp_replicate", "dp_shard"]._flatten(mesh_dim_name="dp")
-        mesh["dp_shard", "cp"]._flatten(mesh_dim_name="dp_shard_cp")
-        mesh["dp_replicate", "dp_shard", "cp"]._flatten(mesh_dim_name="dp_cp")
+        self._meshes = {"root": mesh,
+                        "dp": mesh["dp_replicate", "dp_shard"]._flatten(mesh_dim_name="dp"),
+                        "dp_shard_cp": mesh["dp_shard", "cp"]._flatten(mesh_dim_name="dp_shard_cp"),
+                        "dp_cp": mesh["dp_replicate", "dp_shard", "cp"]._flatten(mesh_dim_name="dp_cp")}
+        # The same mesh (and process groups) as slicing the root by ("dp_replicate", "dp_shard_cp") would give.
+        self._meshes["hsdp"] = DeviceMesh._concatenate([mesh["dp_replicate"], self._meshes["dp_shard_cp"]])
         return mesh
+
+    def get_mesh(self, name: str) -> DeviceMesh:
+        """A dimension of the mesh that build_mesh() built: one of MESH_DIMS, a flattened one, or hsdp."""
+        return self._meshes[name] if name in self._meshes else self._meshes["root"][name]
 
     @property
     def dp(self) -> int:

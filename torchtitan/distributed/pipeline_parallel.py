@@ -30,7 +30,7 @@ from torch.distributed.pipelining.schedules import (FORWARD, PipelineScheduleMul
                                                     get_schedule_class)
 from torch.distributed.tensor import DTensor, Shard
 
-from torchtitan.config.job_config import JobConfig
+from torchtitan.config import JobConfig, validation_shape
 from torchtitan.distributed.parallel_dims import ParallelDims
 from torchtitan.errors import UserError
 from torchtitan.models.llama3.parallelize import parallelize_llama
@@ -95,10 +95,11 @@ def plan_pipeline(model: nn.Module, pp_degree: int, config: JobConfig) -> Pipeli
     _check_stage_count(num_stages, n_layers, pp_degree, name, schedule_class, split_points, layers_per_stage)
     if not csv_path:
         _check_microbatches(n_microbatches, name, pp_degree, num_stages)
-    if config.validation.enable and config.validation.local_batch_size % n_microbatches:
+    validation_batch_size = validation_shape(config)[0]
+    if config.validation.enable and validation_batch_size % n_microbatches:
         raise UserError(f"option validation.local_batch_size: under pipeline parallelism a validation batch is "
                         f"split into the {n_microbatches} training micro-batches, so "
-                        f"{config.validation.local_batch_size} must be a multiple of {n_microbatches}")
+                        f"{validation_batch_size} must be a multiple of {n_microbatches}")
     stage_names = split_into_stages(model, num_stages, split_points=split_points, layers_per_stage=layers_per_stage)
     return PipelinePlan(name, schedule_class, n_microbatches, stage_names, v_shaped)
 

@@ -82,7 +82,7 @@ from torchtitan.components.float8 import float8_enabled
 from torchtitan.config import JobConfig
 from torchtitan.distributed.parallel_dims import ParallelDims
 from torchtitan.distributed.pipeline_parallel import plan_pipeline
-from torchtitan.models.llama3.args import TransformerModelArgs, model_args_for
+from torchtitan.models.llama3.args import TransformerModelArgs, model_args_for, shape_overrides
 from torchtitan.models.llama3.model import CPU_BF16_ATTENTION_MIN_HEAD_DIM, Transformer
 from torchtitan.models.llama3.pipeline import stage_ids_for_rank
 
@@ -133,7 +133,7 @@ def estimate(config: JobConfig, ngpu: int, overhead_bytes: int = 0, device: str 
     """The peak over the pipeline ranks (every rank of a pipeline stage group holds the same) on `device` devices
     ("cuda" or "cpu": attention saves different tensors on each)."""
     dims = ParallelDims.from_config(config.parallelism, ngpu)
-    args = model_args_for(config.model.flavor, config.training.seq_len)
+    args = model_args_for(config.model.flavor, config.training.seq_len, overrides=shape_overrides(config.model))
     stages_of_rank, in_flight = _pipeline_layout(config, args, dims)
     estimates = [_estimate_rank(config, args, dims, rank, stages, in_flight, overhead_bytes, device)
                  for rank, stages in enumerate(stages_of_rank)]

@@ -44,14 +44,17 @@ _DATASHEETS = (
     ("A100", _Datasheet("A100", bf16=312e12, tf32=156e12, fp32=19.5e12)),
 )
 
-# The measurement must stay well under the 2 s a trainer can spend on it at start-up.
-_MEASURE_BUDGET_S = 1.0
-_MEASURE_REPETITIONS = 5
-# Small matmuls are repeated for at least this long, so that one time slice lost to another process
-# cannot spoil every repetition.
-_MIN_SECONDS_PER_SIZE = 0.05
-# Bigger matmuls come closer to the peak; the small ones are there for dtypes the hardware only
-# emulates (CPU fp16 without native support runs at ~1 GFLOP/s, so one 1024 matmul takes 2 s).
+# The measurement: _TRIALS timed trials of back-to-back matmuls, _MEASURE_SECONDS in all, after a short ramp that
+# picks the matmul size; a trial's figure is its fastest matmul. The best trial is the peak; when the trials differ
+# by more than _MAX_SPREAD of it, the device was shared during the measurement and the figure is not trusted (used
+# for this run, never cached).
+_MEASURE_SECONDS = 1.0
+_TRIALS = 5
+_MAX_SPREAD = 0.10
+# The ramp stops at the size whose matmul would take more than this share of one trial. Bigger matmuls come closer
+# to the peak; the small ones are there for dtypes the hardware only emulates (CPU fp16 without native support runs
+# at ~1 GFLOP/s, so one 1024 matmul takes 2 s).
+_MAX_MATMUL_SHARE_OF_TRIAL = 0.25
 _CPU_MATMUL_SIZES = (256, 512, 1024, 2048)
 _ACCELERATOR_MATMUL_SIZES = (1024, 2048, 4096, 8192)
 
@@ -61,10 +64,12 @@ def peak_flops(device: torch.device, dtype: torch.dtype, configured: float = 0.0
 
     `configured` (metrics.peak_flops) wins when positive. Known NVIDIA GPUs get their datasheet dense
     figure (fp16 counts as bf16; fp32 counts as tf32 when TF32 matmuls are enabled). Anything else is
-    measured with a square matmul, once per process; on CPU the result is also cached on disk under
-    `$XDG_CACHE_HOME/torchtitan` (default `~/.cache/torchtitan`), keyed by CPU model, dtype and
-    torch.get_num_threads(), so later runs skip the measurement; a figure measured while other
-    processes keep the CPU busy (1-minute load average above the CPU count) is used but not cached.
+    measured, once per process: the best of 5 timed trials of square matmuls over 1 s. On CPU a stable
+    result is also cached on disk under `$XDG_CACHE_HOME/torchtitan` (default `~/.cache/torchtitan`),
+    keyed by CPU model, dtype and torch.get_num_threads(), so later runs skip the measurement. A figure
+    whose trials differ by more than 10% (the CPU was shared part of the time), or measured while other
+    processes keep the CPU busy (1-minute load average above the CPU count, or more other runnable
+    threads than the cores our threads leave), is used for this run with a warning but not cached.
     """
     if configured > 0:
         return configured, "configured (metrics.peak_flops)"
@@ -140,6 +145,20 @@ def _datasheet_figure(datasheet: _Datasheet, dtype: torch.dtype) -> tuple[float,
     return datasheet.fp32, "fp32"
 
 
+@dataclass(frozen=True)
+class _Measurement:
+    flops: float
+    """The best trial's FLOP/s."""
+    size: int
+    spread: float
+    """(best - worst) / best over the trials."""
+    description: str
+
+    @property
+    def stable(self) -> bool:
+        return self.spread <= _MAX_SPREAD
+
+
 @functools.lru_cache(maxsize=None)
 def _cpu_peak_flops(dtype: torch.dtype, num_threads: int) -> tuple[float, str]:
     cpu = _cpu_model_name()
@@ -149,69 +168,89 @@ def _cpu_peak_flops(dtype: torch.dtype, num_threads: int) -> tuple[float, str]:
     if cached is not None:
         return cached, f"measured earlier on {cpu} ({dtype_name}, {num_threads} threads), cached in {cache_file}"
     busy = _cpu_is_busy()
-    flops, size = _measure_matmul_flops(torch.device("cpu"), dtype)
-    source = f"measured: best {size}x{size} {dtype_name} matmul on {cpu}, {num_threads} threads"
-    logger.info(f"CPU peak {flops / 1e12:.3f} TFLOP/s ({source})")
-    if busy:
-        # Other processes competing for the cores make the figure too low; a later run measures again.
+    measurement = _measure_matmul_flops(torch.device("cpu"), dtype)
+    busy = busy or _cpu_is_busy()
+    source = f"measured: {measurement.description} on {cpu}, {num_threads} threads"
+    logger.info(f"CPU peak {measurement.flops / 1e12:.3f} TFLOP/s ({source})")
+    if not measurement.stable:
+        source += ", unstable: not cached"
         warn_once(
-            f"Other processes keep the CPU busy (load average {os.getloadavg()[0]:.1f} on {os.cpu_count()} CPUs): "
-            "the measured peak FLOP/s is likely too low and is not cached. Set metrics.peak_flops to override."
+            f"The peak FLOP/s measurement was unstable (its trials differed by {measurement.spread:.0%}, more than "
+            f"{_MAX_SPREAD:.0%}): other work shared the CPU, so this run's MFU uses the best trial and may be too "
+            "high, and the figure is not cached. Set metrics.peak_flops to fix it."
+        )
+    elif busy:
+        # Other processes competing for the cores all along make every trial equally too slow.
+        source += ", CPU busy: not cached"
+        warn_once(
+            f"Other processes keep the CPU busy ({busy}): the measured peak FLOP/s is likely too low and is not "
+            "cached. Set metrics.peak_flops to override."
         )
     else:
-        record = {"cpu": cpu, "dtype": dtype_name, "num_threads": num_threads, "matmul_size": size, "flops": flops}
+        record = {"cpu": cpu, "dtype": dtype_name, "num_threads": num_threads, "matmul_size": measurement.size,
+                  "flops": measurement.flops, "spread": measurement.spread}
         _write_cached_flops(cache_file, record)
-    return flops, source
+    return measurement.flops, source
 
 
 @functools.lru_cache(maxsize=None)
 def _measured_accelerator_peak_flops(device: torch.device, dtype: torch.dtype) -> tuple[float, str]:
-    flops, size = _measure_matmul_flops(device, dtype)
-    return flops, f"measured: best {size}x{size} {str(dtype).removeprefix('torch.')} matmul on {device}"
+    measurement = _measure_matmul_flops(device, dtype)
+    if not measurement.stable:
+        warn_once(f"The peak FLOP/s measurement on {device} was unstable (its trials differed by "
+                  f"{measurement.spread:.0%}); set metrics.peak_flops to fix the figure MFU uses.")
+    return measurement.flops, f"measured: {measurement.description} on {device}"
 
 
-def _measure_matmul_flops(device: torch.device, dtype: torch.dtype) -> tuple[float, int]:
-    """Best FLOP/s seen over square matmuls of growing size within the time budget, and the size that got it.
-
-    Sizes grow while the next one (8x the work) is expected to fit in what is left of the budget, so a
-    dtype the hardware emulates slowly stops early instead of blowing the budget. The maximum over
-    everything timed is kept: other processes sharing the device can only make a run slower.
-    """
+def _measure_matmul_flops(device: torch.device, dtype: torch.dtype) -> _Measurement:
+    """The best of _TRIALS timed trials of back-to-back square matmuls (_MEASURE_SECONDS in all), at the largest
+    size of the ramp whose single matmul fits in a quarter of a trial. Other work sharing the device can only make
+    a matmul slower, so the best is the peak, and the spread of the trials shows whether there was any."""
     sizes = _CPU_MATMUL_SIZES if device.type == "cpu" else _ACCELERATOR_MATMUL_SIZES
-    deadline = time.perf_counter() + _MEASURE_BUDGET_S
-    best_flops, best_size = 0.0, sizes[0]
-    for size in sizes:
-        flops, best_s = _best_matmul_flops(device, dtype, size, deadline)
-        if flops > best_flops:
-            best_flops, best_size = flops, size
-        next_size_estimate_s = max(8 * best_s * _MEASURE_REPETITIONS, _MIN_SECONDS_PER_SIZE)
-        if time.perf_counter() + next_size_estimate_s > deadline:
+    trial_seconds = _MEASURE_SECONDS / _TRIALS
+    size = sizes[0]
+    for candidate in sizes:
+        if _matmul_seconds(device, dtype, candidate) > _MAX_MATMUL_SHARE_OF_TRIAL * trial_seconds:
             break
-    return best_flops, best_size
+        size = candidate
+    rates = [_trial_flops(device, dtype, size, trial_seconds) for _ in range(_TRIALS)]
+    best = max(rates)
+    spread = (best - min(rates)) / best
+    dtype_name = str(dtype).removeprefix("torch.")
+    return _Measurement(best, size, spread, f"best of {_TRIALS} trials of {size}x{size} {dtype_name} matmuls over "
+                                            f"{_MEASURE_SECONDS:g} s, spread {spread:.0%}")
 
 
-def _best_matmul_flops(device: torch.device, dtype: torch.dtype, size: int, deadline: float) -> tuple[float, float]:
-    """FLOP/s and seconds of the fastest size x size matmul among _MEASURE_REPETITIONS or more.
-
-    Repeats until both _MEASURE_REPETITIONS runs and _MIN_SECONDS_PER_SIZE have gone by, or the
-    deadline has passed.
-    """
+def _matmul_seconds(device: torch.device, dtype: torch.dtype, size: int) -> float:
+    """Seconds of one size x size matmul, timed after one untimed (warm-up) run."""
     a = torch.randn(size, size, device=device, dtype=dtype)
     b = torch.randn(size, size, device=device, dtype=dtype)
-    best_s = math.inf
+    torch.matmul(a, b)
+    start = time.perf_counter()
+    torch.matmul(a, b)
+    if device.type != "cpu":
+        torch.accelerator.synchronize(device)
+    return time.perf_counter() - start
+
+
+def _trial_flops(device: torch.device, dtype: torch.dtype, size: int, seconds: float) -> float:
+    """FLOP/s of the fastest of the size x size matmuls run back to back for at least `seconds` (and at least
+    twice): a time slice lost to another process slows some matmuls of the trial, not the fastest."""
+    a = torch.randn(size, size, device=device, dtype=dtype)
+    b = torch.randn(size, size, device=device, dtype=dtype)
+    count = 0
+    fastest = math.inf
     started = time.perf_counter()
-    repetitions = 0
     while True:
         start = time.perf_counter()
         torch.matmul(a, b)
         if device.type != "cpu":
             torch.accelerator.synchronize(device)
         now = time.perf_counter()
-        best_s = min(best_s, now - start)
-        repetitions += 1
-        enough = repetitions >= _MEASURE_REPETITIONS and now - started >= _MIN_SECONDS_PER_SIZE
-        if enough or now > deadline:
-            return 2 * size**3 / best_s, best_s
+        fastest = min(fastest, now - start)
+        count += 1
+        if count >= 2 and now - started >= seconds:
+            return 2 * size**3 / fastest
 
 
 def _cpu_model_name() -> str:
@@ -225,8 +264,36 @@ def _cpu_model_name() -> str:
     return platform.processor() or platform.machine() or "unknown-cpu"
 
 
-def _cpu_is_busy() -> bool:
-    return os.getloadavg()[0] > (os.cpu_count() or 1)
+def _cpu_is_busy() -> str | None:
+    """Why other processes compete for the cores, if they do: over the last minute (load average above the CPU
+    count), or right now (more other runnable threads, /proc/loadavg's less this process's, than the CPUs this
+    process's torch threads leave free; other ranks measuring beside it with a core each do not count)."""
+    cpus = os.cpu_count() or 1
+    load = os.getloadavg()[0]
+    if load > cpus:
+        return f"load average {load:.1f} on {cpus} CPUs"
+    others = _other_runnable_threads()
+    if others is not None and others > cpus - torch.get_num_threads():
+        return f"{others} other runnable threads beside {torch.get_num_threads()} of ours on {cpus} CPUs"
+    return None
+
+
+def _other_runnable_threads() -> int | None:
+    """Threads of other processes running or waiting for a core right now (Linux), or None where unknown."""
+    try:
+        with open("/proc/loadavg") as loadavg:
+            runnable = int(loadavg.read().split()[3].split("/")[0])
+        own = sum(1 for stat in Path("/proc/self/task").glob("*/stat") if _thread_state(stat) == "R")
+    except (OSError, ValueError, IndexError):
+        return None
+    return max(runnable - own, 0)
+
+
+def _thread_state(stat_file: Path) -> str:
+    try:
+        return stat_file.read_text().rsplit(")", 1)[1].split()[0]
+    except (OSError, IndexError):
+        return ""  # the thread has exited
 
 
 def _cache_dir() -> Path:

@@ -1,4 +1,10 @@
-"""Rank-aware logging: every line is prefixed with the rank, and warnings can be issued once."""
+"""Rank-aware logging: every line is prefixed with the rank (once), and warnings can be issued once.
+
+Under `torchtitan.launch` with `--tee`, torchrun copies each worker's output to the console line by line with its own
+prefix: the launcher then makes that prefix `[rankN] ` (the global rank) and tells the workers, through
+LAUNCHER_PREFIXES_RANK_ENV, to leave it out of their lines; it also tells them through CONSOLE_IS_TTY_ENV whether
+that console is a terminal, since a worker's own stderr is then a log file.
+"""
 
 import logging
 import os
@@ -7,6 +13,9 @@ import sys
 logger = logging.getLogger("torchtitan")
 
 _warned: set[str] = set()
+
+LAUNCHER_PREFIXES_RANK_ENV = "TORCHTITAN_LAUNCHER_PREFIXES_RANK"
+CONSOLE_IS_TTY_ENV = "TORCHTITAN_CONSOLE_IS_TTY"
 
 
 class _CurrentStderrHandler(logging.StreamHandler):
@@ -24,12 +33,11 @@ class _CurrentStderrHandler(logging.StreamHandler):
 
 
 def init_logger(level: int = logging.INFO) -> None:
-    """Configure the `torchtitan` logger to print `[rank N] time level message` lines to stderr."""
-    rank = os.environ.get("RANK", "0")
+    """Configure the `torchtitan` logger to print `[rankN] time level message` lines to stderr (without the rank
+    when the launcher already prefixes every line with it)."""
+    prefix = "" if os.environ.get(LAUNCHER_PREFIXES_RANK_ENV) == "1" else f"[rank{os.environ.get('RANK', '0')}] "
     handler = _CurrentStderrHandler()
-    handler.setFormatter(
-        logging.Formatter(f"[rank{rank}] %(asctime)s %(levelname)s %(message)s", datefmt="%H:%M:%S")
-    )
+    handler.setFormatter(logging.Formatter(f"{prefix}%(asctime)s %(levelname)s %(message)s", datefmt="%H:%M:%S"))
     logger.handlers[:] = [handler]
     logger.setLevel(level)
     logger.propagate = False
@@ -40,3 +48,15 @@ def warn_once(message: str) -> None:
     if message not in _warned:
         _warned.add(message)
         logger.warning(message)
+
+
+def console_has_color() -> bool:
+    """Whether log lines may carry ANSI colours: only when they reach a terminal, and never with NO_COLOR set
+    (https://no-color.org). Colour codes in a log file or a pipe are noise."""
+    if os.environ.get("NO_COLOR"):
+        return False
+    launcher_console = os.environ.get(CONSOLE_IS_TTY_ENV)
+    if launcher_console is not None:
+        return launcher_console == "1"
+    isatty = getattr(sys.stderr, "isatty", None)
+    return bool(isatty and isatty())

@@ -14,6 +14,11 @@ the new one is complete: the old folder is renamed to `step-N.stale.incomplete`,
 one deleted. A crash between those renames leaves both under `.incomplete` names, and resuming takes the previous
 complete step.
 
+Rank 0 also writes `model.json` into every DCP checkpoint: the model's shape (width, layers, heads, FFN width,
+vocabulary, RoPE), which `[model]` may have set on top of the flavor. Loading a checkpoint (resume or
+`initial_load_path`) compares it with this run's model first, and names the options that differ: the parameter shapes
+do not reveal the head count or the RoPE base, which would load silently and compute something else.
+
 DCP has no checksums: a shard damaged after the save (other bytes, same size) would load silently. So before the
 rename rank 0 writes `checksums.json` into the folder, the size and CRC32 of every file DCP wrote (each rank hashes
 its own files as it writes them; rank 0 gathers the entries), and every load checks the files against it before DCP
@@ -49,15 +54,15 @@ rest as initialised).
 
 from torchtitan.components.checkpoint.integrity import CHECKSUMS_FILE, verify_checkpoint
 from torchtitan.components.checkpoint.manager import (ASYNC_MODES, EXPORT_DTYPES, INCOMPLETE_SUFFIX, LOADABLE_PARTS,
-                                                      CheckpointManager, ModelWrapper, RNGState, TrainState,
-                                                      complete_steps, read_full_checkpoint, read_full_model,
-                                                      validate_config)
+                                                      MODEL_FILE, CheckpointManager, ModelWrapper, RNGState,
+                                                      TrainState, check_model_shape, complete_steps,
+                                                      read_full_checkpoint, read_full_model, validate_config)
 from torchtitan.components.checkpoint.safe_io import (METADATA_FILE, SafeFileSystemReader, WeightsOnlyLoadPlanner,
                                                       read_metadata, without_collectives)
 
 __all__ = [
     "ASYNC_MODES", "CHECKSUMS_FILE", "EXPORT_DTYPES", "INCOMPLETE_SUFFIX", "LOADABLE_PARTS", "METADATA_FILE",
-    "CheckpointManager", "ModelWrapper", "RNGState", "SafeFileSystemReader", "TrainState", "WeightsOnlyLoadPlanner",
+    "MODEL_FILE", "CheckpointManager", "check_model_shape", "ModelWrapper", "RNGState", "SafeFileSystemReader", "TrainState", "WeightsOnlyLoadPlanner",
     "complete_steps", "read_full_checkpoint", "read_full_model", "read_metadata", "validate_config",
     "verify_checkpoint", "without_collectives",
 ]

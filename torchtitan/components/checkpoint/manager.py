@@ -1,6 +1,7 @@
 """CheckpointManager: when to save, the folder layout (`step-N`, `.incomplete`, publishing, pruning) and resuming.
 The package's `__init__` describes the layout and the keys."""
 
+import json
 import os
 import pickle
 import random
@@ -34,6 +35,7 @@ from torchtitan.distributed.utils import new_group_with_own_timeout
 from torchtitan.errors import UserError
 from torchtitan.models.llama3.args import TransformerModelArgs
 from torchtitan.models.llama3.state_dict_adapter import is_hf_folder
+from torchtitan.tools.files import atomic_write
 from torchtitan.tools.logging import logger
 
 INCOMPLETE_SUFFIX = ".incomplete"
@@ -200,6 +202,39 @@ class _PendingSave:
     staging: Path
 
 
+MODEL_FILE = "model.json"
+
+
+def _model_shape(model_args: TransformerModelArgs) -> dict[str, Any]:
+    """What `MODEL_FILE` records: every value that decides what the weights compute, named as the model.* options
+    (the SwiGLU width both as its options and as the width they give, which is what is compared)."""
+    return {"dim": model_args.dim, "n_layers": model_args.n_layers, "n_heads": model_args.n_heads,
+            "n_kv_heads": model_args.kv_heads, "ffn_dim_multiplier": model_args.ffn_dim_multiplier,
+            "multiple_of": model_args.multiple_of, "ffn_hidden_dim": model_args.ffn_hidden_dim,
+            "vocab_size": model_args.vocab_size, "rope_theta": model_args.rope_theta, "norm_eps": model_args.norm_eps,
+            "use_scaled_rope": model_args.use_scaled_rope}
+
+
+def check_model_shape(checkpoint: Path, model_args: TransformerModelArgs) -> None:
+    """A UserError naming every shape value in which the checkpoint's `MODEL_FILE` differs from this run's model
+    (a checkpoint without one, from an older version, is left to the parameter-shape check)."""
+    path = checkpoint / MODEL_FILE
+    if not path.is_file():
+        return
+    try:
+        saved = json.loads(path.read_text())
+    except (OSError, ValueError) as err:
+        raise UserError(f"checkpoint {checkpoint}: {path} cannot be read ({describe(err)})") from err
+    ours = _model_shape(model_args)
+    differ = [name for name in ours if name in saved and saved[name] != ours[name]
+              and name not in ("ffn_dim_multiplier", "multiple_of")]
+    if differ:
+        raise UserError(f"checkpoint {checkpoint} was saved from another model: "
+                        + ", ".join(f"{name} {saved[name]} (this run: {ours[name]})" for name in differ)
+                        + "; set model.flavor and the [model] shape options it was trained with (its shape is in "
+                        f"{path})")
+
+
 class CheckpointManager:
     """Saves the training state every `interval` steps and resumes from the latest complete checkpoint.
 
@@ -364,6 +399,7 @@ class CheckpointManager:
         if skipped:
             logger.warning(f"Checkpoint {checkpoint} holds no {', '.join(skipped)}; they keep their initial state")
         if "model" in present:
+            check_model_shape(checkpoint, self.model_args)
             self._check_model_shapes(checkpoint, saved)
         state_dict = {self._key(part): self._load_template(part, saved) for part in present}
         files = list(checkpoint.glob("*.distcp"))
@@ -602,6 +638,9 @@ class CheckpointManager:
         """Rename `step-N.incomplete` (with its checksums, if a DCP checkpoint) to `step-N`."""
         final = self._step_path(step)
         staging = _incomplete(final)
+        if (staging / METADATA_FILE).exists():
+            with atomic_write(staging / MODEL_FILE) as f:
+                json.dump(_model_shape(self.model_args), f, indent=1)
         if final.exists():
             logger.warning(f"Replacing the existing checkpoint {final} by the one just saved")
             stale = _incomplete(final.with_name(final.name + ".stale"))

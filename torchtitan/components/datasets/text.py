@@ -24,14 +24,16 @@ every rank of a run, also one with another data-parallel degree or rank. Resumin
 the anchor instead of re-tokenizing everything before it: map-style datasets index the document
 directly, streaming datasets skip the documents before it without tokenizing them.
 
-Empty documents (and missing values) contribute nothing to the stream: a `BOS EOS` pair carries no
-text to learn from. Plain-text (.txt) files hold one document per line, as the Hugging Face `text`
-builder reads them.
+Empty documents (and null values) contribute nothing to the stream: a `BOS EOS` pair carries no
+text to learn from. A malformed record of a local file (not JSON, not an object, without the text
+field, or not text) is an error naming the file and line (records.py). Plain-text (.txt) files
+hold one document per line, as the Hugging Face `text` builder reads them.
 """
 
 import glob
 import os
 import re
+import warnings
 from collections import deque
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
@@ -43,6 +45,7 @@ from torch.utils.data import IterableDataset
 from torchdata.stateful_dataloader import StatefulDataLoader
 
 from torchtitan.components.datasets.corpus import embedded_corpus
+from torchtitan.components.datasets.records import first_malformed_record
 from torchtitan.errors import UserError
 from torchtitan.tools.logging import logger
 
@@ -196,15 +199,25 @@ def _local_documents(source: _Source, files: list[str]) -> _Documents:
     if all(os.path.getsize(f) == 0 for f in files):
         raise UserError(f"{source.option()} has no documents: its files are empty")
     field = _TXT_FIELD if builder == "text" else source.text_field
+    # The builders log their own errors ("Failed to load JSON from file ..."): the one error line is ours.
+    verbosity = datasets.logging.get_verbosity()
+    datasets.logging.set_verbosity(datasets.logging.CRITICAL)
     try:
         dataset = datasets.load_dataset(builder, data_files=files, split="train")
     except datasets.exceptions.DatasetGenerationError as e:
+        _raise_if_malformed(source, builder, files, field)
         raise UserError(f"{source.option()} could not be read as {builder}: {e.__cause__ or e}") from e
     except ValueError as e:
         # Files that are not empty but hold no records (blank lines, a JSON [] or {}) give a split without data.
         if "corresponds to no data" not in str(e):
+            # pyarrow's errors are ValueErrors too (a file that is not Parquet at all, for one).
+            _raise_if_malformed(source, builder, files, field)
             raise
         raise UserError(f"{source.option()} has no documents: its files hold no records") from e
+    finally:
+        datasets.logging.set_verbosity(verbosity)
+    if dataset.num_rows and not _holds_text(dataset, field):
+        _raise_if_malformed(source, builder, files, field)
     if dataset.num_rows and field not in dataset.column_names:
         raise UserError(
             f"{source.field_option()}: the records have no field {field!r}; "
@@ -215,6 +228,25 @@ def _local_documents(source: _Source, files: list[str]) -> _Documents:
     documents = _sized_documents(lambda start, stop: dataset[start:stop][field], dataset.num_rows)
     logger.info(f"dataset {source.label}: {dataset.num_rows} documents from {len(files)} file(s)")
     return documents
+
+
+def _holds_text(dataset: Any, field: str) -> bool:
+    """Whether every record has the text field as a string, judged from the loaded table's schema and null count
+    (a record without the field reads as null)."""
+    if field not in dataset.column_names:
+        return False
+    return getattr(dataset.features[field], "dtype", None) in ("string", "large_string") and \
+        dataset.data.column(field).null_count == 0
+
+
+def _raise_if_malformed(source: _Source, builder: str, files: list[str], field: str) -> None:
+    """Name the file and line of the first malformed record, if there is one (a null text field is not: it is an
+    empty document)."""
+    if builder == "text":
+        return
+    problem = first_malformed_record(files, field)
+    if problem is not None:
+        raise UserError(f"{source.option()}: {problem}")
 
 
 def _hub_documents(source: _Source, repo: str, config: str | None, split: str) -> _Documents:
@@ -450,6 +482,11 @@ def build_dataloader(
         infinite=infinite,
         config_section=config_section,
     )
-    return StatefulDataLoader(
-        text_dataset, batch_size=local_batch_size, num_workers=0, collate_fn=_collate
-    )
+    with warnings.catch_warnings():
+        # StatefulDataLoader() calls torch.set_vital, which torch has emptied and deprecated: a warning the user can
+        # do nothing about, on every run. Only that warning, only from torchdata's loader, is silenced.
+        warnings.filterwarnings("ignore", message="'set_vital' is deprecated", category=UserWarning,
+                                module=r"torchdata\.stateful_dataloader")
+        return StatefulDataLoader(
+            text_dataset, batch_size=local_batch_size, num_workers=0, collate_fn=_collate
+        )

@@ -3,6 +3,7 @@
 import dataclasses
 import math
 from dataclasses import dataclass
+from typing import Any
 
 from torchtitan.errors import UserError
 
@@ -58,12 +59,67 @@ llama3_flavors: dict[str, TransformerModelArgs] = {
 }
 
 
-def model_args_for(flavor: str, seq_len: int, vocab_size: int | None = None) -> TransformerModelArgs:
-    """The flavor's shapes for training at `seq_len`; `vocab_size` (the tokenizer's) replaces the flavor's."""
+# The shape options that [model] may set on top of the flavor (None there = the flavor's value).
+SHAPE_OPTIONS = ("dim", "n_layers", "n_heads", "n_kv_heads", "ffn_dim_multiplier", "multiple_of", "vocab_size",
+                 "rope_theta")
+
+
+def shape_overrides(model_config: Any) -> dict[str, Any]:
+    """The shape options that the [model] section (a job_config.Model) sets."""
+    return {name: getattr(model_config, name) for name in SHAPE_OPTIONS if getattr(model_config, name) is not None}
+
+
+def describe_model(flavor: str, overrides: dict[str, Any]) -> str:
+    """`debugmodel`, or `debugmodel with dim 768, n_layers 12` when [model] changes the flavor's shape."""
+    changes = ", ".join(f"{name} {value:g}" if isinstance(value, float) else f"{name} {value}"
+                        for name, value in overrides.items())
+    return f"{flavor} with {changes}" if changes else flavor
+
+
+def model_args_for(flavor: str, seq_len: int, vocab_size: int | None = None,
+                   overrides: dict[str, Any] | None = None) -> TransformerModelArgs:
+    """The flavor's shapes for training at `seq_len`; `vocab_size` (the tokenizer's) replaces the flavor's.
+
+    `overrides` ({option: value} of SHAPE_OPTIONS, from [model]) replace the flavor's values; a `vocab_size` among
+    them pads the embedding beyond the tokenizer's vocabulary (it must hold every token id). The combination is
+    checked, each error naming the model.* option at fault.
+    """
     if flavor not in llama3_flavors:
         raise UserError(f"option model.flavor: unknown flavor {flavor!r}; valid: {', '.join(llama3_flavors)}")
     args = llama3_flavors[flavor]
     if seq_len > args.max_seq_len:
         raise UserError(f"option training.seq_len: {seq_len} exceeds the {args.max_seq_len} tokens that flavor "
                         f"{flavor} supports")
-    return dataclasses.replace(args, rope_len=seq_len, vocab_size=vocab_size or args.vocab_size)
+    overrides = dict(overrides or {})
+    unknown = sorted(set(overrides) - set(SHAPE_OPTIONS))
+    if unknown:
+        raise ValueError(f"not shape options: {', '.join(unknown)}")
+    if vocab_size is not None and overrides.get("vocab_size", vocab_size) < vocab_size:
+        raise UserError(f"option model.vocab_size: {overrides['vocab_size']} is smaller than the tokenizer's "
+                        f"vocabulary ({vocab_size} tokens); use at least {vocab_size}, or leave it unset")
+    vocab_size = overrides.pop("vocab_size", vocab_size or args.vocab_size)
+    args = dataclasses.replace(args, rope_len=seq_len, vocab_size=vocab_size, **overrides)
+    _check_shape(args)
+    return args
+
+
+def _check_shape(args: TransformerModelArgs) -> None:
+    """The combination of shapes a transformer can have; each error names the model.* options concerned."""
+    for name in ("dim", "n_layers", "n_heads", "multiple_of", "vocab_size"):
+        if getattr(args, name) < 1:
+            raise UserError(f"option model.{name}: {getattr(args, name)} must be a positive integer")
+    if args.n_kv_heads is not None and args.n_kv_heads < 1:
+        raise UserError(f"option model.n_kv_heads: {args.n_kv_heads} must be a positive integer")
+    for name in ("ffn_dim_multiplier", "rope_theta"):
+        value = getattr(args, name)
+        if value is not None and not value > 0:
+            raise UserError(f"option model.{name}: {value} must be positive")
+    if args.dim % args.n_heads:
+        raise UserError(f"option model.dim: {args.dim} is not divisible by model.n_heads = {args.n_heads}; each "
+                        f"head gets dim / n_heads channels")
+    if args.head_dim % 2:
+        raise UserError(f"option model.n_heads: dim / n_heads = {args.dim} / {args.n_heads} = {args.head_dim} is "
+                        f"odd; rotary embeddings need an even head dimension")
+    if args.n_heads % args.kv_heads:
+        raise UserError(f"option model.n_kv_heads: {args.kv_heads} does not divide model.n_heads = {args.n_heads}; "
+                        f"each key/value head serves the same number of query heads")

@@ -8,7 +8,7 @@ Under pipeline parallelism this runs once per stage.
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
-from torchtitan.config.job_config import JobConfig
+from torchtitan.config import JobConfig, validation_shape
 from torchtitan.distributed.activation_checkpoint import apply_ac
 from torchtitan.distributed.compile import apply_compile, check_compile
 from torchtitan.distributed.fsdp import apply_ddp, apply_fsdp
@@ -35,8 +35,9 @@ def validate_parallelism(args: TransformerModelArgs, parallel_dims: ParallelDims
     if seq_len % multiple:
         raise UserError(f"option training.seq_len: {seq_len} must be divisible by tensor_parallel_degree"
                         + (" x 2 x context_parallel_degree" if cp > 1 else "") + f" = {multiple}")
-    if config.validation.enable and config.validation.seq_len % multiple:
-        raise UserError(f"option validation.seq_len: {config.validation.seq_len} must be divisible by {multiple} "
+    validation_seq_len = validation_shape(config)[1]
+    if config.validation.enable and validation_seq_len % multiple:
+        raise UserError(f"option validation.seq_len: {validation_seq_len} must be divisible by {multiple} "
                         f"(as training.seq_len)")
     if config.parallelism.enable_async_tensor_parallel:
         if device_type != "cuda":
@@ -73,8 +74,7 @@ def parallelize_llama(model: nn.Module, world_mesh: DeviceMesh, parallel_dims: P
     precision = {"param_dtype": config.training.mixed_precision_param,
                  "reduce_dtype": config.training.mixed_precision_reduce}
     if parallel_dims.fsdp_enabled:
-        dp_mesh = world_mesh["dp_replicate", "dp_shard_cp"] if parallel_dims.hsdp_enabled \
-            else world_mesh["dp_shard_cp"]
+        dp_mesh = parallel_dims.get_mesh("hsdp" if parallel_dims.hsdp_enabled else "dp_shard_cp")
         apply_fsdp(model, dp_mesh, pp_enabled=parallel_dims.pp_enabled,
                    cpu_offload=config.training.enable_cpu_offload,
                    reshard_policy=config.parallelism.fsdp_reshard_after_forward, **precision)

@@ -245,7 +245,7 @@ def _check_config(folder: Path, model_args: TransformerModelArgs) -> None:
         if saved != expected[field]:
             raise UserError(f"Hugging Face config {config_path}: {field} is {saved}, but the model (flavor with "
                             f"vocab_size {model_args.vocab_size}) needs {expected[field]}; choose the matching "
-                            f"model.flavor")
+                            f"model.flavor (and [model] shape options)")
     # The shapes match whatever these are, so a mismatch would load silently and give other logits.
     # An absent entry means transformers' default, which is what transformers would compute with.
     theta, scaling = _hf_rope(config)
@@ -254,7 +254,7 @@ def _check_config(folder: Path, model_args: TransformerModelArgs) -> None:
         shown = f"{_HF_DEFAULT_ROPE_THETA}{absent}" if theta is None else theta
         raise UserError(f"Hugging Face config {config_path}: rope_theta is {shown}, but the model uses "
                         f"{model_args.rope_theta:g}; the weights were trained with other rotary embeddings than "
-                        f"this model.flavor computes, choose the matching flavor")
+                        f"this model.flavor computes, choose the matching flavor (or set model.rope_theta)")
     eps = config.get("rms_norm_eps")
     if not _same(_HF_DEFAULT_RMS_NORM_EPS if eps is None else eps, model_args.norm_eps):
         shown = f"{_HF_DEFAULT_RMS_NORM_EPS}{absent}" if eps is None else eps

@@ -1,0 +1,52 @@
+"""One rank prefix per log line, whoever launched the trainer."""
+
+import logging
+import os
+import sys
+
+import pytest
+
+from torchtitan import launch
+from torchtitan.tools.logging import CONSOLE_IS_TTY_ENV, LAUNCHER_PREFIXES_RANK_ENV, init_logger, logger
+
+
+def _formatted(message: str) -> str:
+    record = logging.LogRecord("torchtitan", logging.INFO, __file__, 1, message, None, None)
+    return logger.handlers[0].format(record)
+
+
+@pytest.fixture
+def restore_logger():
+    handlers, level, propagate = logger.handlers[:], logger.level, logger.propagate
+    yield
+    logger.handlers[:] = handlers
+    logger.setLevel(level)
+    logger.propagate = propagate
+
+
+def test_logger_prefixes_the_global_rank_unless_the_launcher_does(restore_logger, monkeypatch):
+    monkeypatch.setenv("RANK", "3")
+    monkeypatch.delenv(LAUNCHER_PREFIXES_RANK_ENV, raising=False)
+    init_logger()
+    assert _formatted("hello").startswith("[rank3] ")
+    monkeypatch.setenv(LAUNCHER_PREFIXES_RANK_ENV, "1")
+    init_logger()
+    line = _formatted("hello")
+    assert "rank" not in line and line.endswith(" INFO hello")
+
+
+@pytest.mark.parametrize(("tee", "prefixed"), [("3", True), ("2", True), ("1", False), ("0", False)])
+def test_launcher_owns_the_prefix_only_when_it_tees_stderr(monkeypatch, tee, prefixed):
+    # launch.main sets variables for the workers in its own environment: give it a copy, dropped afterwards.
+    environment = {name: value for name, value in os.environ.items() if name not in (
+        LAUNCHER_PREFIXES_RANK_ENV, CONSOLE_IS_TTY_ENV, "TORCHELASTIC_LOG_LINE_PREFIX_TEMPLATE")}
+    monkeypatch.setattr(os, "environ", environment)
+    seen = {}
+    monkeypatch.setattr(launch, "run", lambda args: seen.update(os.environ))
+    assert launch.main(["--nproc_per_node", "2", "--tee", tee, "-m", "torchtitan.train"]) == 0
+    if prefixed:
+        assert seen["TORCHELASTIC_LOG_LINE_PREFIX_TEMPLATE"] == "[rank${rank}] "
+        assert seen[LAUNCHER_PREFIXES_RANK_ENV] == "1"
+        assert seen[CONSOLE_IS_TTY_ENV] == ("1" if sys.stderr.isatty() else "0")
+    else:
+        assert LAUNCHER_PREFIXES_RANK_ENV not in seen and "TORCHELASTIC_LOG_LINE_PREFIX_TEMPLATE" not in seen
