@@ -134,10 +134,14 @@ class Trainer:
     def _build_dataloader(self, dataset: str, dataset_path: str | None, batch_size: int, seq_len: int,
                           infinite: bool, section: str):
         dp_mesh = self.world_mesh["dp"]
+        training = self.config.training
+        # Validation builds a loader per evaluation: worker processes and the mixture are for the training stream.
         return build_dataloader(dataset=dataset, dataset_path=dataset_path,
-                                text_field=self.config.training.dataset_text_field, tokenizer=self.tokenizer,
+                                text_field=training.dataset_text_field, tokenizer=self.tokenizer,
                                 seq_len=seq_len, local_batch_size=batch_size, dp_rank=dp_mesh.get_local_rank(),
-                                dp_degree=dp_mesh.size(), infinite=infinite, config_section=section)
+                                dp_degree=dp_mesh.size(), infinite=infinite, config_section=section,
+                                num_workers=training.num_workers if section == "training" else 0,
+                                seed=training.data_seed, sources=training.sources if section == "training" else None)
 
     def _pipeline_loss(self, pred: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         return self.loss_fn(pred, labels) / self.global_valid_tokens

@@ -12,9 +12,11 @@ layout can change when a run resumes from a checkpoint.
 
 Trade-off: every rank reads and tokenizes the whole stream and throws away the windows of the other
 ranks, so tokenization costs `D` times the CPU work of a split-by-document scheme (and a streaming
-dataset is downloaded by every rank). Tokenization is usually much cheaper than a training step; in
-exchange there is no per-rank shard assignment to keep consistent, and the sample order does not
-depend on the layout.
+dataset is downloaded by every rank). In exchange there is no per-rank shard assignment to keep
+consistent, and the sample order does not depend on the layout. `num_workers` processes tokenize
+documents ahead of the packer, in order, so the stream (and every state) is the same with any number
+of them. At scale, pre-tokenize into token shards instead (`shards.py`): there each rank reads only
+its own windows.
 
 Checkpoint state (`TextDataset.state_dict()`, found under `dataset_state` in the data loader's
 state) holds `next_window`, the first window no rank of the group has consumed, which is the same on
@@ -30,6 +32,8 @@ builder reads them.
 """
 
 import glob
+import itertools
+import multiprocessing
 import os
 import re
 from collections import deque
@@ -58,6 +62,12 @@ _HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
 _GLOB_CHARS = re.compile(r"[*?[]")
 # Rows read per access when scanning a map-style dataset: one Arrow slice per document is much slower.
 _CHUNK = 256
+
+# Documents per task of a tokenizer worker: enough that passing them between processes costs little beside encoding.
+_WORKER_CHUNK = 64
+# Tasks queued per worker: the workers tokenize this far ahead of the packer (prefetching) without reading the whole
+# source into memory.
+_TASKS_PER_WORKER = 4
 
 _STATE_KEYS = (
     "next_window",
@@ -110,11 +120,13 @@ def _streaming_documents(dataset: Any, field: str, field_option: str) -> _Docume
 class _Source:
     """Where the documents come from, and how to name that source in messages."""
 
-    def __init__(self, *, dataset: str, dataset_path: str | None, text_field: str, section: str):
+    def __init__(self, *, dataset: str, dataset_path: str | None, text_field: str, section: str,
+                 path_option: str | None = None):
         self.dataset = dataset
         self.dataset_path = dataset_path
         self.text_field = text_field
         self.section = section
+        self.path_option = path_option or f"{section}.dataset_path"
 
     @property
     def label(self) -> str:
@@ -123,7 +135,7 @@ class _Source:
     def option(self) -> str:
         """The option that selected the data, with its value."""
         if self.dataset_path is not None:
-            return f"{self.section}.dataset_path={self.dataset_path!r}"
+            return f"{self.path_option}={self.dataset_path!r}"
         return f"{self.section}.dataset={self.dataset!r}"
 
     def field_option(self) -> str:
@@ -236,6 +248,72 @@ def _hub_documents(source: _Source, repo: str, config: str | None, split: str) -
     return _streaming_documents(dataset, source.text_field, source.field_option())
 
 
+def _document_text(source: _Source, value: Any, index: int) -> str:
+    if value is None:
+        return ""
+    if not isinstance(value, str):
+        raise UserError(
+            f"{source.field_option()}: document {index} holds a "
+            f"{type(value).__name__}, not text; name a field that holds strings"
+        )
+    return value
+
+
+def document_texts(dataset_path: str, text_field: str, option: str) -> tuple[Iterator[str], int | None]:
+    """The non-empty texts at `dataset_path` (anything training.dataset_path takes, named `option` in errors), in
+    the order the trainer reads them, and the number of documents when it is known."""
+    source = _Source(dataset=option, dataset_path=dataset_path, text_field=text_field, section="training",
+                     path_option=option)
+    documents = _load_documents(source)
+    texts = (
+        text
+        for index, value in enumerate(documents.read_from(0))
+        if (text := _document_text(source, value, index))
+    )
+    return texts, documents.size
+
+
+_worker_tokenizer: _Tokenizer | None = None
+
+
+def _init_worker(tokenizer: _Tokenizer) -> None:
+    global _worker_tokenizer
+    _worker_tokenizer = tokenizer
+
+
+def _encode_chunk(texts: list[str]) -> list[list[int]]:
+    return [_worker_tokenizer.encode(text, add_bos=True, add_eos=True) for text in texts]
+
+
+def _encode_in_workers(
+    texts: Iterator[tuple[int, str]], tokenizer: _Tokenizer, num_workers: int
+) -> Iterator[tuple[int, list[int]]]:
+    """(document index, tokens) of `texts`, in order, tokenized by `num_workers` processes that run ahead.
+
+    The documents are read here and sent in chunks; results come back in submission order, so the token stream, and
+    with it every window and every checkpointed position, is the same as with tokenization in this process.
+    """
+    # Forked, not spawned: workers start in milliseconds and inherit the tokenizer without pickling it.
+    with multiprocessing.get_context("fork").Pool(
+        num_workers, initializer=_init_worker, initargs=(tokenizer,)
+    ) as pool:
+        chunks = iter(lambda: list(itertools.islice(texts, _WORKER_CHUNK)), [])
+        pending: deque = deque()
+
+        def submit(chunk: list[tuple[int, str]]) -> None:
+            indices = [index for index, _ in chunk]
+            pending.append((indices, pool.apply_async(_encode_chunk, ([text for _, text in chunk],))))
+
+        for chunk in itertools.islice(chunks, num_workers * _TASKS_PER_WORKER):
+            submit(chunk)
+        while pending:
+            indices, result = pending.popleft()
+            following = next(chunks, None)
+            if following is not None:
+                submit(following)
+            yield from zip(indices, result.get())
+
+
 class TextDataset(IterableDataset, Stateful):
     """Yields `(input, label)` LongTensors of length `seq_len` for one data-parallel rank.
 
@@ -257,6 +335,7 @@ class TextDataset(IterableDataset, Stateful):
         dp_degree: int,
         infinite: bool,
         config_section: str = "training",
+        num_workers: int = 0,
     ) -> None:
         if seq_len < 1:
             raise UserError(f"{config_section}.seq_len={seq_len} must be at least 1")
@@ -271,6 +350,7 @@ class TextDataset(IterableDataset, Stateful):
         self._dp_rank = dp_rank
         self._dp_degree = dp_degree
         self._infinite = infinite
+        self._num_workers = num_workers
         self._check_has_text()
         self._rewind()
 
@@ -291,24 +371,28 @@ class TextDataset(IterableDataset, Stateful):
         raise UserError(f"{self._source.option()} has only empty documents")
 
     def _text(self, value: Any, index: int) -> str:
-        if value is None:
-            return ""
-        if not isinstance(value, str):
-            raise UserError(
-                f"{self._source.field_option()}: document {index} holds a "
-                f"{type(value).__name__}, not text; name a field that holds strings"
-            )
-        return value
+        return _document_text(self._source, value, index)
+
+    def _texts(self, start: int) -> Iterator[tuple[int, str]]:
+        """(document index, text) of every non-empty document from `start` on."""
+        for index, value in enumerate(self._documents.read_from(start), start=start):
+            text = self._text(value, index)
+            if text:
+                yield index, text
+
+    def _encoded(self, start: int) -> Iterator[tuple[int, list[int]]]:
+        """(document index, tokens) of the documents from `start` on, tokenized here or by the worker processes."""
+        if not self._num_workers:
+            for index, text in self._texts(start):
+                yield index, self._tokenizer.encode(text, add_bos=True, add_eos=True)
+            return
+        yield from _encode_in_workers(self._texts(start), self._tokenizer, self._num_workers)
 
     def _tokenized(self, epoch: int, start: int) -> Iterator[tuple[int, int, list[int]]]:
         """(epoch, document index, tokens) of every non-empty document from the given position on."""
         while True:
             seen_tokens = False
-            for index, value in enumerate(self._documents.read_from(start), start=start):
-                text = self._text(value, index)
-                if not text:
-                    continue
-                tokens = self._tokenizer.encode(text, add_bos=True, add_eos=True)
+            for index, tokens in self._encoded(start):
                 if tokens:
                     seen_tokens = True
                     yield epoch, index, tokens
@@ -431,25 +515,45 @@ def build_dataloader(
     dp_degree: int,
     infinite: bool,
     config_section: str = "training",
+    num_workers: int = 0,
+    seed: int = 0,
+    sources: list[str] | None = None,
 ) -> StatefulDataLoader:
     """A loader of `(inputs, labels)` batches of shape `[local_batch_size, seq_len]` for one rank.
 
-    One rank's `state_dict()` after any batch can be loaded into the loaders of every rank, also of
-    a run with another data-parallel degree (see the module docstring).
+    The data is `dataset_path` (token shards when it is a folder with a shard manifest, else documents tokenized here
+    by `num_workers` processes, or in this process with 0) or `dataset`; or, with `sources` (`path:weight` entries),
+    a weighted mixture of such paths. `seed` orders the windows of token shards. One rank's `state_dict()` after any
+    batch can be loaded into the loaders of every rank, also of a run with another data-parallel degree (see the
+    module docstrings).
     """
+    # Imported here: both modules build on this one.
+    from torchtitan.components.datasets.mixture import MixtureDataset, parse_sources
+    from torchtitan.components.datasets.shards import ShardDataset, is_shard_folder
+
     if local_batch_size < 1:
         raise UserError(f"{config_section}.local_batch_size={local_batch_size} must be at least 1")
-    text_dataset = TextDataset(
-        dataset=dataset,
-        dataset_path=dataset_path,
-        text_field=text_field,
-        tokenizer=tokenizer,
-        seq_len=seq_len,
-        dp_rank=dp_rank,
-        dp_degree=dp_degree,
-        infinite=infinite,
-        config_section=config_section,
-    )
-    return StatefulDataLoader(
-        text_dataset, batch_size=local_batch_size, num_workers=0, collate_fn=_collate
-    )
+    if num_workers < 0:
+        raise UserError(f"{config_section}.num_workers={num_workers} must be 0 (tokenize in the training process) "
+                        f"or more")
+
+    def open_path(path: str | None, rank: int, degree: int) -> IterableDataset:
+        if path is not None and is_shard_folder(path):
+            return ShardDataset(path=path, tokenizer=tokenizer, seq_len=seq_len, dp_rank=rank, dp_degree=degree,
+                                infinite=infinite, seed=seed, config_section=config_section)
+        return TextDataset(dataset=dataset, dataset_path=path, text_field=text_field, tokenizer=tokenizer,
+                           seq_len=seq_len, dp_rank=rank, dp_degree=degree, infinite=infinite,
+                           config_section=config_section, num_workers=num_workers)
+
+    if sources:
+        if dataset_path is not None:
+            raise UserError(f"{config_section}.dataset_path={dataset_path!r} and training.sources are both set; "
+                            f"list every source (with its weight) in training.sources, or use dataset_path alone")
+        data: IterableDataset = MixtureDataset(
+            sources=parse_sources(sources), open_source=lambda path: open_path(path, 0, 1), seq_len=seq_len,
+            dp_rank=dp_rank, dp_degree=dp_degree, infinite=infinite)
+    else:
+        data = open_path(dataset_path, dp_rank, dp_degree)
+    # The loader's own worker processes would each read the whole stream to keep the one global window order: the
+    # parallel part, tokenization, runs in the dataset's worker pool instead.
+    return StatefulDataLoader(data, batch_size=local_batch_size, num_workers=0, collate_fn=_collate)
