@@ -36,7 +36,8 @@ from torchtitan.distributed.parallel_dims import ParallelDims
 from torchtitan.distributed.pipeline_parallel import pipeline_llama
 from torchtitan.errors import UserError
 from torchtitan.models.llama3.args import model_args_for
-from torchtitan.models.llama3.model import Transformer, count_parameters, flops_per_token
+from torchtitan.models.llama3.model import (Transformer, count_parameters, document_ids, document_positions,
+                                            flops_per_token)
 from torchtitan.models.llama3.parallelize import parallelize_llama, validate_parallelism
 from torchtitan.tools.device_info import memory_stats, peak_flops, reset_peak_memory
 from torchtitan.tools.logging import init_logger, logger
@@ -143,6 +144,15 @@ class Trainer:
                                 num_workers=training.num_workers if section == "training" else 0,
                                 seed=training.data_seed, sources=training.sources if section == "training" else None)
 
+    def _masking(self, inputs: torch.Tensor) -> dict[str, torch.Tensor]:
+        """The model's inputs for model.attention_mask = block_causal, from where the batch's documents start (BOS);
+        passed to every pipeline stage too."""
+        if self.config.model.attention_mask == "causal":
+            return {}
+        ids = document_ids(inputs, self.tokenizer.bos_id)
+        return {"document_ids": ids, **({"positions": document_positions(ids)} if self.config.model.document_positions
+                                        else {})}
+
     def _pipeline_loss(self, pred: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         return self.loss_fn(pred, labels) / self.global_valid_tokens
 
@@ -181,17 +191,18 @@ class Trainer:
     def forward_backward(self, inputs: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         """This rank's share of the loss (already divided by the global token count), after backward."""
         with self._train_context(inputs, labels):
+            masking = self._masking(inputs)
             if self.pp_schedule is not None:
                 losses: list[torch.Tensor] | None = [] if self.has_last_stage else None
                 targets = labels if self.has_last_stage else None
                 with self.autocast:
                     if self.has_first_stage:
-                        self.pp_schedule.step(inputs, target=targets, losses=losses, return_outputs=False)
+                        self.pp_schedule.step(inputs, target=targets, losses=losses, return_outputs=False, **masking)
                     else:
-                        self.pp_schedule.step(target=targets, losses=losses, return_outputs=False)
+                        self.pp_schedule.step(target=targets, losses=losses, return_outputs=False, **masking)
                 return torch.stack(losses).sum() if losses else torch.zeros((), device=self.device)
             with self.autocast:
-                pred = self.model_parts[0](inputs)
+                pred = self.model_parts[0](inputs, **masking)
                 loss = self.loss_fn(pred, labels) / self.global_valid_tokens
             del pred
             loss.backward()
@@ -263,7 +274,7 @@ class Trainer:
                 if self.pp_schedule is not None:
                     loss_sum += self._pipeline_eval(inputs, labels)
                 else:
-                    loss = self.loss_fn(self.model_parts[0](inputs), labels)
+                    loss = self.loss_fn(self.model_parts[0](inputs, **self._masking(inputs)), labels)
                     loss_sum += loss.full_tensor() if isinstance(loss, DTensor) else loss
             batches += 1
         totals = torch.stack([loss_sum / self.parallel_dims.tp, tokens])
@@ -280,10 +291,11 @@ class Trainer:
         losses: list[torch.Tensor] | None = [] if self.has_last_stage else None
         targets = labels if self.has_last_stage else None
         self.global_valid_tokens = torch.ones((), device=self.device)
+        masking = self._masking(inputs)
         if self.has_first_stage:
-            self.pp_schedule.eval(inputs, target=targets, losses=losses, return_outputs=False)
+            self.pp_schedule.eval(inputs, target=targets, losses=losses, return_outputs=False, **masking)
         else:
-            self.pp_schedule.eval(target=targets, losses=losses, return_outputs=False)
+            self.pp_schedule.eval(target=targets, losses=losses, return_outputs=False, **masking)
         return torch.stack(losses).sum() if losses else torch.zeros((), device=self.device)
 
     # ----------------------------------------------------------------------------------------------------------
