@@ -98,3 +98,25 @@ def test_options_refuse_context_parallelism_and_positions_without_the_mask():
         parse_args(["--model.document_positions"])
     with pytest.raises(UserError, match="option model.attention_mask: 'sliding' is not one of"):
         parse_args(["--model.attention_mask", "sliding"])
+
+
+@torch.no_grad()
+def test_flex_attention_block_mask_matches_the_sdpa_mask(monkeypatch):
+    """The GPU path (FlexAttention with a BlockMask) computes what the CPU path does; FlexAttention runs forward on
+    the CPU too, so its mask and call are checked here (eager: compiling it would take the test 15 s)."""
+    from torch.nn.attention.flex_attention import flex_attention
+
+    from torchtitan.models.llama3 import model
+    from torchtitan.models.llama3.model import block_causal_attention, document_mask
+
+    monkeypatch.setattr(model, "_compiled_flex_attention", flex_attention)
+
+    generator = torch.Generator().manual_seed(0)
+    q = torch.randn(2, 4, 128, 16, generator=generator)
+    k, v = torch.randn(2, 2, 128, 16, generator=generator), torch.randn(2, 2, 128, 16, generator=generator)
+    tokens = torch.randint(8, 64, (2, 128), generator=generator)
+    tokens[0, [0, 40, 41, 100]] = BOS
+    tokens[1, [70]] = BOS
+    ids = document_ids(tokens, BOS)
+    flex = block_causal_attention(q, k, v, document_mask(ids, flex=True))
+    torch.testing.assert_close(flex, block_causal_attention(q, k, v, document_mask(ids)), rtol=1e-4, atol=1e-5)

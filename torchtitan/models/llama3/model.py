@@ -117,10 +117,11 @@ def document_positions(document_ids: torch.Tensor) -> torch.Tensor:
     return index - starts.cummax(dim=1).values
 
 
-def document_mask(document_ids: torch.Tensor) -> DocumentMask:
-    """The block-causal mask of a batch: a token sees the earlier tokens of its own document only."""
+def document_mask(document_ids: torch.Tensor, flex: bool | None = None) -> DocumentMask:
+    """The block-causal mask of a batch: a token sees the earlier tokens of its own document only. A BlockMask for
+    FlexAttention with `flex` (default: on CUDA), else a boolean mask."""
     batch, seq = document_ids.shape
-    if document_ids.device.type == "cuda":
+    if flex if flex is not None else document_ids.device.type == "cuda":
         def same_document_causal(b, h, q, kv):
             return (document_ids[b, q] == document_ids[b, kv]) & (q >= kv)
 
