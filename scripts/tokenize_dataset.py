@@ -11,7 +11,6 @@ written last, names the tokenizer and its sha256 (see torchtitan/components/data
 
 import argparse
 import itertools
-import multiprocessing
 import sys
 import time
 from collections import deque
@@ -23,7 +22,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from tqdm import tqdm  # noqa: E402
 
 from torchtitan.components.datasets.shards import MANIFEST, shard_name, token_dtype, write_manifest, write_shard  # noqa: E402
-from torchtitan.components.datasets.text import document_texts  # noqa: E402
+from torchtitan.components.datasets.text import document_texts, worker_pool  # noqa: E402
 from torchtitan.components.tokenizer import build_tokenizer  # noqa: E402
 from torchtitan.errors import UserError  # noqa: E402
 
@@ -56,7 +55,7 @@ def tokenize(source: str, out_dir: str, hf_assets_path: str = "", text_field: st
     batches = iter(lambda: list(itertools.islice(texts, documents_per_shard)), [])
     shards: list[dict] = []
     begin = time.perf_counter()
-    with multiprocessing.get_context("fork").Pool(workers, _init_worker, (hf_assets_path,)) as pool, \
+    with worker_pool(workers, _init_worker, (hf_assets_path,)) as pool, \
             tqdm(total=size, unit="doc", disable=not progress, file=sys.stderr) as bar:
         pending: deque = deque()
         for index, batch in enumerate(batches):

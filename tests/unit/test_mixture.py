@@ -124,7 +124,7 @@ def test_bad_weights_are_one_line_errors(entries, message):
 
 
 def test_unreachable_source_and_changed_weights(sources, tokenizer, tmp_path):
-    with pytest.raises(UserError, match="training.dataset_path='.*missing.jsonl' does not exist"):
+    with pytest.raises(UserError, match="training.sources entry='.*missing.jsonl' does not exist"):
         mixture([sources[0], str(tmp_path / "missing.jsonl")], tokenizer)
     loader = mixture(sources, tokenizer)
     next(iter(loader))

@@ -203,8 +203,8 @@ class ShardDataset(IterableDataset, Stateful):
     """Yields `(input, label)` LongTensors of length `seq_len` for one data-parallel rank, from token shards."""
 
     def __init__(self, *, path: str, tokenizer: Any, seq_len: int, dp_rank: int, dp_degree: int, infinite: bool,
-                 seed: int, config_section: str = "training") -> None:
-        self._option = f"{config_section}.dataset_path={path!r}"
+                 seed: int, config_section: str = "training", path_option: str | None = None) -> None:
+        self._option = f"{path_option or config_section + '.dataset_path'}={path!r}"
         self._section = config_section
         self.shards = TokenShards(path, tokenizer, self._option)
         self._seq_len = seq_len

@@ -31,6 +31,7 @@ text to learn from. Plain-text (.txt) files hold one document per line, as the H
 builder reads them.
 """
 
+import contextlib
 import glob
 import itertools
 import multiprocessing
@@ -285,33 +286,36 @@ def _encode_chunk(texts: list[str]) -> list[list[int]]:
     return [_worker_tokenizer.encode(text, add_bos=True, add_eos=True) for text in texts]
 
 
-def _encode_in_workers(
-    texts: Iterator[tuple[int, str]], tokenizer: _Tokenizer, num_workers: int
-) -> Iterator[tuple[int, list[int]]]:
-    """(document index, tokens) of `texts`, in order, tokenized by `num_workers` processes that run ahead.
+def worker_pool(num_workers: int, initializer: Callable, initargs: tuple) -> Any:
+    """A process pool from a fork server: forking the training process itself (threads of the process group, of
+    OpenMP, of logging) can leave a child blocked on a lock that another thread held at the fork. The server forks
+    clean children in milliseconds after importing this module once."""
+    context = multiprocessing.get_context("forkserver")
+    context.set_forkserver_preload([__name__])
+    return context.Pool(num_workers, initializer=initializer, initargs=initargs)
+
+
+def _encode_in_workers(texts: Iterator[tuple[int, str]], pool: Any, num_workers: int) -> Iterator[tuple[int, list[int]]]:
+    """(document index, tokens) of `texts`, in order, tokenized by the pool's processes, which run ahead.
 
     The documents are read here and sent in chunks; results come back in submission order, so the token stream, and
     with it every window and every checkpointed position, is the same as with tokenization in this process.
     """
-    # Forked, not spawned: workers start in milliseconds and inherit the tokenizer without pickling it.
-    with multiprocessing.get_context("fork").Pool(
-        num_workers, initializer=_init_worker, initargs=(tokenizer,)
-    ) as pool:
-        chunks = iter(lambda: list(itertools.islice(texts, _WORKER_CHUNK)), [])
-        pending: deque = deque()
+    chunks = iter(lambda: list(itertools.islice(texts, _WORKER_CHUNK)), [])
+    pending: deque = deque()
 
-        def submit(chunk: list[tuple[int, str]]) -> None:
-            indices = [index for index, _ in chunk]
-            pending.append((indices, pool.apply_async(_encode_chunk, ([text for _, text in chunk],))))
+    def submit(chunk: list[tuple[int, str]]) -> None:
+        indices = [index for index, _ in chunk]
+        pending.append((indices, pool.apply_async(_encode_chunk, ([text for _, text in chunk],))))
 
-        for chunk in itertools.islice(chunks, num_workers * _TASKS_PER_WORKER):
-            submit(chunk)
-        while pending:
-            indices, result = pending.popleft()
-            following = next(chunks, None)
-            if following is not None:
-                submit(following)
-            yield from zip(indices, result.get())
+    for chunk in itertools.islice(chunks, num_workers * _TASKS_PER_WORKER):
+        submit(chunk)
+    while pending:
+        indices, result = pending.popleft()
+        following = next(chunks, None)
+        if following is not None:
+            submit(following)
+        yield from zip(indices, result.get())
 
 
 class TextDataset(IterableDataset, Stateful):
@@ -336,13 +340,15 @@ class TextDataset(IterableDataset, Stateful):
         infinite: bool,
         config_section: str = "training",
         num_workers: int = 0,
+        path_option: str | None = None,
     ) -> None:
         if seq_len < 1:
             raise UserError(f"{config_section}.seq_len={seq_len} must be at least 1")
         if not 0 <= dp_rank < dp_degree:
             raise ValueError(f"dp_rank={dp_rank} must be in [0, dp_degree={dp_degree})")
         self._source = _Source(
-            dataset=dataset, dataset_path=dataset_path, text_field=text_field, section=config_section
+            dataset=dataset, dataset_path=dataset_path, text_field=text_field, section=config_section,
+            path_option=path_option,
         )
         self._documents = _load_documents(self._source)
         self._tokenizer = tokenizer
@@ -380,19 +386,26 @@ class TextDataset(IterableDataset, Stateful):
             if text:
                 yield index, text
 
-    def _encoded(self, start: int) -> Iterator[tuple[int, list[int]]]:
+    def _encoded(self, start: int, pool: Any) -> Iterator[tuple[int, list[int]]]:
         """(document index, tokens) of the documents from `start` on, tokenized here or by the worker processes."""
-        if not self._num_workers:
+        if pool is None:
             for index, text in self._texts(start):
                 yield index, self._tokenizer.encode(text, add_bos=True, add_eos=True)
             return
-        yield from _encode_in_workers(self._texts(start), self._tokenizer, self._num_workers)
+        yield from _encode_in_workers(self._texts(start), pool, self._num_workers)
 
     def _tokenized(self, epoch: int, start: int) -> Iterator[tuple[int, int, list[int]]]:
         """(epoch, document index, tokens) of every non-empty document from the given position on."""
+        # One pool for the whole iteration (every epoch): it stops when the iteration does.
+        with contextlib.ExitStack() as stack:
+            pool = (stack.enter_context(worker_pool(self._num_workers, _init_worker, (self._tokenizer,)))
+                    if self._num_workers else None)
+            yield from self._tokenized_with(epoch, start, pool)
+
+    def _tokenized_with(self, epoch: int, start: int, pool: Any) -> Iterator[tuple[int, int, list[int]]]:
         while True:
             seen_tokens = False
-            for index, tokens in self._encoded(start):
+            for index, tokens in self._encoded(start, pool):
                 if tokens:
                     seen_tokens = True
                     yield epoch, index, tokens
@@ -537,20 +550,21 @@ def build_dataloader(
         raise UserError(f"{config_section}.num_workers={num_workers} must be 0 (tokenize in the training process) "
                         f"or more")
 
-    def open_path(path: str | None, rank: int, degree: int) -> IterableDataset:
+    def open_path(path: str | None, rank: int, degree: int, path_option: str | None = None) -> IterableDataset:
         if path is not None and is_shard_folder(path):
             return ShardDataset(path=path, tokenizer=tokenizer, seq_len=seq_len, dp_rank=rank, dp_degree=degree,
-                                infinite=infinite, seed=seed, config_section=config_section)
+                                infinite=infinite, seed=seed, config_section=config_section, path_option=path_option)
         return TextDataset(dataset=dataset, dataset_path=path, text_field=text_field, tokenizer=tokenizer,
                            seq_len=seq_len, dp_rank=rank, dp_degree=degree, infinite=infinite,
-                           config_section=config_section, num_workers=num_workers)
+                           config_section=config_section, num_workers=num_workers, path_option=path_option)
 
     if sources:
         if dataset_path is not None:
             raise UserError(f"{config_section}.dataset_path={dataset_path!r} and training.sources are both set; "
                             f"list every source (with its weight) in training.sources, or use dataset_path alone")
         data: IterableDataset = MixtureDataset(
-            sources=parse_sources(sources), open_source=lambda path: open_path(path, 0, 1), seq_len=seq_len,
+            sources=parse_sources(sources), open_source=lambda path: open_path(path, 0, 1, "training.sources entry"),
+            seq_len=seq_len,
             dp_rank=dp_rank, dp_degree=dp_degree, infinite=infinite)
     else:
         data = open_path(dataset_path, dp_rank, dp_degree)
