@@ -120,3 +120,19 @@ def test_flex_attention_block_mask_matches_the_sdpa_mask(monkeypatch):
     ids = document_ids(tokens, BOS)
     flex = block_causal_attention(q, k, v, document_mask(ids, flex=True))
     torch.testing.assert_close(flex, block_causal_attention(q, k, v, document_mask(ids)), rtol=1e-4, atol=1e-5)
+
+
+@torch.no_grad()
+def test_compiled_code_uses_a_mask_with_the_same_result(monkeypatch):
+    """Inside torch.compile, attention takes a block-diagonal mask instead of a loop over documents: same output."""
+    from torchtitan.models.llama3.model import block_causal_attention, document_mask
+
+    generator = torch.Generator().manual_seed(1)
+    q, k, v = (torch.randn(2, 4, 96, 16, generator=generator) for _ in range(3))
+    tokens = torch.randint(8, 64, (2, 96), generator=generator)
+    tokens[0, [10, 11, 60]] = BOS
+    mask = document_mask(document_ids(tokens, BOS))
+    assert mask.spans == (((0, 10), (10, 11), (11, 60), (60, 96)), ((0, 96),))
+    per_document = block_causal_attention(q, k, v, mask)
+    monkeypatch.setattr(torch.compiler, "is_compiling", lambda: True)
+    torch.testing.assert_close(block_causal_attention(q, k, v, mask), per_document, rtol=1e-4, atol=1e-5)

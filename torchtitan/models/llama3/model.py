@@ -8,6 +8,7 @@ seed and the parameter's name, so any layout starts from the same weights.
 import math
 import zlib
 from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from typing import Union
 
 import torch
@@ -99,9 +100,17 @@ def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch
     return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
 
 
-# What block-causal attention needs of a batch's documents: a FlexAttention BlockMask on GPUs, a boolean
-# (batch, 1, seq, seq) mask for SDPA elsewhere.
-DocumentMask = Union[BlockMask, torch.Tensor]
+@dataclass(frozen=True)
+class DocumentSpans:
+    """The documents of a batch on the CPU: each token's document index, and per sequence the [start, end) of each
+    document (for attention run document by document)."""
+
+    ids: torch.Tensor
+    spans: tuple[tuple[tuple[int, int], ...], ...]
+
+
+# What block-causal attention needs of a batch's documents: a FlexAttention BlockMask on GPUs, the spans elsewhere.
+DocumentMask = Union[BlockMask, DocumentSpans]
 
 
 def document_ids(tokens: torch.Tensor, bos_id: int) -> torch.Tensor:
@@ -119,34 +128,47 @@ def document_positions(document_ids: torch.Tensor) -> torch.Tensor:
 
 def document_mask(document_ids: torch.Tensor, flex: bool | None = None) -> DocumentMask:
     """The block-causal mask of a batch: a token sees the earlier tokens of its own document only. A BlockMask for
-    FlexAttention with `flex` (default: on CUDA), else a boolean mask."""
+    FlexAttention with `flex` (default: on CUDA), else the documents' spans."""
     batch, seq = document_ids.shape
     if flex if flex is not None else document_ids.device.type == "cuda":
         def same_document_causal(b, h, q, kv):
             return (document_ids[b, q] == document_ids[b, kv]) & (q >= kv)
 
         return create_block_mask(same_document_causal, batch, None, seq, seq, device=document_ids.device)
-    causal = torch.ones(seq, seq, dtype=torch.bool, device=document_ids.device).tril()
-    return ((document_ids[:, :, None] == document_ids[:, None, :]) & causal).unsqueeze(1)
+    starts: list[list[int]] = [[0] for _ in range(batch)]
+    for row, position in torch.nonzero(document_ids[:, 1:] != document_ids[:, :-1]).tolist():
+        starts[row].append(position + 1)
+    spans = tuple(tuple(zip(row, row[1:] + [seq])) for row in starts)
+    return DocumentSpans(document_ids, spans)
 
 
 _compiled_flex_attention: Callable | None = None
 
 
 def block_causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: DocumentMask) -> torch.Tensor:
-    """Attention of (batch, heads, seq, head_dim) inside documents: FlexAttention (compiled once) with the BlockMask
-    on GPUs, which skips the blocks between documents; SDPA with the boolean mask on CPU, where FlexAttention has no
-    backward (torch 2.13)."""
-    if not isinstance(mask, torch.Tensor):
+    """Attention of (batch, heads, seq, head_dim) inside documents.
+
+    GPUs: FlexAttention (compiled once) with the BlockMask, which skips the blocks between documents. CPU, where
+    FlexAttention has no backward (torch 2.13): causal attention document by document, which does only the work
+    inside documents (at seq 2048 it measured 2x faster than causal attention over the window, 4x faster than SDPA
+    with a block-diagonal mask); inside torch.compile, SDPA with that mask instead, so that compiled blocks do not
+    specialise on, and recompile for, every batch's document boundaries.
+    """
+    if isinstance(mask, BlockMask):
         global _compiled_flex_attention
         if _compiled_flex_attention is None:
             _compiled_flex_attention = torch.compile(flex_attention)
         return _compiled_flex_attention(q, k, v, block_mask=mask, enable_gqa=True)
-    if q.dtype == torch.bfloat16 and q.shape[-1] < CPU_BF16_ATTENTION_MIN_HEAD_DIM:
-        with torch.autocast("cpu", enabled=False):
-            out = F.scaled_dot_product_attention(q.float(), k.float(), v.float(), attn_mask=mask, enable_gqa=True)
-        return out.to(q.dtype)
-    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True)
+    if torch.compiler.is_compiling():
+        seq = mask.ids.shape[1]
+        causal = torch.ones(seq, seq, dtype=torch.bool, device=mask.ids.device).tril()
+        allowed = ((mask.ids[:, :, None] == mask.ids[:, None, :]) & causal).unsqueeze(1)
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=allowed, enable_gqa=True)
+    return torch.cat([
+        torch.cat([causal_attention(q[b:b + 1, :, start:end], k[b:b + 1, :, start:end], v[b:b + 1, :, start:end])
+                   for start, end in spans], dim=2)
+        for b, spans in enumerate(mask.spans)
+    ])
 
 
 class FeedForward(nn.Module):
