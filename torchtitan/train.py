@@ -20,6 +20,7 @@ from torch.distributed.tensor.parallel import loss_parallel
 
 from torchtitan.components.checkpoint import CheckpointManager, TrainState
 from torchtitan.components.datasets import build_dataloader
+from torchtitan.components.datasets.text import StreamRetry
 from torchtitan.components.float8 import apply_float8, precompute_float8_scales
 from torchtitan.components.loss import count_valid_tokens, cross_entropy_sum
 from torchtitan.components.lr_scheduler import build_lr_schedulers
@@ -142,7 +143,8 @@ class Trainer:
                                 seq_len=seq_len, local_batch_size=batch_size, dp_rank=dp_mesh.get_local_rank(),
                                 dp_degree=dp_mesh.size(), infinite=infinite, config_section=section,
                                 num_workers=training.num_workers if section == "training" else 0,
-                                seed=training.data_seed, sources=training.sources if section == "training" else None)
+                                seed=training.data_seed, sources=training.sources if section == "training" else None,
+                                stream_retry=StreamRetry(training.stream_max_attempts, training.stream_backoff_seconds))
 
     def _masking(self, inputs: torch.Tensor) -> dict[str, torch.Tensor]:
         """The model's inputs for model.attention_mask = block_causal, from where the batch's documents start (BOS);

@@ -187,6 +187,12 @@ class Training:
     sources: list[str] = field(default_factory=list)
     """Weighted mixture of data sources instead of dataset_path: path:weight entries (a.jsonl:0.7,shards/:0.3), or [[training.sources]] tables with path and weight in TOML. Each path is anything dataset_path takes."""
 
+    stream_max_attempts: int = 8
+    """Reads in a row of a Hugging Face hub stream that may fail with a transient error (HTTP 429 or 5xx, a dropped connection) before the run stops with an error; each retry resumes at the record after the last one read."""
+
+    stream_backoff_seconds: float = 1.0
+    """Wait before the first retry of a failed hub stream read; it doubles with each further attempt (at most a minute), times a random factor between 1 and 2."""
+
 
 @dataclass
 class Parallelism:

@@ -498,6 +498,11 @@ def validate(config: JobConfig) -> None:
         if converter not in valid_converters:
             raise UserError(f"option model.converters: {converter!r} is not a known converter; valid: "
                             f"{', '.join(valid_converters)}")
+    if config.training.stream_max_attempts < 1:
+        raise UserError(f"option training.stream_max_attempts: {config.training.stream_max_attempts} must be at least 1")
+    if config.training.stream_backoff_seconds < 0:
+        raise UserError(f"option training.stream_backoff_seconds: {config.training.stream_backoff_seconds} must not be "
+                        f"negative")
     if config.training.num_workers < 0:
         raise UserError(f"option training.num_workers: {config.training.num_workers} must be 0 (tokenize in the "
                         f"training process) or positive")

@@ -36,9 +36,12 @@ import glob
 import itertools
 import multiprocessing
 import os
+import random
 import re
+import time
 from collections import deque
 from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -104,16 +107,90 @@ def _sized_documents(read: Callable[[int, int], Sequence[Any]], size: int) -> _D
     return _Documents(read_from, size)
 
 
-def _streaming_documents(dataset: Any, field: str, field_option: str) -> _Documents:
+@dataclass(frozen=True)
+class StreamRetry:
+    """How a streamed source survives faults: up to `max_attempts` reads in a row that fail with a transient error,
+    waiting `backoff_seconds * 2**(attempt - 1)` (capped at a minute) times a random factor in [1, 2) between them."""
+
+    max_attempts: int = 8
+    backoff_seconds: float = 1.0
+
+    def delay(self, attempt: int) -> float:
+        return min(self.backoff_seconds * 2 ** (attempt - 1), 60.0) * (1 + random.random())
+
+
+# Names of exception classes (anywhere in an error's class hierarchy or causes) that a later attempt can get past.
+_TRANSIENT_ERRORS = {"ConnectionError", "TimeoutError", "TimeoutException", "TransportError", "NetworkError",
+                     "RemoteProtocolError", "ChunkedEncodingError", "ProtocolError", "IncompleteRead"}
+
+
+def is_transient(error: BaseException | None) -> bool:
+    """Rate limits (HTTP 429), server errors (5xx) and dropped connections, also when wrapped in another error."""
+    seen = 0
+    while error is not None and seen < 10:
+        status = getattr(getattr(error, "response", None), "status_code", None)
+        if isinstance(status, int) and (status == 429 or status >= 500):
+            return True
+        if any(cls.__name__ in _TRANSIENT_ERRORS for cls in type(error).__mro__):
+            return True
+        error, seen = error.__cause__ or error.__context__, seen + 1
+    return False
+
+
+def _wait_or_fail(error: Exception, attempt: int, option: str, retry: StreamRetry) -> None:
+    """After attempt `attempt` failed with `error`: re-raise it unless transient, stop with one error line after the
+    last attempt, else wait before the next one."""
+    if not is_transient(error):
+        raise error
+    if attempt >= retry.max_attempts:
+        raise UserError(
+            f"{option}: streaming failed {attempt} times in a row (training.stream_max_attempts = "
+            f"{retry.max_attempts}), last with {type(error).__name__}: {' '.join(str(error).split())}; check the "
+            f"network and the hub's status, or raise training.stream_max_attempts"
+        ) from None
+    delay = retry.delay(attempt)
+    logger.warning(f"{option}: transient error while streaming ({type(error).__name__}: "
+                   f"{' '.join(str(error).split())}); attempt {attempt + 1} of {retry.max_attempts} in {delay:.2f} s")
+    time.sleep(delay)
+
+
+def _retrying(call: Callable[[], Any], option: str, retry: StreamRetry) -> Any:
+    attempt = 1
+    while True:
+        try:
+            return call()
+        except Exception as error:
+            _wait_or_fail(error, attempt, option, retry)
+            attempt += 1
+
+
+def _streaming_documents(dataset: Any, field: str, field_option: str, source_option: str,
+                         retry: StreamRetry) -> _Documents:
     def read_from(start: int) -> Iterator[Any]:
         rows = dataset.skip(start) if start else dataset
-        for row in rows:
-            if field not in row:
-                raise UserError(
-                    f"{field_option}: the records have no field {field!r}; "
-                    f"they have {', '.join(map(repr, row))}"
-                )
-            yield row[field]
+        # The stream's own position after the last record read (shard, and record inside it): a failed read resumes
+        # there, so that no record is lost or read twice.
+        position = None
+        attempt = 1
+        while True:
+            if position is not None:
+                rows.load_state_dict(position)
+            try:
+                for row in rows:
+                    if field not in row:
+                        raise UserError(
+                            f"{field_option}: the records have no field {field!r}; "
+                            f"they have {', '.join(map(repr, row))}"
+                        )
+                    position = rows.state_dict()
+                    attempt = 1
+                    yield row[field]
+                return
+            except UserError:
+                raise
+            except Exception as error:
+                _wait_or_fail(error, attempt, source_option, retry)
+                attempt += 1
 
     return _Documents(read_from, None)
 
@@ -122,7 +199,8 @@ class _Source:
     """Where the documents come from, and how to name that source in messages."""
 
     def __init__(self, *, dataset: str, dataset_path: str | None, text_field: str, section: str,
-                 path_option: str | None = None):
+                 path_option: str | None = None, retry: StreamRetry = StreamRetry()):
+        self.retry = retry
         self.dataset = dataset
         self.dataset_path = dataset_path
         self.text_field = text_field
@@ -234,7 +312,9 @@ def _hub_documents(source: _Source, repo: str, config: str | None, split: str) -
     import datasets
 
     try:
-        dataset = datasets.load_dataset(repo, config, split=split, streaming=True)
+        # Opening reads the first file's schema: it can meet the same faults as the reads that follow.
+        dataset = _retrying(lambda: datasets.load_dataset(repo, config, split=split, streaming=True), source.option(),
+                            source.retry)
     except datasets.exceptions.DatasetNotFoundError as e:
         raise UserError(
             f"{source.option()} is neither an existing local path nor a dataset on the Hugging Face hub "
@@ -246,7 +326,7 @@ def _hub_documents(source: _Source, repo: str, config: str | None, split: str) -
             f"they have {', '.join(map(repr, dataset.column_names))}"
         )
     logger.info(f"dataset {source.label}: streaming {repo} split {split} from the Hugging Face hub")
-    return _streaming_documents(dataset, source.text_field, source.field_option())
+    return _streaming_documents(dataset, source.text_field, source.field_option(), source.option(), source.retry)
 
 
 def _document_text(source: _Source, value: Any, index: int) -> str:
@@ -341,6 +421,7 @@ class TextDataset(IterableDataset, Stateful):
         config_section: str = "training",
         num_workers: int = 0,
         path_option: str | None = None,
+        stream_retry: StreamRetry = StreamRetry(),
     ) -> None:
         if seq_len < 1:
             raise UserError(f"{config_section}.seq_len={seq_len} must be at least 1")
@@ -348,7 +429,7 @@ class TextDataset(IterableDataset, Stateful):
             raise ValueError(f"dp_rank={dp_rank} must be in [0, dp_degree={dp_degree})")
         self._source = _Source(
             dataset=dataset, dataset_path=dataset_path, text_field=text_field, section=config_section,
-            path_option=path_option,
+            path_option=path_option, retry=stream_retry,
         )
         self._documents = _load_documents(self._source)
         self._tokenizer = tokenizer
@@ -531,12 +612,14 @@ def build_dataloader(
     num_workers: int = 0,
     seed: int = 0,
     sources: list[str] | None = None,
+    stream_retry: StreamRetry = StreamRetry(),
 ) -> StatefulDataLoader:
     """A loader of `(inputs, labels)` batches of shape `[local_batch_size, seq_len]` for one rank.
 
     The data is `dataset_path` (token shards when it is a folder with a shard manifest, else documents tokenized here
     by `num_workers` processes, or in this process with 0) or `dataset`; or, with `sources` (`path:weight` entries),
-    a weighted mixture of such paths. `seed` orders the windows of token shards. One rank's `state_dict()` after any
+    a weighted mixture of such paths. `seed` orders the windows of token shards; `stream_retry` says how streams from
+    the Hugging Face hub survive transient faults. One rank's `state_dict()` after any
     batch can be loaded into the loaders of every rank, also of a run with another data-parallel degree (see the
     module docstrings).
     """
@@ -556,7 +639,8 @@ def build_dataloader(
                                 infinite=infinite, seed=seed, config_section=config_section, path_option=path_option)
         return TextDataset(dataset=dataset, dataset_path=path, text_field=text_field, tokenizer=tokenizer,
                            seq_len=seq_len, dp_rank=rank, dp_degree=degree, infinite=infinite,
-                           config_section=config_section, num_workers=num_workers, path_option=path_option)
+                           config_section=config_section, num_workers=num_workers, path_option=path_option,
+                           stream_retry=stream_retry)
 
     if sources:
         if dataset_path is not None:
