@@ -44,7 +44,8 @@ UNSUPPORTED_TORCHTITAN_OPTIONS: dict[str, Any] = {
     # Parameters and optimizer state are kept in float32; training.mixed_precision_param sets the compute dtype.
     "training.dtype": "float32",
     "training.debug_moe_force_load_balance": False,  # TorchTitan v0.2.0; debug.moe_force_load_balance in v0.2.2
-    # The data loader reads in the training process.
+    # The loader's own workers would each read the whole stream to keep the one global window order: tokenizer
+    # processes (training.num_workers) run inside the dataset instead.
     "training.dataloader.num_workers": 0,
     "training.dataloader.persistent_workers": False,
     "training.dataloader.pin_memory": False,
