@@ -21,7 +21,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from tqdm import tqdm  # noqa: E402
 
-from torchtitan.components.datasets.shards import MANIFEST, shard_name, token_dtype, write_manifest, write_shard  # noqa: E402
+from torchtitan.components.datasets.shards import (MANIFEST, shard_name, token_dtype, write_manifest,  # noqa: E402
+                                                   write_shard)
 from torchtitan.components.datasets.text import document_texts, worker_pool  # noqa: E402
 from torchtitan.components.tokenizer import build_tokenizer  # noqa: E402
 from torchtitan.errors import UserError  # noqa: E402

@@ -375,7 +375,9 @@ def worker_pool(num_workers: int, initializer: Callable, initargs: tuple) -> Any
     return context.Pool(num_workers, initializer=initializer, initargs=initargs)
 
 
-def _encode_in_workers(texts: Iterator[tuple[int, str]], pool: Any, num_workers: int) -> Iterator[tuple[int, list[int]]]:
+def _encode_in_workers(
+    texts: Iterator[tuple[int, str]], pool: Any, num_workers: int
+) -> Iterator[tuple[int, list[int]]]:
     """(document index, tokens) of `texts`, in order, tokenized by the pool's processes, which run ahead.
 
     The documents are read here and sent in chunks; results come back in submission order, so the token stream, and
