@@ -21,6 +21,7 @@ from torch.distributed.tensor.parallel import loss_parallel
 
 from torchtitan.components.checkpoint import CheckpointManager, TrainState
 from torchtitan.components.datasets import build_dataloader
+from torchtitan.components.datasets.text import StreamRetry
 from torchtitan.components.float8 import apply_float8, precompute_float8_scales
 from torchtitan.components.loss import count_valid_tokens, cross_entropy_sum
 from torchtitan.components.lr_scheduler import build_lr_schedulers
@@ -38,7 +39,8 @@ from torchtitan.distributed.parallel_dims import ParallelDims
 from torchtitan.distributed.pipeline_parallel import pipeline_llama
 from torchtitan.errors import UserError
 from torchtitan.models.llama3.args import describe_model, model_args_for, shape_overrides
-from torchtitan.models.llama3.model import Transformer, count_parameters, flops_per_token
+from torchtitan.models.llama3.model import (Transformer, count_parameters, document_ids, document_positions,
+                                            flops_per_token)
 from torchtitan.models.llama3.parallelize import parallelize_llama, validate_parallelism
 from torchtitan.tools.device_info import memory_stats, peak_flops, reset_peak_memory
 from torchtitan.tools.logging import init_logger, logger
@@ -153,10 +155,24 @@ class Trainer:
     def _build_dataloader(self, dataset: str, dataset_path: str | None, batch_size: int, seq_len: int,
                           infinite: bool, section: str):
         dp_mesh = self.parallel_dims.get_mesh("dp")
+        training = self.config.training
+        # Validation builds a loader per evaluation: worker processes and the mixture are for the training stream.
         return build_dataloader(dataset=dataset, dataset_path=dataset_path,
-                                text_field=self.config.training.dataset_text_field, tokenizer=self.tokenizer,
+                                text_field=training.dataset_text_field, tokenizer=self.tokenizer,
                                 seq_len=seq_len, local_batch_size=batch_size, dp_rank=dp_mesh.get_local_rank(),
-                                dp_degree=dp_mesh.size(), infinite=infinite, config_section=section)
+                                dp_degree=dp_mesh.size(), infinite=infinite, config_section=section,
+                                num_workers=training.num_workers if section == "training" else 0,
+                                seed=training.data_seed, sources=training.sources if section == "training" else None,
+                                stream_retry=StreamRetry(training.stream_max_attempts, training.stream_backoff_seconds))
+
+    def _masking(self, inputs: torch.Tensor) -> dict[str, torch.Tensor]:
+        """The model's inputs for model.attention_mask = block_causal, from where the batch's documents start (BOS);
+        passed to every pipeline stage too."""
+        if self.config.model.attention_mask == "causal":
+            return {}
+        ids = document_ids(inputs, self.tokenizer.bos_id)
+        return {"document_ids": ids, **({"positions": document_positions(ids)} if self.config.model.document_positions
+                                        else {})}
 
     def _pipeline_loss(self, pred: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         return self.loss_fn(pred, labels) / self.global_valid_tokens
@@ -200,17 +216,18 @@ class Trainer:
     def forward_backward(self, inputs: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         """This rank's share of the loss (already divided by the global token count), after backward."""
         with self._train_context(inputs, labels):
+            masking = self._masking(inputs)
             if self.pp_schedule is not None:
                 losses: list[torch.Tensor] | None = [] if self.has_last_stage else None
                 targets = labels if self.has_last_stage else None
                 with self.autocast:
                     if self.has_first_stage:
-                        self.pp_schedule.step(inputs, target=targets, losses=losses, return_outputs=False)
+                        self.pp_schedule.step(inputs, target=targets, losses=losses, return_outputs=False, **masking)
                     else:
-                        self.pp_schedule.step(target=targets, losses=losses, return_outputs=False)
+                        self.pp_schedule.step(target=targets, losses=losses, return_outputs=False, **masking)
                 return torch.stack(losses).sum() if losses else torch.zeros((), device=self.device)
             with self.autocast:
-                pred = self.model_parts[0](inputs)
+                pred = self.model_parts[0](inputs, **masking)
                 loss = self.loss_fn(pred, labels) / self.global_valid_tokens
             del pred
             loss.backward()
@@ -284,7 +301,7 @@ class Trainer:
                 if self.pp_schedule is not None:
                     loss_sum += self._pipeline_eval(inputs, labels)
                 else:
-                    loss = self.loss_fn(self.model_parts[0](inputs), labels)
+                    loss = self.loss_fn(self.model_parts[0](inputs, **self._masking(inputs)), labels)
                     loss_sum += loss.full_tensor() if isinstance(loss, DTensor) else loss
             batches += 1
         totals = torch.stack([loss_sum / self.parallel_dims.tp, tokens])
@@ -301,10 +318,11 @@ class Trainer:
         losses: list[torch.Tensor] | None = [] if self.has_last_stage else None
         targets = labels if self.has_last_stage else None
         self.global_valid_tokens = torch.ones((), device=self.device)
+        masking = self._masking(inputs)
         if self.has_first_stage:
-            self.pp_schedule.eval(inputs, target=targets, losses=losses, return_outputs=False)
+            self.pp_schedule.eval(inputs, target=targets, losses=losses, return_outputs=False, **masking)
         else:
-            self.pp_schedule.eval(target=targets, losses=losses, return_outputs=False)
+            self.pp_schedule.eval(target=targets, losses=losses, return_outputs=False, **masking)
         return torch.stack(losses).sum() if losses else torch.zeros((), device=self.device)
 
     # ----------------------------------------------------------------------------------------------------------

@@ -238,8 +238,33 @@ def truncate(path: Path) -> None:
     path.write_bytes(path.read_bytes()[: path.stat().st_size // 2])
 
 
+def write_shards(dump: Path, damage=None) -> None:
+    """Token shards of a small corpus under {dump}/shards, then `damage` done to that folder."""
+    from scripts import tokenize_dataset
+
+    (dump / "corpus.jsonl").write_text("".join(f'{{"text": "document {i} with a few words"}}\n' for i in range(300)))
+    tokenize_dataset.tokenize(str(dump / "corpus.jsonl"), str(dump / "shards"), documents_per_shard=100,
+                              progress=False)
+    if damage is not None:
+        damage(dump / "shards")
+
+
+def another_tokenizer(shards: Path) -> None:
+    manifest = (shards / "manifest.json").read_text()
+    (shards / "manifest.json").write_text(re.sub(r'"sha256": "[0-9a-f]{64}",\n  "vocab', '"sha256": "' + "1" * 64
+                                                 + '",\n  "vocab', manifest, count=1))
+
+
 CHECKPOINT_CASES = [
     # (name, damage done to the copy of the good run before resuming, extra options, text the error names)
+    ("truncated_token_shard", lambda d: write_shards(d, lambda s: truncate(s / "shard-00001.bin")),
+     ["--training.dataset_path", "{dump}/shards"], "{dump}/shards/shard-00001.bin has 1"),
+    ("token_shards_of_another_tokenizer", lambda d: write_shards(d, another_tokenizer),
+     ["--training.dataset_path", "{dump}/shards"], "the shards were made with tokenizer 'tokenizer.model' (sha256 111"),
+    ("mixture_weights_sum_to_zero", None, ["--training.sources", "{dump}/a.jsonl:0,{dump}/b.jsonl:0"],
+     "option training.sources: the weights"),
+    ("mixture_source_unreachable", None, ["--training.sources", "{dump}/absent.jsonl:0.5,{dump}/b.jsonl:0.5"],
+     "training.sources entry='{dump}/absent.jsonl' does not exist"),
     ("load_step_absent", None, ["--checkpoint.load_step", "7"], "option checkpoint.load_step: step 7"),
     ("another_model_shape", None, ["--model.flavor", "debugmodel"],
      "was saved from another model: dim 64 (this run: 256), n_layers 4 (this run: 6)"),

@@ -203,7 +203,8 @@ def window_of(inputs: torch.Tensor, labels: torch.Tensor, row: int) -> tuple[int
     return (*inputs[row].tolist(), labels[row, -1].item())
 
 
-def test_data_parallel_change_consumes_every_window_once(corpus):
+@pytest.mark.parametrize("num_workers", [0, 2])
+def test_data_parallel_change_consumes_every_window_once(corpus, num_workers):
     """With the data loader API: 3 steps on 2 ranks, then the rest of the data on 4 ranks that load rank 1's state.
     Global step s, rank r, row j must hold window s * G + j * D + r of the one-rank stream (G the global batch, D the
     ranks): every window exactly once, in the one-rank order."""
@@ -212,7 +213,7 @@ def test_data_parallel_change_consumes_every_window_once(corpus):
     def loaders(dp: int) -> list:
         return [build_dataloader(dataset="numbered", dataset_path=str(corpus), text_field="text", tokenizer=tokenizer,
                                  seq_len=SEQ_LEN, local_batch_size=GLOBAL_BATCH // dp, dp_rank=rank, dp_degree=dp,
-                                 infinite=False)
+                                 infinite=False, num_workers=num_workers)
                 for rank in range(dp)]
 
     stream = [window_of(inputs, labels, row) for inputs, labels in loaders(1)[0] for row in range(inputs.shape[0])]

@@ -58,7 +58,7 @@ def corpus(monkeypatch):
 
 
 def loader(*, seq_len=16, batch=2, rank=0, degree=1, infinite=True, dataset="embedded", path=None,
-           field="text", tokenizer=None):
+           field="text", tokenizer=None, workers=0):
     return build_dataloader(
         dataset=dataset,
         dataset_path=path,
@@ -69,6 +69,7 @@ def loader(*, seq_len=16, batch=2, rank=0, degree=1, infinite=True, dataset="emb
         dp_rank=rank,
         dp_degree=degree,
         infinite=infinite,
+        num_workers=workers,
     )
 
 
@@ -143,13 +144,14 @@ def test_state_is_the_same_on_every_rank(corpus):
     assert states[0]["next_window"] == 4 * 2 * 3
 
 
+@pytest.mark.parametrize("workers", [0, 2])
 @pytest.mark.parametrize("steps", [0, 1, 5, 40])
-def test_exact_resume(corpus, steps):
+def test_exact_resume(corpus, steps, workers):
     seq_len = 16
     per_epoch = len(windows_of(DOCS, seq_len))
     reference = take(iter(loader(seq_len=seq_len)), steps + 6)
 
-    dl = loader(seq_len=seq_len)
+    dl = loader(seq_len=seq_len, workers=workers)
     it = iter(dl)
     take(it, steps)
     state = json.loads(json.dumps(dl.state_dict()))
@@ -157,10 +159,12 @@ def test_exact_resume(corpus, steps):
         assert state["dataset_state"]["anchor_epoch"] >= 2 * 40 // per_epoch - 1 > 0
 
     tokenizer = ByteTokenizer()
-    resumed = loader(seq_len=seq_len, tokenizer=tokenizer)
+    resumed = loader(seq_len=seq_len, tokenizer=tokenizer, workers=workers)
     resumed.load_state_dict(state)
     after = take(iter(resumed), 6)
     assert rows(after) == rows(reference[steps:])
+    if workers:
+        return  # the workers encode: this process's tokenizer records nothing
     # It seeks to the saved document instead of re-tokenizing everything before it.
     anchor = state["dataset_state"]["anchor_document"]
     following = [d for d in DOCS[anchor:] + DOCS * 2 if d]
@@ -179,20 +183,21 @@ def test_resume_twice_and_after_fresh_state(corpus):
     assert seen == reference
 
 
+@pytest.mark.parametrize("workers", [0, 2])
 @pytest.mark.parametrize("saving_rank", [0, 1])
 @pytest.mark.parametrize("new_degree", [1, 3])
-def test_resume_with_another_dp_degree(corpus, saving_rank, new_degree):
+def test_resume_with_another_dp_degree(corpus, saving_rank, new_degree, workers):
     seq_len, batch, steps = 8, 2, 3
     full = windows_of(DOCS, seq_len)
     seen = []
     states = []
     for rank in range(2):
-        dl = loader(seq_len=seq_len, batch=batch, rank=rank, degree=2, infinite=False)
+        dl = loader(seq_len=seq_len, batch=batch, rank=rank, degree=2, infinite=False, workers=workers)
         seen += rows(take(iter(dl), steps))
         states.append(dl.state_dict())
     assert states[0]["dataset_state"]["next_window"] == states[1]["dataset_state"]["next_window"]
     for rank in range(new_degree):
-        dl = loader(seq_len=seq_len, batch=batch, rank=rank, degree=new_degree, infinite=False)
+        dl = loader(seq_len=seq_len, batch=batch, rank=rank, degree=new_degree, infinite=False, workers=workers)
         dl.load_state_dict(states[saving_rank])
         seen += rows(list(dl))
     assert sorted(seen) == sorted(full)
@@ -335,6 +340,17 @@ def test_streaming_without_text(monkeypatch):
     monkeypatch.setattr(datasets, "load_dataset", fake_load_dataset)
     with pytest.raises(UserError, match="training.dataset_path='someorg/empty'"):
         next(iter(loader(path="someorg/empty")))
+
+
+def test_workers_give_the_same_stream_and_errors(corpus, tmp_path):
+    assert rows(take(iter(loader(workers=2)), 30)) == rows(take(iter(loader()), 30))
+    with pytest.raises(UserError, match="training.num_workers=-1 must be 0"):
+        loader(workers=-1)
+    path = tmp_path / "bad.jsonl"
+    write_jsonl(path, [{"text": "fine"}] * 100 + [{"text": 5}])
+    # A document that is not text is reported from the process that reads the documents, with workers too.
+    with pytest.raises(UserError, match="document 100 holds a int, not text"):
+        list(loader(path=str(path), workers=2, infinite=False))
 
 
 def test_validation_split(corpus):

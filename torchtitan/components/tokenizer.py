@@ -40,6 +40,11 @@ _KNOWN_EOS = (EOS_TOKEN, "</s>", "<|endoftext|>")
 class Tokenizer(ABC):
     """Text <-> token ids, with the ids of the beginning- and end-of-sequence tokens."""
 
+    # The file it was loaded from and its sha256 (set by build_tokenizer): token shards record them, so that the
+    # trainer can refuse shards made with another tokenizer.
+    file: str = ""
+    checksum: str = ""
+
     @property
     @abstractmethod
     def vocab_size(self) -> int:
@@ -240,6 +245,8 @@ def build_tokenizer(path: str, option: str = _OPTION) -> Tokenizer:
     else:
         tokenizer = TiktokenTokenizer(file, option)
         kind = "tiktoken"
+    tokenizer.file = str(file)
+    tokenizer.checksum = hashlib.sha256(file.read_bytes()).hexdigest()
     logger.info(f"Loaded {kind} tokenizer from {file} (vocab size {tokenizer.vocab_size})")
     return tokenizer
 

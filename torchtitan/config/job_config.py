@@ -109,6 +109,12 @@ class Model:
     print_after_conversion: bool = False
     """Print the model after converters have been applied."""
 
+    attention_mask: Literal["causal", "block_causal"] = "causal"
+    """causal: every token attends to all earlier tokens of its window; block_causal: only to earlier tokens of its own document (documents start at BOS)."""
+
+    document_positions: bool = False
+    """With block_causal, restart RoPE positions at 0 at every document, so a document is seen as if it started the window."""
+
 
 @dataclass
 class Optimizer:
@@ -195,6 +201,21 @@ class Training:
 
     gc_debug: bool = False
     """Collect garbage at every step to find reference cycles."""
+
+    num_workers: int = 0
+    """Processes that tokenize documents ahead of the training loop (on-the-fly data); 0 = tokenize in the training process. The samples and their order do not depend on it. Token shards need none: they are read memory-mapped."""
+
+    data_seed: int = 0
+    """Seed of the order in which windows of token shards are sampled (the same on every rank and data-parallel degree)."""
+
+    sources: list[str] = field(default_factory=list)
+    """Weighted mixture of data sources instead of dataset_path: path:weight entries (a.jsonl:0.7,shards/:0.3), or [[training.sources]] tables with path and weight in TOML. Each path is anything dataset_path takes."""
+
+    stream_max_attempts: int = 8
+    """Reads in a row of a Hugging Face hub stream that may fail with a transient error (HTTP 429 or 5xx, a dropped connection) before the run stops with an error; each retry resumes at the record after the last one read."""
+
+    stream_backoff_seconds: float = 1.0
+    """Wait before the first retry of a failed hub stream read; it doubles with each further attempt (at most a minute), times a random factor between 1 and 2."""
 
 
 @dataclass

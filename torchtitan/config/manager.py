@@ -44,7 +44,8 @@ UNSUPPORTED_TORCHTITAN_OPTIONS: dict[str, Any] = {
     # Parameters and optimizer state are kept in float32; training.mixed_precision_param sets the compute dtype.
     "training.dtype": "float32",
     "training.debug_moe_force_load_balance": False,  # TorchTitan v0.2.0; debug.moe_force_load_balance in v0.2.2
-    # The data loader reads in the training process.
+    # The loader's own workers would each read the whole stream to keep the one global window order: tokenizer
+    # processes (training.num_workers) run inside the dataset instead.
     "training.dataloader.num_workers": 0,
     "training.dataloader.persistent_workers": False,
     "training.dataloader.pin_memory": False,
@@ -205,6 +206,8 @@ def _convert(key: str, value: Any, tp: Any, from_cli: bool) -> Any:
         raise UserError(f"option {key}: {value!r} is not one of {', '.join(repr(c) for c in choices)}")
     if origin is list:
         (item_type,) = typing.get_args(tp)
+        if key == "training.sources" and isinstance(value, list):
+            value = [_source_entry(entry) if isinstance(entry, dict) else entry for entry in value]
         if from_cli or isinstance(value, str):
             value = [v.strip() for v in str(value).split(",") if v.strip()]
         if not isinstance(value, list):
@@ -239,6 +242,15 @@ def _convert(key: str, value: Any, tp: Any, from_cli: bool) -> Any:
             return value
         raise bad()
     raise TypeError(f"option {key}: unhandled type {tp}")
+
+
+def _source_entry(table: dict) -> str:
+    """A [[training.sources]] table as the command line's `path:weight` entry."""
+    if set(table) != {"path", "weight"} or not isinstance(table["path"], str) or isinstance(table["weight"], bool) \
+            or not isinstance(table["weight"], (int, float)):
+        raise UserError(f"option training.sources: {table!r} is not a table with a path (string) and a weight "
+                        f"(number), e.g. [[training.sources]] path = \"a.jsonl\" weight = 0.7")
+    return f"{table['path']}:{table['weight']}"
 
 
 def _closest(key: str, specs: dict[str, OptionSpec]) -> str:
@@ -521,6 +533,21 @@ def validate(config: JobConfig) -> None:
         if converter not in valid_converters:
             raise UserError(f"option model.converters: {converter!r} is not a known converter; valid: "
                             f"{', '.join(valid_converters)}")
+    if config.training.stream_max_attempts < 1:
+        raise UserError(f"option training.stream_max_attempts: {config.training.stream_max_attempts} must be at least 1")
+    if config.training.stream_backoff_seconds < 0:
+        raise UserError(f"option training.stream_backoff_seconds: {config.training.stream_backoff_seconds} must not be "
+                        f"negative")
+    if config.training.num_workers < 0:
+        raise UserError(f"option training.num_workers: {config.training.num_workers} must be 0 (tokenize in the "
+                        f"training process) or positive")
+    if config.model.attention_mask == "block_causal" and config.parallelism.context_parallel_degree > 1:
+        raise UserError("option model.attention_mask: 'block_causal' does not work with context parallelism "
+                        "(parallelism.context_parallel_degree > 1), whose ring attention is causal only; use "
+                        "attention_mask = 'causal' or context_parallel_degree = 1")
+    if config.model.document_positions and config.model.attention_mask != "block_causal":
+        raise UserError("option model.document_positions: true needs model.attention_mask = 'block_causal' (with "
+                        "causal attention a document sees the ones before it, so its positions continue)")
     if config.checkpoint.keep_latest_k < 0:
         raise UserError(f"option checkpoint.keep_latest_k: {config.checkpoint.keep_latest_k} must be 0 (keep all) "
                         f"or positive")

@@ -12,9 +12,11 @@ layout can change when a run resumes from a checkpoint.
 
 Trade-off: every rank reads and tokenizes the whole stream and throws away the windows of the other
 ranks, so tokenization costs `D` times the CPU work of a split-by-document scheme (and a streaming
-dataset is downloaded by every rank). Tokenization is usually much cheaper than a training step; in
-exchange there is no per-rank shard assignment to keep consistent, and the sample order does not
-depend on the layout.
+dataset is downloaded by every rank). In exchange there is no per-rank shard assignment to keep
+consistent, and the sample order does not depend on the layout. `num_workers` processes tokenize
+documents ahead of the packer, in order, so the stream (and every state) is the same with any number
+of them. At scale, pre-tokenize into token shards instead (`shards.py`): there each rank reads only
+its own windows.
 
 Checkpoint state (`TextDataset.state_dict()`, found under `dataset_state` in the data loader's
 state) holds `next_window`, the first window no rank of the group has consumed, which is the same on
@@ -30,12 +32,18 @@ field, or not text) is an error naming the file and line (records.py). Plain-tex
 hold one document per line, as the Hugging Face `text` builder reads them.
 """
 
+import contextlib
 import glob
+import itertools
+import multiprocessing
 import os
+import random
 import re
+import time
 import warnings
 from collections import deque
 from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -61,6 +69,12 @@ _HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
 _GLOB_CHARS = re.compile(r"[*?[]")
 # Rows read per access when scanning a map-style dataset: one Arrow slice per document is much slower.
 _CHUNK = 256
+
+# Documents per task of a tokenizer worker: enough that passing them between processes costs little beside encoding.
+_WORKER_CHUNK = 64
+# Tasks queued per worker: the workers tokenize this far ahead of the packer (prefetching) without reading the whole
+# source into memory.
+_TASKS_PER_WORKER = 4
 
 _STATE_KEYS = (
     "next_window",
@@ -96,16 +110,90 @@ def _sized_documents(read: Callable[[int, int], Sequence[Any]], size: int) -> _D
     return _Documents(read_from, size)
 
 
-def _streaming_documents(dataset: Any, field: str, field_option: str) -> _Documents:
+@dataclass(frozen=True)
+class StreamRetry:
+    """How a streamed source survives faults: up to `max_attempts` reads in a row that fail with a transient error,
+    waiting `backoff_seconds * 2**(attempt - 1)` (capped at a minute) times a random factor in [1, 2) between them."""
+
+    max_attempts: int = 8
+    backoff_seconds: float = 1.0
+
+    def delay(self, attempt: int) -> float:
+        return min(self.backoff_seconds * 2 ** (attempt - 1), 60.0) * (1 + random.random())
+
+
+# Names of exception classes (anywhere in an error's class hierarchy or causes) that a later attempt can get past.
+_TRANSIENT_ERRORS = {"ConnectionError", "TimeoutError", "TimeoutException", "TransportError", "NetworkError",
+                     "RemoteProtocolError", "ChunkedEncodingError", "ProtocolError", "IncompleteRead"}
+
+
+def is_transient(error: BaseException | None) -> bool:
+    """Rate limits (HTTP 429), server errors (5xx) and dropped connections, also when wrapped in another error."""
+    seen = 0
+    while error is not None and seen < 10:
+        status = getattr(getattr(error, "response", None), "status_code", None)
+        if isinstance(status, int) and (status == 429 or status >= 500):
+            return True
+        if any(cls.__name__ in _TRANSIENT_ERRORS for cls in type(error).__mro__):
+            return True
+        error, seen = error.__cause__ or error.__context__, seen + 1
+    return False
+
+
+def _wait_or_fail(error: Exception, attempt: int, option: str, retry: StreamRetry) -> None:
+    """After attempt `attempt` failed with `error`: re-raise it unless transient, stop with one error line after the
+    last attempt, else wait before the next one."""
+    if not is_transient(error):
+        raise error
+    if attempt >= retry.max_attempts:
+        raise UserError(
+            f"{option}: streaming failed {attempt} times in a row (training.stream_max_attempts = "
+            f"{retry.max_attempts}), last with {type(error).__name__}: {' '.join(str(error).split())}; check the "
+            f"network and the hub's status, or raise training.stream_max_attempts"
+        ) from None
+    delay = retry.delay(attempt)
+    logger.warning(f"{option}: transient error while streaming ({type(error).__name__}: "
+                   f"{' '.join(str(error).split())}); attempt {attempt + 1} of {retry.max_attempts} in {delay:.2f} s")
+    time.sleep(delay)
+
+
+def _retrying(call: Callable[[], Any], option: str, retry: StreamRetry) -> Any:
+    attempt = 1
+    while True:
+        try:
+            return call()
+        except Exception as error:
+            _wait_or_fail(error, attempt, option, retry)
+            attempt += 1
+
+
+def _streaming_documents(dataset: Any, field: str, field_option: str, source_option: str,
+                         retry: StreamRetry) -> _Documents:
     def read_from(start: int) -> Iterator[Any]:
         rows = dataset.skip(start) if start else dataset
-        for row in rows:
-            if field not in row:
-                raise UserError(
-                    f"{field_option}: the records have no field {field!r}; "
-                    f"they have {', '.join(map(repr, row))}"
-                )
-            yield row[field]
+        # The stream's own position after the last record read (shard, and record inside it): a failed read resumes
+        # there, so that no record is lost or read twice.
+        position = None
+        attempt = 1
+        while True:
+            if position is not None:
+                rows.load_state_dict(position)
+            try:
+                for row in rows:
+                    if field not in row:
+                        raise UserError(
+                            f"{field_option}: the records have no field {field!r}; "
+                            f"they have {', '.join(map(repr, row))}"
+                        )
+                    position = rows.state_dict()
+                    attempt = 1
+                    yield row[field]
+                return
+            except UserError:
+                raise
+            except Exception as error:
+                _wait_or_fail(error, attempt, source_option, retry)
+                attempt += 1
 
     return _Documents(read_from, None)
 
@@ -113,11 +201,14 @@ def _streaming_documents(dataset: Any, field: str, field_option: str) -> _Docume
 class _Source:
     """Where the documents come from, and how to name that source in messages."""
 
-    def __init__(self, *, dataset: str, dataset_path: str | None, text_field: str, section: str):
+    def __init__(self, *, dataset: str, dataset_path: str | None, text_field: str, section: str,
+                 path_option: str | None = None, retry: StreamRetry = StreamRetry()):
+        self.retry = retry
         self.dataset = dataset
         self.dataset_path = dataset_path
         self.text_field = text_field
         self.section = section
+        self.path_option = path_option or f"{section}.dataset_path"
 
     @property
     def label(self) -> str:
@@ -126,7 +217,7 @@ class _Source:
     def option(self) -> str:
         """The option that selected the data, with its value."""
         if self.dataset_path is not None:
-            return f"{self.section}.dataset_path={self.dataset_path!r}"
+            return f"{self.path_option}={self.dataset_path!r}"
         return f"{self.section}.dataset={self.dataset!r}"
 
     def field_option(self) -> str:
@@ -253,7 +344,9 @@ def _hub_documents(source: _Source, repo: str, config: str | None, split: str) -
     import datasets
 
     try:
-        dataset = datasets.load_dataset(repo, config, split=split, streaming=True)
+        # Opening reads the first file's schema: it can meet the same faults as the reads that follow.
+        dataset = _retrying(lambda: datasets.load_dataset(repo, config, split=split, streaming=True), source.option(),
+                            source.retry)
     except datasets.exceptions.DatasetNotFoundError as e:
         raise UserError(
             f"{source.option()} is neither an existing local path nor a dataset on the Hugging Face hub "
@@ -265,7 +358,78 @@ def _hub_documents(source: _Source, repo: str, config: str | None, split: str) -
             f"they have {', '.join(map(repr, dataset.column_names))}"
         )
     logger.info(f"dataset {source.label}: streaming {repo} split {split} from the Hugging Face hub")
-    return _streaming_documents(dataset, source.text_field, source.field_option())
+    return _streaming_documents(dataset, source.text_field, source.field_option(), source.option(), source.retry)
+
+
+def _document_text(source: _Source, value: Any, index: int) -> str:
+    if value is None:
+        return ""
+    if not isinstance(value, str):
+        raise UserError(
+            f"{source.field_option()}: document {index} holds a "
+            f"{type(value).__name__}, not text; name a field that holds strings"
+        )
+    return value
+
+
+def document_texts(dataset_path: str, text_field: str, option: str) -> tuple[Iterator[str], int | None]:
+    """The non-empty texts at `dataset_path` (anything training.dataset_path takes, named `option` in errors), in
+    the order the trainer reads them, and the number of documents when it is known."""
+    source = _Source(dataset=option, dataset_path=dataset_path, text_field=text_field, section="training",
+                     path_option=option)
+    documents = _load_documents(source)
+    texts = (
+        text
+        for index, value in enumerate(documents.read_from(0))
+        if (text := _document_text(source, value, index))
+    )
+    return texts, documents.size
+
+
+_worker_tokenizer: _Tokenizer | None = None
+
+
+def _init_worker(tokenizer: _Tokenizer) -> None:
+    global _worker_tokenizer
+    _worker_tokenizer = tokenizer
+
+
+def _encode_chunk(texts: list[str]) -> list[list[int]]:
+    return [_worker_tokenizer.encode(text, add_bos=True, add_eos=True) for text in texts]
+
+
+def worker_pool(num_workers: int, initializer: Callable, initargs: tuple) -> Any:
+    """A process pool from a fork server: forking the training process itself (threads of the process group, of
+    OpenMP, of logging) can leave a child blocked on a lock that another thread held at the fork. The server forks
+    clean children in milliseconds after importing this module once."""
+    context = multiprocessing.get_context("forkserver")
+    context.set_forkserver_preload([__name__])
+    return context.Pool(num_workers, initializer=initializer, initargs=initargs)
+
+
+def _encode_in_workers(
+    texts: Iterator[tuple[int, str]], pool: Any, num_workers: int
+) -> Iterator[tuple[int, list[int]]]:
+    """(document index, tokens) of `texts`, in order, tokenized by the pool's processes, which run ahead.
+
+    The documents are read here and sent in chunks; results come back in submission order, so the token stream, and
+    with it every window and every checkpointed position, is the same as with tokenization in this process.
+    """
+    chunks = iter(lambda: list(itertools.islice(texts, _WORKER_CHUNK)), [])
+    pending: deque = deque()
+
+    def submit(chunk: list[tuple[int, str]]) -> None:
+        indices = [index for index, _ in chunk]
+        pending.append((indices, pool.apply_async(_encode_chunk, ([text for _, text in chunk],))))
+
+    for chunk in itertools.islice(chunks, num_workers * _TASKS_PER_WORKER):
+        submit(chunk)
+    while pending:
+        indices, result = pending.popleft()
+        following = next(chunks, None)
+        if following is not None:
+            submit(following)
+        yield from zip(indices, result.get())
 
 
 class TextDataset(IterableDataset, Stateful):
@@ -289,13 +453,17 @@ class TextDataset(IterableDataset, Stateful):
         dp_degree: int,
         infinite: bool,
         config_section: str = "training",
+        num_workers: int = 0,
+        path_option: str | None = None,
+        stream_retry: StreamRetry = StreamRetry(),
     ) -> None:
         if seq_len < 1:
             raise UserError(f"{config_section}.seq_len={seq_len} must be at least 1")
         if not 0 <= dp_rank < dp_degree:
             raise ValueError(f"dp_rank={dp_rank} must be in [0, dp_degree={dp_degree})")
         self._source = _Source(
-            dataset=dataset, dataset_path=dataset_path, text_field=text_field, section=config_section
+            dataset=dataset, dataset_path=dataset_path, text_field=text_field, section=config_section,
+            path_option=path_option, retry=stream_retry,
         )
         self._documents = _load_documents(self._source)
         self._tokenizer = tokenizer
@@ -303,6 +471,7 @@ class TextDataset(IterableDataset, Stateful):
         self._dp_rank = dp_rank
         self._dp_degree = dp_degree
         self._infinite = infinite
+        self._num_workers = num_workers
         self._check_has_text()
         self._rewind()
 
@@ -323,24 +492,35 @@ class TextDataset(IterableDataset, Stateful):
         raise UserError(f"{self._source.option()} has only empty documents")
 
     def _text(self, value: Any, index: int) -> str:
-        if value is None:
-            return ""
-        if not isinstance(value, str):
-            raise UserError(
-                f"{self._source.field_option()}: document {index} holds a "
-                f"{type(value).__name__}, not text; name a field that holds strings"
-            )
-        return value
+        return _document_text(self._source, value, index)
+
+    def _texts(self, start: int) -> Iterator[tuple[int, str]]:
+        """(document index, text) of every non-empty document from `start` on."""
+        for index, value in enumerate(self._documents.read_from(start), start=start):
+            text = self._text(value, index)
+            if text:
+                yield index, text
+
+    def _encoded(self, start: int, pool: Any) -> Iterator[tuple[int, list[int]]]:
+        """(document index, tokens) of the documents from `start` on, tokenized here or by the worker processes."""
+        if pool is None:
+            for index, text in self._texts(start):
+                yield index, self._tokenizer.encode(text, add_bos=True, add_eos=True)
+            return
+        yield from _encode_in_workers(self._texts(start), pool, self._num_workers)
 
     def _tokenized(self, epoch: int, start: int) -> Iterator[tuple[int, int, list[int]]]:
         """(epoch, document index, tokens) of every non-empty document from the given position on."""
+        # One pool for the whole iteration (every epoch): it stops when the iteration does.
+        with contextlib.ExitStack() as stack:
+            pool = (stack.enter_context(worker_pool(self._num_workers, _init_worker, (self._tokenizer,)))
+                    if self._num_workers else None)
+            yield from self._tokenized_with(epoch, start, pool)
+
+    def _tokenized_with(self, epoch: int, start: int, pool: Any) -> Iterator[tuple[int, int, list[int]]]:
         while True:
             seen_tokens = False
-            for index, value in enumerate(self._documents.read_from(start), start=start):
-                text = self._text(value, index)
-                if not text:
-                    continue
-                tokens = self._tokenizer.encode(text, add_bos=True, add_eos=True)
+            for index, tokens in self._encoded(start, pool):
                 if tokens:
                     seen_tokens = True
                     yield epoch, index, tokens
@@ -463,30 +643,54 @@ def build_dataloader(
     dp_degree: int,
     infinite: bool,
     config_section: str = "training",
+    num_workers: int = 0,
+    seed: int = 0,
+    sources: list[str] | None = None,
+    stream_retry: StreamRetry = StreamRetry(),
 ) -> StatefulDataLoader:
     """A loader of `(inputs, labels)` batches of shape `[local_batch_size, seq_len]` for one rank.
 
-    One rank's `state_dict()` after any batch can be loaded into the loaders of every rank, also of
-    a run with another data-parallel degree (see the module docstring).
+    The data is `dataset_path` (token shards when it is a folder with a shard manifest, else documents tokenized here
+    by `num_workers` processes, or in this process with 0) or `dataset`; or, with `sources` (`path:weight` entries),
+    a weighted mixture of such paths. `seed` orders the windows of token shards; `stream_retry` says how streams from
+    the Hugging Face hub survive transient faults. One rank's `state_dict()` after any
+    batch can be loaded into the loaders of every rank, also of a run with another data-parallel degree (see the
+    module docstrings).
     """
+    # Imported here: both modules build on this one.
+    from torchtitan.components.datasets.mixture import MixtureDataset, parse_sources
+    from torchtitan.components.datasets.shards import ShardDataset, is_shard_folder
+
     if local_batch_size < 1:
         raise UserError(f"{config_section}.local_batch_size={local_batch_size} must be at least 1")
-    text_dataset = TextDataset(
-        dataset=dataset,
-        dataset_path=dataset_path,
-        text_field=text_field,
-        tokenizer=tokenizer,
-        seq_len=seq_len,
-        dp_rank=dp_rank,
-        dp_degree=dp_degree,
-        infinite=infinite,
-        config_section=config_section,
-    )
+    if num_workers < 0:
+        raise UserError(f"{config_section}.num_workers={num_workers} must be 0 (tokenize in the training process) "
+                        f"or more")
+
+    def open_path(path: str | None, rank: int, degree: int, path_option: str | None = None) -> IterableDataset:
+        if path is not None and is_shard_folder(path):
+            return ShardDataset(path=path, tokenizer=tokenizer, seq_len=seq_len, dp_rank=rank, dp_degree=degree,
+                                infinite=infinite, seed=seed, config_section=config_section, path_option=path_option)
+        return TextDataset(dataset=dataset, dataset_path=path, text_field=text_field, tokenizer=tokenizer,
+                           seq_len=seq_len, dp_rank=rank, dp_degree=degree, infinite=infinite,
+                           config_section=config_section, num_workers=num_workers, path_option=path_option,
+                           stream_retry=stream_retry)
+
+    if sources:
+        if dataset_path is not None:
+            raise UserError(f"{config_section}.dataset_path={dataset_path!r} and training.sources are both set; "
+                            f"list every source (with its weight) in training.sources, or use dataset_path alone")
+        data: IterableDataset = MixtureDataset(
+            sources=parse_sources(sources), open_source=lambda path: open_path(path, 0, 1, "training.sources entry"),
+            seq_len=seq_len,
+            dp_rank=dp_rank, dp_degree=dp_degree, infinite=infinite)
+    else:
+        data = open_path(dataset_path, dp_rank, dp_degree)
     with warnings.catch_warnings():
         # StatefulDataLoader() calls torch.set_vital, which torch has emptied and deprecated: a warning the user can
         # do nothing about, on every run. Only that warning, only from torchdata's loader, is silenced.
         warnings.filterwarnings("ignore", message="'set_vital' is deprecated", category=UserWarning,
                                 module=r"torchdata\.stateful_dataloader")
-        return StatefulDataLoader(
-            text_dataset, batch_size=local_batch_size, num_workers=0, collate_fn=_collate
-        )
+        # The loader's own worker processes would each read the whole stream to keep the one global window order:
+        # the parallel part, tokenization, runs in the dataset's worker pool instead.
+        return StatefulDataLoader(data, batch_size=local_batch_size, num_workers=0, collate_fn=_collate)

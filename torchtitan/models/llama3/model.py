@@ -8,10 +8,13 @@ seed and the parameter's name, so any layout starts from the same weights.
 import math
 import zlib
 from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from typing import Union
 
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.nn.attention.flex_attention import BlockMask, create_block_mask, flex_attention
 
 from torchtitan.models.llama3.args import TransformerModelArgs
 
@@ -42,10 +45,12 @@ def scale_rope_frequencies(freqs: torch.Tensor, factor: float = 8.0, low_freq_fa
 
 
 def apply_rotary_emb(x: torch.Tensor, rope: torch.Tensor) -> torch.Tensor:
-    """Rotate consecutive pairs of `x` (batch, seq, heads, head_dim) by the angles in `rope` (seq, head_dim/2, 2)."""
+    """Rotate consecutive pairs of `x` (batch, seq, heads, head_dim) by the angles in `rope`: (seq, head_dim/2, 2),
+    or (batch, seq, head_dim/2, 2) when every sequence has positions of its own."""
     pairs = x.float().unflatten(-1, (-1, 2))
     x_even, x_odd = pairs[..., 0], pairs[..., 1]
-    cos, sin = rope[None, :, None, :, 0], rope[None, :, None, :, 1]
+    # A heads dimension before head_dim/2; broadcasting supplies the batch dimension of a shared table.
+    cos, sin = rope.unsqueeze(-3).unbind(-1)
     rotated = torch.stack([x_even * cos - x_odd * sin, x_even * sin + x_odd * cos], dim=-1)
     return rotated.flatten(-2).type_as(x)
 
@@ -60,18 +65,21 @@ class Attention(nn.Module):
         self.wv = nn.Linear(args.dim, args.kv_heads * self.head_dim, bias=False)
         self.wo = nn.Linear(args.n_heads * self.head_dim, args.dim, bias=False)
 
-    def forward(self, x: torch.Tensor, rope: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, rope: torch.Tensor, mask: "DocumentMask | None" = None) -> torch.Tensor:
         bsz, seqlen, _ = x.shape
         # -1 heads: under tensor parallelism each rank holds only its share of the heads.
         q = self.wq(x).view(bsz, seqlen, -1, self.head_dim)
         k = self.wk(x).view(bsz, seqlen, -1, self.head_dim)
         v = self.wv(x).view(bsz, seqlen, -1, self.head_dim)
         # Sliced here, not in Transformer.forward: under sequence parallelism the blocks see the whole sequence
-        # while the embedding output holds only a slice of it.
-        rope = rope[:seqlen]
+        # while the embedding output holds only a slice of it. A per-sequence table is already the right length.
+        if rope.dim() == 3:
+            rope = rope[:seqlen]
         q, k = apply_rotary_emb(q, rope), apply_rotary_emb(k, rope)
-        out = causal_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
-                               self.attention_device or q.device.type)
+        q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
+        device_type = self.attention_device or q.device.type
+        out = causal_attention(q, k, v, device_type) if mask is None else \
+            block_causal_attention(q, k, v, mask, device_type)
         return self.wo(out.transpose(1, 2).reshape(bsz, seqlen, -1))
 
 
@@ -96,6 +104,78 @@ def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, device_t
     return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
 
 
+@dataclass(frozen=True)
+class DocumentSpans:
+    """The documents of a batch on the CPU: each token's document index, and per sequence the [start, end) of each
+    document (for attention run document by document)."""
+
+    ids: torch.Tensor
+    spans: tuple[tuple[tuple[int, int], ...], ...]
+
+
+# What block-causal attention needs of a batch's documents: a FlexAttention BlockMask on GPUs, the spans elsewhere.
+DocumentMask = Union[BlockMask, DocumentSpans]
+
+
+def document_ids(tokens: torch.Tensor, bos_id: int) -> torch.Tensor:
+    """Index of the document each token belongs to inside its sequence: documents start at BOS (the part of a
+    document cut off at the start of a window is document 0)."""
+    return (tokens == bos_id).cumsum(dim=1)
+
+
+def document_positions(document_ids: torch.Tensor) -> torch.Tensor:
+    """Each token's position inside its own document: positions restart at every document start."""
+    index = torch.arange(document_ids.shape[1], device=document_ids.device).expand_as(document_ids)
+    starts = torch.where(torch.diff(document_ids, dim=1, prepend=document_ids[:, :1]) != 0, index, 0)
+    return index - starts.cummax(dim=1).values
+
+
+def document_mask(document_ids: torch.Tensor, flex: bool | None = None) -> DocumentMask:
+    """The block-causal mask of a batch: a token sees the earlier tokens of its own document only. A BlockMask for
+    FlexAttention with `flex` (default: on CUDA), else the documents' spans."""
+    batch, seq = document_ids.shape
+    if flex if flex is not None else document_ids.device.type == "cuda":
+        def same_document_causal(b, h, q, kv):
+            return (document_ids[b, q] == document_ids[b, kv]) & (q >= kv)
+
+        return create_block_mask(same_document_causal, batch, None, seq, seq, device=document_ids.device)
+    starts: list[list[int]] = [[0] for _ in range(batch)]
+    for row, position in torch.nonzero(document_ids[:, 1:] != document_ids[:, :-1]).tolist():
+        starts[row].append(position + 1)
+    spans = tuple(tuple(zip(row, row[1:] + [seq])) for row in starts)
+    return DocumentSpans(document_ids, spans)
+
+
+_compiled_flex_attention: Callable | None = None
+
+
+def block_causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: DocumentMask,
+                           device_type: str) -> torch.Tensor:
+    """Attention of (batch, heads, seq, head_dim) inside documents.
+
+    GPUs: FlexAttention (compiled once) with the BlockMask, which skips the blocks between documents. CPU, where
+    FlexAttention has no backward (torch 2.13): causal attention document by document, which does only the work
+    inside documents (at seq 2048 it measured 2x faster than causal attention over the window, 4x faster than SDPA
+    with a block-diagonal mask); inside torch.compile, SDPA with that mask instead, so that compiled blocks do not
+    specialise on, and recompile for, every batch's document boundaries.
+    """
+    if isinstance(mask, BlockMask):
+        global _compiled_flex_attention
+        if _compiled_flex_attention is None:
+            _compiled_flex_attention = torch.compile(flex_attention)
+        return _compiled_flex_attention(q, k, v, block_mask=mask, enable_gqa=True)
+    if torch.compiler.is_compiling():
+        seq = mask.ids.shape[1]
+        causal = torch.ones(seq, seq, dtype=torch.bool, device=mask.ids.device).tril()
+        allowed = ((mask.ids[:, :, None] == mask.ids[:, None, :]) & causal).unsqueeze(1)
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=allowed, enable_gqa=True)
+    return torch.cat([
+        torch.cat([causal_attention(q[b:b + 1, :, start:end], k[b:b + 1, :, start:end], v[b:b + 1, :, start:end],
+                                    device_type) for start, end in spans], dim=2)
+        for b, spans in enumerate(mask.spans)
+    ])
+
+
 class FeedForward(nn.Module):
     def __init__(self, dim: int, hidden_dim: int):
         super().__init__()
@@ -116,8 +196,9 @@ class TransformerBlock(nn.Module):
         self.ffn_norm = nn.RMSNorm(args.dim, eps=args.norm_eps)
         self.feed_forward = FeedForward(args.dim, args.ffn_hidden_dim)
 
-    def forward(self, x: torch.Tensor, rope: torch.Tensor) -> torch.Tensor:
-        h = x + self.attention(self.attention_norm(x), rope)
+    def forward(self, x: torch.Tensor, rope: torch.Tensor, mask: DocumentMask | None = None) -> torch.Tensor:
+        # By keyword: tensor parallelism's input plan for the attention covers its positional inputs only.
+        h = x + self.attention(self.attention_norm(x), rope, mask=mask)
         return h + self.feed_forward(self.ffn_norm(h))
 
 
@@ -138,10 +219,15 @@ class Transformer(nn.Module):
         self.output: nn.Linear | None = nn.Linear(args.dim, args.vocab_size, bias=False)
         self.register_buffer("rope", rope_table(args, device=torch.device("meta")), persistent=False)
 
-    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+    def forward(self, tokens: torch.Tensor, document_ids: torch.Tensor | None = None,
+                positions: torch.Tensor | None = None) -> torch.Tensor:
+        """With `document_ids` (batch, seq) attention is block-causal (see `document_ids()`); `positions` (batch,
+        seq) replace 0..seq-1 as RoPE positions (see `document_positions()`)."""
         h = self.tok_embeddings(tokens) if self.tok_embeddings is not None else tokens
+        mask = document_mask(document_ids) if document_ids is not None else None
+        rope = self.rope if positions is None else self.rope[positions]
         for layer in self.layers.values():
-            h = layer(h, self.rope)
+            h = layer(h, rope, mask=mask)
         h = self.norm(h) if self.norm is not None else h
         return self.output(h) if self.output is not None else h
 

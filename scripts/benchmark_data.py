@@ -1,0 +1,150 @@
+"""Speed of the data pipeline, printed as one JSON line on stdout (the log goes to stderr).
+
+From the repository root:
+
+    python scripts/benchmark_data.py                     # everything below, a few minutes on 2 CPU cores
+    python scripts/benchmark_data.py --skip_trainer      # the loader alone
+
+What the line reports:
+- loader_tokens_per_s: tokens per second one rank's loader delivers, alone in this process (batches of
+  --batch x --seq_len, after one warm-up batch), from the embedded corpus tokenized on the fly with 0, 1 and 2
+  tokenizer workers (training.num_workers), and from token shards of the same corpus (scripts/tokenize_dataset.py).
+- bytes_read_per_rank: over --epoch_samples global samples split across D = 1, 2, 4 data-parallel ranks, the token
+  bytes each rank reads from shards (measured by the reader), against the tokens each rank tokenizes on the fly
+  (every rank tokenizes the whole stream; measured by counting).
+- trainer: the debug model (train_configs/debug_model.toml, --trainer_steps steps, no validation) with each data
+  path: the trainer's own data_pct and tokens/s, averaged over the logged windows after the first step.
+- attention: the debug model at seq 2048 (batch 2, embedded corpus) with model.attention_mask causal and
+  block_causal (scripts/benchmark.py, one thread; runs alternate, --attention_repeats each): tokens/s and CPU time
+  per step, and the cost of block_causal from the best CPU times (negative: block_causal is faster).
+"""
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+# Running `python scripts/benchmark_data.py` puts scripts/ first on sys.path, not the checkout that holds torchtitan.
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))
+
+from scripts import tokenize_dataset  # noqa: E402
+from scripts.benchmark import json_main  # noqa: E402
+from torchtitan.components.datasets import build_dataloader  # noqa: E402
+from torchtitan.components.datasets.corpus import embedded_corpus  # noqa: E402
+from torchtitan.components.datasets.shards import ShardDataset  # noqa: E402
+from torchtitan.components.tokenizer import build_tokenizer  # noqa: E402
+from torchtitan.tools.logging import logger  # noqa: E402
+
+CONFIG = str(REPO / "train_configs" / "debug_model.toml")
+
+
+def loader_speed(tokenizer, path: str | None, workers: int, seq_len: int, batch: int, batches: int) -> float:
+    loader = build_dataloader(dataset="embedded", dataset_path=path, text_field="text", tokenizer=tokenizer,
+                              seq_len=seq_len, local_batch_size=batch, dp_rank=0, dp_degree=1, infinite=True,
+                              num_workers=workers)
+    iterator = iter(loader)
+    next(iterator)  # worker start-up and first documents
+    begin = time.perf_counter()
+    for _ in range(batches):
+        next(iterator)
+    return batches * batch * seq_len / (time.perf_counter() - begin)
+
+
+def bytes_read(tokenizer, shards: str, seq_len: int, samples: int) -> dict:
+    out = {}
+    for degree in (1, 2, 4):
+        per_rank = []
+        for rank in range(degree):
+            dataset = ShardDataset(path=shards, tokenizer=tokenizer, seq_len=seq_len, dp_rank=rank, dp_degree=degree,
+                                   infinite=True, seed=0)
+            iterator = iter(dataset)
+            for _ in range(samples // degree):
+                next(iterator)
+            per_rank.append(dataset.shards.bytes_read)
+        # On the fly, each rank packs (so tokenizes) every window of the stream up to its last one.
+        out[str(degree)] = {"shard_bytes_per_rank": max(per_rank),
+                            "on_the_fly_tokens_tokenized_per_rank": samples * (seq_len + 1)}
+    return out
+
+
+def train(extra: list[str], steps: int, dump: str) -> dict:
+    command = [sys.executable, "-m", "torchtitan.train", "--job.config_file", CONFIG, "--training.steps", str(steps),
+               "--validation.no_enable", "--metrics.log_freq", "5", "--job.dump_folder", dump, *extra]
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    proc = subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True)
+    if proc.returncode != 0:
+        raise RuntimeError(f"trainer failed:\n{proc.stdout[-3000:]}{proc.stderr[-3000:]}")
+    rows = [json.loads(line) for line in (Path(dump) / "metrics.jsonl").read_text().splitlines()]
+    rows = [row for row in rows if "data_pct" in row and row.get("step", 0) > 1]
+    return {"data_pct": sum(r["data_pct"] for r in rows) / len(rows), "tps": sum(r["tps"] for r in rows) / len(rows)}
+
+
+def attention_cost(repeats: int) -> dict:
+    """Runs alternate between the two masks; one thread each, so that the CPU time per step (the steadier figure
+    on a shared machine) compares like with like."""
+    results: dict[str, dict[str, list[float]]] = {mask: {"tokens_per_s": [], "step_cpu_time_s": []}
+                                                  for mask in ("causal", "block_causal")}
+    for _ in range(repeats):
+        for mask, figures in results.items():
+            proc = subprocess.run(
+                [sys.executable, str(REPO / "scripts" / "benchmark.py"), "--job.config_file", CONFIG,
+                 "--training.seq_len", "2048", "--training.local_batch_size", "2", "--model.attention_mask", mask,
+                 "--warmup", "2", "--steps", "6", "--threads", "1"],
+                cwd=REPO, capture_output=True, text=True, env={**os.environ, "PYTHONPATH": str(REPO)})
+            if proc.returncode != 0:
+                raise RuntimeError(f"benchmark.py failed:\n{proc.stderr[-3000:]}")
+            line = json.loads(proc.stdout.strip().splitlines()[-1])
+            figures["tokens_per_s"].append(line["tokens_per_s_per_device"])
+            figures["step_cpu_time_s"].append(line["step_cpu_time_s"])
+    cpu = {mask: min(figures["step_cpu_time_s"]) for mask, figures in results.items()}
+    return {**results, "block_causal_cost_pct": 100 * (cpu["block_causal"] / cpu["causal"] - 1)}
+
+
+def run(argv: list[str]) -> dict:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--seq_len", type=int, default=2048)
+    parser.add_argument("--batch", type=int, default=8)
+    parser.add_argument("--batches", type=int, default=30, help="timed batches per loader")
+    parser.add_argument("--epoch_samples", type=int, default=400, help="global samples for bytes_read_per_rank")
+    parser.add_argument("--trainer_steps", type=int, default=21)
+    parser.add_argument("--attention_repeats", type=int, default=2)
+    parser.add_argument("--skip_trainer", action="store_true", help="measure the loader alone")
+    args = parser.parse_args(argv)
+    tokenizer = build_tokenizer("")
+    with tempfile.TemporaryDirectory() as temp:
+        corpus = Path(temp) / "embedded.jsonl"
+        corpus.write_text("".join(json.dumps({"text": t}) + "\n" for t in embedded_corpus("train")))
+        shards = str(Path(temp) / "shards")
+        tokenized = tokenize_dataset.tokenize(str(corpus), shards, workers=2, progress=False)
+        logger.info(f"token shards of the embedded corpus: {tokenized}")
+        result: dict = {"seq_len": args.seq_len, "batch": args.batch, "cpus": len(os.sched_getaffinity(0)),
+                        "corpus_tokens": tokenized["num_tokens"], "loader_tokens_per_s": {}}
+        for workers in (0, 1, 2):
+            result["loader_tokens_per_s"][f"on_the_fly_{workers}_workers"] = loader_speed(
+                tokenizer, None, workers, args.seq_len, args.batch, args.batches)
+        result["loader_tokens_per_s"]["shards"] = loader_speed(tokenizer, shards, 0, args.seq_len, args.batch,
+                                                               args.batches * 20)
+        result["bytes_read_per_rank"] = bytes_read(tokenizer, shards, args.seq_len, args.epoch_samples)
+        if not args.skip_trainer:
+            trainer = {}
+            for name, extra in (("on_the_fly_0_workers", []), ("on_the_fly_1_workers", ["--training.num_workers", "1"]),
+                                ("on_the_fly_2_workers", ["--training.num_workers", "2"]),
+                                ("shards", ["--training.dataset_path", shards])):
+                trainer[name] = train(extra, args.trainer_steps, str(Path(temp) / name))
+                logger.info(f"trainer {name}: {trainer[name]}")
+            result["trainer"] = trainer
+            result["attention"] = attention_cost(args.attention_repeats)
+    return result
+
+
+def main(argv: list[str] | None = None) -> int:
+    return json_main(run, argv)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,85 @@
+"""Streaming from the Hugging Face hub survives faults: a local HTTP server stands in for the hub (HF_ENDPOINT) and
+serves a repository of parquet files, failing on purpose (429s, dropped connections, persistent 503s). The
+libraries' own retries are cut to one attempt without waits, so that the failures reach the loader's retry layer."""
+
+import types
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+
+from tests.unit.hub_server import HubServer
+from torchtitan.components.datasets.text import StreamRetry, _load_documents, _Source
+from torchtitan.errors import UserError
+
+RECORDS_PER_SHARD = 100
+
+
+@pytest.fixture
+def repository(tmp_path):
+    root = tmp_path / "repo"
+    (root / "data").mkdir(parents=True)
+    for shard in range(2):
+        table = pa.table({"text": [f"shard {shard} record {i}" for i in range(RECORDS_PER_SHARD)]})
+        pq.write_table(table, root / "data" / f"train-0000{shard}-of-00002.parquet", row_group_size=10)
+    return root
+
+
+@pytest.fixture
+def hub_client(tmp_path, monkeypatch):
+    """Points the hub client at HF_ENDPOINT (set per test) with a fresh cache and no waits in the libraries."""
+    import datasets.config
+    import huggingface_hub.constants
+    from huggingface_hub import HfFileSystem
+    from huggingface_hub.utils import _http
+
+    monkeypatch.setenv("HF_HOME", str(tmp_path / "hf_home"))
+    monkeypatch.setattr(_http, "time", types.SimpleNamespace(sleep=lambda seconds: None))
+    for name in ("STREAMING_READ_MAX_RETRIES", "STREAMING_OPEN_MAX_RETRIES"):
+        monkeypatch.setattr(datasets.config, name, 1)
+    for name in ("STREAMING_READ_RETRY_INTERVAL", "STREAMING_OPEN_RETRY_INTERVAL",
+                 "STREAMING_READ_RATE_LIMIT_RETRY_INTERVAL", "STREAMING_READ_SERVER_UNAVAILABLE_RETRY_INTERVAL"):
+        monkeypatch.setattr(datasets.config, name, 0)
+
+    def point_at(url: str) -> None:
+        # What HF_ENDPOINT sets when these libraries are imported (they are, by earlier tests, before it could be).
+        monkeypatch.setenv("HF_ENDPOINT", url)
+        monkeypatch.setattr(huggingface_hub.constants, "ENDPOINT", url)
+        monkeypatch.setattr(huggingface_hub.constants, "HUGGINGFACE_CO_URL_TEMPLATE",
+                            url + "/{repo_id}/resolve/{revision}/{filename}")
+        monkeypatch.setattr(datasets.config, "HF_ENDPOINT", url)
+        monkeypatch.setattr(datasets.config, "HUB_DATASETS_URL", url + "/datasets/{repo_id}/resolve/{revision}/{path}")
+        HfFileSystem.clear_instance_cache()
+
+    yield point_at
+    HfFileSystem.clear_instance_cache()
+
+
+def stream(max_attempts: int = 4) -> list[str]:
+    source = _Source(dataset="x", dataset_path="org/data", text_field="text", section="training",
+                     retry=StreamRetry(max_attempts=max_attempts, backoff_seconds=0.001))
+    return list(_load_documents(source).read_from(0))
+
+
+EXPECTED = [f"shard {s} record {i}" for s in range(2) for i in range(RECORDS_PER_SHARD)]
+
+
+@pytest.mark.parametrize("fault", ["429", "dropped_connection"])
+def test_transient_faults_mid_stream_lose_and_repeat_nothing(repository, hub_client, caplog, fault):
+    # The first downloads open the first shard (schema) and read it; the faults hit the second shard mid-stream,
+    # more of them than the hub client retries (6 tries a request).
+    faults = {"429": {"fail_429": 7}, "dropped_connection": {"drop": 7}}[fault]
+    with HubServer(repository, fail_after=2, **faults) as hub:
+        hub_client(hub.url)
+        records = stream()
+    assert records == EXPECTED
+    retries = [r for r in caplog.records if "transient error while streaming" in r.getMessage()]
+    assert retries, "the faults must reach the loader's retry layer"
+
+
+def test_persistent_failure_is_one_error_line_after_the_configured_attempts(repository, hub_client):
+    with HubServer(repository, fail_after=0, always_503=True) as hub:
+        hub_client(hub.url)
+        with pytest.raises(UserError, match=r"training.dataset_path='org/data': streaming failed 3 times in a row "
+                                            r"\(training.stream_max_attempts = 3\), last with .*503"):
+            stream(max_attempts=3)

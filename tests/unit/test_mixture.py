@@ -1,0 +1,147 @@
+"""Weighted mixtures of sources (training.sources): proportions, exactly-once resume under another data-parallel
+degree, the end of a source, and the errors of bad weights."""
+
+import json
+
+import pytest
+
+from scripts import tokenize_dataset
+from torchtitan.components.datasets import build_dataloader
+from torchtitan.components.datasets.mixture import PERIOD, parse_sources, quotas, schedule
+from torchtitan.components.tokenizer import build_tokenizer
+from torchtitan.config import parse_args
+from torchtitan.errors import UserError
+
+SEQ_LEN = 16
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    return build_tokenizer("")
+
+
+@pytest.fixture(scope="module")
+def sources(tmp_path_factory):
+    """A jsonl file (tokenized on the fly) and token shards of another file; every window is distinct."""
+    folder = tmp_path_factory.mktemp("sources")
+    for name, count in (("a", 80), ("b", 120)):
+        with open(folder / f"{name}.jsonl", "w") as f:
+            for i in range(count):
+                words = " ".join(f"w{i}x{j}" for j in range(i % 7 + 3))
+                f.write(json.dumps({"text": f"source {name} document {i}: {words}"}) + "\n")
+    tokenize_dataset.tokenize(str(folder / "b.jsonl"), str(folder / "b_shards"), workers=1, documents_per_shard=50,
+                              progress=False)
+    return str(folder / "a.jsonl"), str(folder / "b_shards")
+
+
+def mixture(sources, tokenizer, weights=(0.7, 0.3), rank=0, degree=1, infinite=True, batch=2):
+    entries = [f"{path}:{weight}" for path, weight in zip(sources, weights)]
+    return build_dataloader(dataset="x", dataset_path=None, text_field="text", tokenizer=tokenizer, seq_len=SEQ_LEN,
+                            local_batch_size=batch, dp_rank=rank, dp_degree=degree, infinite=infinite,
+                            sources=entries)
+
+
+def rows(batches):
+    return [tuple(i) + (l[-1],) for inputs, labels in batches for i, l in zip(inputs.tolist(), labels.tolist())]
+
+
+def take(iterator, n):
+    return [next(iterator) for _ in range(n)]
+
+
+@pytest.mark.parametrize("weights", [[0.7, 0.3], [5, 3, 2], [0.97, 0.02, 0.01], [1, 1, 1]])
+def test_proportions_hold_over_every_thousand_samples(weights):
+    order, before = schedule(quotas(weights))
+    stream = list(order) * 2
+    total = sum(weights)
+    for start in range(0, PERIOD, 37):
+        window = stream[start : start + 1000]
+        for source, weight in enumerate(weights):
+            assert abs(window.count(source) / 1000 - weight / total) <= 0.02
+    assert (before[:, -1] == quotas(weights)).all()
+
+
+def test_sample_g_is_window_count_of_its_source(sources, tokenizer):
+    mixed = rows(take(iter(mixture(sources, tokenizer, batch=1)), 60))
+    alone = [rows(build_dataloader(dataset="x", dataset_path=path, text_field="text", tokenizer=tokenizer,
+                                   seq_len=SEQ_LEN, local_batch_size=1, dp_rank=0, dp_degree=1, infinite=False))
+             for path in sources]
+    dataset = mixture(sources, tokenizer).dataset
+    for g, window in enumerate(mixed):
+        source = dataset.source_of(g)
+        assert window == alone[source][dataset.count(source, g)]
+    assert {dataset.source_of(g) for g in range(60)} == {0, 1}
+
+
+@pytest.mark.parametrize("new_degree", [1, 3])
+def test_resume_under_another_degree_sees_every_sample_once(sources, tokenizer, new_degree):
+    reference = rows(take(iter(mixture(sources, tokenizer, batch=1)), 2 * 3 * 2 + new_degree * 4 * 2))
+    consumed = []
+    states = []
+    for rank in range(2):
+        loader = mixture(sources, tokenizer, rank=rank, degree=2)
+        consumed += rows(take(iter(loader), 3))
+        states.append(loader.state_dict())
+    # Every rank's state holds the same positions (the on-the-fly source's anchor may differ: any valid one works).
+    for state in states:
+        positions = [s["state"] for s in state["dataset_state"]["sources"]]
+        assert state["dataset_state"]["next_sample"] == 12
+        assert (positions[0]["next_window"], positions[1]["next_sample"]) == (8, 4)
+    for rank in range(new_degree):
+        loader = mixture(sources, tokenizer, rank=rank, degree=new_degree)
+        loader.load_state_dict(json.loads(json.dumps(states[1])))
+        consumed += rows(take(iter(loader), 4))
+    assert sorted(consumed) == sorted(reference)
+    assert len(set(reference)) == len(reference)
+
+
+def test_a_source_that_runs_out_ends_the_mixture_without_looping(sources, tokenizer):
+    finite = rows(mixture(sources, tokenizer, weights=(0.5, 0.5), infinite=False, batch=1))
+    a_windows = len(rows(build_dataloader(dataset="x", dataset_path=sources[0], text_field="text",
+                                          tokenizer=tokenizer, seq_len=SEQ_LEN, local_batch_size=1, dp_rank=0,
+                                          dp_degree=1, infinite=False)))
+    dataset = mixture(sources, tokenizer, weights=(0.5, 0.5)).dataset
+    # It stops at the first sample of an exhausted source.
+    stop = next(g for g in range(10 * PERIOD) if dataset.count(dataset.source_of(g), g) >= (
+        a_windows if dataset.source_of(g) == 0 else dataset._streams[1].dataset.state_dict()["num_windows"]))
+    assert len(finite) == stop
+    # Looping, the same source's windows come round again.
+    looped = rows(take(iter(mixture(sources, tokenizer, weights=(0.5, 0.5), batch=1)), stop + 10))
+    assert looped[:stop] == finite
+
+
+@pytest.mark.parametrize(
+    "entries, message",
+    [
+        (["a.jsonl:0", "b.jsonl:0"], "must sum to a positive number"),
+        (["a.jsonl:-1", "b.jsonl:2"], "has weight -1.0; weights must not be negative"),
+        (["a.jsonl"], "'a.jsonl' is not PATH:WEIGHT"),
+        (["a.jsonl:x"], "'a.jsonl:x' is not PATH:WEIGHT"),
+    ],
+)
+def test_bad_weights_are_one_line_errors(entries, message):
+    with pytest.raises(UserError, match=message):
+        parse_sources(entries)
+
+
+def test_unreachable_source_and_changed_weights(sources, tokenizer, tmp_path):
+    with pytest.raises(UserError, match="training.sources entry='.*missing.jsonl' does not exist"):
+        mixture([sources[0], str(tmp_path / "missing.jsonl")], tokenizer)
+    loader = mixture(sources, tokenizer)
+    next(iter(loader))
+    other = mixture(sources, tokenizer, weights=(0.5, 0.5))
+    other.load_state_dict(loader.state_dict())
+    with pytest.raises(UserError, match="saved with .*a.jsonl:0.7, .*b_shards:0.3; resume with the same"):
+        next(iter(other))
+
+
+def test_toml_tables_and_command_line(tmp_path):
+    config = tmp_path / "mix.toml"
+    config.write_text('[[training.sources]]\npath = "a.jsonl"\nweight = 0.7\n\n'
+                      '[[training.sources]]\npath = "shards/"\nweight = 0.3\n')
+    assert parse_args(["--job.config_file", str(config)]).training.sources == ["a.jsonl:0.7", "shards/:0.3"]
+    assert parse_args(["--training.sources", "a.jsonl:0.7,shards/:0.3"]).training.sources == [
+        "a.jsonl:0.7", "shards/:0.3"]
+    config.write_text('[[training.sources]]\npath = "a.jsonl"\n')
+    with pytest.raises(UserError, match="option training.sources: .* is not a table with a path .* and a weight"):
+        parse_args(["--job.config_file", str(config)])

@@ -1,0 +1,169 @@
+"""Token shards: scripts/tokenize_dataset.py writes them, the trainer's loader reads them memory-mapped."""
+
+import json
+import os
+
+import numpy as np
+import pytest
+
+from scripts import tokenize_dataset
+from torchtitan.components.datasets import build_dataloader
+from torchtitan.components.datasets.shards import ShardDataset, permute
+from torchtitan.components.tokenizer import build_tokenizer
+from torchtitan.errors import UserError
+
+SEQ_LEN = 16
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    return build_tokenizer("")
+
+
+@pytest.fixture(scope="module")
+def source(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("source")
+    with open(folder / "docs.jsonl", "w") as f:
+        for i in range(300):
+            # Some empty documents: neither path may give them tokens.
+            f.write(json.dumps({"body": "" if i % 50 == 7 else f"doc {i}: " + "some words here " * (i % 9 + 1)}))
+            f.write("\n")
+    return str(folder / "docs.jsonl")
+
+
+@pytest.fixture(scope="module")
+def shards(tmp_path_factory, source):
+    out = tmp_path_factory.mktemp("shards")
+    totals = tokenize_dataset.tokenize(source, str(out), text_field="body", workers=2, documents_per_shard=70,
+                                       progress=False)
+    assert totals["num_shards"] == 5
+    return str(out)
+
+
+def windows(loader):
+    return [tuple(inputs[row].tolist()) + (labels[row, -1].item(),) for inputs, labels in loader
+            for row in range(inputs.shape[0])]
+
+
+def shard_loader(path, tokenizer, rank=0, degree=1, infinite=False, batch=2, seed=0):
+    return build_dataloader(dataset="x", dataset_path=path, text_field="body", tokenizer=tokenizer, seq_len=SEQ_LEN,
+                            local_batch_size=batch, dp_rank=rank, dp_degree=degree, infinite=infinite, seed=seed)
+
+
+def test_shards_hold_the_on_the_fly_windows_in_a_seeded_order(source, shards, tokenizer):
+    on_the_fly = windows(shard_loader(source, tokenizer))
+    from_shards = windows(shard_loader(shards, tokenizer))
+    assert sorted(from_shards) == sorted(on_the_fly)
+    assert from_shards != on_the_fly, "the windows are shuffled"
+    assert windows(shard_loader(shards, tokenizer, seed=1)) != from_shards
+    assert windows(shard_loader(shards, tokenizer)) == from_shards
+
+
+def test_permutation_is_a_bijection():
+    for size in (1, 2, 3, 17, 1000, 4097):
+        assert sorted(permute(i, size, 5, 2) for i in range(size)) == list(range(size))
+
+
+@pytest.mark.parametrize("new_degree", [1, 3])
+def test_ranks_split_the_order_and_resume_under_another_degree(shards, tokenizer, new_degree):
+    reference = windows(shard_loader(shards, tokenizer))
+    consumed = []
+    states = []
+    for rank in range(2):
+        loader = shard_loader(shards, tokenizer, rank=rank, degree=2)
+        iterator = iter(loader)
+        for step in range(4):
+            inputs, labels = next(iterator)
+            # Rank r's row j of step s is global sample s * 4 + j * 2 + r: the same global batch as one rank's.
+            got = [tuple(inputs[j].tolist()) + (labels[j, -1].item(),) for j in range(2)]
+            assert got == [reference[step * 4 + j * 2 + rank] for j in range(2)]
+            consumed += got
+        states.append(loader.state_dict())
+    assert states[0] == states[1]
+    for rank in range(new_degree):
+        loader = shard_loader(shards, tokenizer, rank=rank, degree=new_degree)
+        loader.load_state_dict(json.loads(json.dumps(states[1])))
+        consumed += windows(loader)
+    assert sorted(consumed) == sorted(reference)
+
+
+def test_epochs_reshuffle_and_resume_exactly(shards, tokenizer):
+    loader = shard_loader(shards, tokenizer, infinite=True)
+    num_windows = loader.dataset.state_dict()["num_windows"]
+    iterator = iter(loader)
+    first = [next(iterator) for _ in range(num_windows)]  # two epochs: batch 2
+    epoch_windows = windows(first)
+    assert sorted(epoch_windows[:num_windows]) == sorted(epoch_windows[num_windows:])
+    assert epoch_windows[:num_windows] != epoch_windows[num_windows:]
+    state = loader.state_dict()
+    following = windows([next(iterator) for _ in range(3)])
+    resumed = shard_loader(shards, tokenizer, infinite=True)
+    resumed.load_state_dict(state)
+    iterator = iter(resumed)
+    assert windows([next(iterator) for _ in range(3)]) == following
+
+
+def test_bytes_read_per_rank_fall_as_one_over_degree(shards, tokenizer):
+    read = {}
+    for degree in (1, 2, 4):
+        datasets = [ShardDataset(path=shards, tokenizer=tokenizer, seq_len=SEQ_LEN, dp_rank=rank, dp_degree=degree,
+                                 infinite=False, seed=0) for rank in range(degree)]
+        for dataset in datasets:
+            for _ in dataset:
+                pass
+        read[degree] = [dataset.shards.bytes_read for dataset in datasets]
+    window_bytes = (SEQ_LEN + 1) * 2  # uint16 ids
+    total = read[1][0]
+    for degree in (2, 4):
+        assert sum(read[degree]) == total
+        assert max(read[degree]) - total / degree <= window_bytes
+
+
+def test_refuses_shards_of_another_tokenizer(shards, tokenizer, monkeypatch):
+    monkeypatch.setattr(tokenizer, "checksum", "0" * 64)
+    with pytest.raises(UserError, match="the shards were made with tokenizer 'tokenizer.model'.*re-tokenize"):
+        shard_loader(shards, tokenizer)
+
+
+def copy_shards(shards, tmp_path):
+    out = tmp_path / "copy"
+    out.mkdir()
+    for name in os.listdir(shards):
+        (out / name).write_bytes((open(os.path.join(shards, name), "rb")).read())
+    return out
+
+
+def test_truncated_corrupt_and_missing_shards_are_one_line_errors(shards, tokenizer, tmp_path):
+    copy = copy_shards(shards, tmp_path)
+    data = (copy / "shard-00001.bin").read_bytes()
+    (copy / "shard-00001.bin").write_bytes(data[:-10])
+    with pytest.raises(UserError, match=r"shard-00001.bin has \d+ bytes, the manifest says \d+ \(truncated"):
+        shard_loader(str(copy), tokenizer)
+    # An id beyond the vocabulary (a flipped high bit) is reported when its window is read.
+    corrupt = np.frombuffer(data, dtype=np.uint16).copy()
+    corrupt[:] = 65000
+    (copy / "shard-00001.bin").write_bytes(corrupt.tobytes())
+    with pytest.raises(UserError, match="beyond the vocabulary of 2304 \\(corrupt shard\\)"):
+        windows(shard_loader(str(copy), tokenizer))
+    (copy / "shard-00001.bin").unlink()
+    with pytest.raises(UserError, match="shard-00001.bin is missing"):
+        shard_loader(str(copy), tokenizer)
+    (copy / "manifest.json").write_text("{ not json")
+    with pytest.raises(UserError, match="cannot read the shard manifest"):
+        shard_loader(str(copy), tokenizer)
+
+
+def test_resume_rejects_another_seed(shards, tokenizer):
+    loader = shard_loader(shards, tokenizer, infinite=True)
+    next(iter(loader))
+    other = shard_loader(shards, tokenizer, infinite=True, seed=3)
+    other.load_state_dict(loader.state_dict())
+    with pytest.raises(UserError, match="training.data_seed: .* seed = 0, now 3"):
+        next(iter(other))
+
+
+def test_script_errors_are_one_line(tmp_path, capsys, shards):
+    assert tokenize_dataset.main([str(tmp_path / "missing.jsonl"), str(tmp_path / "out")]) == 2
+    assert "error: SOURCE='" in capsys.readouterr().err
+    assert tokenize_dataset.main([str(tmp_path / "x.jsonl"), shards]) == 2
+    assert "already holds token shards" in capsys.readouterr().err
