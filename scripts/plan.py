@@ -88,6 +88,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--seq_len", type=int, default=8192)
     parser.add_argument("--global_batch", type=int, default=None, help="sequences per step (default: 2 per GPU)")
     parser.add_argument("--top", type=int, default=10, help="layouts to list")
+    for technique in ("float8", "compile", "async_tp"):
+        parser.add_argument(f"--{technique}", choices=("on", "off"), default=None,
+                            help=f"only layouts with {technique} on (or off); default: either")
     parser.add_argument("--json", action="store_true", help="print JSON instead of a table")
     parser.add_argument("--predict", action="store_true",
                         help="predict the one configuration given by trainer options (--job.config_file ...)")
@@ -113,7 +116,9 @@ def main(argv: list[str] | None = None) -> int:
             global_batch = args.global_batch or 2 * args.gpus
             if global_batch < 1:
                 raise UserError(f"option --global_batch: {global_batch} must be a positive integer")
-            results = plan(args.flavor, args.gpus, gpu, args.seq_len, global_batch)[:args.top]
+            fixed = {name: getattr(args, name) == "on" for name in ("float8", "compile", "async_tp")
+                     if getattr(args, name) is not None}
+            results = plan(args.flavor, args.gpus, gpu, args.seq_len, global_batch, fixed)[:args.top]
     except UserError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

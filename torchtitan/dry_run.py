@@ -176,7 +176,7 @@ def _run_steps(trainer, rank: int, world_size: int, gpu) -> dict:
     with trainer.fake_mode:
         batches = fake_batches(trainer)
         trainer.train_step(batches)
-        counter = CollectiveCounter(trainer.world_mesh)
+        counter = CollectiveCounter(trainer.parallel_dims)
         with StepMemoryTracker(trainer.model_parts, trainer.optimizers.optimizers) as memory, counter:
             trainer.train_step(batches)
     return _report(trainer, rank, world_size, memory.peak_by_category(), counter, gpu)
@@ -186,7 +186,7 @@ def _report(trainer, rank: int, world_size: int, by_category: dict[str, int], co
             gpu) -> dict:
     config, dims = trainer.config, trainer.parallel_dims
     peak = sum(by_category.values())
-    pp_rank = trainer.world_mesh["pp"].get_local_rank()
+    pp_rank = dims.get_mesh("pp").get_local_rank()
     return {
         "world_size": world_size,
         "rank": rank,

@@ -21,7 +21,6 @@ from torch._subclasses.fake_tensor import FakeTensorMode, unset_fake_temporarily
 from torch.distributed._tools.fake_collectives import CollectiveOp, collective_ops, sync_ops
 from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker
 from torch.distributed._tools.mem_tracker import MemTracker
-from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule
 from torch.utils._python_dispatch import TorchDispatchMode
 
@@ -71,24 +70,19 @@ class CollectiveCounter(TorchDispatchMode):
     output of an all-gather, the unreduced input of a reduce-scatter, the tensor of an all-reduce or a send.
     """
 
-    def __init__(self, mesh: DeviceMesh):
+    def __init__(self, parallel_dims):
         super().__init__()
-        self._dim_of_group = self._group_names(mesh)
+        self._dim_of_group = self._group_names(parallel_dims)
         self.records: dict[tuple[str, str], dict[str, int]] = defaultdict(lambda: {"count": 0, "bytes": 0})
 
     @staticmethod
-    def _group_names(mesh: DeviceMesh) -> dict[str, str]:
+    def _group_names(parallel_dims) -> dict[str, str]:
+        """Process-group name -> mesh dimension (the first name of a group that several dimensions share)."""
         names = {}
-        dims = list(mesh.mesh_dim_names or ())
-        root = mesh._get_root_mesh() if hasattr(mesh, "_get_root_mesh") else mesh
-        flattened = list(getattr(root, "_flatten_mapping", {}) or {})
-        for dim in dims + [d for d in flattened if d not in dims]:
-            try:
-                sub = mesh[dim]
-            except (KeyError, RuntimeError, ValueError):
-                continue
-            if sub.size() > 1:
-                names.setdefault(sub.get_group().group_name, dim)
+        for dim in ("pp", "dp_replicate", "dp_shard", "cp", "tp", "dp", "dp_shard_cp", "dp_cp"):
+            mesh = parallel_dims.get_mesh(dim)
+            if mesh.size() > 1:
+                names.setdefault(mesh.get_group().group_name, dim)
         names.setdefault(dist.group.WORLD.group_name, "world")
         return names
 

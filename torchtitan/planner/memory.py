@@ -73,7 +73,7 @@ activations are those of bf16). With a fused RMSNorm kernel (CUDA) each norm may
 
 from __future__ import annotations
 
-import dataclasses
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -140,16 +140,20 @@ def estimate(config: JobConfig, ngpu: int, overhead_bytes: int = 0, device: str 
     return max(estimates, key=lambda e: e.total)
 
 
+@functools.lru_cache(maxsize=None)
+def _skeleton(n_layers: int) -> Transformer:
+    """The pipeline split depends only on the depth: a tiny model of the same depth (on meta) stands in."""
+    with torch.device("meta"):
+        return Transformer(TransformerModelArgs(dim=8, n_layers=n_layers, n_heads=1, n_kv_heads=1, vocab_size=8,
+                                                multiple_of=8, rope_len=1))
+
+
 def _pipeline_layout(config: JobConfig, args: TransformerModelArgs, dims: ParallelDims):
     """Per pipeline rank, its stages as (blocks, has embedding, has head); and in_flight(rank, stage index), the
     micro-batches whose activations a stage holds at once."""
     if dims.pp == 1:
         return [[(args.n_layers, True, True)]], lambda rank, stage_index: 1
-    # The split depends only on the depth: a skeleton of the same depth is built much faster than the model.
-    with torch.device("meta"):
-        skeleton = Transformer(dataclasses.replace(args, dim=8, n_heads=1, n_kv_heads=1, vocab_size=8, multiple_of=8,
-                                                   ffn_dim_multiplier=None))
-    plan = plan_pipeline(skeleton, dims.pp, config)
+    plan = plan_pipeline(_skeleton(args.n_layers), dims.pp, config)
     stages = []
     for names in plan.stage_names:
         blocks = sum(name.startswith("layers.") for name in names)

@@ -7,6 +7,8 @@ reserves on top, and its speed from torchtitan/planner/cost.py.
 
 from __future__ import annotations
 
+import dataclasses
+import functools
 import itertools
 import math
 from dataclasses import asdict, dataclass
@@ -92,13 +94,20 @@ def predict(flavor: str, layout: Layout, seq_len: int, gpu: GPU, config: JobConf
     """Speed and memory of one layout; `config` (a trainer config) when the layout comes from one."""
     args = model_args_for(flavor, seq_len)
     if config is None:
-        config = trainer_config(flavor, layout, seq_len)
-    tensors = estimate(config, layout.world_size).total
+        tensors = _layout_memory(flavor, dataclasses.replace(layout, compile=False, async_tp=False), seq_len)
+    else:
+        tensors = estimate(config, layout.world_size).total
     step = step_time(args, layout, seq_len, gpu, **constants)
     tps = layout.local_batch * seq_len / (layout.tp * layout.cp * layout.pp) / step.seconds
     return Prediction(layout=layout, tps_per_gpu=tps, peak_memory_gib=reserved_gib(tensors),
                       tensor_peak_gib=tensors / GIB, step_seconds=step.seconds,
                       overrides=layout_overrides(layout, seq_len, args.n_layers))
+
+
+@functools.lru_cache(maxsize=4096)
+def _layout_memory(flavor: str, layout: Layout, seq_len: int) -> int:
+    """Tensor peak of a layout; compile and async TP do not change the (eager) model's memory."""
+    return estimate(trainer_config(flavor, layout, seq_len), layout.world_size).total
 
 
 def layout_from_config(config: JobConfig, world_size: int) -> Layout:
@@ -165,11 +174,13 @@ def candidate_layouts(flavor: str, gpus: int, seq_len: int, global_batch: int, g
     return candidates
 
 
-def plan(flavor: str, gpus: int, gpu: GPU, seq_len: int, global_batch: int) -> list[Prediction]:
-    """The layouts that fit, fastest first."""
+def plan(flavor: str, gpus: int, gpu: GPU, seq_len: int, global_batch: int,
+         fixed: dict[str, bool] | None = None) -> list[Prediction]:
+    """The layouts that fit, fastest first; `fixed` pins techniques (float8, compile, async_tp) on or off."""
     if flavor not in llama3_flavors:
         raise UserError(f"option --flavor: unknown flavor {flavor!r}; valid: {', '.join(llama3_flavors)}")
-    candidates = candidate_layouts(flavor, gpus, seq_len, global_batch, gpu)
+    candidates = [layout for layout in candidate_layouts(flavor, gpus, seq_len, global_batch, gpu)
+                  if all(getattr(layout, name) == value for name, value in (fixed or {}).items())]
     if not candidates:
         raise UserError(f"no layout of {gpus} GPUs divides flavor {flavor} (heads, KV heads, vocabulary) and a "
                         f"global batch of {global_batch} sequences of {seq_len}; try a global batch that is a "
