@@ -419,7 +419,6 @@ def test_unsupported_torchtitan_option_at_its_off_value_is_accepted(argv):
      r"TorchTitan option quantize\.grouped_mm\.float8\.fqns = 'experts' is not supported by this project \(it "
      r"does not implement \[quantize\.grouped_mm\]\)"),
     (["--training.dtype", "bfloat16"], r"TorchTitan option training\.dtype = 'bfloat16' .*\(only 'float32',"),
-    (["--comm.mode", "local_tensor"], r"TorchTitan option comm\.mode = 'local_tensor' .*\(only 'default',"),
     (["--profiling.profiler_warmup", "1"], r"TorchTitan option profiling\.profiler_warmup = '1' .*\(only 3,"),
     (["--profiling.profiler_active", "2"], r"TorchTitan option profiling\.profiler_active = '2' .*\(only 1,"),
     (["--checkpoint.initial_load_in_hf_quantized"], r"TorchTitan option checkpoint\.initial_load_in_hf_quantized"),

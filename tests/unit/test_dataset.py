@@ -349,7 +349,7 @@ def test_workers_give_the_same_stream_and_errors(corpus, tmp_path):
     path = tmp_path / "bad.jsonl"
     write_jsonl(path, [{"text": "fine"}] * 100 + [{"text": 5}])
     # A document that is not text is reported from the process that reads the documents, with workers too.
-    with pytest.raises(UserError, match="document 100 holds a int, not text"):
+    with pytest.raises(UserError, match="line 101 has a number in field 'text', not a string"):
         list(loader(path=str(path), workers=2, infinite=False))
 
 

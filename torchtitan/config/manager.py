@@ -78,7 +78,6 @@ UNSUPPORTED_TORCHTITAN_OPTIONS: dict[str, Any] = {
     "activation_checkpoint.debug": False,
     "comm.save_traces_folder": "comm_traces",
     "comm.save_traces_file_prefix": "rank_",
-    "comm.mode": "default",
     "debug.moe_force_load_balance": False,
     "fault_tolerance.enable": False,
     "memory_estimation.enabled": False,
