@@ -80,6 +80,16 @@ def validation_markdown(refit: bool) -> str:
     return "\n".join(lines)
 
 
+def traced_markdown() -> str:
+    from torchtitan.planner import validation
+
+    entries = validation.traced_table()
+    lines = ["| row | run | dry run tensor peak GiB | + allocator | published GiB | error |", "|---:|---|---:|---:|---:|---:|"]
+    lines += [f"| {e['row']} | {e['name']} | {e['tensor_peak_gib']:.1f} | {e['memory_predicted_gib']:.1f} | "
+              f"{e['memory_published_gib']:.1f} | {100 * e['memory_error']:+.1f}% |" for e in entries]
+    return "\n".join(lines)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], add_help=False)
     parser.add_argument("--flavor", default="8B")
@@ -96,11 +106,13 @@ def main(argv: list[str] | None = None) -> int:
                         help="predict the one configuration given by trainer options (--job.config_file ...)")
     parser.add_argument("--validate", action="store_true", help="the model against the published H100 runs")
     parser.add_argument("--fit", action="store_true", help="with --validate: refit the three constants")
+    parser.add_argument("--traced", action="store_true",
+                        help="with --validate: the dry run's peak memory of each row instead (about 20 minutes)")
     parser.add_argument("--plan-help", action="help", help="this help")
     args, trainer_argv = parser.parse_known_args(sys.argv[1:] if argv is None else argv)
     try:
         if args.validate:
-            print(validation_markdown(args.fit))
+            print(traced_markdown() if args.traced else validation_markdown(args.fit))
             return 0
         gpu = gpu_named(args.gpu, "--gpu")
         if args.predict:

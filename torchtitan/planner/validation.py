@@ -7,7 +7,12 @@ prediction. The hardware of the table is the H100 96 GB of TorchTitan's hosts (`
 from __future__ import annotations
 
 import csv
+import dataclasses
 import itertools
+import json
+import subprocess
+import sys
+import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -96,4 +101,40 @@ def validation_table(rows: list[Row] | None = None, constants: dict[str, float] 
                       "tps_error": prediction.tps_per_gpu / row.tps_per_gpu - 1,
                       "memory_published_gib": row.peak_memory_gib, "memory_predicted_gib": prediction.peak_memory_gib,
                       "memory_error": prediction.peak_memory_gib / row.peak_memory_gib - 1})
+    return table
+
+
+def traced_peak_gib(row: Row) -> float:
+    """The dry run's tensor peak (largest over the ranks it runs) for a published row's layout, in a new process."""
+    from torchtitan.planner.search import CONFIGS, PRESET_TOML, layout_overrides
+
+    args = model_args_for(row.flavor, row.seq_len)
+    with tempfile.TemporaryDirectory(prefix="plan-validate-") as dump_folder:
+        proc = subprocess.run(
+            [sys.executable, "-m", "torchtitan.train", "--job.config_file", str(CONFIGS / PRESET_TOML[row.flavor]),
+             *layout_overrides(row.layout, row.seq_len, args.n_layers), "--comm.mode", "fake_backend",
+             "--comm.fake_world_size", str(row.gpus), "--comm.fake_gpu", "h100_96gb", "--job.dump_folder",
+             dump_folder, "--job.no_print_config"], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        report = Path(dump_folder) / "dry_run.json"
+        if not report.exists():
+            raise RuntimeError(f"the dry run of row {row.index} failed:\n{proc.stdout[-4000:]}")
+        return json.loads(report.read_text())["max_peak_memory_gib"]
+
+
+def traced_table(rows: list[Row] | None = None) -> list[dict]:
+    """Published peak memory against the dry run's (plus the allocator model), one dry run per distinct layout
+    (compile and async TP do not change what is traced)."""
+    from torchtitan.planner.search import reserved_gib
+
+    rows = rows or published_rows()
+    traced: dict = {}
+    table = []
+    for row in rows:
+        key = (row.flavor, row.gpus, dataclasses.replace(row.layout, compile=False, async_tp=False))
+        if key not in traced:
+            traced[key] = traced_peak_gib(row)
+        predicted = reserved_gib(traced[key] * 2**30)
+        table.append({"row": row.index, "name": row.name, "tensor_peak_gib": traced[key],
+                      "memory_published_gib": row.peak_memory_gib, "memory_predicted_gib": predicted,
+                      "memory_error": predicted / row.peak_memory_gib - 1})
     return table
