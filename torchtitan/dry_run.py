@@ -26,9 +26,7 @@ from pathlib import Path
 import torch
 
 from torchtitan.config import JobConfig, parse_args, to_toml
-from torchtitan.distributed.fake import (GIB, CollectiveCounter, StepMemoryTracker, float8_weights_without_values,
-                                        pinning_without_storage, separate_sharding_propagation,
-                                        static_pipeline_warmup)
+from torchtitan.distributed.fake import GIB, CollectiveCounter, StepMemoryTracker, dry_run_patches
 from torchtitan.distributed.parallel_dims import ParallelDims
 from torchtitan.errors import UserError
 from torchtitan.models.llama3.args import model_args_for, shape_overrides
@@ -160,8 +158,7 @@ def _dry_run_rank_in_new_process(config: JobConfig, rank: int) -> dict:
 def _dry_run_rank(config: JobConfig, rank: int, world_size: int, gpu) -> dict:
     from torchtitan.train import Trainer  # the trainer calls this module
 
-    with separate_sharding_propagation(), static_pipeline_warmup(), float8_weights_without_values(), \
-            pinning_without_storage():
+    with dry_run_patches():
         trainer = Trainer(config)
         try:
             return _run_steps(trainer, rank, world_size, gpu)

@@ -102,84 +102,72 @@ class CollectiveCounter(TorchDispatchMode):
 
 
 @contextlib.contextmanager
-def separate_sharding_propagation() -> Iterator[None]:
+def _replaced(owner: Any, name: str, replacement: Any) -> Iterator[None]:
+    original = getattr(owner, name)
+    setattr(owner, name, replacement)
+    try:
+        yield
+    finally:
+        setattr(owner, name, original)
+
+
+def dry_run_patches() -> contextlib.ExitStack:
+    """What a dry run changes in torch and torchao while it runs, each because fake tensors or the fake backend
+    cannot do what the original does; the accounting is unchanged (see each replacement)."""
+    from torch.distributed.pipelining.schedules import _PipelineSchedule
+    from torch.distributed.tensor._sharding_prop import ShardingPropagator
+
+    stack = contextlib.ExitStack()
+    propagate = ShardingPropagator._propagate_tensor_meta_non_cached
+    stack.enter_context(_replaced(ShardingPropagator, "_propagate_tensor_meta_non_cached",
+                                  _separate_propagation(propagate)))
+    stack.enter_context(_replaced(_PipelineSchedule, "_warmup_p2p", _static_pipeline_warmup))
+    stack.enter_context(_replaced(torch.Tensor, "pin_memory", _pinning_without_storage(torch.Tensor.pin_memory)))
+    try:
+        from torchao.float8.fsdp_utils import WeightWithDynamicFloat8CastTensor
+    except ImportError:
+        return stack
+    stack.enter_context(_replaced(WeightWithDynamicFloat8CastTensor, "__tensor_flatten__",
+                                  _float8_flatten_without_values))
+    return stack
+
+
+def _separate_propagation(original):
     """DTensor learns an op's output shape by running it on fake tensors of the global shape, in the fake mode
     it finds active. In a dry run that is the run's own mode, where the memory trackers would count those
     global-shape tensors (a full-vocabulary fp32 copy of the logits, say) as this rank's memory. Give the
     propagation a fake mode of its own, which the trackers skip."""
-    from torch.distributed.tensor._sharding_prop import ShardingPropagator
-
-    original = ShardingPropagator._propagate_tensor_meta_non_cached
     propagation_mode = FakeTensorMode()
 
     def propagate(self, op_schema):
         with unset_fake_temporarily(), propagation_mode:
             return original(self, op_schema)
-
-    ShardingPropagator._propagate_tensor_meta_non_cached = propagate
-    try:
-        yield
-    finally:
-        ShardingPropagator._propagate_tensor_meta_non_cached = original
+    return propagate
 
 
-@contextlib.contextmanager
-def static_pipeline_warmup() -> Iterator[None]:
+def _static_pipeline_warmup(self, stages, has_backward, p2p_done) -> None:
     """At its first step a pipeline schedule lets its stages vote, over point-to-point messages, whether all of
     them know their shapes (static) or must exchange them (dynamic). The fake backend delivers no message, so the
     vote cannot be read; a dry run gives every stage its shapes (`static_stage_shapes`), which is the static case."""
     from torch.distributed.pipelining._utils import InferenceMode
-    from torch.distributed.pipelining.schedules import _PipelineSchedule
 
-    original = _PipelineSchedule._warmup_p2p
-
-    def warmup(self, stages, has_backward, p2p_done):
-        for stage in stages:
-            stage._inference_mode = InferenceMode.STATIC
-
-    _PipelineSchedule._warmup_p2p = warmup
-    try:
-        yield
-    finally:
-        _PipelineSchedule._warmup_p2p = original
+    for stage in stages:
+        stage._inference_mode = InferenceMode.STATIC
 
 
-@contextlib.contextmanager
-def float8_weights_without_values() -> Iterator[None]:
-    """torchao's float8 all-gather weight tests its precomputed scale for truth (`if scale:`), which reads the
-    value; a fake scale has none. Test it for presence, as torchao's own all-gather hook does."""
-    try:
-        from torchao.float8.fsdp_utils import WeightWithDynamicFloat8CastTensor
-    except ImportError:
-        yield
-        return
-    original = WeightWithDynamicFloat8CastTensor.__tensor_flatten__
-
-    def tensor_flatten(self):
-        tensors = ["_tensor"] + (["_precomputed_scale"] if self._precomputed_scale is not None else [])
-        return tensors, {"mm_config": self._linear_mm_config, "dtype": self._dtype}
-
-    WeightWithDynamicFloat8CastTensor.__tensor_flatten__ = tensor_flatten
-    try:
-        yield
-    finally:
-        WeightWithDynamicFloat8CastTensor.__tensor_flatten__ = original
-
-
-@contextlib.contextmanager
-def pinning_without_storage() -> Iterator[None]:
+def _pinning_without_storage(original):
     """FSDP's CPU offload pins the host copies of the shards; a fake tensor has no memory to pin (torch raises
-    "NYI: aten._pin_memory"). The accounting is the same pinned or not: let pinning return the tensor itself."""
-    original = torch.Tensor.pin_memory
-
+    "NYI: aten._pin_memory"). The accounting is the same pinned or not: pinning returns the tensor itself."""
     def pin_memory(self, *args, **kwargs):
         return self if is_fake(self) else original(self, *args, **kwargs)
+    return pin_memory
 
-    torch.Tensor.pin_memory = pin_memory
-    try:
-        yield
-    finally:
-        torch.Tensor.pin_memory = original
+
+def _float8_flatten_without_values(self):
+    """torchao's float8 all-gather weight tests its precomputed scale for truth (`if scale:`), which reads the
+    value; a fake scale has none. Test it for presence, as torchao's own all-gather hook does."""
+    tensors = ["_tensor"] + (["_precomputed_scale"] if self._precomputed_scale is not None else [])
+    return tensors, {"mm_config": self._linear_mm_config, "dtype": self._dtype}
 
 
 class _RootsPerMicroBatch:
