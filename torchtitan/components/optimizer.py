@@ -8,8 +8,10 @@ from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_optim
 from torch.distributed.checkpoint.stateful import Stateful
 
 from torchtitan.config.job_config import Optimizer as OptimizerConfig
+from torchtitan.distributed.compression import CompressionState
 
 _NO_DECAY_MODULES = (nn.Embedding, nn.RMSNorm, nn.LayerNorm)
+_COMPRESSION = "compression."
 
 
 def param_groups(model: nn.Module, config: OptimizerConfig) -> list[dict]:
@@ -37,6 +39,8 @@ class OptimizersContainer(Stateful):
         kwargs.update(_implementation_flags(config.implementation))
         self.optimizers = [optimizer_class(param_groups(m, config), **kwargs) for m in model_parts]
         self._options = StateDictOptions(flatten_optimizer_state_dict=True)
+        # Error-feedback residuals of compressed gradient reductions: state of the update, saved with it.
+        self.compression = CompressionState(model_parts)
 
     def step(self) -> None:
         for optimizer in self.optimizers:
@@ -50,9 +54,15 @@ class OptimizersContainer(Stateful):
         state: dict = {}
         for model, optimizer in zip(self.model_parts, self.optimizers):
             state.update(get_optimizer_state_dict(model, optimizer, options=self._options))
+        if self.compression:
+            state.update({_COMPRESSION + k: v for k, v in self.compression.state_dict().items()})
         return state
 
     def load_state_dict(self, state_dict: dict) -> None:
+        if self.compression:
+            self.compression.load_state_dict({k.removeprefix(_COMPRESSION): v for k, v in state_dict.items()
+                                              if k.startswith(_COMPRESSION)})
+            state_dict = {k: v for k, v in state_dict.items() if not k.startswith(_COMPRESSION)}
         for model, optimizer in zip(self.model_parts, self.optimizers):
             set_optimizer_state_dict(model, optimizer, optim_state_dict=state_dict, options=self._options)
 

@@ -329,6 +329,21 @@ class Comm:
     trace_buf_size: int = 20000
     """Entries of the NCCL flight recorder (GPU runs)."""
 
+    gradient_compression: Literal["none", "loco", "qsdp"] = "none"
+    """FSDP gradient reduce-scatter: none (full precision), loco (gradient_bits codes with error feedback: the residual is added to the next step's gradient), or qsdp (gradient_bits codes, stochastic rounding, no residual). Needs FSDP without a replicate dimension (docs/recipes.md)."""
+
+    gradient_bits: int = 8
+    """Bits per gradient value on the wire with gradient_compression: 4 or 8 (plus one bfloat16 scale per 128 values)."""
+
+    weight_quantization: Literal["none", "qsdp"] = "none"
+    """FSDP weight all-gather: none (the compute dtype), or qsdp (weight_bits codes rounded stochastically; each rank keeps its shard in full precision)."""
+
+    weight_bits: int = 8
+    """Bits per weight value on the wire with weight_quantization = qsdp: 4 or 8."""
+
+    quantization_rotation: Literal["none", "hadamard"] = "none"
+    """Rotate each block of 128 values by a Walsh-Hadamard matrix before quantizing (spreads outliers); needs gradient_compression or weight_quantization."""
+
 
 @dataclass
 class Debug:

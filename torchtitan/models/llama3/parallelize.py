@@ -11,6 +11,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torchtitan.config.job_config import JobConfig
 from torchtitan.distributed.activation_checkpoint import apply_ac
 from torchtitan.distributed.compile import apply_compile, check_compile
+from torchtitan.distributed.compression import apply_compression, validate_compression
 from torchtitan.distributed.fsdp import apply_ddp, apply_fsdp
 from torchtitan.distributed.parallel_dims import ParallelDims
 from torchtitan.distributed.tensor_parallel import apply_tp
@@ -47,6 +48,7 @@ def validate_parallelism(args: TransformerModelArgs, parallel_dims: ParallelDims
                             "compile.enable = true")
     check_compile(config.compile.enable and "model" in config.compile.components, parallel_dims.tp_enabled,
                   device_type)
+    validate_compression(config, parallel_dims)
 
 
 def parallelize_llama(model: nn.Module, world_mesh: DeviceMesh, parallel_dims: ParallelDims,
@@ -65,6 +67,7 @@ def parallelize_llama(model: nn.Module, world_mesh: DeviceMesh, parallel_dims: P
         apply_fsdp(model, dp_mesh, pp_enabled=parallel_dims.pp_enabled,
                    cpu_offload=config.training.enable_cpu_offload,
                    reshard_policy=config.parallelism.fsdp_reshard_after_forward, **precision)
+        apply_compression(model, config)
     elif parallel_dims.ddp_enabled:
         apply_ddp(model, world_mesh["dp_replicate"], **precision)
     return model
