@@ -68,3 +68,18 @@ def test_the_checkpoint_holds_the_residuals_per_parameter(straight):
     assert residuals["compression.layers.0.attention.wq.weight"].shape == weight.shape
     assert len(residuals) == len([key for key in state if key.endswith(".exp_avg")])
     assert any(value.abs().sum() > 0 for value in residuals.values())
+
+
+def test_flexdemo_resume_is_bitwise_exact(tmp_path, corpus):
+    """Two DDP replicas under FlexDeMo: their local momenta are saved (averaged, as the run that saves continues)
+    and a resumed run repeats the uninterrupted one."""
+    args = [*BASE, "--training.dataset_path", str(corpus), "--training.local_batch_size", "2",
+            "--parallelism.data_parallel_replicate_degree", "2", "--optimizer.name", "FlexDeMo", *CHECKPOINT]
+    straight = train(tmp_path / "straight", 2, args)
+    train(tmp_path / "resumed", 2, [*args, "--training.steps", str(SAVED_STEP)])
+    rows = train(tmp_path / "resumed", 2, args)
+    assert [row["step"] for row in rows if "loss" in row] == list(range(1, STEPS + 1))
+    assert losses(after_save(rows)) == losses(after_save(straight))
+    state = read_full_checkpoint(tmp_path / "resumed" / "checkpoint" / f"step-{SAVED_STEP}")["optimizer"]
+    momentum = state["state.layers.0.attention.wq.weight.momentum"]
+    assert momentum.shape == (64, 64) and momentum.abs().sum() > 0

@@ -101,6 +101,31 @@ def test_bad_values_and_combinations_are_refused(comm, dims, message):
         validate_compression(config_with(**comm), dims)
 
 
+def flexdemo(**options) -> JobConfig:
+    config = JobConfig()
+    config.optimizer.name = "FlexDeMo"
+    for key, value in options.items():
+        setattr(config.optimizer, key, value)
+    return config
+
+
+@pytest.mark.parametrize("options,dims,message", [
+    ({}, layout(), r"optimizer.name: FlexDeMo .*\(data_parallel_replicate_degree = 1\)"),
+    ({"demo_chunk_size": 512}, layout(replicate=2), r"demo_chunk_size: 512 must be in \[1, 256\]"),
+    ({"demo_topk": 65}, layout(replicate=2), r"demo_topk: 65 must be in \[1, demo_chunk_size = 64\]"),
+    ({"demo_momentum_decay": 1.0}, layout(replicate=2), r"demo_momentum_decay: 1.0 must be in \[0, 1\)"),
+])
+def test_bad_flexdemo_options_are_refused(options, dims, message):
+    with pytest.raises(UserError, match=message):
+        validate_compression(flexdemo(**options), dims)
+
+
+def test_flexdemo_lets_loco_compress_within_replicas():
+    config = flexdemo()
+    config.comm.gradient_compression = "loco"
+    validate_compression(config, layout(replicate=2, shard=2))  # FSDP runs within each replica: no HSDP all-reduce
+
+
 def test_qsdp_refuses_the_float8_all_gather():
     config = config_with(weight_quantization="qsdp")
     config.quantize.linear.float8.enable_fsdp_float8_all_gather = True

@@ -88,8 +88,8 @@ class Model:
 
 @dataclass
 class Optimizer:
-    name: Literal["AdamW", "Adam"] = "AdamW"
-    """Optimizer: AdamW (decoupled weight decay) or Adam (L2 penalty added to the gradient)."""
+    name: Literal["AdamW", "Adam", "FlexDeMo"] = "AdamW"
+    """Optimizer: AdamW (decoupled weight decay), Adam (L2 penalty added to the gradient), or FlexDeMo (replicas exchange only their momentum's top DCT components instead of all-reducing gradients; needs data_parallel_replicate_degree >= 2)."""
 
     lr: float = 8e-4
     """Peak learning rate."""
@@ -111,6 +111,15 @@ class Optimizer:
 
     implementation: Literal["for-loop", "foreach", "fused"] = "fused"
     """Optimizer kernel: fused (fastest, falls back to foreach where the device has no fused kernel), foreach, for-loop."""
+
+    demo_chunk_size: int = 64
+    """FlexDeMo: values per DCT chunk of the momentum (at most 256)."""
+
+    demo_topk: int = 8
+    """FlexDeMo: DCT coefficients per chunk sent to the other replicas each step (at most demo_chunk_size)."""
+
+    demo_momentum_decay: float = 0.999
+    """FlexDeMo: decay of the local momentum, which accumulates gradients and keeps what was not sent."""
 
 
 @dataclass

@@ -25,6 +25,21 @@ from torchtitan.errors import UserError
 
 def validate_compression(config: JobConfig, parallel_dims: ParallelDims) -> None:
     """One clear error for a bad value or a combination that does not compose."""
+    optimizer = config.optimizer
+    if optimizer.name == "FlexDeMo":
+        if parallel_dims.dp_replicate < 2:
+            raise UserError("option optimizer.name: FlexDeMo exchanges momentum components across replicas, and "
+                            "this layout has one (data_parallel_replicate_degree = 1); set it to 2 or more (HSDP, "
+                            "or DDP when data_parallel_shard_degree = 1)")
+        if not 1 <= optimizer.demo_chunk_size <= 256:
+            raise UserError(f"option optimizer.demo_chunk_size: {optimizer.demo_chunk_size} must be in [1, 256] "
+                            f"(coefficient indices travel as one byte)")
+        if not 1 <= optimizer.demo_topk <= optimizer.demo_chunk_size:
+            raise UserError(f"option optimizer.demo_topk: {optimizer.demo_topk} must be in [1, demo_chunk_size = "
+                            f"{optimizer.demo_chunk_size}]")
+        if not 0.0 <= optimizer.demo_momentum_decay < 1.0:
+            raise UserError(f"option optimizer.demo_momentum_decay: {optimizer.demo_momentum_decay} must be in "
+                            f"[0, 1)")
     comm = config.comm
     for option, bits in (("gradient_bits", comm.gradient_bits), ("weight_bits", comm.weight_bits)):
         if bits not in VALID_BITS:
@@ -40,7 +55,8 @@ def validate_compression(config: JobConfig, parallel_dims: ParallelDims) -> None
     if not parallel_dims.fsdp_enabled:
         raise UserError(f"option {used[0]}: it compresses FSDP's collectives, and this layout has no FSDP "
                         f"(data_parallel_shard_degree x context_parallel_degree = 1); shard over 2 or more ranks")
-    if parallel_dims.dp_replicate > 1:
+    # Under FlexDeMo, FSDP runs within each replica (the optimizer exchanges across them): nothing to replace.
+    if parallel_dims.dp_replicate > 1 and optimizer.name != "FlexDeMo":
         raise UserError(
             f"option {used[0]}: it does not compose with data_parallel_replicate_degree = "
             f"{parallel_dims.dp_replicate} (HSDP). FSDP2's replica all-reduce cannot be replaced through its hooks "

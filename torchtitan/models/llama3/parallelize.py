@@ -61,8 +61,11 @@ def parallelize_llama(model: nn.Module, world_mesh: DeviceMesh, parallel_dims: P
         apply_compile(model, config.compile.backend)
     precision = {"param_dtype": config.training.mixed_precision_param,
                  "reduce_dtype": config.training.mixed_precision_reduce}
-    if parallel_dims.fsdp_enabled:
-        dp_mesh = world_mesh["dp_replicate", "dp_shard_cp"] if parallel_dims.hsdp_enabled \
+    # FlexDeMo owns the exchange across replicas: FSDP shards within a replica only (also over one rank, for its
+    # mixed precision), and never all-reduces gradients across replicas.
+    flexdemo = config.optimizer.name == "FlexDeMo"
+    if parallel_dims.fsdp_enabled or flexdemo:
+        dp_mesh = world_mesh["dp_replicate", "dp_shard_cp"] if parallel_dims.hsdp_enabled and not flexdemo \
             else world_mesh["dp_shard_cp"]
         apply_fsdp(model, dp_mesh, pp_enabled=parallel_dims.pp_enabled,
                    cpu_offload=config.training.enable_cpu_offload,
