@@ -50,50 +50,52 @@ class FlexDeMo(torch.optim.Optimizer):
 
     @torch.no_grad()
     def step(self, closure=None):
-        for group in self.param_groups:
-            for param in group["params"]:
-                if param.grad is None:
-                    continue
-                self._update(param, group["lr"], group["weight_decay"])
+        # Every parameter's components travel in one all-gather: one collective per step, not one per tensor.
+        work = [(param, group) for group in self.param_groups for param in group["params"] if param.grad is not None]
+        extracted = [self._extract(param) for param, _ in work]
+        payload = torch.cat([torch.cat((indices.to(torch.uint8), values.view(torch.uint8)), dim=1).view(-1)
+                             for _, indices, values in extracted]) if extracted else torch.zeros(0, dtype=torch.uint8)
+        replicas = dist.get_world_size(self.replicate_group)
+        gathered = torch.empty(replicas * payload.numel(), dtype=torch.uint8, device=payload.device)
+        dist.all_gather_into_tensor(gathered, payload, group=self.replicate_group)
+        gathered = gathered.view(replicas, -1)
+        self.sent_bytes += (replicas - 1) * payload.numel()
+        offset = 0
+        for (param, group), (coefficients, indices, _) in zip(work, extracted):
+            chunks, k = indices.shape
+            part = gathered[:, offset:offset + chunks * 3 * k].reshape(replicas, chunks, 3 * k)
+            offset += chunks * 3 * k
+            mean = torch.zeros_like(coefficients)
+            for replica in range(replicas):  # in replica order: every replica sums identically
+                mean.scatter_add_(1, part[replica, :, :k].long(),
+                                  part[replica, :, k:].contiguous().view(torch.bfloat16).float())
+            weight = self._local(param)
+            update = (mean / replicas @ self._dct).view(-1)[:weight.numel()].view_as(weight)
+            if group["weight_decay"]:
+                weight.mul_(1 - group["lr"] * group["weight_decay"])
+            weight.add_(update.sign().to(weight.dtype), alpha=-group["lr"])
         return None
 
-    def _update(self, param: torch.Tensor, lr: float, weight_decay: float) -> None:
-        weight, grad = self._local(param), self._local(param.grad)
+    def _extract(self, param: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Accumulate the gradient into the local momentum and take out its top DCT components: returns the chunks'
+        coefficients (for their shape), and the indices and bfloat16 values sent."""
+        grad = self._local(param.grad)
         state = self.state[param]
         if "momentum" not in state:
             state["momentum"] = torch.zeros_like(param, dtype=torch.float32)
         momentum = self._local(state["momentum"])
         if self._dct is None:
-            self._dct = dct_matrix(self.chunk_size, weight.device)
+            self._dct = dct_matrix(self.chunk_size, grad.device)
         momentum.mul_(self.momentum_decay).add_(grad.float())
-        numel = momentum.numel()
-        if numel == 0:
-            # An uneven shard can be empty; this rank still joins the replicas' all-gather below.
-            coefficients = torch.zeros(0, self.chunk_size, device=weight.device)
-        else:
-            coefficients = self._chunks(momentum.view(-1)) @ self._dct.T
+        # An uneven shard can be empty: it sends nothing, but this rank still joins the all-gather.
+        coefficients = self._chunks(momentum.view(-1)) @ self._dct.T
         indices = coefficients.abs().topk(min(self.topk, self.chunk_size), dim=1).indices
         values = coefficients.gather(1, indices).to(torch.bfloat16)
         # What is sent leaves the local momentum (as the receivers decode it: in bfloat16).
         sent = torch.zeros_like(coefficients).scatter_(1, indices, values.float())
-        if numel:
-            momentum.view(-1).sub_((sent @ self._dct).view(-1)[:numel])
-        payload = torch.cat((indices.to(torch.uint8), values.view(torch.uint8)), dim=1)
-        replicas = dist.get_world_size(self.replicate_group)
-        gathered = torch.empty(replicas * payload.numel(), dtype=torch.uint8, device=payload.device)
-        dist.all_gather_into_tensor(gathered, payload.view(-1), group=self.replicate_group)
-        gathered = gathered.view(replicas, *payload.shape)
-        self.sent_bytes += (replicas - 1) * payload.numel()
-        k = indices.shape[1]
-        all_indices = gathered[..., :k].long()
-        all_values = gathered[..., k:].contiguous().view(torch.bfloat16).float()
-        mean = torch.zeros_like(coefficients)
-        for replica in range(replicas):  # in replica order: every replica sums identically
-            mean.scatter_add_(1, all_indices[replica], all_values[replica])
-        update = (mean / replicas @ self._dct).view(-1)[:numel].view_as(weight)
-        if weight_decay:
-            weight.mul_(1 - lr * weight_decay)
-        weight.add_(update.sign().to(weight.dtype), alpha=-lr)
+        if momentum.numel():
+            momentum.view(-1).sub_((sent @ self._dct).view(-1)[:momentum.numel()])
+        return coefficients, indices, values
 
     def state_dict(self):
         """Before saving, the replicas' momenta are replaced by their mean (the total, what the exchange averages,

@@ -6,8 +6,10 @@ moves one tensor. A row holds several tensors (FSDP's flat buffers concatenate a
 starts a block of its own, so that a small tensor (a norm's gradient) never shares a scale with a large one. Rounding is to nearest (error feedback then carries the error) or stochastic (unbiased, as QSDP's
 convergence proof needs). The stochastic draw is a hash of each value's bits and position rather than a generator:
 the same weights quantize the same way in forward and in the backward re-gather, and there is no generator state to
-checkpoint.
+checkpoint. The draw is seeded by a sample of the values being rounded, so it changes whenever they do.
 """
+
+import functools
 
 import torch
 
@@ -28,8 +30,9 @@ def payload_bytes(segments: list[int], bits: int) -> int:
     return padded * bits // 8 + 2 * (padded // BLOCK)
 
 
-def _positions(segments: list[int], device: torch.device) -> torch.Tensor:
-    """Where each value of a row goes in the block-aligned row."""
+@functools.lru_cache(maxsize=256)
+def _positions(segments: tuple[int, ...], device: torch.device) -> torch.Tensor:
+    """Where each value of a row goes in the block-aligned row (one tensor per FSDP module, made once)."""
     starts, offset = [], 0
     for n in segments:
         starts.append(torch.arange(offset, offset + n, device=device))
@@ -37,14 +40,12 @@ def _positions(segments: list[int], device: torch.device) -> torch.Tensor:
     return torch.cat(starts)
 
 
-def _uniform_hash(x: torch.Tensor) -> torch.Tensor:
-    """A uniform draw in [0, 1) per value, determined by the value's bits and its position."""
-    bits = x.float().contiguous().view(torch.int32).to(torch.int64) & 0xFFFFFFFF
-    index = torch.arange(x.numel(), device=x.device, dtype=torch.int64).view(x.shape)
-    h = (bits * 0x9E3779B1 + index * 0x85EBCA77 + 0x165667B1) & 0xFFFFFFFF
-    h = ((h ^ (h >> 15)) * 0x2C1B3C6D) & 0xFFFFFFFF
-    h = h ^ (h >> 12)
-    return (h & 0xFFFFFF).float() / float(1 << 24)
+def _content_seeded_uniform(x: torch.Tensor) -> torch.Tensor:
+    """A uniform draw in [0, 1) per value, from a generator seeded by (a sample of) the values themselves."""
+    bits = x.contiguous().view(torch.int32).view(-1)
+    seed = int(bits[::4099].to(torch.int64).sum()) * 0x9E3779B1 + bits.numel()
+    generator = torch.Generator(device=x.device).manual_seed(seed & 0x7FFFFFFFFFFFFFFF)
+    return torch.rand(x.shape, generator=generator, device=x.device)
 
 
 def encode(values: torch.Tensor, bits: int, stochastic: bool = False, rotate: bool = False,
@@ -54,8 +55,11 @@ def encode(values: torch.Tensor, bits: int, stochastic: bool = False, rotate: bo
     rows, n = values.shape
     segments = segments or [n]
     padded = padded_length(segments)
-    x = torch.zeros(rows, padded, dtype=torch.float32, device=values.device)
-    x[:, _positions(segments, values.device)] = values.float()
+    if padded == n:
+        x = values.float().contiguous()
+    else:
+        x = torch.zeros(rows, padded, dtype=torch.float32, device=values.device)
+        x[:, _positions(tuple(segments), values.device)] = values.float()
     blocks = x.view(rows, -1, BLOCK)
     if rotate:
         blocks = hadamard_rotate(blocks)
@@ -64,7 +68,7 @@ def encode(values: torch.Tensor, bits: int, stochastic: bool = False, rotate: bo
     safe = torch.where(scales == 0, torch.ones_like(scales), scales).float().unsqueeze(-1)
     scaled = blocks / safe
     if stochastic:
-        codes = torch.floor(scaled + _uniform_hash(scaled))
+        codes = torch.floor(scaled + _content_seeded_uniform(scaled))
     else:
         codes = torch.round(scaled)
     codes = codes.clamp_(-qmax, qmax).to(torch.int16).view(rows, padded)
@@ -94,7 +98,8 @@ def decode(payload: torch.Tensor, n: int, bits: int, rotate: bool = False,
     blocks = codes.float().view(rows, -1, BLOCK) * scales
     if rotate:
         blocks = hadamard_rotate(blocks)
-    return blocks.view(rows, padded)[:, _positions(segments, payload.device)]
+    restored = blocks.view(rows, padded)
+    return restored if padded == n else restored[:, _positions(tuple(segments), payload.device)]
 
 
 def relative_error(values: torch.Tensor, bits: int, stochastic: bool = False, rotate: bool = False) -> float:
