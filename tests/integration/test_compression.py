@@ -83,3 +83,20 @@ def test_flexdemo_resume_is_bitwise_exact(tmp_path, corpus):
     state = read_full_checkpoint(tmp_path / "resumed" / "checkpoint" / f"step-{SAVED_STEP}")["optimizer"]
     momentum = state["state.layers.0.attention.wq.weight.momentum"]
     assert momentum.shape == (64, 64) and momentum.abs().sum() > 0
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("layout", [
+    ["--parallelism.data_parallel_shard_degree", "2", "--parallelism.tensor_parallel_degree", "2"],
+    ["--parallelism.data_parallel_shard_degree", "2", "--parallelism.pipeline_parallel_degree", "2"],
+], ids=["fsdp2_tp2", "fsdp2_pp2"])
+def test_loco_and_qsdp_compose_with_tensor_and_pipeline_parallelism(tmp_path, corpus, layout):
+    """The hooks see each rank's local shards and the data-parallel group only: 4 processes, 5 steps, within 0.1%
+    of the same layout uncompressed."""
+    args = [*TINY, "--training.dataset_path", str(corpus), "--training.steps", "5", "--training.local_batch_size",
+            "2", *layout]
+    plain = train(tmp_path / "plain", 4, args)
+    compressed = train(tmp_path / "compressed", 4, [*args, "--comm.gradient_compression", "loco",
+                                                    "--comm.weight_quantization", "qsdp"])
+    difference = max_relative_difference(losses(compressed), losses(plain))
+    assert 0 < difference < 1e-3
