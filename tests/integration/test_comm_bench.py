@@ -34,3 +34,20 @@ def test_link_bytes_of_the_recipes(tmp_path):
     assert per_step["flexdemo"] / per_step["ddp"] < 0.10
     for name, r in results.items():
         assert r["steps"] == 6 and abs(r["final_loss"] / results[r["baseline"]]["final_loss"] - 1) < 0.01, name
+
+
+@pytest.mark.slow
+def test_300_steps_stay_within_the_loss_bounds(tmp_path):
+    """The issue's targets on the final loss (mean of the last 10 of 300 steps, seed 0, same data): LoCo 4-bit and
+    QSDP 8-bit within 1% of FSDP, FlexDeMo within 2% of AdamW under DDP. About 25 minutes on two CPU cores; the link
+    is unthrottled (veth, or loopback without root: the losses do not depend on it)."""
+    comm_bench.main(["--out", str(tmp_path), "--steps", "300", "--rate", "0", "--local-batch-size", "4",
+                     "--recipes", "fsdp,loco4,qsdp8,ddp,flexdemo"])
+    results = {r["recipe"]: r for r in json.loads((tmp_path / "results.json").read_text())["results"]}
+
+    def gap(name: str) -> float:
+        return abs(results[name]["final_loss"] / results[results[name]["baseline"]]["final_loss"] - 1)
+
+    assert gap("loco4") < 0.01
+    assert gap("qsdp8") < 0.01
+    assert gap("flexdemo") < 0.02
