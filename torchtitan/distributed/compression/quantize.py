@@ -3,10 +3,12 @@
 Each block of `BLOCK` values is sent as `bits`-bit signed codes (two 4-bit codes per byte) and one bfloat16 scale
 (the block's absolute maximum over the largest code), concatenated into one uint8 payload, so that a collective
 moves one tensor. A row holds several tensors (FSDP's flat buffers concatenate a module's parameters): each segment
-starts a block of its own, so that a small tensor (a norm's gradient) never shares a scale with a large one. Rounding is to nearest (error feedback then carries the error) or stochastic (unbiased, as QSDP's
-convergence proof needs). The stochastic draw is a hash of each value's bits and position rather than a generator:
-the same weights quantize the same way in forward and in the backward re-gather, and there is no generator state to
-checkpoint. The draw is seeded by a sample of the values being rounded, so it changes whenever they do.
+starts a block of its own, so that a small tensor (a norm's gradient) never shares a scale with a large one.
+
+Rounding is to nearest (error feedback then carries the error) or stochastic (unbiased, as QSDP's convergence proof
+needs). The stochastic draw comes from a generator seeded by a sample of the values being rounded: the same weights
+quantize the same way in forward and in the backward re-gather, the draw changes whenever the weights do, and there
+is no generator state to checkpoint.
 """
 
 import functools
