@@ -8,8 +8,8 @@ from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_optim
                                                      set_optimizer_state_dict)
 from torch.distributed.checkpoint.stateful import Stateful
 
-from torchtitan.config.job_config import Optimizer as OptimizerConfig
 from torchtitan.components.optimizers.flexdemo import FlexDeMo
+from torchtitan.config.job_config import Optimizer as OptimizerConfig
 from torchtitan.distributed.compression import CompressionState
 
 _NO_DECAY_MODULES = (nn.Embedding, nn.RMSNorm, nn.LayerNorm)
