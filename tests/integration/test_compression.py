@@ -100,3 +100,18 @@ def test_loco_and_qsdp_compose_with_tensor_and_pipeline_parallelism(tmp_path, co
                                                     "--comm.weight_quantization", "qsdp"])
     difference = max_relative_difference(losses(compressed), losses(plain))
     assert 0 < difference < 1e-3
+
+
+@pytest.mark.slow
+def test_flexdemo_checkpoint_reshards_from_ddp_to_hsdp(tmp_path, corpus):
+    """FlexDeMo's momenta are saved one per parameter, sharded like it: DDP 2's step-4 checkpoint resumes on HSDP
+    2 x 2 (4 ranks) and follows the DDP run closely."""
+    args = [*BASE, "--training.dataset_path", str(corpus), "--optimizer.name", "FlexDeMo", *CHECKPOINT,
+            "--parallelism.data_parallel_replicate_degree", "2"]
+    ddp = train(tmp_path / "ddp", 2, [*args, "--training.local_batch_size", "2"])
+    shutil.copytree(tmp_path / "ddp" / "checkpoint" / f"step-{SAVED_STEP}",
+                    tmp_path / "hsdp" / "checkpoint" / f"step-{SAVED_STEP}")
+    hsdp = train(tmp_path / "hsdp", 4, [*args, "--training.local_batch_size", "1",
+                                        "--parallelism.data_parallel_shard_degree", "2"])
+    assert [row["step"] for row in hsdp if "loss" in row] == list(range(SAVED_STEP + 1, STEPS + 1))
+    assert max_relative_difference(losses(hsdp), losses(after_save(ddp))) < 1e-3
