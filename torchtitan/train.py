@@ -119,7 +119,8 @@ class Trainer:
             self.loss_fn = compile_loss(cross_entropy_sum, config.compile.backend, loss_parallel=(
                 self.parallel_dims.tp_enabled and not config.parallelism.disable_loss_parallel))
         self.global_valid_tokens = torch.ones((), device=self.device)
-        self.optimizers = build_optimizers(self.model_parts, config.optimizer)
+        self.optimizers = build_optimizers(self.model_parts, config.optimizer,
+                                           self.world_mesh["dp_replicate"].get_group())
         self.lr_schedulers = build_lr_schedulers(self.optimizers, config.lr_scheduler, config.training.steps)
         self.train_state = TrainState()
         self.checkpointer = CheckpointManager(config.checkpoint, config.job.dump_folder, self.model_parts,

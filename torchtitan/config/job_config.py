@@ -118,8 +118,8 @@ class Model:
 
 @dataclass
 class Optimizer:
-    name: Literal["AdamW", "Adam"] = "AdamW"
-    """Optimizer: AdamW (decoupled weight decay) or Adam (L2 penalty added to the gradient)."""
+    name: Literal["AdamW", "Adam", "FlexDeMo"] = "AdamW"
+    """Optimizer: AdamW (decoupled weight decay), Adam (L2 penalty added to the gradient), or FlexDeMo (replicas exchange only their momentum's top DCT components instead of all-reducing gradients; needs data_parallel_replicate_degree >= 2)."""
 
     lr: float = 8e-4
     """Peak learning rate."""
@@ -141,6 +141,15 @@ class Optimizer:
 
     implementation: Literal["for-loop", "foreach", "fused"] = "fused"
     """Optimizer kernel: fused (fastest, falls back to foreach where the device has no fused kernel), foreach, for-loop."""
+
+    demo_chunk_size: int = 64
+    """FlexDeMo: values per DCT chunk of the momentum (at most 256)."""
+
+    demo_topk: int = 8
+    """FlexDeMo: DCT coefficients per chunk sent to the other replicas each step (at most demo_chunk_size)."""
+
+    demo_momentum_decay: float = 0.999
+    """FlexDeMo: decay of the local momentum, which accumulates gradients and keeps what was not sent."""
 
 
 @dataclass
@@ -391,6 +400,21 @@ class Comm:
 
     fake_gpu: str = "h100"
     """Dry run on cuda: the GPU whose memory the peak must fit in (h100, h100_96gb, h200, a100, b200; see docs/scaling.md)."""
+
+    gradient_compression: Literal["none", "loco", "qsdp"] = "none"
+    """FSDP gradient reduce-scatter: none (full precision), loco (gradient_bits codes with error feedback: the residual is added to the next step's gradient), or qsdp (gradient_bits codes, stochastic rounding, no residual). Needs FSDP without a replicate dimension (docs/recipes.md)."""
+
+    gradient_bits: int = 8
+    """Bits per gradient value on the wire with gradient_compression: 4 or 8 (plus one bfloat16 scale per 128 values)."""
+
+    weight_quantization: Literal["none", "qsdp"] = "none"
+    """FSDP weight all-gather: none (the compute dtype), or qsdp (weight_bits codes rounded stochastically; each rank keeps its shard in full precision)."""
+
+    weight_bits: int = 8
+    """Bits per weight value on the wire with weight_quantization = qsdp: 4 or 8."""
+
+    quantization_rotation: Literal["none", "hadamard"] = "none"
+    """Rotate each block of 128 values by a Walsh-Hadamard matrix before quantizing (spreads outliers); needs gradient_compression or weight_quantization."""
 
 
 @dataclass

@@ -11,6 +11,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torchtitan.config import JobConfig, validation_shape
 from torchtitan.distributed.activation_checkpoint import apply_ac
 from torchtitan.distributed.compile import apply_compile, check_compile
+from torchtitan.distributed.compression import apply_compression, validate_compression
 from torchtitan.distributed.fsdp import apply_ddp, apply_fsdp
 from torchtitan.distributed.parallel_dims import ParallelDims
 from torchtitan.distributed.tensor_parallel import apply_tp
@@ -61,6 +62,7 @@ def validate_parallelism(args: TransformerModelArgs, parallel_dims: ParallelDims
                             "or shard over more ranks")
     check_compile(config.compile.enable and "model" in config.compile.components, parallel_dims.tp_enabled,
                   device_type)
+    validate_compression(config, parallel_dims)
 
 
 def parallelize_llama(model: nn.Module, world_mesh: DeviceMesh, parallel_dims: ParallelDims,
@@ -73,11 +75,15 @@ def parallelize_llama(model: nn.Module, world_mesh: DeviceMesh, parallel_dims: P
         apply_compile(model, config.compile.backend)
     precision = {"param_dtype": config.training.mixed_precision_param,
                  "reduce_dtype": config.training.mixed_precision_reduce}
-    if parallel_dims.fsdp_enabled:
-        dp_mesh = parallel_dims.get_mesh("hsdp" if parallel_dims.hsdp_enabled else "dp_shard_cp")
+    # FlexDeMo owns the exchange across replicas: FSDP shards within a replica only (also over one rank, for its
+    # mixed precision), and never all-reduces gradients across replicas.
+    flexdemo = config.optimizer.name == "FlexDeMo"
+    if parallel_dims.fsdp_enabled or flexdemo:
+        dp_mesh = parallel_dims.get_mesh("hsdp" if parallel_dims.hsdp_enabled and not flexdemo else "dp_shard_cp")
         apply_fsdp(model, dp_mesh, pp_enabled=parallel_dims.pp_enabled,
                    cpu_offload=config.training.enable_cpu_offload,
                    reshard_policy=config.parallelism.fsdp_reshard_after_forward, **precision)
+        apply_compression(model, config)
     elif parallel_dims.ddp_enabled:
         apply_ddp(model, world_mesh["dp_replicate"], **precision)
     return model

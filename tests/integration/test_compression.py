@@ -1,0 +1,117 @@
+"""Compressed FSDP collectives through the real trainer: LoCo's residuals resume bit for bit and reshard, and the
+recipes train close to the uncompressed baseline."""
+
+import shutil
+from pathlib import Path
+
+import pytest
+
+from tests.integration.harness import TINY, losses, max_relative_difference, train
+from tests.integration.test_checkpoint_resume import write_corpus
+from torchtitan.components.checkpoint import read_full_checkpoint
+
+pytestmark = pytest.mark.integration
+
+STEPS, SAVED_STEP = 8, 4
+BASE = [*TINY, "--lr_scheduler.decay_ratio", "0", "--training.steps", str(STEPS)]
+CHECKPOINT = ["--checkpoint.enable", "--checkpoint.interval", "2", "--checkpoint.no_last_save_model_only"]
+LOCO = ["--comm.gradient_compression", "loco", "--comm.gradient_bits", "4", "--comm.quantization_rotation",
+        "hadamard"]
+
+
+def fsdp(nproc: int, corpus: Path) -> list[str]:
+    return [*BASE, "--training.dataset_path", str(corpus), "--training.local_batch_size", str(4 // nproc),
+            "--parallelism.data_parallel_shard_degree", str(nproc)]
+
+
+@pytest.fixture(scope="module")
+def corpus(tmp_path_factory) -> Path:
+    return write_corpus(tmp_path_factory.mktemp("data") / "numbered.jsonl")
+
+
+@pytest.fixture(scope="module")
+def straight(tmp_path_factory, corpus) -> tuple[Path, list[dict]]:
+    """An uninterrupted 8-step LoCo run on 2 ranks that checkpoints every 2 steps."""
+    dump = tmp_path_factory.mktemp("straight")
+    return dump, train(dump, 2, [*fsdp(2, corpus), *LOCO, *CHECKPOINT])
+
+
+def after_save(rows: list[dict]) -> list[dict]:
+    return [row for row in rows if "loss" in row and row["step"] > SAVED_STEP]
+
+
+def test_loco_resume_is_bitwise_exact(tmp_path, corpus, straight):
+    args = [*fsdp(2, corpus), *LOCO, *CHECKPOINT]
+    train(tmp_path, 2, [*args, "--training.steps", str(SAVED_STEP)])
+    rows = train(tmp_path, 2, args)
+    assert [row["step"] for row in rows if "loss" in row] == list(range(1, STEPS + 1))
+    resumed, uninterrupted = after_save(rows), after_save(straight[1])
+    assert [row["loss"] for row in resumed] == [row["loss"] for row in uninterrupted]
+    assert [row["grad_norm"] for row in resumed] == [row["grad_norm"] for row in uninterrupted]
+
+
+def test_loco_checkpoint_reshards_to_four_ranks(tmp_path, corpus, straight):
+    """The residuals are saved per parameter, sharded like it: 4 ranks resume 2 ranks' step-4 checkpoint and follow
+    the 2-rank run closely (4-bit codes of other shards: not bitwise)."""
+    shutil.copytree(straight[0] / "checkpoint" / f"step-{SAVED_STEP}", tmp_path / "checkpoint" / f"step-{SAVED_STEP}")
+    rows = train(tmp_path, 4, [*fsdp(4, corpus), *LOCO, *CHECKPOINT])
+    assert [row["step"] for row in rows if "loss" in row] == list(range(SAVED_STEP + 1, STEPS + 1))
+    difference = max_relative_difference(losses(rows), losses(after_save(straight[1])))
+    print(f"LoCo 2 -> 4 ranks: max relative loss difference of steps 5-8 {difference:.2e}")
+    assert difference < 1e-3
+
+
+def test_the_checkpoint_holds_the_residuals_per_parameter(straight):
+    state = read_full_checkpoint(straight[0] / "checkpoint" / f"step-{SAVED_STEP}")["optimizer"]
+    residuals = {key: value for key, value in state.items() if key.startswith("compression.")}
+    weight = state["state.layers.0.attention.wq.weight.exp_avg"]
+    assert residuals["compression.layers.0.attention.wq.weight"].shape == weight.shape
+    assert len(residuals) == len([key for key in state if key.endswith(".exp_avg")])
+    assert any(value.abs().sum() > 0 for value in residuals.values())
+
+
+def test_flexdemo_resume_is_bitwise_exact(tmp_path, corpus):
+    """Two DDP replicas under FlexDeMo: their local momenta are saved (averaged, as the run that saves continues)
+    and a resumed run repeats the uninterrupted one."""
+    args = [*BASE, "--training.dataset_path", str(corpus), "--training.local_batch_size", "2",
+            "--parallelism.data_parallel_replicate_degree", "2", "--optimizer.name", "FlexDeMo", *CHECKPOINT]
+    straight = train(tmp_path / "straight", 2, args)
+    train(tmp_path / "resumed", 2, [*args, "--training.steps", str(SAVED_STEP)])
+    rows = train(tmp_path / "resumed", 2, args)
+    assert [row["step"] for row in rows if "loss" in row] == list(range(1, STEPS + 1))
+    assert losses(after_save(rows)) == losses(after_save(straight))
+    state = read_full_checkpoint(tmp_path / "resumed" / "checkpoint" / f"step-{SAVED_STEP}")["optimizer"]
+    momentum = state["state.layers.0.attention.wq.weight.momentum"]
+    assert momentum.shape == (64, 64) and momentum.abs().sum() > 0
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("layout", [
+    ["--parallelism.data_parallel_shard_degree", "2", "--parallelism.tensor_parallel_degree", "2"],
+    ["--parallelism.data_parallel_shard_degree", "2", "--parallelism.pipeline_parallel_degree", "2"],
+], ids=["fsdp2_tp2", "fsdp2_pp2"])
+def test_loco_and_qsdp_compose_with_tensor_and_pipeline_parallelism(tmp_path, corpus, layout):
+    """The hooks see each rank's local shards and the data-parallel group only: 4 processes, 5 steps, within 0.1%
+    of the same layout uncompressed."""
+    args = [*TINY, "--training.dataset_path", str(corpus), "--training.steps", "5", "--training.local_batch_size",
+            "2", *layout]
+    plain = train(tmp_path / "plain", 4, args)
+    compressed = train(tmp_path / "compressed", 4, [*args, "--comm.gradient_compression", "loco",
+                                                    "--comm.weight_quantization", "qsdp"])
+    difference = max_relative_difference(losses(compressed), losses(plain))
+    assert 0 < difference < 1e-3
+
+
+@pytest.mark.slow
+def test_flexdemo_checkpoint_reshards_from_ddp_to_hsdp(tmp_path, corpus):
+    """FlexDeMo's momenta are saved one per parameter, sharded like it: DDP 2's step-4 checkpoint resumes on HSDP
+    2 x 2 (4 ranks) and follows the DDP run closely."""
+    args = [*BASE, "--training.dataset_path", str(corpus), "--optimizer.name", "FlexDeMo", *CHECKPOINT,
+            "--parallelism.data_parallel_replicate_degree", "2"]
+    ddp = train(tmp_path / "ddp", 2, [*args, "--training.local_batch_size", "2"])
+    shutil.copytree(tmp_path / "ddp" / "checkpoint" / f"step-{SAVED_STEP}",
+                    tmp_path / "hsdp" / "checkpoint" / f"step-{SAVED_STEP}")
+    hsdp = train(tmp_path / "hsdp", 4, [*args, "--training.local_batch_size", "1",
+                                        "--parallelism.data_parallel_shard_degree", "2"])
+    assert [row["step"] for row in hsdp if "loss" in row] == list(range(SAVED_STEP + 1, STEPS + 1))
+    assert max_relative_difference(losses(hsdp), losses(after_save(ddp))) < 1e-3

@@ -1,0 +1,287 @@
+"""The low-bit wire format, LoCo's error feedback, QSDP's all-gather and the checkpointed residuals, with real gloo
+processes (forked: spawned ones would import torch again, seconds each on two cores)."""
+
+import datetime
+import time
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+import torch.nn.functional as F
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import FSDPModule
+
+from torchtitan.config.job_config import JobConfig
+from torchtitan.distributed.compression import (CompressionState, apply_compression, compression_stats,
+                                                validate_compression)
+from torchtitan.distributed.compression.hadamard import hadamard_rotate
+from torchtitan.distributed.compression.loco import CompressedReduceScatter
+from torchtitan.distributed.compression.qsdp import QuantizedAllGather
+from torchtitan.distributed.compression.quantize import decode, encode, payload_bytes, relative_error
+from torchtitan.distributed.fsdp import apply_fsdp
+from torchtitan.distributed.utils import init_model_weights
+from torchtitan.distributed.parallel_dims import ParallelDims
+from torchtitan.errors import UserError
+from torchtitan.models.llama3.args import model_args_for
+from torchtitan.models.llama3.model import Transformer
+
+WORLD = 2
+ROW = 300  # not a multiple of the 128-value block: the payload pads
+
+
+# ------------------------------------------------------------------------------------------------------------------
+# The wire format, in one process
+
+@pytest.mark.parametrize("bits,bound", [(8, 0.01), (4, 0.15)])
+@pytest.mark.parametrize("rotate", [False, True])
+def test_round_trip_error_and_payload_size(bits, bound, rotate):
+    values = torch.randn(3, ROW, generator=torch.Generator().manual_seed(0))
+    payload = encode(values, bits, rotate=rotate)
+    assert payload.dtype == torch.uint8 and payload.shape == (3, payload_bytes([ROW], bits))
+    restored = decode(payload, ROW, bits, rotate=rotate)
+    error = ((restored - values).norm() / values.norm()).item()
+    assert 0 < error < bound
+
+
+def test_four_bit_codes_pack_two_per_byte_exactly():
+    # Values on the grid (scale 1: the block maximum is 7) come back unchanged, both nibbles of every byte.
+    codes = torch.arange(-7, 8).repeat(9)[:128].float().view(1, 128)
+    assert torch.equal(decode(encode(codes, 4), 128, 4), codes)
+    assert payload_bytes([128], 4) == 64 + 2 and payload_bytes([128, 1], 8) == 256 + 4
+
+
+def test_stochastic_rounding_is_unbiased_and_reproducible():
+    values = torch.full((1, 128 * 64), 0.3)
+    values[0, ::128] = 1.0  # every block's scale is 1/7: 0.3 lies between two codes
+    once = decode(encode(values, 4, stochastic=True), values.shape[1], 4)
+    assert torch.equal(once, decode(encode(values, 4, stochastic=True), values.shape[1], 4))
+    lower, upper = once[0, 1:128].unique().tolist()  # the two codes around 0.3 (2/7 and 3/7), nothing else
+    assert lower == pytest.approx(2 / 7, rel=1e-2) and upper == pytest.approx(3 / 7, rel=1e-2)
+    assert abs(once.mean() - values.mean()) < 2e-3
+    nearest = decode(encode(values, 4), values.shape[1], 4)
+    assert abs(nearest.mean() - values.mean()) > 1e-2  # rounding to nearest is biased here
+
+
+def test_hadamard_is_an_involution_and_spreads_an_outlier():
+    blocks = torch.randn(4, 128, generator=torch.Generator().manual_seed(1))
+    assert torch.allclose(hadamard_rotate(hadamard_rotate(blocks)), blocks, atol=1e-5)
+    spiky = torch.randn(1, 4096, generator=torch.Generator().manual_seed(2)) * 1e-3
+    spiky[0, ::512] = 1.0
+    assert relative_error(spiky, 8, rotate=True) < relative_error(spiky, 8) / 2
+    with pytest.raises(ValueError, match="power of two"):
+        hadamard_rotate(torch.zeros(3, 100))
+
+
+# ------------------------------------------------------------------------------------------------------------------
+# Options
+
+def layout(replicate: int = 1, shard: int = 2) -> ParallelDims:
+    return ParallelDims(dp_replicate=replicate, dp_shard=shard, cp=1, tp=1, pp=1, world_size=replicate * shard)
+
+
+def config_with(**comm) -> JobConfig:
+    config = JobConfig()
+    for key, value in comm.items():
+        setattr(config.comm, key, value)
+    return config
+
+
+@pytest.mark.parametrize("comm,dims,message", [
+    ({"gradient_bits": 5}, layout(), r"comm.gradient_bits: 5 is not one of 4, 8"),
+    ({"weight_quantization": "qsdp", "weight_bits": 16}, layout(), r"comm.weight_bits: 16 is not one of 4, 8"),
+    ({"quantization_rotation": "hadamard"}, layout(), r"quantization_rotation: 'hadamard' .* nothing is"),
+    ({"gradient_compression": "loco"}, layout(shard=1), r"gradient_compression = loco: .* no FSDP"),
+    ({"gradient_compression": "loco"}, layout(replicate=2), r"does not compose with data_parallel_replicate"),
+    ({"weight_quantization": "qsdp"}, layout(replicate=2, shard=1), r"weight_quantization = qsdp: .* no FSDP"),
+])
+def test_bad_values_and_combinations_are_refused(comm, dims, message):
+    with pytest.raises(UserError, match=message):
+        validate_compression(config_with(**comm), dims)
+
+
+def flexdemo(**options) -> JobConfig:
+    config = JobConfig()
+    config.optimizer.name = "FlexDeMo"
+    for key, value in options.items():
+        setattr(config.optimizer, key, value)
+    return config
+
+
+@pytest.mark.parametrize("options,dims,message", [
+    ({}, layout(), r"optimizer.name: FlexDeMo .*\(data_parallel_replicate_degree = 1\)"),
+    ({"demo_chunk_size": 512}, layout(replicate=2), r"demo_chunk_size: 512 must be in \[1, 256\]"),
+    ({"demo_topk": 65}, layout(replicate=2), r"demo_topk: 65 must be in \[1, demo_chunk_size = 64\]"),
+    ({"demo_momentum_decay": 1.0}, layout(replicate=2), r"demo_momentum_decay: 1.0 must be in \[0, 1\)"),
+])
+def test_bad_flexdemo_options_are_refused(options, dims, message):
+    with pytest.raises(UserError, match=message):
+        validate_compression(flexdemo(**options), dims)
+
+
+def test_flexdemo_lets_loco_compress_within_replicas():
+    config = flexdemo()
+    config.comm.gradient_compression = "loco"
+    validate_compression(config, layout(replicate=2, shard=2))  # FSDP runs within each replica: no HSDP all-reduce
+
+
+def test_qsdp_refuses_the_float8_all_gather():
+    config = config_with(weight_quantization="qsdp")
+    config.quantize.linear.float8.enable_fsdp_float8_all_gather = True
+    with pytest.raises(UserError, match="float8 all-gather"):
+        validate_compression(config, layout())
+
+
+# ------------------------------------------------------------------------------------------------------------------
+# Collectives and FSDP, with two processes
+
+def tiny_fsdp(mesh, comm: dict | None) -> Transformer:
+    with torch.device("meta"):
+        model = Transformer(model_args_for("tiny", 32))
+    apply_fsdp(model, mesh, param_dtype="float32", reduce_dtype="float32", pp_enabled=False, cpu_offload=False,
+               reshard_policy="default")
+    if comm is not None:
+        apply_compression(model, config_with(**comm))
+    model.to_empty(device="cpu")
+    init_model_weights(model, seed=0, device=torch.device("cpu"))
+    return model
+
+
+def backward(model: Transformer, rank: int, seed: int = 0) -> torch.Tensor:
+    tokens = torch.randint(0, 256, (2, 33), generator=torch.Generator().manual_seed(seed * 10 + rank))
+    model.zero_grad(set_to_none=True)
+    loss = F.cross_entropy(model(tokens[:, :-1]).flatten(0, 1), tokens[:, 1:].flatten(), reduction="sum")
+    loss.backward()
+    return loss.detach()
+
+
+def local_grads(model: Transformer) -> dict[str, torch.Tensor]:
+    return {name: p.grad.to_local().clone() for name, p in model.named_parameters()}
+
+
+def worker(rank: int, out_dir: str) -> None:
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", store=dist.FileStore(f"{out_dir}/store", WORLD), rank=rank, world_size=WORLD,
+                            timeout=datetime.timedelta(seconds=60))
+    try:
+        results = {}
+        group = dist.group.WORLD
+        generator = torch.Generator().manual_seed(100 + rank)
+
+        # Error feedback: over several steps, what was received plus every rank's residual is the sum of the grads.
+        for rotate in (False, True):
+            comm = CompressedReduceScatter(4, error_feedback=True, stochastic=False, rotate=rotate)
+            received = torch.zeros(ROW)
+            sent = torch.zeros(WORLD * ROW)
+            for _ in range(5):
+                grad = torch.randn(WORLD * ROW, generator=generator)
+                sent += grad
+                output = torch.empty(ROW)
+                comm(output, grad.clone(), group, dist.ReduceOp.SUM)
+                received += output
+            dist.all_reduce(sent)
+            residuals = comm.residual.clone()
+            dist.all_reduce(residuals)
+            results[f"ef_rotate{rotate}"] = (received, residuals[rank], sent.view(WORLD, ROW)[rank])
+            results[f"ef_bytes_rotate{rotate}"] = (comm.sent_bytes, comm.uncompressed_bytes)
+
+        # QSDP's all-gather: every rank decodes the same weights, close to the true ones, the same every call.
+        shard = torch.randn(ROW, generator=generator)
+        gather = QuantizedAllGather(8, rotate=False)
+        outputs = []
+        for _ in range(2):
+            output = torch.empty(WORLD * ROW)
+            gather(output, shard.clone(), group)
+            outputs.append(output)
+        truth = torch.empty(WORLD * ROW)
+        dist.all_gather_into_tensor(truth, shard)
+        results["qsdp"] = (outputs[0], outputs[1], truth)
+
+        # FSDP: compression off leaves FSDP's own collectives (bitwise the same gradients); LoCo changes them a little.
+        mesh = init_device_mesh("cpu", (WORLD,))
+        plain, off, loco = (tiny_fsdp(mesh, comm) for comm in (None, {}, {"gradient_compression": "loco"}))
+        for model in (plain, off, loco):
+            backward(model, rank)
+        results["fsdp"] = (local_grads(plain), local_grads(off), local_grads(loco))
+        results["fsdp_default_comm"] = [type(m._get_fsdp_state()._fsdp_param_groups[0]._reduce_scatter_comm).__name__
+                                        for m in off.modules()
+                                        if isinstance(m, FSDPModule) and m._get_fsdp_state()._fsdp_param_groups]
+        results["stats"] = compression_stats([loco])
+
+        # The checkpointed residuals: saving rebalances them onto the shards' owners without changing what is owed
+        # to each shard, and loading what was saved restores the live state bit for bit.
+        backward(loco, rank, seed=1)
+        state = CompressionState([loco])
+        owed_before = [comm.residual.clone() for comm, _, _ in state.entries]
+        for owed in owed_before:
+            dist.all_reduce(owed)
+        saved = state.state_dict()
+        live = [comm.residual.clone() for comm, _, _ in state.entries]
+        owed_after = [residual.clone() for residual in live]
+        for owed in owed_after:
+            dist.all_reduce(owed)
+        for comm, _, _ in state.entries:
+            comm.residual = None
+        state.load_state_dict(saved)
+        restored = [comm.residual for comm, _, _ in state.entries]
+        results["state"] = (owed_before, owed_after, live, restored, sorted(saved))
+        torch.save(results, Path(out_dir) / f"rank{rank}.pt")
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.fixture(scope="module")
+def results(tmp_path_factory) -> list[dict]:
+    tmp = tmp_path_factory.mktemp("compression")
+    workers = mp.start_processes(worker, args=(str(tmp),), nprocs=WORLD, join=False, start_method="fork")
+    deadline = time.monotonic() + 120
+    while not workers.join(timeout=1):
+        if time.monotonic() > deadline:
+            for process in workers.processes:
+                process.kill()
+            pytest.fail("compression workers still running after 120 s")
+    return [torch.load(tmp / f"rank{rank}.pt") for rank in range(WORLD)]
+
+
+@pytest.mark.parametrize("rotate", [False, True])
+def test_error_feedback_conserves_the_gradient_sum(results, rotate):
+    for rank_results in results:
+        received, residual, sent = rank_results[f"ef_rotate{rotate}"]
+        assert not torch.allclose(received, sent, atol=1e-2)  # the codes alone lose something...
+        assert torch.allclose(received + residual, sent, atol=1e-4)  # ...which the residuals hold
+        sent_bytes, uncompressed = rank_results[f"ef_bytes_rotate{rotate}"]
+        assert sent_bytes / uncompressed == pytest.approx(payload_bytes([ROW], 4) / (4 * ROW))
+        assert sent_bytes / uncompressed < 0.2
+
+
+def test_qsdp_all_gather_is_identical_on_every_rank_and_close(results):
+    first, again, truth = results[0]["qsdp"]
+    assert torch.equal(first, again)
+    for rank_results in results[1:]:
+        assert torch.equal(rank_results["qsdp"][0], first)
+    assert 0 < ((first - truth).norm() / truth.norm()).item() < 0.02  # stochastic rounding: ~1%
+
+
+def test_compression_off_is_bitwise_fsdp(results):
+    for rank_results in results:
+        plain, off, loco = rank_results["fsdp"]
+        assert rank_results["fsdp_default_comm"] and "Compressed" not in str(rank_results["fsdp_default_comm"])
+        for name in plain:
+            assert torch.equal(plain[name], off[name]), name
+        relative = max(((loco[n] - plain[n]).norm() / plain[n].norm()).item() for n in plain if plain[n].any())
+        assert 0 < relative < 0.02  # 8-bit codes: every parameter's gradient within 2% (scales are per parameter)
+        stats = rank_results["stats"]
+        assert 0.25 < stats["sent_bytes"] / stats["uncompressed_bytes"] < 0.3  # 8-bit codes + scales of fp32
+
+
+def test_saved_residuals_keep_what_is_owed_and_restore_bitwise(results):
+    for rank, rank_results in enumerate(results):
+        owed_before, owed_after, live, restored, keys = rank_results["state"]
+        assert "layers.0.attention.wq.weight" in keys
+        assert any(before.abs().sum() > 0 for before in owed_before)
+        for before, after, now, back in zip(owed_before, owed_after, live, restored):
+            assert torch.allclose(after, before, atol=1e-6)
+            assert torch.equal(now, back)
+            others = [r for r in range(WORLD) if r != rank]
+            assert not now[others].any()  # each rank owes only its own shard after saving

@@ -1,0 +1,83 @@
+"""FlexDeMo with two real replicas (gloo, forked processes): what is exchanged, what stays local, what is saved."""
+
+import datetime
+import time
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from torchtitan.components.optimizers.flexdemo import FlexDeMo, dct_matrix, payload_bytes
+
+REPLICAS = 2
+CHUNK, TOPK = 64, 8
+
+
+def test_dct_is_orthonormal():
+    dct = dct_matrix(CHUNK, torch.device("cpu"))
+    assert torch.allclose(dct @ dct.T, torch.eye(CHUNK), atol=1e-5)
+
+
+def test_payload_is_under_a_tenth_of_an_fp32_ring_all_reduce():
+    numel = 4096
+    all_reduce = 2 * (REPLICAS - 1) / REPLICAS * 4 * numel  # bytes a rank sends in a ring all-reduce of fp32
+    assert payload_bytes(numel, CHUNK, TOPK) / all_reduce == pytest.approx(3 * TOPK / (4 * CHUNK))
+    assert payload_bytes(numel, CHUNK, TOPK) / all_reduce < 0.1
+
+
+def worker(rank: int, out_dir: str) -> None:
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", store=dist.FileStore(f"{out_dir}/store", REPLICAS), rank=rank,
+                            world_size=REPLICAS, timeout=datetime.timedelta(seconds=60))
+    try:
+        weight = torch.nn.Parameter(torch.randn(30, 20, generator=torch.Generator().manual_seed(0)))
+        optimizer = FlexDeMo([weight], lr=0.01, weight_decay=0.0, chunk_size=CHUNK, topk=TOPK, momentum_decay=0.9,
+                             replicate_group=dist.group.WORLD)
+        generator = torch.Generator().manual_seed(rank)  # every replica sees other gradients
+        start = weight.detach().clone()
+        for _ in range(3):
+            weight.grad = torch.randn(weight.shape, generator=generator)
+            optimizer.step()
+        momentum = optimizer.state[weight]["momentum"].clone()
+        saved = optimizer.state_dict()
+        torch.save({"weight": weight.detach().clone(), "start": start, "momentum": momentum,
+                    "saved_momentum": saved["state"][0]["momentum"].clone(), "sent_bytes": optimizer.sent_bytes},
+                   Path(out_dir) / f"rank{rank}.pt")
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.fixture(scope="module")
+def results(tmp_path_factory) -> list[dict]:
+    tmp = tmp_path_factory.mktemp("flexdemo")
+    workers = mp.start_processes(worker, args=(str(tmp),), nprocs=REPLICAS, join=False, start_method="fork")
+    deadline = time.monotonic() + 60
+    while not workers.join(timeout=1):
+        if time.monotonic() > deadline:
+            for process in workers.processes:
+                process.kill()
+            pytest.fail("FlexDeMo workers still running after 60 s")
+    return [torch.load(tmp / f"rank{rank}.pt") for rank in range(REPLICAS)]
+
+
+def test_replicas_stay_identical_while_their_momenta_differ(results):
+    first, second = results
+    assert torch.equal(first["weight"], second["weight"])
+    assert not torch.equal(first["weight"], first["start"])
+    assert not torch.allclose(first["momentum"], second["momentum"])
+    # Sign updates: every weight moved by at most lr per step.
+    assert (first["weight"] - first["start"]).abs().max() <= 3 * 0.01 + 1e-6
+
+
+def test_saving_averages_the_momenta(results):
+    mean = (results[0]["momentum"] + results[1]["momentum"]) / 2
+    for rank_results in results:
+        assert torch.allclose(rank_results["saved_momentum"], mean, atol=1e-6)
+    assert torch.equal(results[0]["saved_momentum"], results[1]["saved_momentum"])
+
+
+def test_bytes_sent_per_step(results):
+    # 600 values: 10 chunks of 64 (padded), 8 coefficients each, 3 bytes per coefficient, 3 steps.
+    assert results[0]["sent_bytes"] == 3 * payload_bytes(600, CHUNK, TOPK) == 3 * 10 * 8 * 3

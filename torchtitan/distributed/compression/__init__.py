@@ -1,0 +1,165 @@
+"""Communication-efficient FSDP: low-bit gradient reduce-scatter (LoCo, QSDP) and weight all-gather (QSDP), each
+installed through FSDP2's own hooks after `fully_shard` by `apply_compression`.
+
+One file per wire format: quantize.py (blockwise codes + scales), hadamard.py (the optional rotation), loco.py (the
+compressed reduce-scatter with error feedback), qsdp.py (the quantized all-gather). `CompressionState` makes the
+error-feedback residuals part of the optimizer's checkpointed state.
+"""
+
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.checkpoint.stateful import Stateful
+from torch.distributed.fsdp import FSDPModule
+from torch.distributed.tensor import DTensor
+
+from torchtitan.config.job_config import JobConfig
+from torchtitan.distributed.compression.loco import CompressedReduceScatter
+from torchtitan.distributed.compression.qsdp import QuantizedAllGather
+from torchtitan.distributed.compression.quantize import VALID_BITS
+from torchtitan.distributed.parallel_dims import ParallelDims
+from torchtitan.errors import UserError
+
+
+def validate_compression(config: JobConfig, parallel_dims: ParallelDims) -> None:
+    """One clear error for a bad value or a combination that does not compose."""
+    optimizer = config.optimizer
+    if optimizer.name == "FlexDeMo":
+        if parallel_dims.dp_replicate < 2:
+            raise UserError("option optimizer.name: FlexDeMo exchanges momentum components across replicas, and "
+                            "this layout has one (data_parallel_replicate_degree = 1); set it to 2 or more (HSDP, "
+                            "or DDP when data_parallel_shard_degree = 1)")
+        if not 1 <= optimizer.demo_chunk_size <= 256:
+            raise UserError(f"option optimizer.demo_chunk_size: {optimizer.demo_chunk_size} must be in [1, 256] "
+                            f"(coefficient indices travel as one byte)")
+        if not 1 <= optimizer.demo_topk <= optimizer.demo_chunk_size:
+            raise UserError(f"option optimizer.demo_topk: {optimizer.demo_topk} must be in [1, demo_chunk_size = "
+                            f"{optimizer.demo_chunk_size}]")
+        if not 0.0 <= optimizer.demo_momentum_decay < 1.0:
+            raise UserError(f"option optimizer.demo_momentum_decay: {optimizer.demo_momentum_decay} must be in "
+                            f"[0, 1)")
+    comm = config.comm
+    for option, bits in (("gradient_bits", comm.gradient_bits), ("weight_bits", comm.weight_bits)):
+        if bits not in VALID_BITS:
+            raise UserError(f"option comm.{option}: {bits} is not one of {', '.join(map(str, VALID_BITS))}")
+    used = [f"{option} = {value}" for option, value in (("comm.gradient_compression", comm.gradient_compression),
+                                                         ("comm.weight_quantization", comm.weight_quantization))
+            if value != "none"]
+    if not used:
+        if comm.quantization_rotation != "none":
+            raise UserError(f"option comm.quantization_rotation: {comm.quantization_rotation!r} rotates what is "
+                            f"quantized, and nothing is: set comm.gradient_compression or comm.weight_quantization")
+        return
+    if not parallel_dims.fsdp_enabled:
+        raise UserError(f"option {used[0]}: it compresses FSDP's collectives, and this layout has no FSDP "
+                        f"(data_parallel_shard_degree x context_parallel_degree = 1); shard over 2 or more ranks")
+    # Under FlexDeMo, FSDP runs within each replica (the optimizer exchanges across them): nothing to replace.
+    if parallel_dims.dp_replicate > 1 and optimizer.name != "FlexDeMo":
+        raise UserError(
+            f"option {used[0]}: it does not compose with data_parallel_replicate_degree = "
+            f"{parallel_dims.dp_replicate} (HSDP). FSDP2's replica all-reduce cannot be replaced through its hooks "
+            f"in torch 2.13 (set_requires_all_reduce(False) holds the gradients back for a later backward, "
+            f"set_all_reduce_hook runs after the full-precision all-reduce); shard over all data-parallel ranks "
+            f"(data_parallel_replicate_degree = 1), or exchange across replicas with optimizer.name = FlexDeMo")
+    if comm.weight_quantization != "none" and config.quantize.linear.float8.enable_fsdp_float8_all_gather:
+        raise UserError("option comm.weight_quantization: the float8 all-gather "
+                        "(quantize.linear.float8.enable_fsdp_float8_all_gather) already quantizes the weights FSDP "
+                        "gathers; choose one of them")
+
+
+def apply_compression(model: nn.Module, config: JobConfig) -> None:
+    """Give every FSDP module of `model` its own compressed collectives (each reduce-scatter owns its module's
+    residual). Tensor, pipeline and context parallelism compose as with plain FSDP: the hooks see this rank's
+    local shards and the data-parallel group only."""
+    comm = config.comm
+    rotate = comm.quantization_rotation == "hadamard"
+    for module in model.modules():
+        if not isinstance(module, FSDPModule) or not module._get_fsdp_state()._fsdp_param_groups:
+            continue
+        # FSDP's flat buffers concatenate the module's parameters, each padded to an equal shard per rank.
+        group, = module._get_fsdp_state()._fsdp_param_groups
+        segments = [p.padded_sharded_param_size.numel() for p in group.fsdp_params]
+        if comm.gradient_compression != "none":
+            loco = comm.gradient_compression == "loco"
+            module.set_custom_reduce_scatter(CompressedReduceScatter(
+                comm.gradient_bits, error_feedback=loco, stochastic=not loco, rotate=rotate, segments=segments))
+        if comm.weight_quantization == "qsdp":
+            module.set_custom_all_gather(QuantizedAllGather(comm.weight_bits, rotate=rotate, segments=segments))
+
+
+def _param_groups(model_parts: list[nn.Module]):
+    for part in model_parts:
+        for module in part.modules():
+            if isinstance(module, FSDPModule):
+                yield from module._get_fsdp_state()._fsdp_param_groups
+
+
+def compression_stats(model_parts: list[nn.Module]) -> dict[str, int]:
+    """Bytes this rank has sent through the compressed collectives, and what full precision would have sent."""
+    stats = {"sent_bytes": 0, "uncompressed_bytes": 0}
+    for group in _param_groups(model_parts):
+        for comm in (group._reduce_scatter_comm, group._all_gather_comm):
+            if isinstance(comm, (CompressedReduceScatter, QuantizedAllGather)):
+                stats["sent_bytes"] += comm.sent_bytes
+                stats["uncompressed_bytes"] += comm.uncompressed_bytes
+    return stats
+
+
+class CompressionState(Stateful):
+    """The error-feedback residuals, checkpointed with the optimizer state and resharded like it.
+
+    A rank's residual holds what it still owes to every shard. Saved, the residuals are summed per shard (one
+    reduce-scatter) into one tensor per parameter, sharded like that parameter: a checkpoint then reshards to any
+    layout, as the optimizer state does. Loaded, each shard's total is owed by the shard's own rank. Saving also
+    rebalances the live residuals that way (the total owed to each shard is unchanged), so that the run continues
+    from exactly the state it saved: a resumed run repeats the uninterrupted one bit for bit.
+    """
+
+    def __init__(self, model_parts: list[nn.Module]):
+        names = {id(p): name for part in model_parts for name, p in part.named_parameters()}
+        self.entries = []
+        for group in _param_groups(model_parts):
+            comm = group._reduce_scatter_comm
+            if isinstance(comm, CompressedReduceScatter) and comm.error_feedback:
+                self.entries.append((comm, group, [names[id(p.sharded_param)] for p in group.fsdp_params]))
+
+    def __bool__(self) -> bool:
+        return bool(self.entries)
+
+    def _layout(self, group):
+        offset = 0
+        for fsdp_param in group.fsdp_params:
+            size = fsdp_param.padded_sharded_param_size
+            yield fsdp_param, offset, size
+            offset += size.numel()
+
+    def state_dict(self) -> dict[str, Any]:
+        state: dict[str, Any] = {}
+        for comm, group, fqns in self.entries:
+            process_group = group.mesh_info.shard_process_group
+            world = process_group.size()
+            row = sum(size.numel() for _, _, size in self._layout(group))
+            residual = comm.residual if comm.residual is not None else torch.zeros(world, row, device=group.device)
+            owed = torch.empty(row, dtype=residual.dtype, device=residual.device)
+            dist.reduce_scatter_tensor(owed, residual.reshape(-1), group=process_group)
+            for fqn, (fsdp_param, offset, size) in zip(fqns, self._layout(group)):
+                local = owed[offset:offset + size.numel()].view(size)[:fsdp_param.sharded_size[0]]
+                param = fsdp_param.sharded_param
+                state[fqn] = DTensor.from_local(local.clone(), param.device_mesh, param.placements,
+                                                shape=param.shape, stride=param.stride(), run_check=False)
+        self.load_state_dict(state)
+        return state
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        for comm, group, fqns in self.entries:
+            process_group = group.mesh_info.shard_process_group
+            world, rank = process_group.size(), process_group.rank()
+            row = sum(size.numel() for _, _, size in self._layout(group))
+            residual = torch.zeros(world, row, device=group.device)
+            for fqn, (fsdp_param, offset, size) in zip(fqns, self._layout(group)):
+                local = state_dict[fqn]
+                local = local.to_local() if isinstance(local, DTensor) else local
+                residual[rank, offset:offset + size.numel()].view(size)[:local.shape[0]].copy_(local)
+            comm.residual = residual
