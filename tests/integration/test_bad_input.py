@@ -86,7 +86,8 @@ CASES = [
          "TorchTitan option training.dataloader.num_workers = 4",
          files={"c.toml": "[training.dataloader]\nnum_workers = 4\n"}),
     Case("unsupported_torchtitan_training_dtype", ["--training.dtype", "bfloat16"], "TorchTitan option training.dtype"),
-    Case("unsupported_torchtitan_comm_mode", ["--comm.mode", "local_tensor"], "TorchTitan option comm.mode"),
+    Case("unknown_comm_mode", ["--comm.mode", "local_tensor"],
+         "option comm.mode: 'local_tensor' is not one of 'default', 'fake_backend'"),
     Case("option_without_value", ["--training.steps"], "option training.steps needs a value"),
     Case("negative_steps", ["--training.steps", "-5"], "option training.steps: -5 must be a positive integer"),
     Case("zero_batch", ["--training.local_batch_size", "0"], "option training.local_batch_size: 0"),
@@ -168,7 +169,8 @@ def fake_process_group(world_size: int):
     """Stands in for init_distributed: this process becomes rank 0 of `world_size` ranks that never talk."""
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
-    def init(init_timeout_seconds: int, trace_buf_size: int = 0, trace_folder: str | None = None) -> torch.device:
+    def init(init_timeout_seconds: int, trace_buf_size: int = 0, trace_folder: str | None = None,
+             fake_rank: tuple[int, int] | None = None) -> torch.device:
         dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=world_size)
         return torch.device("cpu")
 

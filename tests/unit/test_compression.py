@@ -21,7 +21,7 @@ from torchtitan.distributed.compression.loco import CompressedReduceScatter
 from torchtitan.distributed.compression.qsdp import QuantizedAllGather
 from torchtitan.distributed.compression.quantize import decode, encode, payload_bytes, relative_error
 from torchtitan.distributed.fsdp import apply_fsdp
-from torchtitan.distributed.utils import init_model_weights
+from torchtitan.distributed.utils import init_model_weights, materialize_model
 from torchtitan.distributed.parallel_dims import ParallelDims
 from torchtitan.errors import UserError
 from torchtitan.models.llama3.args import model_args_for
@@ -143,7 +143,7 @@ def tiny_fsdp(mesh, comm: dict | None) -> Transformer:
                reshard_policy="default")
     if comm is not None:
         apply_compression(model, config_with(**comm))
-    model.to_empty(device="cpu")
+    materialize_model(model, torch.device("cpu"), cpu_offload=False)
     init_model_weights(model, seed=0, device=torch.device("cpu"))
     return model
 
