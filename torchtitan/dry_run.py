@@ -25,14 +25,14 @@ from pathlib import Path
 
 import torch
 
-from torchtitan.config import JobConfig, parse_args, to_toml
+from torchtitan.config import JobConfig, to_toml
 from torchtitan.distributed.fake import GIB, CollectiveCounter, StepMemoryTracker, dry_run_patches
 from torchtitan.distributed.parallel_dims import ParallelDims
 from torchtitan.errors import UserError
 from torchtitan.models.llama3.args import model_args_for, shape_overrides
 from torchtitan.models.llama3.parallelize import validate_parallelism
 from torchtitan.planner.hardware import gpu_named
-from torchtitan.tools.logging import init_logger, logger
+from torchtitan.tools.logging import logger
 
 REPORT_FILE = "dry_run.json"
 
@@ -87,12 +87,13 @@ def fake_batches(trainer) -> list[tuple[torch.Tensor, torch.Tensor]]:
             for _ in range(trainer.grad_accumulation_steps)]
 
 
-def run(config: JobConfig) -> dict:
-    """Dry-run one rank; returns the report (also written to <dump_folder>/dry_run.json).
+def run(config: JobConfig, trainer_class: type) -> dict:
+    """Dry-run one rank with `trainer_class` (torchtitan.train.Trainer); returns the report (also written to
+    <dump_folder>/dry_run.json).
 
     Under pipeline parallelism the first and the last stage hold different modules (the embedding; the norm,
-    output layer and loss) and activations: the rank of the other end of the pipeline is dry-run too, and both
-    peaks are reported.
+    output layer and loss) and activations: unless comm.fake_other_end is off, the rank of the other end of the
+    pipeline is dry-run too, and both peaks are reported.
     """
     start = time.perf_counter()
     rank, world_size = resolve_world(config)
@@ -100,11 +101,11 @@ def run(config: JobConfig) -> dict:
     gpu = gpu_named(config.comm.fake_gpu, "comm.fake_gpu") if config.comm.fake_device == "cuda" else None
     logger.info(f"Dry run: rank {rank} of {world_size} on the fake backend, fake tensors, "
                 f"{config.comm.fake_device} code paths" + (f", {gpu.description}" if gpu else ""))
-    report = _dry_run_rank(traced_config, rank, world_size, gpu)
+    report = _dry_run_rank(traced_config, trainer_class, rank, world_size, gpu)
     report.update(compile=config.compile.enable, async_tp=config.parallelism.enable_async_tensor_parallel)
     if report["layout"]["pp"] > 1:
         stage_peaks = {report["pipeline_rank"]: report["peak_memory_gib"]}
-        other = _other_end_of_pipeline(rank, world_size, report)
+        other = _other_end_of_pipeline(rank, world_size, report) if config.comm.fake_other_end else None
         if other is not None:
             other_report = _dry_run_rank_in_new_process(traced_config, other)
             stage_peaks[other_report["pipeline_rank"]] = other_report["peak_memory_gib"]
@@ -143,23 +144,24 @@ def _other_end_of_pipeline(rank: int, world_size: int, report: dict) -> int | No
 
 
 def _dry_run_rank_in_new_process(config: JobConfig, rank: int) -> dict:
-    """A second rank in a process of its own: torch keeps per-world state (process-group names in its caches)
-    that a second fake world in this process would trip over."""
+    """A second rank in a process of its own (the trainer's command line): torch keeps per-world state
+    (process-group names in its caches) that a second fake world in this process would trip over."""
     with tempfile.TemporaryDirectory(prefix="dry-run-") as folder:
         config_file, report_file = Path(folder) / "config.toml", Path(folder) / REPORT_FILE
         config_file.write_text(to_toml(config))
-        proc = subprocess.run([sys.executable, "-m", "torchtitan.dry_run", str(config_file), str(rank),
-                               str(report_file)], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-        if proc.returncode or not report_file.exists():
+        # Exit code 2 is a peak above the GPU's memory, reported after the report is written.
+        proc = subprocess.run([sys.executable, "-m", "torchtitan.train", "--job.config_file", str(config_file),
+                               "--comm.fake_rank", str(rank), "--comm.no_fake_other_end", "--job.dump_folder",
+                               folder, "--job.no_print_config"],
+                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        if proc.returncode not in (0, 2) or not report_file.exists():
             raise RuntimeError(f"the dry run of rank {rank} failed:\n{proc.stdout[-4000:]}")
         return json.loads(report_file.read_text())
 
 
-def _dry_run_rank(config: JobConfig, rank: int, world_size: int, gpu) -> dict:
-    from torchtitan.train import Trainer  # the trainer calls this module
-
+def _dry_run_rank(config: JobConfig, trainer_class: type, rank: int, world_size: int, gpu) -> dict:
     with dry_run_patches():
-        trainer = Trainer(config)
+        trainer = trainer_class(config)
         try:
             return _run_steps(trainer, rank, world_size, gpu)
         finally:
@@ -242,12 +244,3 @@ def _log_summary(report: dict, path: Path) -> None:
     lines.append(f"Written to {path} ({report['seconds']:.1f} s)")
     logger.info("\n".join(lines))
 
-
-if __name__ == "__main__":
-    # One rank of a dry run whose config was written by `run`: python -m torchtitan.dry_run CONFIG RANK REPORT
-    init_logger()
-    one_rank_config = parse_args(["--job.config_file", sys.argv[1], "--comm.fake_rank", sys.argv[2]])
-    gpu_of_run = (gpu_named(one_rank_config.comm.fake_gpu, "comm.fake_gpu")
-                  if one_rank_config.comm.fake_device == "cuda" else None)
-    rank_report = _dry_run_rank(one_rank_config, int(sys.argv[2]), one_rank_config.comm.fake_world_size, gpu_of_run)
-    Path(sys.argv[3]).write_text(json.dumps(rank_report))

@@ -37,6 +37,7 @@ from torchtitan.distributed.fake import host_values
 from torchtitan.distributed.fsdp import TORCH_DTYPES
 from torchtitan.distributed.parallel_dims import ParallelDims
 from torchtitan.distributed.pipeline_parallel import pipeline_llama
+from torchtitan.dry_run import run as dry_run
 from torchtitan.errors import UserError
 from torchtitan.models.llama3.args import describe_model, model_args_for, shape_overrides
 from torchtitan.models.llama3.model import (Transformer, count_parameters, document_ids, document_positions,
@@ -461,9 +462,7 @@ def main(argv: list[str] | None = None) -> int:
         except OSError as e:
             raise UserError(f"option job.dump_folder: cannot create {config.job.dump_folder}: {e}") from None
         if config.comm.mode == "fake_backend":
-            from torchtitan.dry_run import run as dry_run
-
-            dry_run(config)
+            dry_run(config, Trainer)
             return 0
         trainer = Trainer(config)
         trainer.train()

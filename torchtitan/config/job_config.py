@@ -401,6 +401,9 @@ class Comm:
     fake_gpu: str = "h100"
     """Dry run on cuda: the GPU whose memory the peak must fit in (h100, h100_96gb, h200, a100, b200; see docs/scaling.md)."""
 
+    fake_other_end: bool = True
+    """Dry run under PP: also dry-run the rank at the other end of the pipeline (a second process), whose stage differs."""
+
     gradient_compression: Literal["none", "loco", "qsdp"] = "none"
     """FSDP gradient reduce-scatter: none (full precision), loco (gradient_bits codes with error feedback: the residual is added to the next step's gradient), or qsdp (gradient_bits codes, stochastic rounding, no residual). Needs FSDP without a replicate dimension (docs/recipes.md)."""
 
