@@ -104,3 +104,16 @@ def test_clip_grad_norm_reduces_on_the_process_groups_device(fake_world, monkeyp
     plain.grad = torch.ones(5)
     norm = dist_utils.clip_grad_norm_([sharded, plain], 0.0, mesh["pp"], torch.device("meta"))
     assert norm.device.type == "meta" and reduced == [torch.device("meta")]
+
+
+def test_a_checkpoint_collective_timeout_names_the_checkpoint_timeout(monkeypatch):
+    """Inside the checkpoint manager's save, load and close, a timed-out collective names checkpoint.timeout_seconds
+    (the group's own timeout), not the training timeout in force around it."""
+    timeout = RuntimeError("[../gloo/transport/tcp/pair.cc:534] Timed out waiting 1800000ms for recv operation")
+    for key, value in (("option", "comm.train_timeout_seconds"), ("seconds", 100), ("joining", False)):
+        monkeypatch.setitem(dist_utils._timeout_in_force, key, value)
+    with dist_utils.collectives_bounded_by("checkpoint.timeout_seconds", 1800):
+        inside = dist_utils.describe_comm_failure(timeout, "step 3")
+    outside = dist_utils.describe_comm_failure(timeout, "step 3")
+    assert "checkpoint.timeout_seconds = 1800 s" in inside
+    assert "comm.train_timeout_seconds = 100 s" in outside

@@ -1,8 +1,10 @@
 """Process-group set-up, seeding, sharding-independent weight init and gradient clipping across meshes."""
 
+import contextlib
 import datetime
 import os
 import random
+from collections.abc import Iterator
 
 import torch
 import torch.distributed as dist
@@ -111,6 +113,17 @@ def set_train_timeout(seconds: int) -> None:
         if not any(group is own for own in _groups_with_own_timeout):
             dist.distributed_c10d._set_pg_timeout(timeout, group)
     _timeout_in_force.update(option="comm.train_timeout_seconds", seconds=seconds, joining=False)
+
+
+@contextlib.contextmanager
+def collectives_bounded_by(option: str, seconds: int) -> Iterator[None]:
+    """Collectives inside run in a group with its own timeout (`option`): a failure names that option."""
+    previous = dict(_timeout_in_force)
+    _timeout_in_force.update(option=option, seconds=seconds)
+    try:
+        yield
+    finally:
+        _timeout_in_force.update(previous)
 
 
 # Lower-cased fragments of the errors gloo, NCCL and the TCP store raise when a peer does not answer in time, and

@@ -31,7 +31,7 @@ from torchtitan.components.checkpoint.integrity import ChecksummedFileWriter, fs
 from torchtitan.components.checkpoint.safe_io import (METADATA_FILE, FileWriter, dcp_load, describe, deserialize,
                                                       is_storage_error, read_metadata, serialize, without_collectives)
 from torchtitan.config.job_config import Checkpoint as CheckpointConfig
-from torchtitan.distributed.utils import new_group_with_own_timeout
+from torchtitan.distributed.utils import collectives_bounded_by, new_group_with_own_timeout
 from torchtitan.errors import UserError
 from torchtitan.models.llama3.args import TransformerModelArgs
 from torchtitan.models.llama3.state_dict_adapter import is_hf_folder
@@ -297,6 +297,14 @@ class CheckpointManager:
         """
         if not self.config.enable:
             return False
+        with self._bounded():
+            return self._load()
+
+    def _bounded(self):
+        """A failed checkpoint collective names the option that bounds it (`_group`)."""
+        return collectives_bounded_by("checkpoint.timeout_seconds", self.config.timeout_seconds)
+
+    def _load(self) -> bool:
         begin = time.perf_counter()
         wanted = [part for part in LOADABLE_PARTS if part not in self.config.exclude_from_loading]
         step = self._agreed_step_to_resume()
@@ -478,13 +486,15 @@ class CheckpointManager:
                         if self.save_s else "no earlier save of this run tells how long it takes")
             logger.warning(f"Preemption: saving a full checkpoint of step {step} now; {estimate}")
         begin = time.perf_counter()
-        if last_step and self.config.last_save_in_hf:
-            self._save_hf_export(step)
-        elif last_step and self.config.last_save_model_only:
-            dtype = EXPORT_DTYPES[self.config.export_dtype]
-            self._save_dcp(step, {"model": {name: value.to(dtype) for name, value in self.model.state_dict().items()}})
-        else:
-            self._save_dcp(step, self._full_state())
+        with self._bounded():
+            if last_step and self.config.last_save_in_hf:
+                self._save_hf_export(step)
+            elif last_step and self.config.last_save_model_only:
+                dtype = EXPORT_DTYPES[self.config.export_dtype]
+                self._save_dcp(step, {"model": {name: value.to(dtype)
+                                                for name, value in self.model.state_dict().items()}})
+            else:
+                self._save_dcp(step, self._full_state())
         blocked = time.perf_counter() - begin
         self.blocked_s.append(blocked)
         logger.info(f"Checkpoint of step {step}: the training loop was blocked {blocked:.3f} s "
@@ -498,7 +508,8 @@ class CheckpointManager:
 
     def close(self) -> None:
         """Wait for an outstanding background save; call before exiting."""
-        self._wait_for_pending_save()
+        with self._bounded():
+            self._wait_for_pending_save()
         if self._stager is not None:
             self._stager.close()
             self._stager = None
