@@ -22,11 +22,15 @@ from pathlib import Path
 import torch
 import torch.distributed.checkpoint as dcp
 
+from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
 from torchtitan.components.checkpoint import (EXPORT_DTYPES, INCOMPLETE_SUFFIX, MODEL_FILE, check_model_shape,
-                                              read_full_checkpoint, read_full_model, without_collectives)
+                                              read_full_checkpoint, read_metadata, verify_checkpoint,
+                                              without_collectives)
+from torchtitan.components.checkpoint.hf import export_hf_from_dcp
 from torchtitan.errors import UserError
 from torchtitan.models.llama3.args import SHAPE_OPTIONS, TransformerModelArgs, llama3_flavors, model_args_for
-from torchtitan.models.llama3.state_dict_adapter import CONFIG_FILE, expected_shapes, load_hf, save_hf
+from torchtitan.models.llama3.state_dict_adapter import CONFIG_FILE, expected_shapes, load_hf
 from torchtitan.tools.logging import init_logger, logger
 
 
@@ -47,25 +51,35 @@ def _saved_shape_options(checkpoint: Path) -> dict:
     return {name: saved[name] for name in SHAPE_OPTIONS if saved.get(name) is not None and name != "vocab_size"}
 
 
-def _check_shapes(state_dict: dict[str, torch.Tensor], model_args: TransformerModelArgs, source: Path,
+def _check_shapes(shapes: dict[str, tuple[int, ...]], model_args: TransformerModelArgs, source: Path,
                   flavor: str) -> None:
     expected = expected_shapes(model_args)
     for name, shape in expected.items():
-        if name not in state_dict:
+        if name not in shapes:
             raise UserError(f"{source} has no weight {name}; it does not match --flavor {flavor}")
-        if state_dict[name].shape != shape:
-            raise UserError(f"{source}: {name} has shape {list(state_dict[name].shape)}, --flavor {flavor} expects "
+        if tuple(shapes[name]) != tuple(shape):
+            raise UserError(f"{source}: {name} has shape {list(shapes[name])}, --flavor {flavor} expects "
                             f"{list(shape)}")
 
 
 def dcp_to_hf(source: Path, output: Path, flavor: str, dtype: str) -> None:
-    state_dict = read_full_model(source)
-    if "tok_embeddings.weight" not in state_dict:
+    """Streamed, one safetensors shard at a time (a 405B checkpoint need not fit in memory): the shapes come from
+    the checkpoint's metadata, the weights from DCP shard by shard."""
+    if output.exists():
+        raise UserError(f"Hugging Face output folder {output} already exists; remove it or choose another")
+    verify_checkpoint(source)
+    shapes = {key.removeprefix("model."): tuple(entry.size)
+              for key, entry in read_metadata(source).state_dict_metadata.items()
+              if key.startswith("model.") and isinstance(entry, TensorStorageMetadata)}
+    if "tok_embeddings.weight" not in shapes:
         raise UserError(f"{source} has no model.tok_embeddings.weight, so it is not a Llama checkpoint")
-    model_args = _model_args(flavor, state_dict["tok_embeddings.weight"].shape[0], _saved_shape_options(source))
+    model_args = _model_args(flavor, shapes["tok_embeddings.weight"][0], _saved_shape_options(source))
     check_model_shape(source, model_args)
-    _check_shapes(state_dict, model_args, source, flavor)
-    save_hf(output, state_dict, model_args, EXPORT_DTYPES[dtype])
+    _check_shapes(shapes, model_args, source, flavor)
+    staging = output.with_name(output.name + INCOMPLETE_SUFFIX)
+    shutil.rmtree(staging, ignore_errors=True)
+    export_hf_from_dcp(source, staging, model_args, EXPORT_DTYPES[dtype])
+    os.rename(staging, output)
 
 
 def hf_to_dcp(source: Path, output: Path, flavor: str) -> None:
