@@ -24,13 +24,14 @@ from torch.distributed._tools.mem_tracker import MemTracker
 from torch.distributed.fsdp import FSDPModule
 from torch.utils._python_dispatch import TorchDispatchMode
 
-# Importing the module registers the `fake` backend with torch.distributed.
-from torch.testing._internal.distributed.fake_pg import FakeStore  # noqa: E402
 
 GIB = 2**30
 
 
 def init_fake_process_group(rank: int, world_size: int) -> None:
+    # Importing the module registers the `fake` backend with torch.distributed: only a dry run pays for it.
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
     dist.init_process_group("fake", rank=rank, world_size=world_size, store=FakeStore())
 
 
