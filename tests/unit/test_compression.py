@@ -2,17 +2,16 @@
 processes (forked: spawned ones would import torch again, seconds each on two cores)."""
 
 import datetime
-import time
 from pathlib import Path
 
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 import torch.nn.functional as F
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import FSDPModule
 
+from tests.unit.forked_ranks import run_ranks
 from torchtitan.config.job_config import JobConfig
 from torchtitan.distributed.compression import (CompressionState, apply_compression, compression_stats,
                                                 validate_compression)
@@ -233,15 +232,7 @@ def worker(rank: int, out_dir: str) -> None:
 
 @pytest.fixture(scope="module")
 def results(tmp_path_factory) -> list[dict]:
-    tmp = tmp_path_factory.mktemp("compression")
-    workers = mp.start_processes(worker, args=(str(tmp),), nprocs=WORLD, join=False, start_method="fork")
-    deadline = time.monotonic() + 120
-    while not workers.join(timeout=1):
-        if time.monotonic() > deadline:
-            for process in workers.processes:
-                process.kill()
-            pytest.fail("compression workers still running after 120 s")
-    return [torch.load(tmp / f"rank{rank}.pt") for rank in range(WORLD)]
+    return run_ranks(worker, tmp_path_factory.mktemp("compression"), WORLD, 120, "compression")
 
 
 @pytest.mark.parametrize("rotate", [False, True])

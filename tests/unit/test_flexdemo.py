@@ -1,14 +1,13 @@
 """FlexDeMo with two real replicas (gloo, forked processes): what is exchanged, what stays local, what is saved."""
 
 import datetime
-import time
 from pathlib import Path
 
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
+from tests.unit.forked_ranks import run_ranks
 from torchtitan.components.optimizers.flexdemo import FlexDeMo, dct_matrix, payload_bytes
 
 REPLICAS = 2
@@ -51,15 +50,7 @@ def worker(rank: int, out_dir: str) -> None:
 
 @pytest.fixture(scope="module")
 def results(tmp_path_factory) -> list[dict]:
-    tmp = tmp_path_factory.mktemp("flexdemo")
-    workers = mp.start_processes(worker, args=(str(tmp),), nprocs=REPLICAS, join=False, start_method="fork")
-    deadline = time.monotonic() + 60
-    while not workers.join(timeout=1):
-        if time.monotonic() > deadline:
-            for process in workers.processes:
-                process.kill()
-            pytest.fail("FlexDeMo workers still running after 60 s")
-    return [torch.load(tmp / f"rank{rank}.pt") for rank in range(REPLICAS)]
+    return run_ranks(worker, tmp_path_factory.mktemp("flexdemo"), REPLICAS, 60, "FlexDeMo")
 
 
 def test_replicas_stay_identical_while_their_momenta_differ(results):

@@ -1,0 +1,21 @@
+"""Run a test's `worker(rank, out_dir)` as forked processes and collect what each rank saved."""
+
+import time
+from pathlib import Path
+
+import pytest
+import torch
+import torch.multiprocessing as mp
+
+
+def run_ranks(worker, out_dir: Path, nprocs: int, timeout_s: float, what: str) -> list[dict]:
+    """Start `nprocs` ranks of `worker`; each saves its results to `out_dir/rank<R>.pt`. Fails the test (killing the
+    ranks) if they run longer than `timeout_s`."""
+    workers = mp.start_processes(worker, args=(str(out_dir),), nprocs=nprocs, join=False, start_method="fork")
+    deadline = time.monotonic() + timeout_s
+    while not workers.join(timeout=1):
+        if time.monotonic() > deadline:
+            for process in workers.processes:
+                process.kill()
+            pytest.fail(f"{what} workers still running after {timeout_s:.0f} s")
+    return [torch.load(out_dir / f"rank{rank}.pt") for rank in range(nprocs)]
