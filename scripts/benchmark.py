@@ -3,10 +3,10 @@
 From the repository root:
 
     python scripts/benchmark.py --job.config_file train_configs/debug_model.toml --warmup 3 --steps 10
-    python scripts/benchmark.py --job.config_file train_configs/debug_model.toml --compile.enable --hf
+    python scripts/benchmark.py --job.config_file train_configs/debug_model.toml --compile.enable --hf --plain
     torchrun --nproc_per_node=2 scripts/benchmark.py --job.config_file train_configs/debug_model.toml
 
-Every argument other than --warmup/--steps/--hf/--threads is a trainer option, exactly as `torchtitan.train`
+Every argument other than --warmup/--steps/--hf/--plain/--threads is a trainer option, exactly as `torchtitan.train`
 takes it. The Trainer is built in this process (under torchrun, one per rank); after --warmup steps (compile and
 allocator warm-up happen there) it times --steps calls of `Trainer.train_step`. Fetching the batches is not
 timed. The log, and anything else printed meanwhile, goes to stderr: stdout holds only the JSON line.
@@ -23,12 +23,13 @@ What the line reports:
   (libraries included), with `peak_memory_over_baseline_gib` the same minus the RSS before the Trainer was
   built; on CUDA the caching allocator's peak reserved and allocated bytes.
 
---hf (one process only) then trains Hugging Face `transformers.LlamaForCausalLM` of the same shape (config from
-`state_dict_adapter.hf_config`, our initial weights, fp32, no compile, SDPA attention, torch AdamW with its
-default implementation, the same clipping) on the same batches. After its own warm-up, its steps alternate with
-further steps of ours, one each, so that load from other processes falls on both alike: `hf.ratio` is how
-many times faster ours is (its median step time over ours, from those alternating steps), `hf.ratio_cpu_time`
-the same from CPU times. Both run with the same torch thread count (--threads).
+--hf and --plain (one process only; either or both) then train peers of the same shape on the same batches with
+the same recipe (see `scripts/benchmark_peers.py`): Hugging Face `transformers.LlamaForCausalLM` and a Llama in
+plain PyTorch written there, both from our initial weights, bf16 as autocast when we train in bf16, the whole
+forward and loss under `torch.compile` when we compile. After their own warm-up, their steps alternate with
+further steps of ours, one each in turn, so that load from other processes falls on all alike: `hf.ratio` and
+`plain.ratio` say how many times faster ours is (the peer's median step time over ours, from those alternating
+steps), `ratio_cpu_time` the same from CPU times. All run with the same torch thread count (--threads).
 """
 
 from __future__ import annotations
@@ -51,30 +52,27 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
-import torch.nn.functional as F  # noqa: E402
-from torch import nn  # noqa: E402
-from torch.distributed.tensor import DTensor  # noqa: E402
 
 from torchtitan.components.float8 import float8_enabled  # noqa: E402
-from torchtitan.components.loss import IGNORE_INDEX  # noqa: E402
 from torchtitan.config import JobConfig, parse_args  # noqa: E402
 from torchtitan.distributed.fsdp import TORCH_DTYPES  # noqa: E402
 from torchtitan.errors import UserError  # noqa: E402
-from torchtitan.models.llama3.state_dict_adapter import hf_config, to_hf  # noqa: E402
 from torchtitan.tools.device_info import memory_stats, peak_flops, reset_peak_memory  # noqa: E402
 from torchtitan.tools.logging import init_logger, logger  # noqa: E402
 from torchtitan.train import Trainer  # noqa: E402
+from scripts.benchmark_peers import PeerTraining, initial_state_dict  # noqa: E402
 
 Batch = tuple[torch.Tensor, torch.Tensor]
 
 
 def parse_benchmark_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], add_help=False,
-                                     usage="benchmark.py [trainer options...] [--warmup N] [--steps N] [--hf] "
+                                     usage="benchmark.py [trainer options...] [--warmup N] [--steps N] [--hf] [--plain] "
                                            "[--threads N]")
     parser.add_argument("--warmup", type=int, default=3, help="untimed steps first (compile happens here)")
     parser.add_argument("--steps", type=int, default=10, help="timed steps")
-    parser.add_argument("--hf", action="store_true", help="also train transformers' LlamaForCausalLM")
+    parser.add_argument("--hf", action="store_true", help="also train transformers' LlamaForCausalLM, same recipe")
+    parser.add_argument("--plain", action="store_true", help="also train a plain PyTorch Llama, same recipe")
     parser.add_argument("--threads", type=int, default=None,
                         help="torch threads per process (default: the usable cores / processes on this node)")
     parser.add_argument("--benchmark-help", action="help", help="this help (--help lists the trainer's options)")
@@ -160,58 +158,15 @@ def peak_memory(device: torch.device, baseline_rss_gib: float) -> dict:
     return {**dict(zip(values, reduced.tolist())), "memory_kind": kind}
 
 
-def initial_hf_state_dict(trainer: Trainer) -> dict[str, torch.Tensor]:
-    """A copy of our freshly initialised weights under Hugging Face names."""
-    ours = {}
-    for name, value in trainer.model_parts[0].state_dict().items():
-        name = name.replace("_checkpoint_wrapped_module.", "").replace("_orig_mod.", "")
-        value = value.full_tensor() if isinstance(value, DTensor) else value
-        ours[name] = value.detach().clone()
-    return to_hf(ours, trainer.model_args)
-
-
-class HFTraining:
-    """LlamaForCausalLM trained the way a plain transformers user would, with our loss on our batches."""
-
-    def __init__(self, trainer: Trainer, state_dict: dict[str, torch.Tensor]):
-        from transformers import LlamaConfig, LlamaForCausalLM
-        from transformers.utils import logging as hf_logging
-
-        # It warns that Llama 3.1's original context (8192) is not below max_position_embeddings; harmless.
-        hf_logging.set_verbosity_error()
-        config = LlamaConfig(**hf_config(trainer.model_args), use_cache=False)
-        config._attn_implementation = "sdpa"
-        self.model = LlamaForCausalLM(config).to(trainer.device)
-        self.model.load_state_dict(state_dict)
-        self.model.train()
-        opt = trainer.config.optimizer
-        self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=opt.lr, betas=(opt.beta1, opt.beta2),
-                                           eps=opt.eps, weight_decay=opt.weight_decay)
-        self.max_norm = trainer.config.training.max_norm
-
-    def step(self, micro_batches: list[Batch]) -> float:
-        """One optimizer step over the same micro-batches as one of ours; returns their mean loss."""
-        self.optimizer.zero_grad(set_to_none=True)
-        total = 0.0
-        for inputs, labels in micro_batches:
-            logits = self.model(input_ids=inputs).logits
-            loss = F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten(), ignore_index=IGNORE_INDEX)
-            (loss / len(micro_batches)).backward()
-            total += loss.item()
-        if self.max_norm > 0:
-            nn.utils.clip_grad_norm_(self.model.parameters(), self.max_norm)
-        self.optimizer.step()
-        return total / len(micro_batches)
-
-
 def run(argv: list[str]) -> dict:
     args, trainer_argv = parse_benchmark_args(argv)
-    if args.hf and int(os.environ.get("WORLD_SIZE", "1")) > 1:
-        raise UserError("--hf compares one process with one process: run it without torchrun")
+    peers = peer_names(args)
+    if peers and int(os.environ.get("WORLD_SIZE", "1")) > 1:
+        raise UserError("--hf/--plain compare one process with one process: run them without torchrun")
     threads = args.threads or default_threads()
     torch.set_num_threads(threads)
     baseline_rss_gib = memory_stats(torch.device("cpu")).get("rss_gib", 0.0)
-    total_steps = args.warmup + args.steps + (args.steps if args.hf else 0)
+    total_steps = args.warmup + args.steps + (args.steps if peers else 0)
     with tempfile.TemporaryDirectory(prefix="benchmark-") as dump_folder:
         config = benchmark_config(trainer_argv, total_steps, dump_folder)
         trainer = Trainer(config)
@@ -224,7 +179,7 @@ def run(argv: list[str]) -> dict:
 
 def measure(trainer: Trainer, args: argparse.Namespace, threads: int, baseline_rss_gib: float) -> dict:
     config = trainer.config
-    hf_state = initial_hf_state_dict(trainer) if args.hf else None
+    initial_state = initial_state_dict(trainer) if peer_names(args) else None
     data_iterator = iter(trainer.dataloader)
     batches: list[list[Batch]] = []
 
@@ -260,38 +215,47 @@ def measure(trainer: Trainer, args: argparse.Namespace, threads: int, baseline_r
         **memory,
         "first_loss": warmup_losses[0], "last_loss": timing.losses[-1],
     }
-    if args.hf:
-        result["hf"] = compare_with_hf(trainer, hf_state, batches, ours, args, tokens_per_step)
+    if initial_state is not None:
+        result.update(compare_with_peers(trainer, initial_state, batches, ours, args, tokens_per_step))
     gc.enable()
     return result
 
 
-def compare_with_hf(trainer: Trainer, state_dict: dict, batches: list[list[Batch]], ours, args: argparse.Namespace,
-                    tokens_per_step: int) -> dict:
-    hf = HFTraining(trainer, state_dict)
-    # Same weights, same first batch: in fp32 the first losses agree, which shows the two models are the same.
-    first_loss = hf.step(batches[0])
+def peer_names(args: argparse.Namespace) -> list[str]:
+    return [name for name, wanted in (("transformers", args.hf), ("plain", args.plain)) if wanted]
+
+
+def compare_with_peers(trainer: Trainer, state_dict: dict, batches: list[list[Batch]], ours,
+                       args: argparse.Namespace, tokens_per_step: int) -> dict:
+    """{"hf": ..., "plain": ...}: each peer's figures and its ratio to ours, from alternating steps."""
+    peers = [PeerTraining(name, trainer, state_dict) for name in peer_names(args)]
+    # Same weights, same first batch: in fp32 the first losses agree, which shows the models are the same.
+    first_losses = [peer.step(batches[0]) for peer in peers]
     for i in range(1, args.warmup):
-        hf.step(batches[i])
+        for peer in peers:
+            peer.step(batches[i])
     gc.collect()
-    ours_timing, hf_timing = Timing(), Timing()
+    ours_timing, peer_timings = Timing(), [Timing() for _ in peers]
     for i in range(args.steps):
         ours_timing.run(ours)
-        hf_timing.run(lambda: hf.step(batches[args.warmup + i]))
-    fp32_peak, fp32_peak_source = peak_flops(trainer.device, torch.float32, trainer.config.metrics.peak_flops)
-    hf_tokens_per_s = tokens_per_step / hf_timing.step_s
-    return {
-        "model": "transformers.LlamaForCausalLM fp32 eager (sdpa attention), torch.optim.AdamW default",
-        "tokens_per_s_per_device": hf_tokens_per_s, "step_time_s": hf_timing.step_s,
-        "step_cpu_time_s": hf_timing.step_cpu_s,
-        "ours_tokens_per_s_alternating": tokens_per_step / ours_timing.step_s,
-        "ours_step_time_s_alternating": ours_timing.step_s, "ours_step_cpu_time_s_alternating": ours_timing.step_cpu_s,
-        "ratio": hf_timing.step_s / ours_timing.step_s,
-        "ratio_cpu_time": hf_timing.step_cpu_s / ours_timing.step_cpu_s,
-        "mfu_pct": 100 * trainer.flops_per_token * hf_tokens_per_s / fp32_peak,
-        "peak": {"tflops": fp32_peak / 1e12, "dtype": "float32", "source": fp32_peak_source},
-        "first_loss": first_loss,
-    }
+        for peer, timing in zip(peers, peer_timings):
+            timing.run(lambda: peer.step(batches[args.warmup + i]))
+    results = {}
+    for peer, timing, first_loss in zip(peers, peer_timings, first_losses):
+        tokens_per_s = tokens_per_step / timing.step_s
+        results["hf" if peer.name == "transformers" else peer.name] = {
+            "model": peer.name, "recipe": peer.recipe,
+            "tokens_per_s_per_device": tokens_per_s, "step_time_s": timing.step_s,
+            "step_cpu_time_s": timing.step_cpu_s,
+            "ours_tokens_per_s_alternating": tokens_per_step / ours_timing.step_s,
+            "ours_step_time_s_alternating": ours_timing.step_s,
+            "ours_step_cpu_time_s_alternating": ours_timing.step_cpu_s,
+            "ratio": timing.step_s / ours_timing.step_s,
+            "ratio_cpu_time": timing.step_cpu_s / ours_timing.step_cpu_s,
+            "mfu_pct": 100 * trainer.flops_per_token * tokens_per_s / trainer.peak_flops,
+            "first_loss": first_loss,
+        }
+    return results
 
 
 def json_main(run_benchmark: Callable[[list[str]], dict], argv: list[str] | None) -> int:

@@ -18,6 +18,7 @@ import torch.distributed as dist
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import loss_parallel
+from torch.profiler import record_function
 
 from torchtitan.components.checkpoint import CheckpointManager, TrainState
 from torchtitan.components.datasets import build_dataloader
@@ -245,18 +246,21 @@ class Trainer:
         self.global_valid_tokens = local_tokens
         loss = sum(self.forward_backward(inputs, labels) for inputs, labels in batches)
         parameters = [p for part in self.model_parts for p in part.parameters()]
-        grad_norm = dist_utils.clip_grad_norm_(parameters, self.config.training.max_norm,
-                                               self.world_mesh["pp"] if self.parallel_dims.pp_enabled else None,
-                                               self.device)
+        # Labelled regions name the step's parts in profiler traces (torchtitan/tools/step_breakdown.py).
+        with record_function("clip_grad_norm"):
+            grad_norm = dist_utils.clip_grad_norm_(parameters, self.config.training.max_norm,
+                                                   self.world_mesh["pp"] if self.parallel_dims.pp_enabled else None,
+                                                   self.device)
         # One all-reduce gives every rank the global loss (each TP rank holds a copy: divide by tp; stages
         # without the loss add zero), whether any rank saw a non-finite value, and whether any rank was told to
         # stop (SIGTERM may reach ranks at different steps; all must stop after the same one).
         grad_norm_value = grad_norm.detach().float()
         nonfinite = (~torch.isfinite(loss.float())) | (~torch.isfinite(grad_norm_value))
-        summary = torch.stack([loss.float() / self.parallel_dims.tp, nonfinite.float(),
-                               torch.tensor(float(self.preempt_requested), device=self.device)])
-        dist.all_reduce(summary)
-        global_loss, any_nonfinite, any_preempted = host_values(summary)
+        with record_function("step_summary"):
+            summary = torch.stack([loss.float() / self.parallel_dims.tp, nonfinite.float(),
+                                   torch.tensor(float(self.preempt_requested), device=self.device)])
+            dist.all_reduce(summary)
+            global_loss, any_nonfinite, any_preempted = host_values(summary)
         self.preempted = any_preempted > 0
         step = self.train_state.step + 1
         if any_nonfinite:
@@ -359,7 +363,8 @@ class Trainer:
                 if step % config.training.gc_freq == 0 or config.training.gc_debug:
                     gc.collect(1)
                 data_start = time.perf_counter()
-                batches = self._next_batches(data_iterator)
+                with record_function("data"):
+                    batches = self._next_batches(data_iterator)
                 window["data_time"] += time.perf_counter() - data_start
                 loss, grad_norm, lr = self.train_step(batches)
                 self.train_state.step = step
@@ -391,6 +396,7 @@ class Trainer:
         if not self.preempted:
             logger.info("Training finished")
 
+    @record_function("log_step")
     def _log_step(self, step: int, loss: float, grad_norm: float, lr: float, batch_tokens: int,
                   window: dict) -> None:
         elapsed = time.perf_counter() - window["time"]

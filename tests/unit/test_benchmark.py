@@ -4,6 +4,7 @@ import json
 import math
 
 import pytest
+import torch
 
 from scripts import benchmark
 
@@ -33,16 +34,53 @@ def test_json_line_reports_throughput_mfu_and_memory(capsys):
     assert "hf" not in result
 
 
-def test_transformers_comparison_trains_the_same_model(capsys):
-    """Same initial weights and first batch in fp32: transformers' first loss equals ours, so the ratio compares the
-    same computation."""
-    result = run_benchmark(capsys, "--warmup", "1", "--steps", "2", "--hf")
-    hf = result["hf"]
-    assert hf["first_loss"] == pytest.approx(result["first_loss"], rel=1e-5)
-    assert hf["tokens_per_s_per_device"] > 0 and hf["ratio"] > 0 and hf["ratio_cpu_time"] > 0
-    assert math.isclose(hf["ratio"], hf["step_time_s"] / hf["ours_step_time_s_alternating"])
+def test_peers_train_the_same_model_with_our_recipe(capsys):
+    """Same initial weights and first batch in fp32: transformers' and the plain Llama's first losses equal ours, so
+    the ratios compare the same computation."""
+    result = run_benchmark(capsys, "--warmup", "1", "--steps", "2", "--hf", "--plain")
+    for peer in ("hf", "plain"):
+        figures = result[peer]
+        assert figures["first_loss"] == pytest.approx(result["first_loss"], rel=1e-5), peer
+        assert figures["recipe"] == "float32, eager"
+        assert figures["tokens_per_s_per_device"] > 0 and figures["ratio_cpu_time"] > 0
+        assert math.isclose(figures["ratio"], figures["step_time_s"] / figures["ours_step_time_s_alternating"])
+
+
+def test_peers_follow_a_bf16_recipe(tmp_path):
+    """In bf16 a peer trains under autocast: its first loss is close to, not equal to, the fp32 one."""
+    from scripts.benchmark import benchmark_config
+    from scripts.benchmark_peers import PeerTraining, initial_state_dict
+    from torchtitan.train import Trainer
+
+    config = benchmark_config([*TINY[:-2], "--training.mixed_precision_param", "bfloat16"], 2, str(tmp_path))
+    trainer = Trainer(config)
+    try:
+        batch = trainer._next_batches(iter(trainer.dataloader))
+        peer = PeerTraining("plain", trainer, initial_state_dict(trainer))
+        assert peer.recipe == "bfloat16 autocast, eager"
+        inputs, labels = batch[0]
+        with torch.no_grad():
+            fp32_loss = torch.nn.functional.cross_entropy(peer.model(inputs).flatten(0, 1), labels.flatten())
+            with peer.autocast:
+                assert peer.model(inputs).dtype == torch.bfloat16
+        assert peer.step(batch) == pytest.approx(float(fp32_loss), rel=2e-2)
+    finally:
+        trainer.close()
 
 
 def test_bad_arguments_are_one_error(capsys):
     assert benchmark.main([*TINY, "--steps", "0"]) == 2
     assert "--warmup and --steps must be at least 1" in capsys.readouterr().err
+
+
+def test_step_breakdown_sorts_the_step_into_categories(capsys):
+    """Every part of the step lands somewhere: the matmuls, attention, the optimizer, the clipping and the data
+    fetch of ours by the trainer's labelled regions; the peer has no data or clipping label of its own."""
+    from scripts import step_breakdown
+
+    assert step_breakdown.json_main(step_breakdown.run, [*TINY, "--warmup", "1", "--steps", "2", "--plain"]) == 0
+    result = json.loads(capsys.readouterr().out)
+    ours, plain = result["ours"], result["plain"]
+    for category in ("matmul", "attention", "optimizer", "gradient clipping", "data", "norms, elementwise, loss"):
+        assert ours[category] > 0, category
+    assert plain["matmul"] > 0 and plain["attention"] > 0 and plain["data"] == 0

@@ -269,14 +269,18 @@ class CheckpointManager:
         self.publish_s: list[float] = []
         self._own_group: dist.ProcessGroup | None = None
         self._stager: DefaultStager | None = None
-        if config.enable and not config.load_only and config.async_mode == "async_with_pinned_mem":
-            # Staging copies into shared memory (pinned too on CUDA) that the checkpoint process reads without
-            # another copy, and reuses the buffers from one save to the next. It runs synchronously in save():
-            # the trainer does not wait for staging before the next optimizer step, which would change the
-            # weights while they are being copied.
-            on_cuda = torch.cuda.is_available()
-            self._stager = DefaultStager(StagingOptions(use_pinned_memory=on_cuda, use_shared_memory=True,
-                                                        use_async_staging=False, use_non_blocking_copy=False))
+        if config.enable and not config.load_only and config.async_mode != "disabled":
+            # Staging copies the state into CPU buffers that the stager keeps and refills at every save: a fresh
+            # copy per save would first fault in every page of new memory, which made the stall of `async` up to
+            # 3x longer. One host copy of this rank's state stays allocated between saves, as a background write
+            # needs it anyway. With async_with_pinned_mem the buffers are shared memory (pinned too on CUDA) that
+            # the checkpoint process reads without another copy. Staging runs synchronously in save(): the
+            # trainer does not wait for staging before the next optimizer step, which would change the weights
+            # while they are being copied.
+            pinned_mode = config.async_mode == "async_with_pinned_mem"
+            self._stager = DefaultStager(StagingOptions(use_pinned_memory=pinned_mode and torch.cuda.is_available(),
+                                                        use_shared_memory=pinned_mode, use_async_staging=False,
+                                                        use_non_blocking_copy=False))
 
     def _group(self) -> dist.ProcessGroup | None:
         """The process group of every collective of a save or load: gloo, of its own, so that its waits on the
@@ -545,13 +549,10 @@ class CheckpointManager:
             self._on_rank0(lambda: self._publish(step), f"publishing checkpoint {staging}")
             self._record_cost(step, writer, started, written)
             return
-        if self._stager is not None:
-            upload = dcp.async_save(state_dict, checkpoint_id=staging, storage_writer=writer,
-                                    process_group=self._group(), async_checkpointer_type=AsyncCheckpointerType.PROCESS,
-                                    async_stager=self._stager)
-        else:
-            upload = dcp.async_save(state_dict, checkpoint_id=staging, storage_writer=writer,
-                                    process_group=self._group())
+        checkpointer = AsyncCheckpointerType.PROCESS if self.config.async_mode == "async_with_pinned_mem" else \
+            AsyncCheckpointerType.THREAD
+        upload = dcp.async_save(state_dict, checkpoint_id=staging, storage_writer=writer, process_group=self._group(),
+                                async_checkpointer_type=checkpointer, async_stager=self._stager)
         completed: Future = Future()
 
         def finish(upload: Future) -> None:
