@@ -13,8 +13,9 @@ three modes (disabled, async, async_with_pinned_mem) the real Trainer is built i
 training loop (`Trainer.train`) for --steps steps, saving a full checkpoint (never model-only, also at the last
 step) after every --interval steps into a fresh dump folder, a temporary one (or one under --job.dump_folder);
 validation is off. The stall of a save is the time `CheckpointManager.save` kept the loop waiting
-(`CheckpointManager.blocked_s`, the figure of its "the training loop was blocked" log line): for the async modes,
-staging the state plus waiting for the previous background save. The modes run one after the other, --repeats
+(`CheckpointManager.blocked_s`): for the async modes, building the state dict, waiting for the previous background
+save, and the wait of the next optimizer step for the copy of the state, which runs beside that step's forward
+and backward. The modes run one after the other, --repeats
 times in turn, so that load from other processes falls on all of them alike.
 
 What the line reports, per mode under `modes`: `stall_median_s` (the median over every save of every repeat; a

@@ -272,6 +272,8 @@ class Trainer:
                            f"(debug.on_nonfinite = skip)")
             self.optimizers.zero_grad()
         else:
+            # An async checkpoint of the previous step may still be copying the weights and optimizer state.
+            self.checkpointer.wait_for_staging()
             self.optimizers.step()
             precompute_float8_scales(self.model_parts, self.config)
         lr = self.lr_schedulers.last_lr

@@ -9,8 +9,10 @@ import multiprocessing
 import pickle
 import random
 import re
+import threading
 import time
 import zlib
+from concurrent.futures import Future
 from pathlib import Path
 
 import pytest
@@ -567,6 +569,8 @@ def test_async_thread_save_stages_a_copy(pg, tmp_path):
     manager = make_manager(tmp_path, saved, async_mode="async")
     manager.save(1)
     expected = snapshot(saved)
+    # The copy runs beside the next forward and backward; the trainer waits for it before the optimizer step.
+    manager.wait_for_staging()
     with torch.no_grad():
         for param in saved.model.parameters():
             param.add_(1.0)  # the training loop goes on while the checkpoint is written
@@ -574,6 +578,26 @@ def test_async_thread_save_stages_a_copy(pg, tmp_path):
     fresh = build_components(seed=1)
     make_manager(tmp_path, fresh).load()
     assert_same(snapshot(fresh), expected)
+
+
+def test_trainer_waits_for_staging_before_the_optimizer_step(tmp_path, monkeypatch):
+    """An async save's copy may still run during the next step: the weights must not change before it ends."""
+    from torchtitan.config import parse_args
+    from torchtitan.train import Trainer
+
+    trainer = Trainer(parse_args(["--model.flavor", "tiny", "--training.seq_len", "32", "--training.local_batch_size",
+                                  "2", "--job.dump_folder", str(tmp_path), "--validation.enable", "false"]))
+    try:
+        staging: Future = Future()
+        trainer.checkpointer._staging = staging
+        optimizer_step = trainer.optimizers.step
+        monkeypatch.setattr(trainer.optimizers, "step", lambda: (calls.append(staging.done()), optimizer_step()))
+        calls: list[bool] = []
+        threading.Timer(0.2, staging.set_result, (None,)).start()
+        trainer.train_step(trainer._next_batches(iter(trainer.dataloader)))
+        assert calls == [True], "the optimizer step ran before the checkpoint's copy of the state had finished"
+    finally:
+        trainer.close()
 
 
 def test_invalid_options():
@@ -973,6 +997,7 @@ def save_with_pinned_memory(root: Path) -> None:
         manager = make_manager(root, saved, async_mode="async_with_pinned_mem")
         manager.save(1)
         expected = snapshot(saved)
+        manager.wait_for_staging()
         train_step(saved, 2)  # while the checkpoint process writes what save() staged
         manager.close()
         assert_manifest_matches(root / "ckpt" / "step-1")

@@ -1,6 +1,7 @@
 """CheckpointManager: when to save, the folder layout (`step-N`, `.incomplete`, publishing, pruning) and resuming.
 The package's `__init__` describes the layout and the keys."""
 
+import contextlib
 import json
 import os
 import pickle
@@ -23,7 +24,7 @@ from torch.distributed.checkpoint._traverse import set_element
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, set_model_state_dict
-from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType
+from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType, AsyncSaveResponse
 from torch.distributed.checkpoint.stateful import Stateful
 
 from torchtitan.components.checkpoint.hf import export_hf_from_dcp, load_hf_model
@@ -269,18 +270,21 @@ class CheckpointManager:
         self.publish_s: list[float] = []
         self._own_group: dist.ProcessGroup | None = None
         self._stager: DefaultStager | None = None
+        # An async save's copy of the state, still running in the background: the next optimizer step must wait
+        # for it (wait_for_staging), or it would change the weights while they are being copied.
+        self._staging: Future | None = None
         if config.enable and not config.load_only and config.async_mode != "disabled":
-            # Staging copies the state into CPU buffers that the stager keeps and refills at every save: a fresh
-            # copy per save would first fault in every page of new memory, which made the stall of `async` up to
-            # 3x longer. One host copy of this rank's state stays allocated between saves, as a background write
-            # needs it anyway. With async_with_pinned_mem the buffers are shared memory (pinned too on CUDA) that
-            # the checkpoint process reads without another copy. Staging runs synchronously in save(): the
-            # trainer does not wait for staging before the next optimizer step, which would change the weights
-            # while they are being copied.
+            # Staging copies the state into CPU buffers that the stager keeps and refills at every save (a fresh
+            # copy per save would first fault in every page of new memory); one host copy of this rank's state
+            # stays allocated between saves, as a background write needs it anyway. The copy runs in a thread of
+            # the stager, beside the next step's forward and backward, which change neither weights nor optimizer
+            # state. With async_with_pinned_mem the buffers are shared memory (pinned too on CUDA, copied
+            # without blocking) that the checkpoint process reads without another copy.
             pinned_mode = config.async_mode == "async_with_pinned_mem"
-            self._stager = DefaultStager(StagingOptions(use_pinned_memory=pinned_mode and torch.cuda.is_available(),
-                                                        use_shared_memory=pinned_mode, use_async_staging=False,
-                                                        use_non_blocking_copy=False))
+            on_cuda = torch.cuda.is_available()
+            self._stager = DefaultStager(StagingOptions(use_pinned_memory=pinned_mode and on_cuda,
+                                                        use_shared_memory=pinned_mode, use_async_staging=True,
+                                                        use_non_blocking_copy=pinned_mode and on_cuda))
 
     def _group(self) -> dist.ProcessGroup | None:
         """The process group of every collective of a save or load: gloo, of its own, so that its waits on the
@@ -551,8 +555,14 @@ class CheckpointManager:
             return
         checkpointer = AsyncCheckpointerType.PROCESS if self.config.async_mode == "async_with_pinned_mem" else \
             AsyncCheckpointerType.THREAD
-        upload = dcp.async_save(state_dict, checkpoint_id=staging, storage_writer=writer, process_group=self._group(),
-                                async_checkpointer_type=checkpointer, async_stager=self._stager)
+        response = dcp.async_save(state_dict, checkpoint_id=staging, storage_writer=writer,
+                                  process_group=self._group(), async_checkpointer_type=checkpointer,
+                                  async_stager=self._stager)
+        # After close() there is no stager of ours: DCP stages synchronously and returns the upload alone.
+        if isinstance(response, AsyncSaveResponse):
+            self._staging, upload = response.staging_completion, response.upload_completion
+        else:
+            upload = response
         completed: Future = Future()
 
         def finish(upload: Future) -> None:
@@ -589,6 +599,22 @@ class CheckpointManager:
                     f"GiB/s), every rank had written after {written - started:.2f} s, publishing took "
                     f"{self.publish_s[-1]:.3f} s (async_mode {self.config.async_mode})")
 
+    def wait_for_staging(self) -> None:
+        """Block until the last async save has copied the state; the trainer calls it before every optimizer step.
+        The wait is added to that save's `blocked_s`."""
+        if self._staging is None:
+            return
+        begin = time.perf_counter()
+        staging, self._staging = self._staging, None
+        # A failed copy fails the background save too, which raises it at the next save or at close().
+        with contextlib.suppress(Exception):
+            staging.result()
+        waited = time.perf_counter() - begin
+        if self.blocked_s:
+            self.blocked_s[-1] += waited
+        if waited >= 0.01:
+            logger.info(f"The optimizer step waited {waited:.3f} s for the last checkpoint's copy of the state")
+
     def _wait_for_pending_save(self) -> None:
         """Wait for the background save and agree on its outcome: it can fail on one rank alone (rank 0 publishes),
         and every rank must then raise that error here, rather than the others wait for the failed rank in the next
@@ -596,6 +622,8 @@ class CheckpointManager:
         if self._pending is None:
             return
         pending, self._pending = self._pending, None
+        # The background save began with the copy of the state: once it has finished, so has that.
+        self._staging = None
         error = None
         try:
             pending.completion.result()
