@@ -50,8 +50,9 @@ def apply_rotary_emb(x: torch.Tensor, rope: torch.Tensor) -> torch.Tensor:
     # As one complex product in fp32: the same arithmetic as rotating the pairs with cos and sin, in one kernel
     # instead of about ten (5.9x faster forward + backward on the CPU at the debug shape).
     pairs = torch.view_as_complex(x.float().unflatten(-1, (-1, 2)))
-    # A heads dimension before head_dim/2; broadcasting supplies the batch dimension of a shared table.
-    angles = torch.view_as_complex(rope).unsqueeze(-2)
+    # A heads dimension before head_dim/2; broadcasting supplies the batch dimension of a shared table. (FSDP's
+    # mixed precision casts a block's inputs, the table among them, to bf16, which has no complex type.)
+    angles = torch.view_as_complex(rope.float()).unsqueeze(-2)
     return torch.view_as_real(pairs * angles).flatten(-2).type_as(x)
 
 
