@@ -8,6 +8,7 @@ import pytest
 
 from scripts import tokenize_dataset
 from torchtitan.components.datasets import build_dataloader
+from torchtitan.components.datasets import text as text_module
 from torchtitan.components.datasets.shards import ShardDataset, permute
 from torchtitan.components.tokenizer import build_tokenizer
 from torchtitan.errors import UserError
@@ -45,9 +46,10 @@ def windows(loader):
             for row in range(inputs.shape[0])]
 
 
-def shard_loader(path, tokenizer, rank=0, degree=1, infinite=False, batch=2, seed=0):
+def shard_loader(path, tokenizer, rank=0, degree=1, infinite=False, batch=2, seed=0, num_workers=0):
     return build_dataloader(dataset="x", dataset_path=path, text_field="body", tokenizer=tokenizer, seq_len=SEQ_LEN,
-                            local_batch_size=batch, dp_rank=rank, dp_degree=degree, infinite=infinite, seed=seed)
+                            local_batch_size=batch, dp_rank=rank, dp_degree=degree, infinite=infinite, seed=seed,
+                            num_workers=num_workers)
 
 
 def test_shards_hold_the_on_the_fly_windows_in_a_seeded_order(source, shards, tokenizer):
@@ -57,6 +59,13 @@ def test_shards_hold_the_on_the_fly_windows_in_a_seeded_order(source, shards, to
     assert from_shards != on_the_fly, "the windows are shuffled"
     assert windows(shard_loader(shards, tokenizer, seed=1)) != from_shards
     assert windows(shard_loader(shards, tokenizer)) == from_shards
+
+
+def test_tokenizer_workers_are_said_to_be_idle_on_shards(shards, tokenizer, monkeypatch):
+    warnings = []
+    monkeypatch.setattr(text_module, "warn_once", warnings.append)
+    assert windows(shard_loader(shards, tokenizer, num_workers=2)) == windows(shard_loader(shards, tokenizer))
+    assert len(warnings) == 1 and "training.num_workers = 2: token shards" in warnings[0]
 
 
 def test_permutation_is_a_bijection():

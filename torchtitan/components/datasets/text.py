@@ -55,7 +55,7 @@ from torchdata.stateful_dataloader import StatefulDataLoader
 from torchtitan.components.datasets.corpus import embedded_corpus
 from torchtitan.components.datasets.records import first_malformed_record
 from torchtitan.errors import UserError
-from torchtitan.tools.logging import logger
+from torchtitan.tools.logging import logger, warn_once
 
 __all__ = ["DATASETS", "TextDataset", "build_dataloader"]
 
@@ -669,6 +669,9 @@ def build_dataloader(
 
     def open_path(path: str | None, rank: int, degree: int, path_option: str | None = None) -> IterableDataset:
         if path is not None and is_shard_folder(path):
+            if num_workers:
+                warn_once(f"{config_section}.num_workers = {num_workers}: token shards ({path}) are read, not "
+                          f"tokenized; the tokenizer processes serve only the sources that are documents")
             return ShardDataset(path=path, tokenizer=tokenizer, seq_len=seq_len, dp_rank=rank, dp_degree=degree,
                                 infinite=infinite, seed=seed, config_section=config_section, path_option=path_option)
         return TextDataset(dataset=dataset, dataset_path=path, text_field=text_field, tokenizer=tokenizer,
