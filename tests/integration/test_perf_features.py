@@ -69,10 +69,11 @@ def test_compile_under_tensor_parallel(tmp_path, reference):
     """On the CPU, compiled TP blocks are one clear error (torch fails inside DTensor). The loss compiles under TP
     without loss parallelism, and stays eager under it (compiled, it gave wrong losses): both match eager."""
     blocks = launch(tmp_path / "blocks", 2, [*BASE, *batch_args(1), *TP2, "--compile.enable"])
-    # torchrun itself exits 1 whatever its workers' code; each worker logs the one error line.
+    # torchrun itself exits 1 whatever its workers' code. Each worker logs the one error line, unless torchrun
+    # stopped it first because the other had already exited with it.
     assert blocks.returncode != 0
     errors = [line for line in blocks.stdout.splitlines() if " ERROR error: " in line]
-    assert len(errors) == 2, blocks.stdout[-4000:]
+    assert 1 <= len(errors) <= 2, blocks.stdout[-4000:]
     assert all("option compile.enable: torch cannot compile tensor-parallel blocks on the CPU" in e for e in errors)
     loss_only = [*BASE, *batch_args(1), *TP2, "--compile.enable", "--compile.components", "loss"]
     output, eager_loss = run(tmp_path / "loss_parallel", 2, loss_only, env=INDUCTOR_ENV)
