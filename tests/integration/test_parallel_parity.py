@@ -60,6 +60,47 @@ def test_layout_matches_single_process(tmp_path, reference, name, nproc, dp, opt
     assert max_relative_difference(grad_norms, reference_norms) <= 1e-4
 
 
+# The optimizers beyond AdamW (docs/recipes.md, Optimizers) under FSDP 2 and TP 2, each against its own one-process
+# run. Ranger21 reduces over rows split by TP and over all parameters; the low-precision states are elementwise, and
+# torchao's blocks are a rank's local shard (the tiny model's dim-0 shards keep the one-process blocks).
+OPTIMIZERS = {
+    "Ranger21": ["--optimizer.name", "Ranger21", "--optimizer.weight_decay", "1e-4"],
+    "AdamW-bf16": ["--optimizer.name", "AdamW-bf16"],
+    "AdamW-8bit": ["--optimizer.name", "AdamW-8bit"],
+    "AdamW-4bit": ["--optimizer.name", "AdamW-4bit"],
+}
+FAST_OPTIMIZER_LAYOUTS = {("Ranger21", "fsdp2"), ("Ranger21", "tp2")}
+OPTIMIZER_LAYOUTS = [pytest.param(optimizer, layout, marks=() if (optimizer, layout) in FAST_OPTIMIZER_LAYOUTS
+                                  else pytest.mark.slow, id=f"{optimizer}-{layout}")
+                     for optimizer in OPTIMIZERS for layout in ("fsdp2", "tp2")]
+
+
+@pytest.fixture(scope="module")
+def optimizer_references(tmp_path_factory) -> dict[str, list[dict]]:
+    """Each optimizer's one-process run, made on first use."""
+    references: dict[str, list[dict]] = {}
+
+    def reference_of(optimizer: str) -> list[dict]:
+        if optimizer not in references:
+            references[optimizer] = train(tmp_path_factory.mktemp(f"reference_{optimizer}"), 1,
+                                          [*BASE, *batch_args(1), *OPTIMIZERS[optimizer]])
+        return references[optimizer]
+
+    return reference_of
+
+
+@pytest.mark.parametrize("optimizer,layout", OPTIMIZER_LAYOUTS)
+def test_optimizer_matches_single_process(tmp_path, optimizer_references, optimizer, layout):
+    name, nproc, dp, options = next(entry for entry in LAYOUTS if entry[0] == layout)
+    proc = launch(tmp_path / name, nproc, [*BASE, *batch_args(dp), *options, *OPTIMIZERS[optimizer]])
+    assert proc.returncode == 0, proc.stdout[-6000:]
+    assert not re.search(r"\w+Warning: ", proc.stdout), proc.stdout
+    difference = max_relative_difference(losses(read_metrics(tmp_path / name)),
+                                         losses(optimizer_references(optimizer)))
+    print(f"parity {optimizer} {layout}: max relative loss difference {difference:.2e}")
+    assert difference <= 1e-5
+
+
 def test_fsdp_shards_model_state(tmp_path, reference):
     """Parameters + gradients + optimizer state per rank under FSDP N are 1/N of one process's, within 10%."""
     for n in (2, 4):

@@ -117,9 +117,32 @@ class Model:
 
 
 @dataclass
+class OptimizerGroup:
+    lr_scale: float = 1.0
+    """Multiplier of the learning rate for this group's parameters, at every step of the schedule."""
+
+    weight_decay: float | None = None
+    """Weight decay of this group. None = optimizer.weight_decay, except for embeddings and norms: 0 unless optimizer.decay_norms_and_embeddings."""
+
+    matrix_method: bool = False
+    """Apply the optimizer's matrix treatment (a low-rank projection, an orthogonalisation) to this group, which must hold 2-D weights only; groups without it get the method's elementwise fallback. Optimizers without a matrix treatment ignore it. Default: true for hidden_matrices only."""
+
+
+@dataclass
+class OptimizerGroups:
+    """Every trainable parameter belongs to exactly one group; each group has its own rules."""
+
+    hidden_matrices: OptimizerGroup = field(default_factory=lambda: OptimizerGroup(matrix_method=True))
+    output: OptimizerGroup = field(default_factory=OptimizerGroup)
+    embeddings: OptimizerGroup = field(default_factory=OptimizerGroup)
+    norms: OptimizerGroup = field(default_factory=OptimizerGroup)
+    other: OptimizerGroup = field(default_factory=OptimizerGroup)
+
+
+@dataclass
 class Optimizer:
-    name: Literal["AdamW", "Adam", "FlexDeMo"] = "AdamW"
-    """Optimizer: AdamW (decoupled weight decay), Adam (L2 penalty added to the gradient), or FlexDeMo (replicas exchange only their momentum's top DCT components instead of all-reducing gradients; needs data_parallel_replicate_degree >= 2)."""
+    name: Literal["AdamW", "Adam", "FlexDeMo", "AdamW-bf16", "AdamW-8bit", "AdamW-4bit", "Ranger21"] = "AdamW"
+    """Optimizer: AdamW (decoupled weight decay), Adam (L2 penalty added to the gradient), FlexDeMo (replicas exchange only their momentum's top DCT components instead of all-reducing gradients; needs data_parallel_replicate_degree >= 2), AdamW-bf16 (AdamW with bfloat16 moments, fp32 weights and update; keep beta2 <= 0.99), AdamW-8bit / AdamW-4bit (torchao's AdamW with blockwise 8-/4-bit moments), Ranger21 (AdamW with gradient clipping and centralization, positive-negative momentum, stable weight decay, norm loss and Lookahead; see the ranger_* options). See docs/recipes.md, Optimizers."""
 
     lr: float = 8e-4
     """Peak learning rate."""
@@ -150,6 +173,30 @@ class Optimizer:
 
     demo_momentum_decay: float = 0.999
     """FlexDeMo: decay of the local momentum, which accumulates gradients and keeps what was not sent."""
+
+    ranger_agc_clip: float = 0.01
+    """Ranger21: adaptive gradient clipping, the largest ratio of a unit's gradient norm to its weight norm (a unit: a row of a matrix, a whole vector). 0 disables it."""
+
+    ranger_agc_eps: float = 1e-3
+    """Ranger21: weight norms below this count as this in adaptive gradient clipping (lets zero-initialised units move)."""
+
+    ranger_gradient_centralization: bool = True
+    """Ranger21: subtract from each row of a matrix's gradient its mean (vectors are left as they are)."""
+
+    ranger_pnm_momentum: float = 1.0
+    """Ranger21: positive-negative momentum's beta0, the weight of the difference between the two alternating momenta. 0 = plain momentum (of beta1^2 every other step)."""
+
+    ranger_norm_loss: float = 1e-4
+    """Ranger21: norm loss factor, pulling each unit's weight norm towards 1. 0 disables it."""
+
+    ranger_lookahead_steps: int = 5
+    """Ranger21: every this many steps the weights move back towards the slow (Lookahead) weights. 0 disables Lookahead."""
+
+    ranger_lookahead_alpha: float = 0.5
+    """Ranger21: Lookahead's step of the slow weights towards the fast ones (1 = keep the fast weights)."""
+
+    groups: OptimizerGroups = field(default_factory=OptimizerGroups)
+    """Per-group rules ([optimizer.groups.<group>]). Groups: hidden_matrices (2-D weights inside the blocks), output (the final projection to the vocabulary), embeddings, norms (normalisation weights), other (the rest, e.g. biases)."""
 
 
 @dataclass
