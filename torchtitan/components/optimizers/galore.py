@@ -1,0 +1,141 @@
+"""GaLore-AdamW (Zhao et al., "GaLore: Memory-Efficient LLM Training by Gradient Low-Rank Projection"; GaLore 2,
+Su et al.): Adam's moments of a weight matrix are kept for its gradient projected onto a rank-r subspace, found from
+the gradient itself by an SVD every `update_gap` steps; the step is projected back and scaled by `scale`.
+
+A matrix of m x n (m < n) keeps P, its gradient's top-r left singular vectors (m x r), and moments of P^T G (r x n);
+with m >= n it keeps Q, the top-r right singular vectors (n x r), and moments of G Q (m x r): the smaller side is
+projected. The projector is optimizer state (`projector`), so a checkpoint resumes with the same subspace.
+
+The refresh is either the exact SVD or (GaLore 2) a randomized one: a range finder with `oversample` extra columns
+and `power_iterations` power iterations, whose Gaussian test matrix comes from a generator seeded by `seed` and the
+step, so every rank (and every layout) draws the same one and computes the same projector.
+
+Under FSDP / HSDP / TP (DTensor parameters), the computation is sharded, not gathered, except at a refresh:
+- refresh (every `update_gap` steps): the gradient is all-gathered (`full_tensor`, m x n values) and every rank
+  computes the same projector, held replicated (size x r per rank);
+- each step: the projection runs on the local shard. Where the parameter is sharded along the kept side, it needs
+  no communication; where it is sharded along the projected side, the partial products are reduce-scattered
+  (r x kept values). The moments are sharded along the kept side over every mesh dimension the parameter is
+  sharded on, so they take 1/N of a rank's memory like AdamW's. Back-projecting all-gathers the normalised low-rank
+  step where the parameter is sharded along the projected side (r x kept values), and none otherwise.
+"""
+
+import time
+
+import torch
+from torch.distributed.tensor import DTensor, Replicate, Shard
+
+from torchtitan.components.optimizers.adam_direction import adam_direction
+
+
+def top_subspace(matrix: torch.Tensor, rank: int, method: str, generator: torch.Generator | None = None,
+                 oversample: int = 8, power_iterations: int = 2) -> torch.Tensor:
+    """An orthonormal basis (rows x rank) of the span of `matrix`'s top-`rank` left singular vectors.
+
+    method "exact": torch.linalg.svd. "randomized": project onto rank + oversample Gaussian directions, refine by
+    power iterations (re-orthonormalised each time), and take the exact SVD of the small projected matrix.
+    """
+    if method == "exact":
+        return torch.linalg.svd(matrix, full_matrices=False).U[:, :rank]
+    columns = min(rank + oversample, *matrix.shape)
+    test = torch.randn(matrix.shape[1], columns, generator=generator, dtype=matrix.dtype).to(matrix.device)
+    basis = torch.linalg.qr(matrix @ test).Q
+    for _ in range(power_iterations):
+        basis = torch.linalg.qr(matrix @ (matrix.T @ basis)).Q
+    small_left = torch.linalg.svd(basis.T @ matrix, full_matrices=False).U
+    return basis @ small_left[:, :rank]
+
+
+def projected_dim(shape: torch.Size) -> int:
+    """0: project the rows (m < n, moments of r x n); 1: project the columns (moments of m x r)."""
+    return 0 if shape[0] < shape[1] else 1
+
+
+def default_rank(shape: torch.Size) -> int:
+    """A quarter of the matrix's smaller side."""
+    return max(1, min(shape) // 4)
+
+
+def _placed(tensor: torch.Tensor, like: torch.Tensor, placements: list) -> torch.Tensor:
+    """`tensor` (a DTensor, or a full tensor identical on every rank) laid out with `placements` on `like`'s mesh;
+    plain tensors when `like` is not a DTensor."""
+    if not isinstance(like, DTensor):
+        return tensor
+    if not isinstance(tensor, DTensor):
+        tensor = DTensor.from_local(tensor, like.device_mesh, [Replicate()] * like.device_mesh.ndim, run_check=False)
+    return tensor.redistribute(like.device_mesh, placements)
+
+
+class GaLoreAdamW(torch.optim.Optimizer):
+    """AdamW whose parameter groups with `project=True` (2-D weights only) keep low-rank moments.
+
+    Group options (defaults from the constructor): lr, betas, eps, weight_decay, project, rank (None: a quarter of
+    each matrix's smaller side), update_gap, scale, svd ("randomized" or "exact").
+    """
+
+    def __init__(self, params, lr: float, betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8,
+                 weight_decay: float = 0.0, rank: int | None = None, update_gap: int = 200, scale: float = 1.0,
+                 svd: str = "randomized", oversample: int = 8, power_iterations: int = 2, seed: int = 0):
+        defaults = {"lr": lr, "betas": betas, "eps": eps, "weight_decay": weight_decay, "project": False,
+                    "rank": rank, "update_gap": update_gap, "scale": scale, "svd": svd}
+        super().__init__(params, defaults)
+        self.oversample, self.power_iterations, self.seed = oversample, power_iterations, seed
+        for group in self.param_groups:
+            if group["project"] and any(p.dim() != 2 for p in group["params"]):
+                raise ValueError("GaLore projects 2-D weights only: a group with project=True holds other tensors")
+        # Time spent in subspace refreshes (gather + SVD), for the comparison of the exact and randomized SVDs.
+        self.refresh_seconds = 0.0
+        self.refreshes = 0
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        for group in self.param_groups:
+            beta1, beta2 = group["betas"]
+            for param in group["params"]:
+                if param.grad is None:
+                    continue
+                state = self.state[param]
+                if group["project"]:
+                    direction = self._projected_direction(param, state, group)
+                else:
+                    direction = adam_direction(param.grad, state, beta1, beta2, group["eps"])
+                if group["weight_decay"]:
+                    param.mul_(1 - group["lr"] * group["weight_decay"])
+                param.add_(direction, alpha=-group["lr"])
+        return None
+
+    def _projected_direction(self, param: torch.Tensor, state: dict, group: dict) -> torch.Tensor:
+        grad = param.grad
+        d = projected_dim(param.shape)
+        if int(state.get("step", 0)) % group["update_gap"] == 0:
+            self._refresh(param, state, group, d)
+        projector = state["projector"]
+        placements = list(param.placements) if isinstance(param, DTensor) else []
+        # Moments: sharded along the kept side wherever the parameter is sharded at all.
+        kept = Shard(1 - d)
+        moment_placements = [kept if isinstance(p, Shard) else Replicate() for p in placements]
+        low_rank = projector.T @ grad if d == 0 else grad @ projector
+        low_rank = _placed(low_rank, param, moment_placements)
+        beta1, beta2 = group["betas"]
+        normalised = adam_direction(low_rank, state, beta1, beta2, group["eps"])
+        # Back-projection without redistributing the full-size result: where the parameter is sharded along the
+        # projected side, the projector is taken sharded the same way and the low-rank step whole.
+        along_projected = [isinstance(p, Shard) and p.dim == d for p in placements]
+        normalised = _placed(normalised, param, [Replicate() if a else p
+                                                 for a, p in zip(along_projected, moment_placements)])
+        factor = projector if d == 0 else projector.T
+        factor = _placed(factor, param, [p if a else Replicate() for a, p in zip(along_projected, placements)])
+        update = factor @ normalised if d == 0 else normalised @ factor
+        return _placed(update, param, placements).mul_(group["scale"])
+
+    def _refresh(self, param: torch.Tensor, state: dict, group: dict, d: int) -> None:
+        start = time.perf_counter()
+        grad = param.grad.full_tensor() if isinstance(param.grad, DTensor) else param.grad
+        rank = group["rank"] or default_rank(param.shape)
+        generator = torch.Generator().manual_seed(self.seed + int(state.get("step", 0)))
+        basis = top_subspace(grad if d == 0 else grad.T, rank, group["svd"], generator, self.oversample,
+                             self.power_iterations)
+        state["projector"] = _placed(basis.contiguous(), param,
+                                     [Replicate()] * param.device_mesh.ndim if isinstance(param, DTensor) else [])
+        self.refresh_seconds += time.perf_counter() - start
+        self.refreshes += 1
