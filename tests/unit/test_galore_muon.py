@@ -55,7 +55,7 @@ def galore_model() -> list[torch.nn.Parameter]:
 def test_galore_keeps_rank_r_moments_and_the_projector():
     """Wide matrices project their rows (moments r x n), tall ones their columns (m x r); the projector is state."""
     wide, tall, vector = galore_model()
-    optimizer = GaLoreAdamW([{"params": [wide, tall], "project": True}, {"params": [vector]}], lr=1e-2, rank=6)
+    optimizer = GaLoreAdamW([{"params": [wide, tall], "matrix_method": True}, {"params": [vector]}], lr=1e-2, rank=6)
     for p in (wide, tall, vector):
         p.grad = torch.randn_like(p)
     optimizer.step()
@@ -65,14 +65,14 @@ def test_galore_keeps_rank_r_moments_and_the_projector():
     assert optimizer.state[tall]["projector"].shape == (24, 6)
     assert optimizer.state[vector]["exp_avg"].shape == (8,)
     # The default rank: a quarter of the smaller side.
-    default = GaLoreAdamW([{"params": [wide], "project": True}], lr=1e-2)
+    default = GaLoreAdamW([{"params": [wide], "matrix_method": True}], lr=1e-2)
     default.step()
     assert default.state[wide]["exp_avg"].shape == (6, 40)
 
 
 def test_galore_refreshes_the_subspace_every_update_gap_steps():
     (wide, *_) = galore_model()
-    optimizer = GaLoreAdamW([{"params": [wide], "project": True}], lr=1e-2, rank=4, update_gap=3)
+    optimizer = GaLoreAdamW([{"params": [wide], "matrix_method": True}], lr=1e-2, rank=4, update_gap=3)
     projectors = []
     for _ in range(7):
         wide.grad = torch.randn_like(wide)
@@ -104,8 +104,7 @@ OPTIMIZERS = {
 
 def train_steps(optimizer_name: str, params: list[torch.Tensor],
                 grads: list[list[torch.Tensor]]) -> torch.optim.Optimizer:
-    group_flag = "muon" if optimizer_name == "muon" else "project"
-    optimizer = OPTIMIZERS[optimizer_name]([{"params": params, group_flag: True}])
+    optimizer = OPTIMIZERS[optimizer_name]([{"params": params, "matrix_method": True}])
     for step_grads in grads:
         for param, grad in zip(params, step_grads):
             param.grad = grad

@@ -67,22 +67,22 @@ def _placed(tensor: torch.Tensor, like: torch.Tensor, placements: list) -> torch
 
 
 class GaLoreAdamW(torch.optim.Optimizer):
-    """AdamW whose parameter groups with `project=True` (2-D weights only) keep low-rank moments.
+    """AdamW whose parameter groups with `matrix_method=True` (2-D weights only) keep low-rank moments.
 
-    Group options (defaults from the constructor): lr, betas, eps, weight_decay, project, rank (None: a quarter of
-    each matrix's smaller side), update_gap, scale, svd ("randomized" or "exact").
+    Group options (defaults from the constructor): lr, betas, eps, weight_decay, matrix_method, rank (None: a quarter
+    of each matrix's smaller side), update_gap, scale, svd ("randomized" or "exact").
     """
 
     def __init__(self, params, lr: float, betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8,
                  weight_decay: float = 0.0, rank: int | None = None, update_gap: int = 200, scale: float = 1.0,
                  svd: str = "randomized", oversample: int = 8, power_iterations: int = 2, seed: int = 0):
-        defaults = {"lr": lr, "betas": betas, "eps": eps, "weight_decay": weight_decay, "project": False,
+        defaults = {"lr": lr, "betas": betas, "eps": eps, "weight_decay": weight_decay, "matrix_method": False,
                     "rank": rank, "update_gap": update_gap, "scale": scale, "svd": svd}
         super().__init__(params, defaults)
         self.oversample, self.power_iterations, self.seed = oversample, power_iterations, seed
         for group in self.param_groups:
-            if group["project"] and any(p.dim() != 2 for p in group["params"]):
-                raise ValueError("GaLore projects 2-D weights only: a group with project=True holds other tensors")
+            if group["matrix_method"] and any(p.dim() != 2 for p in group["params"]):
+                raise ValueError("GaLore projects 2-D weights only: a matrix_method group holds other tensors")
         # Time spent in subspace refreshes (gather + SVD), for the comparison of the exact and randomized SVDs.
         self.refresh_seconds = 0.0
         self.refreshes = 0
@@ -95,7 +95,7 @@ class GaLoreAdamW(torch.optim.Optimizer):
                 if param.grad is None:
                     continue
                 state = self.state[param]
-                if group["project"]:
+                if group["matrix_method"]:
                     direction = self._projected_direction(param, state, group)
                 else:
                     direction = adam_direction(param.grad, state, beta1, beta2, group["eps"])

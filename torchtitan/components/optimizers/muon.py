@@ -34,20 +34,20 @@ def newton_schulz(matrix: torch.Tensor, steps: int) -> torch.Tensor:
 
 
 class Muon(torch.optim.Optimizer):
-    """Muon for parameter groups with `muon=True` (2-D weights only), AdamW for the others.
+    """Muon for parameter groups with `matrix_method=True` (2-D weights only), AdamW for the others.
 
-    Group options (defaults from the constructor): lr, weight_decay, muon, momentum, nesterov, ns_steps; betas and
-    eps of the AdamW groups.
+    Group options (defaults from the constructor): lr, weight_decay, matrix_method, momentum, nesterov, ns_steps;
+    betas and eps of the AdamW groups.
     """
 
     def __init__(self, params, lr: float, weight_decay: float = 0.0, momentum: float = 0.95, nesterov: bool = True,
                  ns_steps: int = 5, betas: tuple[float, float] = (0.9, 0.95), eps: float = 1e-8):
-        defaults = {"lr": lr, "weight_decay": weight_decay, "muon": False, "momentum": momentum,
+        defaults = {"lr": lr, "weight_decay": weight_decay, "matrix_method": False, "momentum": momentum,
                     "nesterov": nesterov, "ns_steps": ns_steps, "betas": betas, "eps": eps}
         super().__init__(params, defaults)
         for group in self.param_groups:
-            if group["muon"] and any(p.dim() != 2 for p in group["params"]):
-                raise ValueError("Muon orthogonalises 2-D weights only: a group with muon=True holds other tensors")
+            if group["matrix_method"] and any(p.dim() != 2 for p in group["params"]):
+                raise ValueError("Muon orthogonalises 2-D weights only: a matrix_method group holds other tensors")
 
     @torch.no_grad()
     def step(self, closure=None):
@@ -55,7 +55,7 @@ class Muon(torch.optim.Optimizer):
             for param in group["params"]:
                 if param.grad is None:
                     continue
-                if group["muon"]:
+                if group["matrix_method"]:
                     direction = self._orthogonalised(param, self.state[param], group)
                 else:
                     direction = adam_direction(param.grad, self.state[param], *group["betas"], group["eps"])
