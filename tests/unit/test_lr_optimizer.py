@@ -10,7 +10,8 @@ from torch import nn
 
 from torchtitan.components.loss import IGNORE_INDEX, count_valid_tokens, cross_entropy_sum
 from torchtitan.components.lr_scheduler import LRSchedulersContainer, lr_factor
-from torchtitan.components.optimizer import OptimizersContainer, param_groups
+from torchtitan.components.optimizer import OptimizersContainer
+from torchtitan.components.optimizer_groups import param_groups
 from torchtitan.config.job_config import LRScheduler, Optimizer
 from torchtitan.models.llama3.args import model_args_for
 from torchtitan.models.llama3.model import Transformer
@@ -163,7 +164,10 @@ def tiny_model() -> Transformer:
 
 def names_by_weight_decay(model: nn.Module, groups: list[dict]) -> dict[float, set[str]]:
     name_of = {id(p): name for name, p in model.named_parameters()}
-    return {group["weight_decay"]: {name_of[id(p)] for p in group["params"]} for group in groups}
+    by_decay: dict[float, set[str]] = {}
+    for group in groups:
+        by_decay.setdefault(group["weight_decay"], set()).update(name_of[id(p)] for p in group["params"])
+    return by_decay
 
 
 def test_norms_and_embeddings_get_no_weight_decay_by_default():

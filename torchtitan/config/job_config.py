@@ -117,6 +117,29 @@ class Model:
 
 
 @dataclass
+class OptimizerGroup:
+    lr_scale: float = 1.0
+    """Multiplier of the learning rate for this group's parameters, at every step of the schedule."""
+
+    weight_decay: float | None = None
+    """Weight decay of this group. None = optimizer.weight_decay, except for embeddings and norms: 0 unless optimizer.decay_norms_and_embeddings."""
+
+    matrix_method: bool = False
+    """Apply the optimizer's matrix treatment (a low-rank projection, an orthogonalisation) to this group, which must hold 2-D weights only; groups without it get the method's elementwise fallback. Optimizers without a matrix treatment ignore it. Default: true for hidden_matrices only."""
+
+
+@dataclass
+class OptimizerGroups:
+    """Every trainable parameter belongs to exactly one group; each group has its own rules."""
+
+    hidden_matrices: OptimizerGroup = field(default_factory=lambda: OptimizerGroup(matrix_method=True))
+    output: OptimizerGroup = field(default_factory=OptimizerGroup)
+    embeddings: OptimizerGroup = field(default_factory=OptimizerGroup)
+    norms: OptimizerGroup = field(default_factory=OptimizerGroup)
+    other: OptimizerGroup = field(default_factory=OptimizerGroup)
+
+
+@dataclass
 class Optimizer:
     name: Literal["AdamW", "Adam", "FlexDeMo"] = "AdamW"
     """Optimizer: AdamW (decoupled weight decay), Adam (L2 penalty added to the gradient), or FlexDeMo (replicas exchange only their momentum's top DCT components instead of all-reducing gradients; needs data_parallel_replicate_degree >= 2)."""
@@ -150,6 +173,9 @@ class Optimizer:
 
     demo_momentum_decay: float = 0.999
     """FlexDeMo: decay of the local momentum, which accumulates gradients and keeps what was not sent."""
+
+    groups: OptimizerGroups = field(default_factory=OptimizerGroups)
+    """Per-group rules ([optimizer.groups.<group>]). Groups: hidden_matrices (2-D weights inside the blocks), output (the final projection to the vocabulary), embeddings, norms (normalisation weights), other (the rest, e.g. biases)."""
 
 
 @dataclass

@@ -148,18 +148,21 @@ def option_specs(config_class: type = JobConfig) -> dict[str, OptionSpec]:
     docs = _field_docs()
     specs: dict[str, OptionSpec] = {}
 
-    def walk(cls: type, prefix: str) -> None:
+    # Defaults are read from a default instance: a section used twice (the optimizer's groups) can default
+    # differently in each place.
+    def walk(defaults: Any, prefix: str) -> None:
+        cls = type(defaults)
         hints = typing.get_type_hints(cls)
         for f in dataclasses.fields(cls):
             key = f"{prefix}{f.name}"
             ftype = hints[f.name]
+            default = getattr(defaults, f.name)
             if dataclasses.is_dataclass(ftype):
-                walk(ftype, key + ".")
+                walk(default, key + ".")
                 continue
-            default = f.default if f.default is not dataclasses.MISSING else f.default_factory()
             specs[key] = OptionSpec(key, ftype, default, docs.get(cls.__name__, {}).get(f.name, ""))
 
-    walk(config_class, "")
+    walk(config_class(), "")
     return specs
 
 
@@ -266,6 +269,9 @@ def _closest(key: str, specs: dict[str, OptionSpec]) -> str:
         # A misspelt section (trainng.steps) means that one; a wrong section (training.lr) may mean any of them.
         if section_likeness(same_name[0]) >= 0.75:
             same_name = same_name[:1]
+        else:  # the top-level option, not the same name in nested tables (optimizer.groups.<group>.weight_decay)
+            depth = min(k.count(".") for k in same_name)
+            same_name = [k for k in same_name if k.count(".") == depth]
         return f"; did you mean {' or '.join(same_name)}?"
 
     def likeness(candidate: str) -> float:
@@ -502,6 +508,12 @@ def validate(config: JobConfig) -> None:
     for key in ("optimizer.weight_decay", "training.max_norm", "lr_scheduler.warmup_steps", "metrics.peak_flops"):
         if get_option(config, key) < 0:
             raise UserError(f"option {key}: {get_option(config, key)} must not be negative")
+    for group in dataclasses.fields(config.optimizer.groups):
+        rules = getattr(config.optimizer.groups, group.name)
+        for name in ("lr_scale", "weight_decay"):
+            value = getattr(rules, name)
+            if value is not None and value < 0:
+                raise UserError(f"option optimizer.groups.{group.name}.{name}: {value} must not be negative")
     for key in ("optimizer.beta1", "optimizer.beta2"):
         if not 0 <= get_option(config, key) < 1:
             raise UserError(f"option {key}: {get_option(config, key)} must be in [0, 1)")

@@ -1,1 +1,91 @@
-"""Optimizers beyond torch's own, one file per method (torch's AdamW/Adam are built in ../optimizer.py)."""
+"""The optimizer registry: `[optimizer] name` looks a method up here; one file per method in this package.
+
+How to add an optimizer
+-----------------------
+1. Write `torchtitan/components/optimizers/<method>.py` with a builder registered under its config name:
+
+       @register_optimizer("MyOpt", state_bytes=lambda shape, config, matrix_method: 8 * math.prod(shape))
+       def build_my_opt(groups: list[dict], config: OptimizerConfig, context: BuildContext) -> torch.optim.Optimizer:
+           return MyOpt(groups, lr=config.lr, ...)
+
+   `groups` are torch parameter groups, one per non-empty parameter group of the model part (see
+   torchtitan/components/optimizer_groups.py): keys `params`, `lr` (optimizer.lr x the group's lr_scale),
+   `weight_decay`, `group` (its name: hidden_matrices, output, embeddings, norms, other) and `matrix_method` (whether
+   the method's matrix treatment, e.g. a low-rank projection or an orthogonalisation, applies to it). Keep every key in
+   the groups handed to the optimizer: the learning-rate scheduler scales `lr` per group, and the checkpoint saves
+   the groups by parameter name. The parameters may be DTensors (FSDP and TP shards): say in the module docstring
+   what the method computes per shard and what it gathers.
+   `state_bytes(shape, config, matrix_method)` returns the optimizer-state bytes the method keeps for one tensor of
+   `shape` (the memory planner and scripts/estimate_memory.py use it). Pass `needs_matrices=True` when the method
+   only makes sense with at least one 2-D group with matrix_method = true (the container then checks the groups).
+2. Import the module at the end of this file, add the name to the `name` Literal of `Optimizer` in
+   torchtitan/config/job_config.py (tests/unit/test_optimizer_registry.py checks that the two agree), describe it in
+   that option's docstring and regenerate docs/config_reference.md (scripts/generate_config_reference.py).
+3. Add it to the parity and resume tests (tests/integration/test_optimizer_parity.py) and to docs/recipes.md.
+
+The optimizer must keep its state in `self.state[param]` as tensors shaped like the parameter (DTensors sharded like
+it) or as small tensors/scalars, so that OptimizersContainer saves it by parameter name and reloads it under any
+sharding.
+"""
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from torchtitan.config.job_config import Optimizer as OptimizerConfig
+from torchtitan.errors import UserError
+
+
+@dataclass(frozen=True)
+class BuildContext:
+    """What a builder may need beyond the groups and the config."""
+
+    replicate_group: dist.ProcessGroup | None = None
+    """The ranks holding the same shard in the other replicas (HSDP/DDP); FlexDeMo exchanges over it."""
+
+
+Builder = Callable[[list[dict], OptimizerConfig, BuildContext], torch.optim.Optimizer]
+StateBytes = Callable[[tuple[int, ...], OptimizerConfig, bool], float]
+
+
+@dataclass(frozen=True)
+class OptimizerSpec:
+    name: str
+    build: Builder
+    state_bytes: StateBytes
+    """Optimizer-state bytes for one tensor of this shape (whole or a shard's), given whether matrix_method applies."""
+    needs_matrices: bool = False
+    """The method needs at least one group of 2-D weights with matrix_method = true."""
+
+
+_REGISTRY: dict[str, OptimizerSpec] = {}
+
+
+def register_optimizer(name: str, *, state_bytes: StateBytes, needs_matrices: bool = False):
+    """Decorator: registers `build` under the config name `name`."""
+
+    def register(build: Builder) -> Builder:
+        if name in _REGISTRY:
+            raise ValueError(f"optimizer {name!r} is registered twice")
+        _REGISTRY[name] = OptimizerSpec(name, build, state_bytes, needs_matrices)
+        return build
+
+    return register
+
+
+def optimizer_names() -> list[str]:
+    return list(_REGISTRY)
+
+
+def optimizer_spec(name: str) -> OptimizerSpec:
+    """The registered method called `name`; an unknown name is a UserError naming the valid ones."""
+    if name not in _REGISTRY:
+        raise UserError(f"option optimizer.name: {name!r} is not one of "
+                        f"{', '.join(repr(n) for n in _REGISTRY)}")
+    return _REGISTRY[name]
+
+
+# Each module registers its builders on import.
+from torchtitan.components.optimizers import adamw, flexdemo  # noqa: E402,F401

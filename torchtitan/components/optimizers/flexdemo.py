@@ -16,6 +16,9 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
+from torchtitan.components.optimizers import BuildContext, register_optimizer
+from torchtitan.config.job_config import Optimizer as OptimizerConfig
+
 
 def dct_matrix(size: int, device: torch.device) -> torch.Tensor:
     """The orthonormal DCT-II matrix: rows are the cosine basis, so `x @ D.T` transforms and `c @ D` inverts."""
@@ -107,3 +110,14 @@ class FlexDeMo(torch.optim.Optimizer):
                 dist.all_reduce(momentum, group=self.replicate_group)
                 momentum.div_(dist.get_world_size(self.replicate_group))
         return super().state_dict()
+
+
+def _momentum_bytes(shape: tuple[int, ...], config: OptimizerConfig, matrix_method: bool) -> float:
+    return 4 * math.prod(shape)
+
+
+@register_optimizer("FlexDeMo", state_bytes=_momentum_bytes)
+def build_flexdemo(groups: list[dict], config: OptimizerConfig, context: BuildContext) -> torch.optim.Optimizer:
+    return FlexDeMo(groups, lr=config.lr, weight_decay=config.weight_decay, chunk_size=config.demo_chunk_size,
+                    topk=config.demo_topk, momentum_decay=config.demo_momentum_decay,
+                    replicate_group=context.replicate_group)
