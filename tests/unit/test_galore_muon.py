@@ -11,8 +11,14 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
 
 from tests.unit.forked_ranks import run_ranks
+from torchtitan.components.optimizer import OptimizersContainer
+from torchtitan.components.optimizers import optimizer_spec
 from torchtitan.components.optimizers.galore import GaLoreAdamW, top_subspace
 from torchtitan.components.optimizers.muon import Muon, newton_schulz
+from torchtitan.config.job_config import Optimizer as OptimizerConfig
+from torchtitan.errors import UserError
+from torchtitan.models.llama3.args import model_args_for
+from torchtitan.models.llama3.model import Transformer
 
 
 def test_newton_schulz_is_nearly_orthogonal():
@@ -81,6 +87,52 @@ def test_galore_refreshes_the_subspace_every_update_gap_steps():
     changed = [not torch.equal(a, b) for a, b in zip(projectors, projectors[1:])]
     assert changed == [False, False, True, False, False, True]  # refreshed before steps 4 and 7
     assert optimizer.refreshes == 3
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Through the registry
+
+
+def tiny_model() -> Transformer:
+    torch.manual_seed(0)
+    model = Transformer(model_args_for("tiny", 16))
+    model.init_weights()
+    return model
+
+
+@pytest.mark.parametrize("name", ["GaLore-AdamW", "Muon"])
+def test_registry_state_bytes_match_the_state_after_a_step(name):
+    """The registry's per-tensor estimate (memory planner, estimate_memory.py) is the state the optimizer keeps."""
+    config = OptimizerConfig(name=name)
+    model = tiny_model()
+    container = OptimizersContainer([model], config)
+    model(torch.randint(0, 2304, (2, 16))).sum().backward()
+    container.step()
+    (optimizer,) = container.optimizers
+    spec = optimizer_spec(name)
+    for group in optimizer.param_groups:
+        for param in group["params"]:
+            kept = sum(v.numel() * v.element_size() for v in optimizer.state[param].values() if v.dim() > 0)
+            assert kept == spec.state_bytes(tuple(param.shape), config, group["matrix_method"]), group["group"]
+
+
+@pytest.mark.parametrize("option,value,message", [
+    ("galore_rank", 65, r"^option optimizer.galore_rank: 65 must be in \[1, 32\]"),
+    ("galore_rank", 0, r"^option optimizer.galore_rank: 0 must be in \[1, 32\]"),
+    ("galore_update_gap", 0, r"^option optimizer.galore_update_gap: 0 must be at least 1"),
+])
+def test_galore_options_are_checked(option, value, message):
+    with pytest.raises(UserError, match=message):
+        OptimizersContainer([tiny_model()], OptimizerConfig(name="GaLore-AdamW", **{option: value}))
+
+
+@pytest.mark.parametrize("option,value,message", [
+    ("muon_momentum", 1.0, r"^option optimizer.muon_momentum: 1.0 must be in \[0, 1\)"),
+    ("muon_ns_steps", 0, r"^option optimizer.muon_ns_steps: 0 must be at least 1"),
+])
+def test_muon_options_are_checked(option, value, message):
+    with pytest.raises(UserError, match=message):
+        OptimizersContainer([tiny_model()], OptimizerConfig(name="Muon", **{option: value}))
 
 
 # ----------------------------------------------------------------------------------------------------------------

@@ -141,8 +141,8 @@ class OptimizerGroups:
 
 @dataclass
 class Optimizer:
-    name: Literal["AdamW", "Adam", "FlexDeMo"] = "AdamW"
-    """Optimizer: AdamW (decoupled weight decay), Adam (L2 penalty added to the gradient), or FlexDeMo (replicas exchange only their momentum's top DCT components instead of all-reducing gradients; needs data_parallel_replicate_degree >= 2)."""
+    name: Literal["AdamW", "Adam", "FlexDeMo", "GaLore-AdamW", "Muon"] = "AdamW"
+    """Optimizer: AdamW (decoupled weight decay), Adam (L2 penalty added to the gradient), FlexDeMo (replicas exchange only their momentum's top DCT components instead of all-reducing gradients; needs data_parallel_replicate_degree >= 2), GaLore-AdamW (AdamW with the moments of matrix_method matrices kept for their gradient projected to low rank, galore_* options), or Muon (orthogonalised Nesterov momentum for matrix_method matrices, AdamW for the other groups, muon_* options)."""
 
     lr: float = 8e-4
     """Peak learning rate."""
@@ -173,6 +173,24 @@ class Optimizer:
 
     demo_momentum_decay: float = 0.999
     """FlexDeMo: decay of the local momentum, which accumulates gradients and keeps what was not sent."""
+
+    galore_rank: int | None = None
+    """GaLore-AdamW: rank of the gradient projection of each matrix_method matrix. None = a quarter of each matrix's smaller side."""
+
+    galore_update_gap: int = 200
+    """GaLore-AdamW: steps between refreshes of the projection subspace (an SVD of the current gradient)."""
+
+    galore_scale: float = 1.0
+    """GaLore-AdamW: factor of the projected-back step of the matrix_method matrices."""
+
+    galore_svd: Literal["randomized", "exact"] = "randomized"
+    """GaLore-AdamW: how a refresh finds the gradient's top singular subspace: randomized (GaLore 2: a range finder with 2 power iterations and 8 extra columns) or exact (a full SVD)."""
+
+    muon_momentum: float = 0.95
+    """Muon: momentum of the matrix_method matrices (Nesterov); the other groups take AdamW's beta1/beta2."""
+
+    muon_ns_steps: int = 5
+    """Muon: Newton-Schulz iterations that orthogonalise each step of a matrix_method matrix."""
 
     groups: OptimizerGroups = field(default_factory=OptimizerGroups)
     """Per-group rules ([optimizer.groups.<group>]). Groups: hidden_matrices (2-D weights inside the blocks), output (the final projection to the vocabulary), embeddings, norms (normalisation weights), other (the rest, e.g. biases)."""

@@ -88,4 +88,4 @@ def optimizer_spec(name: str) -> OptimizerSpec:
 
 
 # Each module registers its builders on import.
-from torchtitan.components.optimizers import adamw, flexdemo  # noqa: E402,F401
+from torchtitan.components.optimizers import adamw, flexdemo, galore, muon  # noqa: E402,F401

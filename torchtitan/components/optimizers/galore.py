@@ -20,12 +20,16 @@ Under FSDP / HSDP / TP (DTensor parameters), the computation is sharded, not gat
   step where the parameter is sharded along the projected side (r x kept values), and none otherwise.
 """
 
+import math
 import time
 
 import torch
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
+from torchtitan.components.optimizers import BuildContext, register_optimizer
 from torchtitan.components.optimizers.adam_direction import adam_direction
+from torchtitan.config.job_config import Optimizer as OptimizerConfig
+from torchtitan.errors import UserError
 
 
 def top_subspace(matrix: torch.Tensor, rank: int, method: str, generator: torch.Generator | None = None,
@@ -139,3 +143,30 @@ class GaLoreAdamW(torch.optim.Optimizer):
                                      [Replicate()] * param.device_mesh.ndim if isinstance(param, DTensor) else [])
         self.refresh_seconds += time.perf_counter() - start
         self.refreshes += 1
+
+
+def _check(config: OptimizerConfig, groups: list[dict]) -> None:
+    if config.galore_update_gap < 1:
+        raise UserError(f"option optimizer.galore_update_gap: {config.galore_update_gap} must be at least 1")
+    smallest = min((min(p.shape) for g in groups if g["matrix_method"] for p in g["params"]), default=None)
+    if config.galore_rank is not None and not 1 <= config.galore_rank <= (smallest or config.galore_rank):
+        raise UserError(f"option optimizer.galore_rank: {config.galore_rank} must be in [1, {smallest}] (the "
+                        f"smallest side of a projected matrix), or unset for a quarter of each matrix's smaller side")
+
+
+def state_bytes(shape: tuple[int, ...], config: OptimizerConfig, matrix_method: bool) -> float:
+    """Projected matrices: two fp32 moments of rank x kept side plus the fp32 projector (rank x projected side);
+    the rest: AdamW's two fp32 moments."""
+    if not matrix_method:
+        return 8 * math.prod(shape)
+    rank = config.galore_rank or default_rank(shape)
+    d = projected_dim(shape)
+    return 4 * rank * (2 * shape[1 - d] + shape[d])
+
+
+@register_optimizer("GaLore-AdamW", state_bytes=state_bytes, needs_matrices=True)
+def build_galore_adamw(groups: list[dict], config: OptimizerConfig, context: BuildContext) -> torch.optim.Optimizer:
+    _check(config, groups)
+    return GaLoreAdamW(groups, lr=config.lr, betas=(config.beta1, config.beta2), eps=config.eps,
+                       rank=config.galore_rank, update_gap=config.galore_update_gap, scale=config.galore_scale,
+                       svd=config.galore_svd)

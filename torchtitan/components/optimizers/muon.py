@@ -11,10 +11,15 @@ computes the same orthogonalisation of the whole matrix, and keeps its own shard
 communication).
 """
 
+import math
+
 import torch
 from torch.distributed.tensor import DTensor, Replicate
 
+from torchtitan.components.optimizers import BuildContext, register_optimizer
 from torchtitan.components.optimizers.adam_direction import adam_direction
+from torchtitan.config.job_config import Optimizer as OptimizerConfig
+from torchtitan.errors import UserError
 
 # The quintic iteration's coefficients (Jordan et al.): they push every singular value into about [0.7, 1.2] in 5
 # steps, faster than the cubic iteration that converges to exactly 1.
@@ -78,3 +83,18 @@ class Muon(torch.optim.Optimizer):
             update = DTensor.from_local(update, mesh, [Replicate()] * mesh.ndim, run_check=False)
             update = update.redistribute(mesh, param.placements)
         return update
+
+
+def state_bytes(shape: tuple[int, ...], config: OptimizerConfig, matrix_method: bool) -> float:
+    """Muon matrices: one fp32 momentum; the rest: AdamW's two fp32 moments."""
+    return (4 if matrix_method else 8) * math.prod(shape)
+
+
+@register_optimizer("Muon", state_bytes=state_bytes, needs_matrices=True)
+def build_muon(groups: list[dict], config: OptimizerConfig, context: BuildContext) -> torch.optim.Optimizer:
+    if not 0 <= config.muon_momentum < 1:
+        raise UserError(f"option optimizer.muon_momentum: {config.muon_momentum} must be in [0, 1)")
+    if config.muon_ns_steps < 1:
+        raise UserError(f"option optimizer.muon_ns_steps: {config.muon_ns_steps} must be at least 1")
+    return Muon(groups, lr=config.lr, momentum=config.muon_momentum, ns_steps=config.muon_ns_steps,
+                betas=(config.beta1, config.beta2), eps=config.eps)
