@@ -90,6 +90,8 @@ def optimizer_references(tmp_path_factory) -> dict[str, list[dict]]:
 @pytest.mark.parametrize("optimizer,layout", [
     ("GaLore-AdamW", "fsdp2"), ("Muon", "tp2"),
     pytest.param("GaLore-AdamW", "tp2", marks=pytest.mark.slow), pytest.param("Muon", "fsdp2", marks=pytest.mark.slow),
+    pytest.param("GaLore-AdamW", "fsdp2_tp2", marks=pytest.mark.slow),
+    pytest.param("Muon", "fsdp2_tp2", marks=pytest.mark.slow),
 ])
 def test_optimizer_under_layout_matches_single_process(tmp_path, optimizer_references, optimizer, layout):
     name, nproc, dp, options = next(entry for entry in LAYOUTS if entry[0] == layout)
