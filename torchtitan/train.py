@@ -402,16 +402,16 @@ class Trainer:
         # One all-reduce for every maximum over ranks: peak memory (CUDA: reserved and allocated; CPU: RSS) and
         # the model state held.
         maxima = torch.tensor([memory["max_reserved_gib" if cuda else "max_rss_gib"],
-                               memory.get("max_allocated_gib", 0.0), self._model_state_bytes() / 2**30],
-                              device=self.device)
+                               memory.get("max_allocated_gib", 0.0), self._model_state_bytes() / 2**30,
+                               self.optimizers.state_bytes() / 2**30], device=self.device)
         dist.all_reduce(maxima, op=dist.ReduceOp.MAX)
-        peak_gib, allocated_gib, state_gib = maxima.tolist()
+        peak_gib, allocated_gib, state_gib, optimizer_state_gib = maxima.tolist()
         self.metrics.log(step, {
             "loss": loss, "grad_norm": grad_norm, "lr": lr, "tps": tps,
             "tflops": tflops, "mfu": 100 * tflops * 1e12 / self.peak_flops, "memory_gib": peak_gib,
             **({"memory_allocated_gib": allocated_gib} if cuda else {}),
             "data_pct": 100 * window["data_time"] / elapsed, "tokens_seen": self.train_state.tokens_seen,
-            "model_state_gib": state_gib,
+            "model_state_gib": state_gib, "optimizer_state_gib": optimizer_state_gib,
         })
         window.update(time=time.perf_counter(), steps=0, data_time=0.0)
         reset_peak_memory(self.device)
@@ -426,10 +426,7 @@ class Trainer:
         for part in self.model_parts:
             for p in part.parameters():
                 total += local_bytes(p) + (local_bytes(p.grad) if p.grad is not None else 0)
-        for optimizer in self.optimizers.optimizers:
-            for state in optimizer.state.values():
-                total += sum(local_bytes(v) for v in state.values() if isinstance(v, torch.Tensor))
-        return total
+        return total + self.optimizers.state_bytes()
 
     def _on_sigterm(self, signum, frame) -> None:
         # Finish the current step, checkpoint it, and exit so that a requeued job continues from here.

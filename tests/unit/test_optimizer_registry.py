@@ -104,12 +104,9 @@ def test_groups_are_logged(caplog):
 
 def test_default_groups_step_bit_identically_to_two_decay_groups():
     """Before the groups existed, matrices were one group with weight decay and norms and embeddings one without."""
-    torch.manual_seed(0)
-    reference = tiny_model()
-    for p in reference.parameters():
-        nn.init.normal_(p, std=0.02)
-    model = tiny_model()
-    model.load_state_dict(reference.state_dict())
+    reference, model = tiny_model(), tiny_model()
+    for m in (reference, model):
+        m.init_weights(seed=0)
     undecayed = [p for n, p in reference.named_parameters() if "norm" in n or "embeddings" in n]
     decayed = [p for n, p in reference.named_parameters() if not ("norm" in n or "embeddings" in n)]
     baseline = torch.optim.AdamW([{"params": decayed, "weight_decay": 0.1}, {"params": undecayed,

@@ -3,6 +3,7 @@
 import functools
 import math
 
+import torch
 from torch.distributed.checkpoint.stateful import Stateful
 from torch.optim.lr_scheduler import LambdaLR
 
@@ -48,7 +49,7 @@ class LRSchedulersContainer(Stateful):
 
     @property
     def last_lr(self) -> float:
-        return self.schedulers[0].get_last_lr()[0]
+        return float(self.schedulers[0].get_last_lr()[0])
 
     def state_dict(self) -> dict:
         return {"last_epoch": self.schedulers[0].last_epoch}
@@ -58,8 +59,13 @@ class LRSchedulersContainer(Stateful):
             scheduler.last_epoch = state_dict["last_epoch"]
             for group, base_lr, factor in zip(scheduler.optimizer.param_groups, scheduler.base_lrs,
                                               scheduler.lr_lambdas):
-                group["lr"] = base_lr * factor(scheduler.last_epoch)
-            scheduler._last_lr = [group["lr"] for group in scheduler.optimizer.param_groups]
+                lr = base_lr * factor(scheduler.last_epoch)
+                # torchao's optimizers keep lr as a tensor (their compiled step takes it as an input).
+                if isinstance(group["lr"], torch.Tensor):
+                    group["lr"].fill_(lr)
+                else:
+                    group["lr"] = lr
+            scheduler._last_lr = [float(group["lr"]) for group in scheduler.optimizer.param_groups]
 
 
 def build_lr_schedulers(optimizers: OptimizersContainer, config: LRSchedulerConfig,

@@ -2,11 +2,13 @@
 torchtitan/components/optimizers/__init__.py) over the parameter groups of torchtitan/components/optimizer_groups.py.
 """
 
+import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_optimizer_state_dict,
                                                      set_optimizer_state_dict)
 from torch.distributed.checkpoint.stateful import Stateful
+from torch.distributed.tensor import DTensor
 
 from torchtitan.components.optimizer_groups import check_matrix_groups, log_groups, param_groups
 from torchtitan.components.optimizers import BuildContext, optimizer_spec
@@ -36,6 +38,11 @@ class OptimizersContainer(Stateful):
         # Error-feedback residuals of compressed gradient reductions: state of the update, saved with it.
         self.compression = CompressionState(model_parts)
 
+    def state_bytes(self) -> int:
+        """Bytes of optimizer state this rank holds: local shards, quantized tensors by their codes and scales."""
+        return sum(_tensor_bytes(value) for optimizer in self.optimizers for state in optimizer.state.values()
+                   for value in state.values() if isinstance(value, torch.Tensor))
+
     def step(self) -> None:
         for optimizer in self.optimizers:
             optimizer.step()
@@ -59,6 +66,16 @@ class OptimizersContainer(Stateful):
             state_dict = {k: v for k, v in state_dict.items() if not k.startswith(_COMPRESSION)}
         for model, optimizer in zip(self.model_parts, self.optimizers):
             set_optimizer_state_dict(model, optimizer, optim_state_dict=state_dict, options=self._options)
+
+
+def _tensor_bytes(tensor: torch.Tensor) -> int:
+    if isinstance(tensor, DTensor):
+        tensor = tensor.to_local()
+    if type(tensor) is not torch.Tensor and hasattr(tensor, "__tensor_flatten__"):
+        # A tensor subclass (torchao's quantized optimizer state) holds its data in inner tensors.
+        names, _ = tensor.__tensor_flatten__()
+        return sum(_tensor_bytes(getattr(tensor, name)) for name in names)
+    return tensor.numel() * tensor.element_size()
 
 
 def build_optimizers(model_parts: list[nn.Module], config: OptimizerConfig,

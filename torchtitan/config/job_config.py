@@ -141,8 +141,9 @@ class OptimizerGroups:
 
 @dataclass
 class Optimizer:
-    name: Literal["AdamW", "Adam", "FlexDeMo", "GaLore-AdamW", "Muon"] = "AdamW"
-    """Optimizer: AdamW (decoupled weight decay), Adam (L2 penalty added to the gradient), FlexDeMo (replicas exchange only their momentum's top DCT components instead of all-reducing gradients; needs data_parallel_replicate_degree >= 2), GaLore-AdamW (AdamW with the moments of matrix_method matrices kept for their gradient projected to low rank, galore_* options), or Muon (orthogonalised Nesterov momentum for matrix_method matrices, AdamW for the other groups, muon_* options)."""
+    name: Literal["AdamW", "Adam", "FlexDeMo", "AdamW-bf16", "AdamW-8bit", "AdamW-4bit", "Ranger21", "GaLore-AdamW",
+                  "Muon"] = "AdamW"
+    """Optimizer: AdamW (decoupled weight decay), Adam (L2 penalty added to the gradient), FlexDeMo (replicas exchange only their momentum's top DCT components instead of all-reducing gradients; needs data_parallel_replicate_degree >= 2), AdamW-bf16 (AdamW with bfloat16 moments, fp32 weights and update; keep beta2 <= 0.99), AdamW-8bit / AdamW-4bit (torchao's AdamW with blockwise 8-/4-bit moments), Ranger21 (AdamW with gradient clipping and centralization, positive-negative momentum, stable weight decay, norm loss and Lookahead; see the ranger_* options), GaLore-AdamW (AdamW with the moments of matrix_method matrices kept for their gradient projected to low rank, galore_* options), Muon (orthogonalised Nesterov momentum for matrix_method matrices, AdamW for the other groups, muon_* options). See docs/recipes.md, Optimizers."""
 
     lr: float = 8e-4
     """Peak learning rate."""
@@ -173,6 +174,27 @@ class Optimizer:
 
     demo_momentum_decay: float = 0.999
     """FlexDeMo: decay of the local momentum, which accumulates gradients and keeps what was not sent."""
+
+    ranger_agc_clip: float = 0.01
+    """Ranger21: adaptive gradient clipping, the largest ratio of a unit's gradient norm to its weight norm (a unit: a row of a matrix, a whole vector). 0 disables it."""
+
+    ranger_agc_eps: float = 1e-3
+    """Ranger21: weight norms below this count as this in adaptive gradient clipping (lets zero-initialised units move)."""
+
+    ranger_gradient_centralization: bool = True
+    """Ranger21: subtract from each row of a matrix's gradient its mean (vectors are left as they are)."""
+
+    ranger_pnm_momentum: float = 1.0
+    """Ranger21: positive-negative momentum's beta0, the weight of the difference between the two alternating momenta. 0 = plain momentum (of beta1^2 every other step)."""
+
+    ranger_norm_loss: float = 1e-4
+    """Ranger21: norm loss factor, pulling each unit's weight norm towards 1. 0 disables it."""
+
+    ranger_lookahead_steps: int = 5
+    """Ranger21: every this many steps the weights move back towards the slow (Lookahead) weights. 0 disables Lookahead."""
+
+    ranger_lookahead_alpha: float = 0.5
+    """Ranger21: Lookahead's step of the slow weights towards the fast ones (1 = keep the fast weights)."""
 
     galore_rank: int | None = None
     """GaLore-AdamW: rank of the gradient projection of each matrix_method matrix. None = a quarter of each matrix's smaller side."""

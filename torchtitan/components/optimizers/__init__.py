@@ -33,6 +33,7 @@ from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
+from torch.distributed.tensor import DTensor
 
 from torchtitan.config.job_config import Optimizer as OptimizerConfig
 from torchtitan.errors import UserError
@@ -87,5 +88,19 @@ def optimizer_spec(name: str) -> OptimizerSpec:
     return _REGISTRY[name]
 
 
+def local(tensor: torch.Tensor) -> torch.Tensor:
+    """This rank's shard of a DTensor (a plain tensor as it is): what an elementwise update works on."""
+    return tensor.to_local() if isinstance(tensor, DTensor) else tensor
+
+
+def gradient(param: torch.Tensor) -> torch.Tensor:
+    """The parameter's gradient, sharded like the parameter: under TP a gradient can arrive with other placements
+    (e.g. replicated), and an update on local shards needs the two to match."""
+    grad = param.grad
+    if isinstance(grad, DTensor) and grad.placements != param.placements:
+        grad = grad.redistribute(param.device_mesh, param.placements)
+    return grad
+
+
 # Each module registers its builders on import.
-from torchtitan.components.optimizers import adamw, flexdemo, galore, muon  # noqa: E402,F401
+from torchtitan.components.optimizers import adamw, flexdemo, galore, low_precision, muon, ranger21  # noqa: E402,F401

@@ -26,7 +26,7 @@ import time
 import torch
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
-from torchtitan.components.optimizers import BuildContext, register_optimizer
+from torchtitan.components.optimizers import BuildContext, gradient, register_optimizer
 from torchtitan.components.optimizers.adam_direction import adam_direction
 from torchtitan.config.job_config import Optimizer as OptimizerConfig
 from torchtitan.errors import UserError
@@ -102,14 +102,14 @@ class GaLoreAdamW(torch.optim.Optimizer):
                 if group["matrix_method"]:
                     direction = self._projected_direction(param, state, group)
                 else:
-                    direction = adam_direction(param.grad, state, beta1, beta2, group["eps"])
+                    direction = adam_direction(gradient(param), state, beta1, beta2, group["eps"])
                 if group["weight_decay"]:
                     param.mul_(1 - group["lr"] * group["weight_decay"])
                 param.add_(direction, alpha=-group["lr"])
         return None
 
     def _projected_direction(self, param: torch.Tensor, state: dict, group: dict) -> torch.Tensor:
-        grad = param.grad
+        grad = gradient(param)
         d = projected_dim(param.shape)
         if int(state.get("step", 0)) % group["update_gap"] == 0:
             self._refresh(param, state, group, d)

@@ -16,7 +16,7 @@ import math
 import torch
 from torch.distributed.tensor import DTensor, Replicate
 
-from torchtitan.components.optimizers import BuildContext, register_optimizer
+from torchtitan.components.optimizers import BuildContext, gradient, register_optimizer
 from torchtitan.components.optimizers.adam_direction import adam_direction
 from torchtitan.config.job_config import Optimizer as OptimizerConfig
 from torchtitan.errors import UserError
@@ -63,7 +63,7 @@ class Muon(torch.optim.Optimizer):
                 if group["matrix_method"]:
                     direction = self._orthogonalised(param, self.state[param], group)
                 else:
-                    direction = adam_direction(param.grad, self.state[param], *group["betas"], group["eps"])
+                    direction = adam_direction(gradient(param), self.state[param], *group["betas"], group["eps"])
                 if group["weight_decay"]:
                     param.mul_(1 - group["lr"] * group["weight_decay"])
                 param.add_(direction, alpha=-group["lr"])
@@ -71,11 +71,12 @@ class Muon(torch.optim.Optimizer):
 
     @staticmethod
     def _orthogonalised(param: torch.Tensor, state: dict, group: dict) -> torch.Tensor:
+        grad = gradient(param)
         if "momentum_buffer" not in state:
-            state["momentum_buffer"] = torch.zeros_like(param.grad)
+            state["momentum_buffer"] = torch.zeros_like(grad)
         buffer = state["momentum_buffer"]
-        buffer.lerp_(param.grad, 1 - group["momentum"])
-        momentum = param.grad.lerp(buffer, group["momentum"]) if group["nesterov"] else buffer
+        buffer.lerp_(grad, 1 - group["momentum"])
+        momentum = grad.lerp(buffer, group["momentum"]) if group["nesterov"] else buffer
         whole = momentum.full_tensor() if isinstance(momentum, DTensor) else momentum
         update = newton_schulz(whole, group["ns_steps"]).mul_(0.2 * max(param.shape) ** 0.5)
         if isinstance(param, DTensor):

@@ -1,0 +1,109 @@
+"""The optimizers of torchtitan/components/optimizers/ on one process: low-precision AdamW and Ranger21.
+(Their sharded behaviour is tested against one process in tests/integration/test_parallel_parity.py.)"""
+
+import dataclasses
+
+import pytest
+import torch
+from torch import nn
+
+from torchtitan.components.optimizer import OptimizersContainer
+from torchtitan.components.optimizers import optimizer_spec
+from torchtitan.config.job_config import Optimizer
+
+
+def container(model: nn.Module, name: str, **changes) -> OptimizersContainer:
+    return OptimizersContainer([model], dataclasses.replace(Optimizer(name=name, lr=1e-2, implementation="for-loop"),
+                                                            **changes))
+
+
+def matrices(seed: int = 0) -> nn.Module:
+    torch.manual_seed(seed)
+    return nn.Sequential(nn.Linear(256, 512, bias=False), nn.Linear(512, 256, bias=False))
+
+
+def train_steps(model: nn.Module, optimizers: OptimizersContainer, steps: int) -> None:
+    torch.manual_seed(1)
+    for _ in range(steps):
+        optimizers.zero_grad()
+        model(torch.randn(8, 256)).square().mean().backward()
+        optimizers.step()
+
+
+def test_bf16_state_follows_adamw():
+    """bf16 moments, fp32 weights: the first step is AdamW's (its moments are not yet rounded); later steps stay
+    within bf16's rounding of it."""
+    reference, model = matrices(), matrices()
+    adamw, bf16 = container(reference, "AdamW"), container(model, "AdamW-bf16")
+    train_steps(reference, adamw, 1)
+    train_steps(model, bf16, 1)
+    for a, b in zip(reference.parameters(), model.parameters()):
+        torch.testing.assert_close(b, a, rtol=1e-6, atol=1e-7)
+    train_steps(reference, adamw, 5)
+    train_steps(model, bf16, 5)
+    state = bf16.optimizers[0].state[model[0].weight]
+    assert state["exp_avg"].dtype == state["exp_avg_sq"].dtype == torch.bfloat16
+    assert model[0].weight.dtype == torch.float32
+    drift = max(((a - b).abs().max() / (a.abs().max())).item() for a, b in zip(reference.parameters(),
+                                                                                 model.parameters()))
+    assert 0 < drift < 1e-2
+    step_counters = 2 * 4
+    assert bf16.state_bytes() - step_counters == (adamw.state_bytes() - step_counters) / 2
+
+
+@pytest.mark.parametrize("name, most", [("AdamW-8bit", 0.30), ("AdamW-4bit", 0.16)])
+def test_torchao_state_is_small_and_counted_by_its_codes(name, most):
+    model = matrices()
+    low, adamw = container(model, name), container(matrices(), "AdamW")
+    train_steps(model, low, 2)
+    train_steps(adamw.model_parts[0], adamw, 2)
+    ratio = low.state_bytes() / adamw.state_bytes()
+    assert ratio <= most
+    spec = optimizer_spec(name)
+    predicted = sum(spec.state_bytes(tuple(p.shape), Optimizer(), False) for p in model.parameters())
+    assert low.state_bytes() == pytest.approx(predicted, rel=1e-3)  # the step counters aside
+
+
+def test_ranger21_state_and_lookahead():
+    """Lookahead with alpha 0 brings the weights back to the slow weights at every k-th step."""
+    model = matrices()
+    initial = [p.detach().clone() for p in model.parameters()]
+    ranger = container(model, "Ranger21", ranger_lookahead_steps=2, ranger_lookahead_alpha=0.0)
+    train_steps(model, ranger, 1)
+    assert not torch.equal(model[0].weight, initial[0])
+    train_steps(model, ranger, 1)
+    for p, start in zip(model.parameters(), initial):
+        assert torch.equal(p, start)
+    assert set(ranger.optimizers[0].state[model[0].weight]) == {"step", "exp_avg", "neg_exp_avg", "exp_avg_sq",
+                                                                 "slow_weights"}
+    assert ranger.state_bytes() == 16 * sum(p.numel() for p in model.parameters()) + 2 * 4  # and step counters
+
+
+def test_ranger21_gradient_centralization_removes_row_constant_gradients():
+    """A gradient constant along each row is all mean: centralized, it leaves nothing to step by. (Integer rows
+    keep the mean exact; without clipping, which would scale them.)"""
+    weight = nn.Parameter(torch.randn(4, 8))
+    start = weight.detach().clone()
+    ranger = container(nn.ParameterList([weight]), "Ranger21", ranger_norm_loss=0.0, weight_decay=0.0,
+                       ranger_lookahead_steps=0, ranger_agc_clip=0.0)
+    weight.grad = torch.arange(4.0).view(4, 1).expand(4, 8).contiguous()
+    ranger.step()
+    torch.testing.assert_close(weight.detach(), start)
+    ranger = container(nn.ParameterList([weight]), "Ranger21", ranger_norm_loss=0.0, weight_decay=0.0,
+                       ranger_lookahead_steps=0, ranger_agc_clip=0.0, ranger_gradient_centralization=False)
+    weight.grad = torch.arange(4.0).view(4, 1).expand(4, 8).contiguous()
+    ranger.step()
+    assert not torch.allclose(weight.detach(), start)
+
+
+def test_ranger21_adaptive_clipping_bounds_each_rows_gradient():
+    """Row 0's gradient is 1000x its weight: clipped to 1% of the weight norm, while row 1's passes unchanged;
+    Adam's first step is the sign either way, so the clipping shows in the momentum."""
+    weight = nn.Parameter(torch.ones(2, 4))
+    ranger = container(nn.ParameterList([weight]), "Ranger21", ranger_gradient_centralization=False,
+                       ranger_lookahead_steps=0)
+    weight.grad = torch.tensor([[1000.0] * 4, [1e-4] * 4])
+    ranger.step()
+    beta1_squared = 0.9 ** 2
+    momentum = ranger.optimizers[0].state[weight]["exp_avg"] / (1 - beta1_squared)
+    torch.testing.assert_close(torch.linalg.vector_norm(momentum, dim=1), torch.tensor([0.01 * 2, 2e-4]))

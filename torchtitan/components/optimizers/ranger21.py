@@ -1,0 +1,169 @@
+"""Ranger21 (Wright and Demeure, "Ranger21: a synergistic deep learning optimizer", 2021): AdamW with the
+published components it combines, each switchable from [optimizer] (ranger_* options):
+
+1. Adaptive gradient clipping (Brock et al. 2021): a unit's gradient (a row of a matrix, a whole vector) is scaled
+   down to at most ranger_agc_clip x its weight norm (weight norms under ranger_agc_eps count as ranger_agc_eps).
+2. Gradient centralization (Yong et al. 2020): each row of a matrix's (clipped) gradient loses its mean.
+3. Positive-negative momentum (Xie et al. 2021): two momenta, each updated every other step with beta1^2; the step
+   follows ((1 + b0) m_this - b0 m_other) / sqrt((1 + b0)^2 + b0^2), b0 = ranger_pnm_momentum, over Adam's
+   bias-corrected second moment as usual.
+4. Stable weight decay (Xie et al. 2020): decoupled decay divided by the square root of the mean of the bias-corrected
+   second moment over all parameters, w <- w (1 - lr wd / sqrt(mean v_hat)). The decay is in units of the Adam
+   step, so its optimizer.weight_decay is about sqrt(mean v_hat) times AdamW's (1e-4 where AdamW takes 0.1, see
+   docs/recipes.md); norms and embeddings follow the groups' rules as for AdamW.
+5. Norm loss: each unit's weight is scaled by 1 - lr 2 ranger_norm_loss (1 - 1 / |w_unit|), towards norm 1.
+6. Lookahead (Zhang et al. 2019): every ranger_lookahead_steps steps the weights become slow + alpha (fast - slow)
+   and the slow weights take that value.
+7. Linear warm-up and the explore-exploit schedule are not repeated here: the trainer's learning-rate scheduler
+   sets the lr of every group, and Ranger21's schedule is its warmup-stable-decay form (lr_scheduler.warmup_steps,
+   decay_ratio = 0.28 for Ranger21's final 28% of linear warm-down). Ranger21 computes its warm-up length from
+   beta2 (2 / (1 - beta2) steps: 40 at beta2 = 0.95); set warmup_steps to that for the published recipe.
+
+On DTensor parameters (FSDP and TP shards) every elementwise update runs on each rank's local shard. The unit norms
+(1, 5) and row means (2) are DTensor reductions: a unit split across ranks (a row under TP's row-wise sharding,
+a vector under FSDP) is reduced over the ranks that hold its pieces (an all-reduce of one value per row), a unit
+whole on its rank (rows under FSDP's dim-0 sharding) needs no communication. The mean of v_hat (4) is one
+all-reduce per mesh dimension of two float64 values (sum and count) per step; every shard counts once (a shard
+replicated over a mesh dimension is weighted by 1 / its copies). Under pipeline parallelism each stage's optimizer
+takes that mean over its own stage's parameters.
+"""
+
+import math
+
+import torch
+import torch.distributed as dist
+from torch.distributed.tensor import DTensor, Replicate
+
+from torchtitan.components.optimizers import BuildContext, gradient, local, register_optimizer
+from torchtitan.config.job_config import Optimizer as OptimizerConfig
+
+
+def _as_like(shard: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+    """`shard` as this rank's shard of a DTensor placed like `like` (or itself for plain tensors)."""
+    if not isinstance(like, DTensor):
+        return shard
+    return DTensor.from_local(shard, like.device_mesh, like.placements, run_check=False, shape=like.shape,
+                              stride=like.stride())
+
+
+def _per_unit(t: torch.Tensor, reduce) -> torch.Tensor:
+    """`reduce` over each unit of the whole tensor `t` (the dims after the first; a vector is one unit), as a local
+    tensor that broadcasts against t's local shard."""
+    result = reduce(t, tuple(range(1, t.dim()))) if t.dim() > 1 else reduce(t, None)
+    if isinstance(result, DTensor):
+        # A unit split across ranks gives a partial value on each: reduce it over them.
+        result = result.redistribute(result.device_mesh,
+                                     [Replicate() if p.is_partial() else p for p in result.placements]).to_local()
+    return result
+
+
+def _unit_norm(t: torch.Tensor) -> torch.Tensor:
+    return _per_unit(t, lambda x, dims: torch.linalg.vector_norm(x, dim=dims, keepdim=dims is not None))
+
+
+def _row_mean(t: torch.Tensor) -> torch.Tensor:
+    return _per_unit(t, lambda x, dims: x.mean(dim=dims, keepdim=True))
+
+
+def _global_mean(tensors: list[torch.Tensor]) -> float:
+    """The mean of all values of `tensors` (whole tensors, possibly sharded): one all-reduce per mesh dimension."""
+    totals: dict = {}
+    for t in tensors:
+        shard = local(t)
+        mesh = t.device_mesh if isinstance(t, DTensor) else None
+        copies = math.prod(mesh.size(i) for i, p in enumerate(t.placements) if p.is_replicate()) if mesh else 1
+        total = totals.setdefault(mesh, torch.zeros(2, dtype=torch.float64, device=shard.device))
+        total[0] += shard.sum(dtype=torch.float64) / copies
+        total[1] += shard.numel() / copies
+    overall = torch.zeros(2, dtype=torch.float64)
+    for mesh, total in totals.items():
+        if mesh is not None:
+            for dim in range(mesh.ndim):
+                dist.all_reduce(total, group=mesh.get_group(dim))
+        overall += total.cpu()
+    return (overall[0] / overall[1]).item()
+
+
+class Ranger21(torch.optim.Optimizer):
+    def __init__(self, params, lr: float, betas: tuple[float, float], eps: float, agc_clip: float, agc_eps: float,
+                 gradient_centralization: bool, pnm_momentum: float, norm_loss: float, lookahead_steps: int,
+                 lookahead_alpha: float):
+        super().__init__(params, {"lr": lr, "betas": betas, "eps": eps, "weight_decay": 0.0})
+        self.agc_clip, self.agc_eps = agc_clip, agc_eps
+        self.gradient_centralization = gradient_centralization
+        self.pnm_momentum, self.norm_loss = pnm_momentum, norm_loss
+        self.lookahead_steps, self.lookahead_alpha = lookahead_steps, lookahead_alpha
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        work = [(param, group) for group in self.param_groups for param in group["params"]
+                if param.grad is not None]
+        if not work:
+            return None
+        for param, group in work:
+            self._update_moments(param, group["betas"])
+        step = int(self.state[work[0][0]]["step"].item())
+        beta2 = work[0][1]["betas"][1]
+        # Stable weight decay's denominator: one value for all parameters.
+        mean_v_hat = _global_mean([self.state[param]["exp_avg_sq"] for param, _ in work]) / (1 - beta2 ** step)
+        decay_scale = 1 / math.sqrt(mean_v_hat) if mean_v_hat > 0 else 0.0
+        for param, group in work:
+            self._apply(param, group, step, decay_scale)
+        return None
+
+    def _update_moments(self, param: torch.Tensor, betas: tuple[float, float]) -> None:
+        """Clip and centralize the gradient, then update the momentum of this step's parity and the second moment."""
+        state = self.state[param]
+        if not state:
+            state["step"] = torch.tensor(0.0)
+            for name in ("exp_avg", "neg_exp_avg", "exp_avg_sq"):
+                state[name] = torch.zeros_like(param, memory_format=torch.preserve_format)
+            if self.lookahead_steps:
+                state["slow_weights"] = param.detach().clone()
+        state["step"] += 1
+        beta1, beta2 = betas
+        sharded_grad = gradient(param)
+        grad = local(sharded_grad)
+        if self.agc_clip:
+            max_norm = _unit_norm(param).clamp_(min=self.agc_eps) * self.agc_clip
+            grad_norm = _unit_norm(sharded_grad)
+            grad = torch.where(grad_norm > max_norm, grad * (max_norm / grad_norm.clamp(min=1e-6)), grad)
+        if self.gradient_centralization and param.dim() > 1:
+            grad = grad - _row_mean(_as_like(grad, param))
+        momentum = state["exp_avg" if int(state["step"].item()) % 2 else "neg_exp_avg"]
+        local(momentum).mul_(beta1 ** 2).add_(grad, alpha=1 - beta1 ** 2)
+        local(state["exp_avg_sq"]).mul_(beta2).addcmul_(grad, grad, value=1 - beta2)
+
+    def _apply(self, param: torch.Tensor, group: dict, step: int, decay_scale: float) -> None:
+        state = self.state[param]
+        beta1, beta2 = group["betas"]
+        lr = group["lr"]
+        this, other = ("exp_avg", "neg_exp_avg") if step % 2 else ("neg_exp_avg", "exp_avg")
+        b0 = self.pnm_momentum
+        weight = local(param)
+        momentum = local(state[this]).mul(1 + b0).sub_(local(state[other]), alpha=b0)
+        momentum /= math.sqrt((1 + b0) ** 2 + b0 ** 2)
+        denominator = (local(state["exp_avg_sq"]) / (1 - beta2 ** step)).sqrt_().add_(group["eps"])
+        if group["weight_decay"]:
+            weight.mul_(1 - lr * group["weight_decay"] * decay_scale)
+        if self.norm_loss:
+            weight.mul_(1 - lr * 2 * self.norm_loss * (1 - 1 / (_unit_norm(param) + 1e-8)))
+        weight.addcdiv_(momentum, denominator, value=-lr / (1 - beta1 ** step))
+        if self.lookahead_steps and step % self.lookahead_steps == 0:
+            slow = local(state["slow_weights"])
+            slow.add_(weight - slow, alpha=self.lookahead_alpha)
+            weight.copy_(slow)
+
+
+def _ranger21_state_bytes(shape: tuple[int, ...], config: OptimizerConfig, matrix_method: bool) -> float:
+    """Two momenta and the second moment, plus the slow weights with Lookahead, in fp32."""
+    return (16 if config.ranger_lookahead_steps else 12) * math.prod(shape)
+
+
+@register_optimizer("Ranger21", state_bytes=_ranger21_state_bytes)
+def build_ranger21(groups: list[dict], config: OptimizerConfig, context: BuildContext) -> torch.optim.Optimizer:
+    return Ranger21(groups, lr=config.lr, betas=(config.beta1, config.beta2), eps=config.eps,
+                    agc_clip=config.ranger_agc_clip, agc_eps=config.ranger_agc_eps,
+                    gradient_centralization=config.ranger_gradient_centralization,
+                    pnm_momentum=config.ranger_pnm_momentum, norm_loss=config.ranger_norm_loss,
+                    lookahead_steps=config.ranger_lookahead_steps, lookahead_alpha=config.ranger_lookahead_alpha)
