@@ -76,7 +76,8 @@ def test_galore_keeps_rank_r_moments_and_the_projector():
     assert default.state[wide]["exp_avg"].shape == (6, 40)
 
 
-def test_galore_refreshes_the_subspace_every_update_gap_steps():
+def test_galore_refreshes_the_subspace_every_update_gap_steps(caplog):
+    caplog.set_level("INFO", logger="torchtitan")
     (wide, *_) = galore_model()
     optimizer = GaLoreAdamW([{"params": [wide], "matrix_method": True}], lr=1e-2, rank=4, update_gap=3)
     projectors = []
@@ -87,6 +88,8 @@ def test_galore_refreshes_the_subspace_every_update_gap_steps():
     changed = [not torch.equal(a, b) for a, b in zip(projectors, projectors[1:])]
     assert changed == [False, False, True, False, False, True]  # refreshed before steps 4 and 7
     assert optimizer.refreshes == 3
+    refreshes = [r.getMessage() for r in caplog.records if r.getMessage().startswith("GaLore:")]
+    assert len(refreshes) == 3 and refreshes[0].startswith("GaLore: 1 subspaces refreshed (randomized SVD) in ")
 
 
 # ----------------------------------------------------------------------------------------------------------------

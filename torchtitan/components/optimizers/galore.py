@@ -30,6 +30,7 @@ from torchtitan.components.optimizers import BuildContext, gradient, register_op
 from torchtitan.components.optimizers.adam_direction import adam_direction
 from torchtitan.config.job_config import Optimizer as OptimizerConfig
 from torchtitan.errors import UserError
+from torchtitan.tools.logging import logger
 
 
 def top_subspace(matrix: torch.Tensor, rank: int, method: str, generator: torch.Generator | None = None,
@@ -87,12 +88,13 @@ class GaLoreAdamW(torch.optim.Optimizer):
         for group in self.param_groups:
             if group["matrix_method"] and any(p.dim() != 2 for p in group["params"]):
                 raise ValueError("GaLore projects 2-D weights only: a matrix_method group holds other tensors")
-        # Time spent in subspace refreshes (gather + SVD), for the comparison of the exact and randomized SVDs.
+        # Subspace refreshes (gather + SVD) so far and their time: logged at each step that refreshes.
         self.refresh_seconds = 0.0
         self.refreshes = 0
 
     @torch.no_grad()
     def step(self, closure=None):
+        refreshes, refresh_seconds = self.refreshes, self.refresh_seconds
         for group in self.param_groups:
             beta1, beta2 = group["betas"]
             for param in group["params"]:
@@ -106,6 +108,9 @@ class GaLoreAdamW(torch.optim.Optimizer):
                 if group["weight_decay"]:
                     param.mul_(1 - group["lr"] * group["weight_decay"])
                 param.add_(direction, alpha=-group["lr"])
+        if self.refreshes > refreshes:
+            logger.info(f"GaLore: {self.refreshes - refreshes} subspaces refreshed ({self.defaults['svd']} SVD) in "
+                        f"{self.refresh_seconds - refresh_seconds:.3f} s")
         return None
 
     def _projected_direction(self, param: torch.Tensor, state: dict, group: dict) -> torch.Tensor:
