@@ -181,15 +181,22 @@ def summarize(run: Run) -> dict[str, float | None]:
     losses = run.points("loss")
     finite_losses = [value for _, value in losses if math.isfinite(value)]
     memory = [value for _, value in run.points("memory_gib") if math.isfinite(value)]
+    validation = [value for _, value in run.points("validation_loss") if math.isfinite(value)]
+    # Smoothness of the curve: the variance of the change from one logged step to the next.
+    changes = [b - a for (_, a), (_, b) in zip(losses, losses[1:]) if math.isfinite(b - a)]
+    optimizer_state = [value for _, value in run.points("optimizer_state_gib") if math.isfinite(value)]
     return {
         "steps": losses[-1][0],
         "final loss": losses[-1][1],
         "best loss": min(finite_losses) if finite_losses else None,
+        "loss change variance": statistics.pvariance(changes) if len(changes) > 1 else None,
         "final validation loss": _last(run.points("validation_loss")),
+        "best validation loss": min(validation) if validation else None,
         # Step 1 includes start-up work (allocation, compilation, the first collectives): not the steady state.
         "mean tokens/s": _mean([value for _, value in run.points("tps", min_step=2)]),
         "mean MFU %": _mean([value for _, value in run.points("mfu", min_step=2)]),
         "peak memory GiB": max(memory) if memory else None,
+        "optimizer state MiB": max(optimizer_state) * 1024 if optimizer_state else None,
         "wall time s": max(run.times) - min(run.times) if run.times else None,
     }
 
@@ -198,10 +205,13 @@ _FORMATS: dict[str, Callable[[float], str]] = {
     "steps": lambda v: f"{int(v)}",
     "final loss": lambda v: f"{v:.4f}",
     "best loss": lambda v: f"{v:.4f}",
+    "loss change variance": lambda v: f"{v:.2e}",
     "final validation loss": lambda v: f"{v:.4f}",
+    "best validation loss": lambda v: f"{v:.4f}",
     "mean tokens/s": lambda v: f"{v:,.0f}",
     "mean MFU %": lambda v: f"{v:.2f}",
     "peak memory GiB": lambda v: f"{v:.2f}",
+    "optimizer state MiB": lambda v: f"{v:.2f}",
     "wall time s": lambda v: f"{v:.1f}",
 }
 
@@ -217,7 +227,9 @@ def comparison_table(runs: list[Run]) -> str:
     lines += ["| " + " | ".join(row) + " |" for row in rows]
     sources = [f"- {run.label}: {run.source}" for run in runs]
     return "\n".join(["# Run comparison", "", *lines, "",
-                      "Mean tokens/s (per device) and MFU exclude step 1 (warm-up). Sources:", *sources, ""])
+                      "Mean tokens/s (per device) and MFU exclude step 1 (warm-up). Loss change variance: the "
+                      "variance of the loss's change between consecutive logged steps (lower: a smoother curve). "
+                      "Optimizer state: the most one rank held. Sources:", *sources, ""])
 
 
 # ------------------------------------------------------------------------------------------------------------------

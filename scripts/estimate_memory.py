@@ -107,12 +107,9 @@ def _resident_bytes(trainer) -> int:
     for part in trainer.model_parts:
         for tensor in (*part.parameters(), *part.buffers()):
             add(tensor)
-    for optimizer in trainer.optimizers.optimizers:
-        for state in optimizer.state.values():
-            for value in state.values():
-                if isinstance(value, torch.Tensor):
-                    add(value)
-    return sum(storages.values())
+    # Optimizer state by its own count: torchao's quantized state is a tensor subclass whose data lies in inner
+    # tensors (codes and scales), not in a storage of its own.
+    return sum(storages.values()) + trainer.optimizers.state_bytes()
 
 
 # ------------------------------------------------------------------------------------------------------------------

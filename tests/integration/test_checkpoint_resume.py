@@ -61,11 +61,11 @@ def write_corpus(path: Path, documents: int = 100, words: int = 8) -> Path:
 class Runs:
     """Trainer runs that several tests compare against, each made once, on first use."""
 
-    def __init__(self, factory: pytest.TempPathFactory, corpus: Path, options: tuple[str, ...] = ()):
-        """`options`: added to every run (another optimizer)."""
+    def __init__(self, factory: pytest.TempPathFactory, corpus: Path, label: str = "", options: tuple[str, ...] = ()):
+        """`options` are added to every run (e.g. another optimizer), `label` to its folders' names."""
         self.factory = factory
         self.corpus = corpus
-        self.options = options
+        self.label, self.options = label, options
         self._straight: dict[str, list[dict]] = {}
         self._saved: dict[str, Path] = {}
         self._resharded: dict[str, Path] = {}
@@ -81,13 +81,13 @@ class Runs:
     def straight(self, layout: str) -> list[dict]:
         """An uninterrupted 8-step run, without checkpoints."""
         if layout not in self._straight:
-            self._straight[layout] = self.train(self.factory.mktemp(f"straight_{layout}"), layout, STEPS)
+            self._straight[layout] = self.train(self.factory.mktemp(f"straight_{layout}{self.label}"), layout, STEPS)
         return self._straight[layout]
 
     def saved(self, layout: str) -> Path:
         """The dump folder of a run stopped after step 4, with full checkpoints at steps 2 and 4."""
         if layout not in self._saved:
-            dump = self.factory.mktemp(f"saved_{layout}")
+            dump = self.factory.mktemp(f"saved_{layout}{self.label}")
             self.train(dump, layout, SAVED_STEP, *CHECKPOINT)
             self._saved[layout] = dump
         return self._saved[layout]
@@ -95,7 +95,7 @@ class Runs:
     def resharded(self, layout: str) -> Path:
         """The dump folder of a run that resumed FSDP 2's step-4 checkpoint under `layout` and trained to step 8."""
         if layout not in self._resharded:
-            dump = self.factory.mktemp(f"resharded_{layout}")
+            dump = self.factory.mktemp(f"resharded_{layout}{self.label}")
             shutil.copytree(self.saved("fsdp2") / "checkpoint", dump / "checkpoint")
             self.train(dump, layout, STEPS, *CHECKPOINT)
             self._resharded[layout] = dump
@@ -167,43 +167,6 @@ def test_multi_rank_resume_is_exact(tmp_path, runs, layout):
 
 
 # ----------------------------------------------------------------------------------------------------------------
-# Optimizers with state unlike AdamW's: GaLore's projector and low-rank moments, Muon's momentum
-
-# GaLore refreshes its subspace before steps 1, 4 and 7: steps 5 and 6 use the projector saved at step 4, and the
-# refresh of step 7 is the one the straight run makes.
-OPTIMIZERS = {"GaLore-AdamW": ("--optimizer.name", "GaLore-AdamW", "--optimizer.galore_update_gap", "3"),
-              "Muon": ("--optimizer.name", "Muon")}
-# Resharded, a run's gradients differ from the straight run's by rounding (another reduction order). GaLore's
-# step-7 refresh turns that into a subspace moved by about rounding / the relative gap between the r-th and next
-# singular values: steps 5-7 match within 1e-7, step 8 within 1.0e-5 (randomized SVD; 3e-6 with the exact one).
-RESHARD_BOUND = {"GaLore-AdamW": 3e-5, "Muon": 1e-5}
-
-
-@pytest.fixture(scope="module")
-def optimizer_runs(tmp_path_factory, corpus) -> dict[str, Runs]:
-    return {name: Runs(tmp_path_factory, corpus, options) for name, options in OPTIMIZERS.items()}
-
-
-@pytest.mark.parametrize("optimizer,layout", [
-    ("GaLore-AdamW", "tp2"),
-    pytest.param("GaLore-AdamW", "one_process", marks=pytest.mark.slow),
-    pytest.param("Muon", "tp2", marks=pytest.mark.slow),
-])
-def test_optimizer_state_resumes_exactly_and_reshards(tmp_path, optimizer_runs, optimizer, layout):
-    """FSDP 2's step-4 checkpoint continues exactly under FSDP 2 and within parity bounds under `layout`."""
-    runs = optimizer_runs[optimizer]
-    straight = after_save(runs.straight("fsdp2"))
-    dump = tmp_path / "fsdp2"
-    shutil.copytree(runs.saved("fsdp2"), dump)
-    resumed = after_save(runs.train(dump, "fsdp2", STEPS, *CHECKPOINT))
-    assert max_relative_difference(losses(resumed), losses(straight)) <= 1e-6
-    assert max_relative_difference(grad_norms(resumed), grad_norms(straight)) <= 1e-6
-    difference = max_relative_difference(losses(read_metrics(runs.resharded(layout))), losses(straight))
-    print(f"{optimizer} reshard fsdp2 -> {layout}: max relative loss difference of steps 5-8 {difference:.2e}")
-    assert difference <= RESHARD_BOUND[optimizer]
-
-
-# ----------------------------------------------------------------------------------------------------------------
 # Resharding: FSDP 2's step-4 checkpoint resumed under other layouts
 
 
@@ -219,6 +182,62 @@ def test_fsdp2_checkpoint_resumes_under_another_layout(runs, layout):
     difference = max_relative_difference(losses(rows), losses(after_save(runs.straight("fsdp2"))))
     print(f"reshard fsdp2 -> {layout}: max relative loss difference of steps 5-8 {difference:.2e}")
     assert difference <= 1e-5
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# The other optimizers' state (docs/recipes.md, Optimizers): exact resumption and resharding like AdamW's
+
+OPTIMIZERS = {
+    "Ranger21": ("--optimizer.name", "Ranger21", "--optimizer.weight_decay", "1e-4"),
+    "AdamW-bf16": ("--optimizer.name", "AdamW-bf16"),
+    "AdamW-8bit": ("--optimizer.name", "AdamW-8bit"),
+    "AdamW-4bit": ("--optimizer.name", "AdamW-4bit"),
+    # GaLore refreshes its subspace before steps 1, 4 and 7: steps 5 and 6 use the projector saved at step 4, and
+    # the refresh of step 7 is the one the straight run makes.
+    "GaLore-AdamW": ("--optimizer.name", "GaLore-AdamW", "--optimizer.galore_update_gap", "3"),
+    "Muon": ("--optimizer.name", "Muon"),
+}
+# (optimizer, layout that resumes FSDP 2's checkpoint). torchao's 8-/4-bit state reshards along the first dimension
+# only (see optimizers/low_precision.py): one process.
+RESHARDS = [
+    ("Ranger21", "tp2"), ("GaLore-AdamW", "tp2"),
+    *(pytest.param(name, layout, marks=pytest.mark.slow)
+      for name, layout in [("AdamW-bf16", "tp2"), ("AdamW-8bit", "one_process"), ("AdamW-4bit", "one_process"),
+                           ("GaLore-AdamW", "one_process"), ("Muon", "tp2")]),
+]
+RESHARD_BOUND = {
+    # torchao quantizes each local shard whose size allows it: the tiny model's FSDP 2 shards of 64 x 64 matrices
+    # (2048 values) keep fp32 moments in 4-bit mode, and one process quantizes them on load (measured: 2.2e-4 over
+    # steps 5-8).
+    "AdamW-4bit": 1e-3,
+    # Resharded, the gradients differ from the straight run's by rounding (another reduction order); GaLore's step-7
+    # refresh turns that into a subspace moved by about rounding / the relative gap between the r-th and next
+    # singular values: steps 5-7 match within 1e-7, step 8 within 1.0e-5 (randomized SVD; 3e-6 with the exact one).
+    "GaLore-AdamW": 3e-5,
+}
+
+
+@pytest.fixture(scope="module")
+def optimizer_runs(tmp_path_factory, corpus) -> dict[str, Runs]:
+    return {name: Runs(tmp_path_factory, corpus, f"_{name}", options) for name, options in OPTIMIZERS.items()}
+
+
+@pytest.mark.parametrize("optimizer,layout", RESHARDS)
+def test_optimizer_state_resumes_exactly_and_reshards(tmp_path, optimizer_runs, optimizer, layout):
+    """FSDP 2's step-4 checkpoint: resumed under FSDP 2 it continues exactly; resumed under `layout` it follows
+    FSDP 2's straight run within the parity bound."""
+    runs = optimizer_runs[optimizer]
+    shutil.copytree(runs.saved("fsdp2"), tmp_path / "fsdp2")
+    resumed = runs.train(tmp_path / "fsdp2", "fsdp2", STEPS, *CHECKPOINT)
+    straight = after_save(runs.straight("fsdp2"))
+    assert logged_steps(resumed) == list(range(1, STEPS + 1))
+    exact = max_relative_difference(losses(after_save(resumed)), losses(straight))
+    resharded = max_relative_difference(losses(read_metrics(runs.resharded(layout))), losses(straight))
+    print(f"{optimizer}: resume fsdp2 max relative loss difference {exact:.2e}, reshard fsdp2 -> {layout} "
+          f"{resharded:.2e}")
+    assert exact <= 1e-6
+    assert max_relative_difference(grad_norms(after_save(resumed)), grad_norms(straight)) <= 1e-6
+    assert resharded <= RESHARD_BOUND.get(optimizer, 1e-5)
 
 
 # ----------------------------------------------------------------------------------------------------------------

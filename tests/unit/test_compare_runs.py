@@ -20,7 +20,8 @@ def training_rows(losses, tps=(50.0, 1000.0, 1200.0, 1400.0, 1600.0), mfu=(1.0, 
     """Five logged steps, 10 s apart; step 1's throughput is low, as a warm-up step's is."""
     return [{"step": step, "time": START + 10 * (step - 1), "loss": loss, "grad_norm": 1.0, "lr": 1e-3,
              "tps": tps[step - 1], "tflops": 0.1, "mfu": mfu[step - 1], "memory_gib": memory[step - 1],
-             "data_pct": 0.5, "tokens_seen": TOKENS_PER_STEP * step, "model_state_gib": 0.1}
+             "data_pct": 0.5, "tokens_seen": TOKENS_PER_STEP * step, "model_state_gib": 0.1,
+             "optimizer_state_gib": 0.05}
             for step, loss in enumerate(losses, start=1)]
 
 
@@ -71,13 +72,16 @@ def test_table_from_jsonl_and_tensorboard(tmp_path, jsonl_run, tensorboard_run, 
     assert compare_runs.main([str(jsonl_run), str(tensorboard_run), "--out", str(out), "--labels", "a,b"]) == 0
     rows = table_rows(out)
     assert list(rows) == ["a", "b"]
+    # Loss changes -1, -1, 0.5, -1: mean -0.625, variance 0.421875.
     assert rows["a"] == {"run": "a", "steps": "5", "final loss": "5.5000", "best loss": "5.5000",
-                         "final validation loss": "5.7500", "mean tokens/s": "1,300", "mean MFU %": "13.00",
-                         "peak memory GiB": "2.50", "wall time s": "41.0"}
+                         "loss change variance": "4.22e-01", "final validation loss": "5.7500",
+                         "best validation loss": "5.7500", "mean tokens/s": "1,300", "mean MFU %": "13.00",
+                         "peak memory GiB": "2.50", "optimizer state MiB": "51.20", "wall time s": "41.0"}
     # From TensorBoard: no validation, throughput without step 1, wall time from the events' times.
     assert rows["b"] == {"run": "b", "steps": "5", "final loss": "6.6000", "best loss": "6.6000",
-                         "final validation loss": "n/a", "mean tokens/s": "550", "mean MFU %": "13.00",
-                         "peak memory GiB": "2.50", "wall time s": "40.0"}
+                         "loss change variance": "2.25e-02", "final validation loss": "n/a",
+                         "best validation loss": "n/a", "mean tokens/s": "550", "mean MFU %": "13.00",
+                         "peak memory GiB": "2.50", "optimizer state MiB": "51.20", "wall time s": "40.0"}
     assert (out / "comparison.md").read_text() in capsys.readouterr().out
 
 

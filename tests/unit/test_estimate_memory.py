@@ -42,6 +42,27 @@ def test_fsdp_divides_parameter_state(n):
         assert getattr(sharded, part) == pytest.approx(getattr(whole, part) / n, rel=1e-6)
 
 
+@pytest.mark.parametrize("name, ratio", [("Adam", 1.0), ("AdamW-bf16", 0.5), ("AdamW-8bit", 0.254), ("Ranger21", 2.0)])
+def test_optimizer_state_follows_the_registered_method(name, ratio):
+    """8B on FSDP 8: the optimizer term is the method's state bytes (8-bit: codes, a scale per 256 values and a
+    256-entry code book per moment), the rest of the estimate unchanged."""
+    adamw = estimate(preset("llama3_8b.toml"), 8)
+    other = estimate(preset("llama3_8b.toml", "--optimizer.name", name), 8)
+    assert other.optimizer / adamw.optimizer == pytest.approx(ratio, abs=1e-3)
+    assert (other.parameters, other.gradients, other.activations) == (adamw.parameters, adamw.gradients,
+                                                                      adamw.activations)
+
+
+@pytest.mark.slow  # torchao compiles its step: about 25 s on 2 cores
+def test_measured_optimizer_state_counts_quantized_codes():
+    """The measured side counts torchao's 8-bit state by its codes and scales, not as fp32 tensors: resident state
+    is fp32 weights (4 bytes per parameter) and the moments, 8 bytes with AdamW, about 2 with 8-bit (ratio ~0.5;
+    counted as fp32 tensors it would be 1)."""
+    measured = {name: measure([*DEBUG_TOML, "--training.seq_len", "64", "--training.local_batch_size", "1",
+                               "--optimizer.name", name])["resident"] for name in ("AdamW", "AdamW-8bit")}
+    assert measured["AdamW-8bit"] / measured["AdamW"] < 0.6
+
+
 def test_tensor_parallel_divides_matrices_and_activations():
     base = ["--activation_checkpoint.mode", "none", "--parallelism.data_parallel_shard_degree", "8"]
     alone = estimate(preset("llama3_70b.toml", *base, "--parallelism.tensor_parallel_degree", "1"), 8)

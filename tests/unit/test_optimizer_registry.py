@@ -121,3 +121,8 @@ def test_default_groups_step_bit_identically_to_two_decay_groups():
         container.step()
     for (name, a), b in zip(reference.named_parameters(), model.parameters()):
         assert torch.equal(a, b), name
+
+
+def test_torchao_optimizers_are_refused_in_a_dry_run():
+    with pytest.raises(UserError, match=r"^option optimizer.name: AdamW-8bit cannot run in a dry run"):
+        parse_args(["--comm.mode", "fake_backend", "--optimizer.name", "AdamW-8bit"])

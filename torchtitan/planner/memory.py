@@ -12,7 +12,10 @@ the compute dtype (training.mixed_precision_param: 2 for bf16, 4 for fp32).
 
 State, always resident (the optimizer keeps fp32 masters):
   parameters  P_rank x 4 / F                   P_rank: the rank's parameters, matrices and embeddings / t
-  optimizer   2 x P_rank x 4 / F               Adam(W): exp_avg and exp_avg_sq
+  optimizer   2 x P_rank x 4 / F               Adam(W): exp_avg and exp_avg_sq; other optimizers: the sum of their
+                                               registered state_bytes over the rank's tensor shards (FSDP splits
+                                               the first dimension), e.g. AdamW-bf16 4, AdamW-8bit ~2, Ranger21 16
+                                               bytes per parameter
   gradients   P_rank x 4 / F                   fp32, sharded after FSDP's reduce-scatter; they exist from the
                                                backward on (with gradient accumulation or PP: all the time)
 
@@ -79,6 +82,7 @@ from dataclasses import dataclass
 import torch
 
 from torchtitan.components.float8 import float8_enabled
+from torchtitan.components.optimizers import optimizer_spec
 from torchtitan.config import JobConfig
 from torchtitan.distributed.parallel_dims import ParallelDims
 from torchtitan.distributed.pipeline_parallel import plan_pipeline
@@ -127,6 +131,21 @@ class _Shapes:
 
     def block_matmul_params(self) -> int:
         return 2 * self.d * self.q + 2 * self.d * self.kv + 3 * self.d * self.f
+
+    def block_tensors(self, t: int) -> list[tuple[str, tuple[float, ...]]]:
+        """(parameter group, shape on one TP rank) of a block's parameters; TP splits the matrices, not the norms."""
+        return [("hidden_matrices", (self.q / t, self.d)), ("hidden_matrices", (self.kv / t, self.d)),
+                ("hidden_matrices", (self.kv / t, self.d)), ("hidden_matrices", (self.d, self.q / t)),
+                ("hidden_matrices", (self.f / t, self.d)), ("hidden_matrices", (self.f / t, self.d)),
+                ("hidden_matrices", (self.d, self.f / t)), ("norms", (self.d,)), ("norms", (self.d,))]
+
+
+def _optimizer_state(config: JobConfig, tensors: list[tuple[str, tuple[float, ...]]], fsdp: int) -> float:
+    """Bytes of the configured optimizer's state for these tensors, each an FSDP shard of its first dimension (the
+    registry's state_bytes per method: AdamW's 8 per parameter, 4 for bf16 moments, about 2 for 8-bit, ...)."""
+    spec = optimizer_spec(config.optimizer.name)
+    return sum(spec.state_bytes((shape[0] / fsdp, *shape[1:]), config.optimizer,
+                                getattr(config.optimizer.groups, group).matrix_method) for group, shape in tensors)
 
 
 def estimate(config: JobConfig, ngpu: int, overhead_bytes: int = 0, device: str = "cuda") -> Estimate:
@@ -232,11 +251,15 @@ def _estimate_rank(config: JobConfig, args: TransformerModelArgs, dims: Parallel
     # Per block of the rank, in forward order: (saved bytes for its in-flight micro-batches, bytes rebuilt and
     # alive during its backward, autocast copies it keeps for backward).
     blocks: list[tuple[float, float, float]] = []
-    params = head_activations = head_copies = 0.0
+    params = head_activations = head_copies = optimizer = 0.0
     has_head = False
+    block_state = _optimizer_state(config, s.block_tensors(t), fsdp)
     for stage_index, (n_blocks, has_embedding, stage_has_head) in enumerate(stages):
         mbs = in_flight(rank, stage_index)
         params += n_blocks * block_params + (s.vocab * s.d / t if has_embedding else 0.0)
+        optimizer += n_blocks * block_state
+        if has_embedding:
+            optimizer += _optimizer_state(config, [("embeddings", (s.vocab / t, s.d))], fsdp)
         for mode in _ac_modes(config, n_blocks):
             saved = mbs * _block_activations(s, tokens, t, a, residual, autocast, mode, device)
             rebuilt = none + block_copies if mode != "none" else 0.0
@@ -245,11 +268,12 @@ def _estimate_rank(config: JobConfig, args: TransformerModelArgs, dims: Parallel
         if stage_has_head:
             has_head = True
             params += head_params
+            optimizer += _optimizer_state(config, [("output", (s.vocab / t, s.d)), ("norms", (s.d,))], fsdp)
             head_activations += mbs * (tokens / t * s.d * 8 + tokens * s.d * a)
             head_copies += s.vocab * s.d / t * 2 if autocast else 0.0
 
     sharded = params / fsdp
-    parameters, optimizer, gradients = 4 * sharded, 8 * sharded, 4 * sharded
+    parameters, gradients = 4 * sharded, 4 * sharded
     accumulating = dims.pp > 1 or config.training.global_batch_size > config.training.local_batch_size * dims.dp
     resident_grads = gradients if accumulating else 0.0
     activations = sum(b[0] for b in blocks) + head_activations

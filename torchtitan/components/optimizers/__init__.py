@@ -21,11 +21,14 @@ How to add an optimizer
 2. Import the module at the end of this file, add the name to the `name` Literal of `Optimizer` in
    torchtitan/config/job_config.py (tests/unit/test_optimizer_registry.py checks that the two agree), describe it in
    that option's docstring and regenerate docs/config_reference.md (scripts/generate_config_reference.py).
-3. Add it to the parity and resume tests (tests/integration/test_optimizer_parity.py) and to docs/recipes.md.
+3. Add it to OPTIMIZERS in tests/integration/test_parallel_parity.py (FSDP 2 and TP 2 against one process) and in
+   tests/integration/test_checkpoint_resume.py (exact resume, resharding), and to docs/recipes.md, Optimizers.
 
-The optimizer must keep its state in `self.state[param]` as tensors shaped like the parameter (DTensors sharded like
-it) or as small tensors/scalars, so that OptimizersContainer saves it by parameter name and reloads it under any
-sharding.
+OptimizersContainer saves `self.state[param]` by parameter name (torch's get/set_optimizer_state_dict): state shaped
+like the parameter (a DTensor sharded like it, e.g. `torch.zeros_like(param)`) and scalars reload under any sharding;
+state of another shape (a projection matrix) must be a DTensor whose placements say how it reshards, or be rebuilt
+on load. `local(t)` and `gradient(param)` below give the local shard and the gradient sharded like its parameter, for
+elementwise updates.
 """
 
 from collections.abc import Callable

@@ -65,7 +65,7 @@ def _row_mean(t: torch.Tensor) -> torch.Tensor:
     return _per_unit(t, lambda x, dims: x.mean(dim=dims, keepdim=True))
 
 
-def _global_mean(tensors: list[torch.Tensor]) -> float:
+def _global_mean(tensors: list[torch.Tensor]) -> torch.Tensor:
     """The mean of all values of `tensors` (whole tensors, possibly sharded): one all-reduce per mesh dimension."""
     totals: dict = {}
     for t in tensors:
@@ -75,13 +75,13 @@ def _global_mean(tensors: list[torch.Tensor]) -> float:
         total = totals.setdefault(mesh, torch.zeros(2, dtype=torch.float64, device=shard.device))
         total[0] += shard.sum(dtype=torch.float64) / copies
         total[1] += shard.numel() / copies
-    overall = torch.zeros(2, dtype=torch.float64)
     for mesh, total in totals.items():
         if mesh is not None:
             for dim in range(mesh.ndim):
                 dist.all_reduce(total, group=mesh.get_group(dim))
-        overall += total.cpu()
-    return (overall[0] / overall[1]).item()
+    overall = sum(totals.values())
+    # A tensor, not a Python number: no host synchronisation, and a dry run's fake tensors have no value to read.
+    return overall[0] / overall[1]
 
 
 class Ranger21(torch.optim.Optimizer):
@@ -89,6 +89,8 @@ class Ranger21(torch.optim.Optimizer):
                  gradient_centralization: bool, pnm_momentum: float, norm_loss: float, lookahead_steps: int,
                  lookahead_alpha: float):
         super().__init__(params, {"lr": lr, "betas": betas, "eps": eps, "weight_decay": 0.0})
+        # Steps taken, on the host (the parity of the step picks the momentum); the state's `step` tensors save it.
+        self.steps = 0
         self.agc_clip, self.agc_eps = agc_clip, agc_eps
         self.gradient_centralization = gradient_centralization
         self.pnm_momentum, self.norm_loss = pnm_momentum, norm_loss
@@ -100,16 +102,20 @@ class Ranger21(torch.optim.Optimizer):
                 if param.grad is not None]
         if not work:
             return None
+        self.steps += 1
         for param, group in work:
             self._update_moments(param, group["betas"])
-        step = int(self.state[work[0][0]]["step"].item())
         beta2 = work[0][1]["betas"][1]
-        # Stable weight decay's denominator: one value for all parameters.
-        mean_v_hat = _global_mean([self.state[param]["exp_avg_sq"] for param, _ in work]) / (1 - beta2 ** step)
-        decay_scale = 1 / math.sqrt(mean_v_hat) if mean_v_hat > 0 else 0.0
+        # Stable weight decay's denominator: one value for all parameters (0 before any gradient: no decay).
+        mean_v_hat = _global_mean([self.state[param]["exp_avg_sq"] for param, _ in work]) / (1 - beta2 ** self.steps)
+        decay_scale = torch.where(mean_v_hat > 0, mean_v_hat.rsqrt(), 0.0).float()
         for param, group in work:
-            self._apply(param, group, step, decay_scale)
+            self._apply(param, group, self.steps, decay_scale)
         return None
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        super().load_state_dict(state_dict)
+        self.steps = max((int(state["step"]) for state in self.state.values() if "step" in state), default=0)
 
     def _update_moments(self, param: torch.Tensor, betas: tuple[float, float]) -> None:
         """Clip and centralize the gradient, then update the momentum of this step's parity and the second moment."""
@@ -120,7 +126,7 @@ class Ranger21(torch.optim.Optimizer):
                 state[name] = torch.zeros_like(param, memory_format=torch.preserve_format)
             if self.lookahead_steps:
                 state["slow_weights"] = param.detach().clone()
-        state["step"] += 1
+        state["step"].fill_(self.steps)
         beta1, beta2 = betas
         sharded_grad = gradient(param)
         grad = local(sharded_grad)
@@ -130,11 +136,11 @@ class Ranger21(torch.optim.Optimizer):
             grad = torch.where(grad_norm > max_norm, grad * (max_norm / grad_norm.clamp(min=1e-6)), grad)
         if self.gradient_centralization and param.dim() > 1:
             grad = grad - _row_mean(_as_like(grad, param))
-        momentum = state["exp_avg" if int(state["step"].item()) % 2 else "neg_exp_avg"]
+        momentum = state["exp_avg" if self.steps % 2 else "neg_exp_avg"]
         local(momentum).mul_(beta1 ** 2).add_(grad, alpha=1 - beta1 ** 2)
         local(state["exp_avg_sq"]).mul_(beta2).addcmul_(grad, grad, value=1 - beta2)
 
-    def _apply(self, param: torch.Tensor, group: dict, step: int, decay_scale: float) -> None:
+    def _apply(self, param: torch.Tensor, group: dict, step: int, decay_scale: torch.Tensor) -> None:
         state = self.state[param]
         beta1, beta2 = group["betas"]
         lr = group["lr"]
@@ -145,7 +151,7 @@ class Ranger21(torch.optim.Optimizer):
         momentum /= math.sqrt((1 + b0) ** 2 + b0 ** 2)
         denominator = (local(state["exp_avg_sq"]) / (1 - beta2 ** step)).sqrt_().add_(group["eps"])
         if group["weight_decay"]:
-            weight.mul_(1 - lr * group["weight_decay"] * decay_scale)
+            weight.mul_(1 - lr * group["weight_decay"] * decay_scale.to(weight.device))
         if self.norm_loss:
             weight.mul_(1 - lr * 2 * self.norm_loss * (1 - 1 / (_unit_norm(param) + 1e-8)))
         weight.addcdiv_(momentum, denominator, value=-lr / (1 - beta1 ** step))
