@@ -12,8 +12,9 @@ step, so every rank (and every layout) draws the same one and computes the same 
 
 Under FSDP / HSDP / TP (DTensor parameters), the computation is sharded, not gathered, except at a refresh:
 - refresh (every `update_gap` steps): the gradient is all-gathered (`full_tensor`, m x n values) and every rank
-  computes the same projector, held replicated (size x r per rank);
-- each step: the projection runs on the local shard. Where the parameter is sharded along the kept side, it needs
+  computes the same projector, and keeps 1/N of it (sharded along the projected side wherever the parameter is
+  sharded);
+- each step: the projector is all-gathered (size x r values) and the projection runs on the local shard. Where the parameter is sharded along the kept side, it needs
   no communication; where it is sharded along the projected side, the partial products are reduce-scattered
   (r x kept values). The moments are sharded along the kept side over every mesh dimension the parameter is
   sharded on, so they take 1/N of a rank's memory like AdamW's. Back-projecting all-gathers the normalised low-rank
@@ -118,8 +119,9 @@ class GaLoreAdamW(torch.optim.Optimizer):
         d = projected_dim(param.shape)
         if int(state.get("step", 0)) % group["update_gap"] == 0:
             self._refresh(param, state, group, d)
-        projector = state["projector"]
         placements = list(param.placements) if isinstance(param, DTensor) else []
+        # Stored sharded like the rest of the state, gathered for use (size x r values).
+        projector = _placed(state["projector"], param, [Replicate()] * len(placements))
         # Moments: sharded along the kept side wherever the parameter is sharded at all.
         kept = Shard(1 - d)
         moment_placements = [kept if isinstance(p, Shard) else Replicate() for p in placements]
@@ -144,8 +146,9 @@ class GaLoreAdamW(torch.optim.Optimizer):
         generator = torch.Generator().manual_seed(self.seed + int(state.get("step", 0)))
         basis = top_subspace(grad if d == 0 else grad.T, rank, group["svd"], generator, self.oversample,
                              self.power_iterations)
+        placements = param.placements if isinstance(param, DTensor) else []
         state["projector"] = _placed(basis.contiguous(), param,
-                                     [Replicate()] * param.device_mesh.ndim if isinstance(param, DTensor) else [])
+                                     [Shard(0) if isinstance(p, Shard) else Replicate() for p in placements])
         self.refresh_seconds += time.perf_counter() - start
         self.refreshes += 1
 
