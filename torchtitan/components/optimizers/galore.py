@@ -164,7 +164,8 @@ def _check(config: OptimizerConfig, groups: list[dict]) -> None:
 
 def state_bytes(shape: tuple[int, ...], config: OptimizerConfig, matrix_method: bool) -> float:
     """Projected matrices: two fp32 moments of rank x kept side plus the fp32 projector (rank x projected side);
-    the rest: AdamW's two fp32 moments."""
+    the rest: AdamW's two fp32 moments. Exact for a whole matrix; a shard's shape is counted as a matrix of its own,
+    which gives its moments and underestimates its share of the projector (rank of the whole matrix x its side)."""
     if not matrix_method:
         return 8 * math.prod(shape)
     rank = config.galore_rank or default_rank(shape)
