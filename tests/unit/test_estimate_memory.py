@@ -42,7 +42,8 @@ def test_fsdp_divides_parameter_state(n):
         assert getattr(sharded, part) == pytest.approx(getattr(whole, part) / n, rel=1e-6)
 
 
-@pytest.mark.parametrize("name, ratio", [("Adam", 1.0), ("AdamW-bf16", 0.5), ("AdamW-8bit", 0.254), ("Ranger21", 2.0)])
+@pytest.mark.parametrize("name, ratio", [("Adam", 1.0), ("AdamW-bf16", 0.5), ("AdamW-8bit", 0.254), ("Ranger21", 2.0),
+                                         ("Muon", 0.565)])
 def test_optimizer_state_follows_the_registered_method(name, ratio):
     """8B on FSDP 8: the optimizer term is the method's state bytes (8-bit: codes, a scale per 256 values and a
     256-entry code book per moment), the rest of the estimate unchanged."""

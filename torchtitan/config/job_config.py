@@ -141,8 +141,9 @@ class OptimizerGroups:
 
 @dataclass
 class Optimizer:
-    name: Literal["AdamW", "Adam", "FlexDeMo", "AdamW-bf16", "AdamW-8bit", "AdamW-4bit", "Ranger21"] = "AdamW"
-    """Optimizer: AdamW (decoupled weight decay), Adam (L2 penalty added to the gradient), FlexDeMo (replicas exchange only their momentum's top DCT components instead of all-reducing gradients; needs data_parallel_replicate_degree >= 2), AdamW-bf16 (AdamW with bfloat16 moments, fp32 weights and update; keep beta2 <= 0.99), AdamW-8bit / AdamW-4bit (torchao's AdamW with blockwise 8-/4-bit moments), Ranger21 (AdamW with gradient clipping and centralization, positive-negative momentum, stable weight decay, norm loss and Lookahead; see the ranger_* options). See docs/recipes.md, Optimizers."""
+    name: Literal["AdamW", "Adam", "FlexDeMo", "AdamW-bf16", "AdamW-8bit", "AdamW-4bit", "Ranger21", "GaLore-AdamW",
+                  "Muon"] = "AdamW"
+    """Optimizer: AdamW (decoupled weight decay), Adam (L2 penalty added to the gradient), FlexDeMo (replicas exchange only their momentum's top DCT components instead of all-reducing gradients; needs data_parallel_replicate_degree >= 2), AdamW-bf16 (AdamW with bfloat16 moments, fp32 weights and update; keep beta2 <= 0.99), AdamW-8bit / AdamW-4bit (torchao's AdamW with blockwise 8-/4-bit moments), Ranger21 (AdamW with gradient clipping and centralization, positive-negative momentum, stable weight decay, norm loss and Lookahead; see the ranger_* options), GaLore-AdamW (AdamW with the moments of matrix_method matrices kept for their gradient projected to low rank, galore_* options), Muon (orthogonalised Nesterov momentum for matrix_method matrices, AdamW for the other groups, muon_* options). See docs/recipes.md, Optimizers."""
 
     lr: float = 8e-4
     """Peak learning rate."""
@@ -194,6 +195,24 @@ class Optimizer:
 
     ranger_lookahead_alpha: float = 0.5
     """Ranger21: Lookahead's step of the slow weights towards the fast ones (1 = keep the fast weights)."""
+
+    galore_rank: int | None = None
+    """GaLore-AdamW: rank of the gradient projection of each matrix_method matrix. None = a quarter of each matrix's smaller side."""
+
+    galore_update_gap: int = 200
+    """GaLore-AdamW: steps between refreshes of the projection subspace (an SVD of the current gradient)."""
+
+    galore_scale: float = 1.0
+    """GaLore-AdamW: factor of the projected-back step of the matrix_method matrices."""
+
+    galore_svd: Literal["randomized", "exact"] = "randomized"
+    """GaLore-AdamW: how a refresh finds the gradient's top singular subspace: randomized (GaLore 2: a range finder with 2 power iterations and 8 extra columns) or exact (a full SVD)."""
+
+    muon_momentum: float = 0.95
+    """Muon: momentum of the matrix_method matrices (Nesterov); the other groups take AdamW's beta1/beta2."""
+
+    muon_ns_steps: int = 5
+    """Muon: Newton-Schulz iterations that orthogonalise each step of a matrix_method matrix."""
 
     groups: OptimizerGroups = field(default_factory=OptimizerGroups)
     """Per-group rules ([optimizer.groups.<group>]). Groups: hidden_matrices (2-D weights inside the blocks), output (the final projection to the vocabulary), embeddings, norms (normalisation weights), other (the rest, e.g. biases)."""

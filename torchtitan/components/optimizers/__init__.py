@@ -106,4 +106,4 @@ def gradient(param: torch.Tensor) -> torch.Tensor:
 
 
 # Each module registers its builders on import.
-from torchtitan.components.optimizers import adamw, flexdemo, low_precision, ranger21  # noqa: E402,F401
+from torchtitan.components.optimizers import adamw, flexdemo, galore, low_precision, muon, ranger21  # noqa: E402,F401

@@ -1,0 +1,238 @@
+"""GaLore-AdamW and Muon: their math on plain tensors, and the same steps on DTensor parameters of every placement
+the trainer's layouts give them (FSDP Shard(0), TP Shard(0)/Shard(1), HSDP, FSDP x TP)."""
+
+import os
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
+
+from tests.unit.forked_ranks import run_ranks
+from torchtitan.components.optimizer import OptimizersContainer
+from torchtitan.components.optimizers import optimizer_spec
+from torchtitan.components.optimizers.galore import GaLoreAdamW, top_subspace
+from torchtitan.components.optimizers.muon import Muon, newton_schulz
+from torchtitan.config.job_config import Optimizer as OptimizerConfig
+from torchtitan.errors import UserError
+from torchtitan.models.llama3.args import model_args_for
+from torchtitan.models.llama3.model import Transformer
+
+
+def test_newton_schulz_is_nearly_orthogonal():
+    """Five quintic iterations put every singular value of a random (badly conditioned) matrix into [0.6, 1.25],
+    for tall and wide matrices; the input's singular values spread over two orders of magnitude (as a gradient's do)."""
+    generator = torch.Generator().manual_seed(0)
+    for shape in [(64, 256), (256, 64), (128, 128)]:
+        left = torch.linalg.qr(torch.randn(shape[0], min(shape), generator=generator)).Q
+        right = torch.linalg.qr(torch.randn(shape[1], min(shape), generator=generator)).Q
+        matrix = left @ torch.diag(torch.logspace(0, -2, min(shape))) @ right.T
+        singular = torch.linalg.svdvals(newton_schulz(matrix, steps=5))
+        assert 0.6 <= singular.min() and singular.max() <= 1.25, (shape, singular.min(), singular.max())
+        # The same singular vectors: the result is the input's polar factor up to the singular values' errors.
+        polar = left @ right.T
+        assert (newton_schulz(matrix, steps=5) - polar).norm() / polar.norm() < 0.3
+
+
+def test_randomized_svd_finds_the_exact_subspace():
+    """On a gradient-like matrix (decaying spectrum plus noise) the randomized range finder's rank-16 subspace is
+    that of the exact SVD: the cosines of the principal angles between them are all above 0.99."""
+    generator = torch.Generator().manual_seed(0)
+    m, n, rank = 96, 160, 16
+    left = torch.linalg.qr(torch.randn(m, m, generator=generator)).Q
+    right = torch.linalg.qr(torch.randn(n, m, generator=generator)).Q
+    matrix = left @ torch.diag(0.8 ** torch.arange(m, dtype=torch.float32)) @ right.T
+    matrix += 1e-4 * torch.randn(m, n, generator=generator)
+    exact = top_subspace(matrix, rank, "exact")
+    randomized = top_subspace(matrix, rank, "randomized", torch.Generator().manual_seed(1))
+    assert exact.shape == randomized.shape == (m, rank)
+    assert torch.allclose(randomized.T @ randomized, torch.eye(rank), atol=1e-5)
+    cosines = torch.linalg.svdvals(exact.T @ randomized)
+    assert cosines.min() > 0.99, cosines
+
+
+def galore_model() -> list[torch.nn.Parameter]:
+    generator = torch.Generator().manual_seed(0)
+    return [torch.nn.Parameter(torch.randn(shape, generator=generator)) for shape in [(24, 40), (40, 24), (8,)]]
+
+
+def test_galore_keeps_rank_r_moments_and_the_projector():
+    """Wide matrices project their rows (moments r x n), tall ones their columns (m x r); the projector is state."""
+    wide, tall, vector = galore_model()
+    optimizer = GaLoreAdamW([{"params": [wide, tall], "matrix_method": True}, {"params": [vector]}], lr=1e-2, rank=6)
+    for p in (wide, tall, vector):
+        p.grad = torch.randn_like(p)
+    optimizer.step()
+    assert optimizer.state[wide]["exp_avg"].shape == optimizer.state[wide]["exp_avg_sq"].shape == (6, 40)
+    assert optimizer.state[wide]["projector"].shape == (24, 6)
+    assert optimizer.state[tall]["exp_avg"].shape == (40, 6)
+    assert optimizer.state[tall]["projector"].shape == (24, 6)
+    assert optimizer.state[vector]["exp_avg"].shape == (8,)
+    # The default rank: a quarter of the smaller side.
+    default = GaLoreAdamW([{"params": [wide], "matrix_method": True}], lr=1e-2)
+    default.step()
+    assert default.state[wide]["exp_avg"].shape == (6, 40)
+
+
+def test_galore_refreshes_the_subspace_every_update_gap_steps(caplog):
+    caplog.set_level("INFO", logger="torchtitan")
+    (wide, *_) = galore_model()
+    optimizer = GaLoreAdamW([{"params": [wide], "matrix_method": True}], lr=1e-2, rank=4, update_gap=3)
+    projectors = []
+    for _ in range(7):
+        wide.grad = torch.randn_like(wide)
+        optimizer.step()
+        projectors.append(optimizer.state[wide]["projector"].clone())
+    changed = [not torch.equal(a, b) for a, b in zip(projectors, projectors[1:])]
+    assert changed == [False, False, True, False, False, True]  # refreshed before steps 4 and 7
+    assert optimizer.refreshes == 3
+    refreshes = [r.getMessage() for r in caplog.records if r.getMessage().startswith("GaLore:")]
+    assert len(refreshes) == 3 and refreshes[0].startswith("GaLore: 1 subspaces refreshed (randomized SVD) in ")
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Through the registry
+
+
+def tiny_model() -> Transformer:
+    torch.manual_seed(0)
+    model = Transformer(model_args_for("tiny", 16))
+    model.init_weights()
+    return model
+
+
+@pytest.mark.parametrize("name", ["GaLore-AdamW", "Muon"])
+def test_registry_state_bytes_match_the_state_after_a_step(name):
+    """The registry's per-tensor estimate (memory planner, estimate_memory.py) is the state the optimizer keeps."""
+    config = OptimizerConfig(name=name)
+    model = tiny_model()
+    container = OptimizersContainer([model], config)
+    model(torch.randint(0, 2304, (2, 16))).sum().backward()
+    container.step()
+    (optimizer,) = container.optimizers
+    spec = optimizer_spec(name)
+    for group in optimizer.param_groups:
+        for param in group["params"]:
+            kept = sum(v.numel() * v.element_size() for v in optimizer.state[param].values() if v.dim() > 0)
+            assert kept == spec.state_bytes(tuple(param.shape), config, group["matrix_method"]), group["group"]
+
+
+@pytest.mark.parametrize("option,value,message", [
+    ("galore_rank", 65, r"^option optimizer.galore_rank: 65 must be in \[1, 32\]"),
+    ("galore_rank", 0, r"^option optimizer.galore_rank: 0 must be in \[1, 32\]"),
+    ("galore_update_gap", 0, r"^option optimizer.galore_update_gap: 0 must be at least 1"),
+])
+def test_galore_options_are_checked(option, value, message):
+    with pytest.raises(UserError, match=message):
+        OptimizersContainer([tiny_model()], OptimizerConfig(name="GaLore-AdamW", **{option: value}))
+
+
+@pytest.mark.parametrize("option,value,message", [
+    ("muon_momentum", 1.0, r"^option optimizer.muon_momentum: 1.0 must be in \[0, 1\)"),
+    ("muon_ns_steps", 0, r"^option optimizer.muon_ns_steps: 0 must be at least 1"),
+])
+def test_muon_options_are_checked(option, value, message):
+    with pytest.raises(UserError, match=message):
+        OptimizersContainer([tiny_model()], OptimizerConfig(name="Muon", **{option: value}))
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# The same steps on DTensor parameters
+
+STEPS = 4
+SHAPES = [(24, 40), (40, 24), (18, 30)]  # wide, tall, and one that 4 ranks shard unevenly
+# name -> (mesh shape, placements)
+LAYOUTS = {
+    "shard0": ((4,), [Shard(0)]),
+    "shard1": ((4,), [Shard(1)]),
+    "hsdp": ((2, 2), [Replicate(), Shard(0)]),
+    "shard0_shard1": ((2, 2), [Shard(0), Shard(1)]),
+}
+OPTIMIZERS = {
+    "galore_randomized": lambda groups: GaLoreAdamW(groups, lr=1e-2, weight_decay=0.1, rank=5, update_gap=2),
+    "galore_exact": lambda groups: GaLoreAdamW(groups, lr=1e-2, weight_decay=0.1, rank=5, update_gap=2, svd="exact"),
+    "muon": lambda groups: Muon(groups, lr=1e-2, weight_decay=0.1),
+}
+
+
+def train_steps(optimizer_name: str, params: list[torch.Tensor],
+                grads: list[list[torch.Tensor]]) -> torch.optim.Optimizer:
+    optimizer = OPTIMIZERS[optimizer_name]([{"params": params, "matrix_method": True}])
+    for step_grads in grads:
+        for param, grad in zip(params, step_grads):
+            param.grad = grad
+        optimizer.step()
+    return optimizer
+
+
+def reference_grads() -> list[list[torch.Tensor]]:
+    generator = torch.Generator().manual_seed(1)
+    return [[torch.randn(shape, generator=generator) for shape in SHAPES] for _ in range(STEPS)]
+
+
+def reference_params() -> list[torch.Tensor]:
+    generator = torch.Generator().manual_seed(0)
+    return [torch.randn(shape, generator=generator) for shape in SHAPES]
+
+
+def sharded_worker(rank: int, out_dir: str) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=os.environ["TEST_PORT"])
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=rank, world_size=4)
+    results = {}
+    for layout, (mesh_shape, placements) in LAYOUTS.items():
+        mesh = init_device_mesh("cpu", mesh_shape)
+        for name in OPTIMIZERS:
+            params = [torch.nn.Parameter(distribute_tensor(p, mesh, placements)) for p in reference_params()]
+            grads = [[distribute_tensor(g, mesh, placements) for g in step] for step in reference_grads()]
+            optimizer = train_steps(name, params, grads)
+            results[layout, name] = [p.full_tensor() for p in params]
+            state = [value for p in params for value in optimizer.state[p].values() if isinstance(value, DTensor)]
+            results[layout, name, "state_fraction"] = (sum(v.to_local().numel() for v in state)
+                                                       / sum(v.numel() for v in state))
+    torch.save(results, Path(out_dir) / f"rank{rank}.pt")
+    dist.destroy_process_group()
+
+
+@pytest.fixture(scope="module")
+def sharded_results(tmp_path_factory) -> dict:
+    import socket
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        os.environ["TEST_PORT"] = str(s.getsockname()[1])
+    return run_ranks(sharded_worker, tmp_path_factory.mktemp("galore_muon"), 4, 120, "GaLore/Muon")[0]
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+@pytest.mark.parametrize("name", OPTIMIZERS)
+def test_sharded_steps_equal_the_plain_ones(sharded_results, layout, name):
+    """Four steps (two subspace refreshes for GaLore) on 4 ranks end at the one-process weights within 1e-5."""
+    params = [p.detach().clone() for p in reference_params()]
+    train_steps(name, params, reference_grads())
+    for expected, actual in zip(params, sharded_results[layout, name]):
+        assert not isinstance(actual, DTensor)
+        difference = ((actual - expected).abs().max() / expected.abs().max()).item()
+        assert difference <= 1e-5, (layout, name, difference)
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_a_rank_keeps_its_share_of_the_state(sharded_results, layout):
+    """Muon's momentum is sharded like the parameter, GaLore's moments along the kept side and its projectors along
+    the projected side wherever the parameter is sharded: a rank holds 1/4 of the state (1/2 under HSDP, whose
+    replicas hold the same shard; 4 ranks split 30 columns unevenly)."""
+    shards = 2 if layout == "hsdp" else 4
+    for name in ("muon", "galore_randomized", "galore_exact"):
+        assert sharded_results[layout, name, "state_fraction"] == pytest.approx(1 / shards, abs=0.02)
+
+
+def test_galore_costs_script_reports_state_and_refresh_times(monkeypatch, capsys):
+    import runpy
+    script = Path(__file__).resolve().parents[2] / "scripts" / "galore_costs.py"
+    monkeypatch.setattr("sys.argv", [str(script), "--flavor", "tiny", "--repeats", "1"])
+    runpy.run_path(str(script), run_name="__main__")
+    out = capsys.readouterr().out
+    # tiny: dim 64; wq/wo 64 x 64 at rank 16 keep 2 x 16 x 64 + 16 x 64 values against AdamW's 2 x 64 x 64.
+    assert "| 64 x 64 | 8 | 16 | 37.5% |" in out
+    assert "projected matrices: GaLore state 0.46 MiB = 30.7% of AdamW's 1.50 MiB" in out
