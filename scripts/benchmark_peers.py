@@ -17,6 +17,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.distributed.checkpoint.state_dict import get_model_state_dict
 from torch.distributed.tensor import DTensor
 
 from torchtitan.components.loss import IGNORE_INDEX
@@ -30,13 +31,11 @@ PEERS = ("transformers", "plain")
 
 
 def initial_state_dict(trainer) -> dict[str, torch.Tensor]:
-    """A copy of our freshly initialised weights, under our names (wrapper prefixes removed)."""
-    ours = {}
-    for name, value in trainer.model_parts[0].state_dict().items():
-        name = name.replace("_checkpoint_wrapped_module.", "").replace("_orig_mod.", "")
-        value = value.full_tensor() if isinstance(value, DTensor) else value
-        ours[name] = value.detach().clone()
-    return ours
+    """A copy of our freshly initialised weights, under our names (torch's state-dict API drops the compile and
+    activation-checkpoint wrappers from them)."""
+    state = get_model_state_dict(trainer.model_parts[0])
+    return {name: (value.full_tensor() if isinstance(value, DTensor) else value).detach().clone()
+            for name, value in state.items()}
 
 
 class PlainAttention(nn.Module):

@@ -11,11 +11,17 @@ import torch.multiprocessing as mp
 def run_ranks(worker, out_dir: Path, nprocs: int, timeout_s: float, what: str) -> list[dict]:
     """Start `nprocs` ranks of `worker`; each saves its results to `out_dir/rank<R>.pt`. Fails the test (killing the
     ranks) if they run longer than `timeout_s`."""
-    workers = mp.start_processes(worker, args=(str(out_dir),), nprocs=nprocs, join=False, start_method="fork")
+    join_forked(worker, (str(out_dir),), nprocs, timeout_s, f"{what} workers")
+    return [torch.load(out_dir / f"rank{rank}.pt") for rank in range(nprocs)]
+
+
+def join_forked(worker, args: tuple, nprocs: int, timeout_s: float, what: str) -> None:
+    """Fork `nprocs` ranks of `worker(rank, *args)` (forked, not spawned: a spawned process would import torch
+    again, seconds each on two cores) and wait for them; fails the test, killing them, after `timeout_s`."""
+    workers = mp.start_processes(worker, args=args, nprocs=nprocs, join=False, start_method="fork")
     deadline = time.monotonic() + timeout_s
     while not workers.join(timeout=1):
         if time.monotonic() > deadline:
             for process in workers.processes:
                 process.kill()
-            pytest.fail(f"{what} workers still running after {timeout_s:.0f} s")
-    return [torch.load(out_dir / f"rank{rank}.pt") for rank in range(nprocs)]
+            pytest.fail(f"{what} still running after {timeout_s:.0f} s")

@@ -19,7 +19,6 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint.filesystem as dcp_filesystem
-import torch.multiprocessing as mp
 import torch.nn.functional as F
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, get_optimizer_state_dict
 from torch.distributed.checkpoint.stateful import Stateful
@@ -27,6 +26,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 
 from scripts import convert_checkpoint
+from tests.unit.forked_ranks import join_forked
 from torchtitan.components.checkpoint import integrity as checkpoint_integrity
 from torchtitan.components.checkpoint import manager as manager_module
 from torchtitan.components.checkpoint import (CHECKSUMS_FILE, CheckpointManager, TrainState, complete_steps,
@@ -783,14 +783,7 @@ def test_convert_script(pg, tmp_path, capsys, monkeypatch):
 
 
 def run_forked(worker, world_size: int, *args, timeout: float = 120) -> None:
-    """Forked, not spawned: a spawned process would import torch again, seconds each on two cores."""
-    workers = mp.start_processes(worker, args=(world_size, *args), nprocs=world_size, join=False, start_method="fork")
-    deadline = time.monotonic() + timeout
-    while not workers.join(timeout=1):
-        if time.monotonic() > deadline:
-            for process in workers.processes:
-                process.kill()
-            pytest.fail(f"{worker.__name__} still running after {timeout} s")
+    join_forked(worker, (world_size, *args), world_size, timeout, worker.__name__)
 
 
 def fsdp_model(seed: int, mesh) -> Transformer:
