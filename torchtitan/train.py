@@ -409,9 +409,11 @@ class Trainer:
         cuda = self.device.type == "cuda"
         # One all-reduce for every maximum over ranks: peak memory (CUDA: reserved and allocated; CPU: RSS) and
         # the model state held.
+        optimizer_bytes = self.optimizers.state_bytes()
         maxima = torch.tensor([memory["max_reserved_gib" if cuda else "max_rss_gib"],
-                               memory.get("max_allocated_gib", 0.0), self._model_state_bytes() / 2**30,
-                               self.optimizers.state_bytes() / 2**30], device=self.device)
+                               memory.get("max_allocated_gib", 0.0),
+                               (self._parameter_and_gradient_bytes() + optimizer_bytes) / 2**30,
+                               optimizer_bytes / 2**30], device=self.device)
         dist.all_reduce(maxima, op=dist.ReduceOp.MAX)
         peak_gib, allocated_gib, state_gib, optimizer_state_gib = maxima.tolist()
         self.metrics.log(step, {
@@ -424,8 +426,8 @@ class Trainer:
         window.update(time=time.perf_counter(), steps=0, data_time=0.0)
         reset_peak_memory(self.device)
 
-    def _model_state_bytes(self) -> int:
-        """Bytes this rank holds of parameters, gradients and optimizer state (local shards only)."""
+    def _parameter_and_gradient_bytes(self) -> int:
+        """Bytes this rank holds of parameters and gradients (local shards only)."""
         def local_bytes(t: torch.Tensor) -> int:
             t = t.to_local() if isinstance(t, DTensor) else t
             return t.numel() * t.element_size()
@@ -434,7 +436,7 @@ class Trainer:
         for part in self.model_parts:
             for p in part.parameters():
                 total += local_bytes(p) + (local_bytes(p.grad) if p.grad is not None else 0)
-        return total + self.optimizers.state_bytes()
+        return total
 
     def _on_sigterm(self, signum, frame) -> None:
         # Finish the current step, checkpoint it, and exit so that a requeued job continues from here.
