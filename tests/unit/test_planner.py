@@ -91,3 +91,21 @@ def test_bad_input_is_one_error_line(capsys, argv, message):
     assert plan_script.main(argv) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and err[0].startswith("error:") and message in err[0], err
+
+
+def test_pipeline_reduces_gradients_after_it_drains_and_fsdp_exposes_its_edges():
+    """Under PP the gradient reduce-scatter runs after the last micro-batch (not hidden, not stretched by the
+    bubble); without PP only the first block's all-gather and the last reduce-scatter stand outside the compute."""
+    from torchtitan.models.llama3.args import model_args_for
+    from torchtitan.planner.cost import step_time
+
+    rows = validation.published_rows()
+    pipelined, flat = rows[8], rows[3]
+    step = step_time(model_args_for(pipelined.flavor, pipelined.seq_len), pipelined.layout, pipelined.seq_len,
+                     validation.GPU)
+    assert step.drained_comm_s > 0
+    assert step.seconds == pytest.approx((step.compute_s + step.exposed_comm_s) * step.bubble + step.drained_comm_s)
+    args = model_args_for(flat.flavor, flat.seq_len)
+    step = step_time(args, flat.layout, flat.seq_len, validation.GPU)
+    assert step.fsdp_comm_s < step.compute_s and step.drained_comm_s == 0
+    assert step.exposed_comm_s == pytest.approx(step.fsdp_comm_s / args.n_layers)

@@ -2,7 +2,7 @@
 
 Per GPU and step (all stages of one pipeline rank together; the slowest pipeline rank sets the pace):
 
-    step = (compute + exposed communication) x pipeline bubble
+    step = (compute + exposed communication) x pipeline bubble + communication after the pipeline drains
 
 - compute = matmul FLOPs / (peak x efficiency) + memory-bound time.
   Matmul FLOPs per token: 6 per linear weight (forward, and the two backward matmuls) and causal attention, 6 x d x
@@ -15,11 +15,15 @@ Per GPU and step (all stages of one pipeline rank together; the slowest pipeline
   between hosts; mesh dimensions are laid out pp, dp_replicate, dp_shard, cp, tp, the last varying fastest, so a
   dimension stays within a host when its stride x size <= 8). A ring moves (n - 1) / n of the buffer over its
   slowest link.
-  - FSDP's all-gathers and reduce-scatters are prefetched and overlap the blocks' compute: only what exceeds the
-    compute is exposed. HSDP's replica all-reduce of the gradient shards too.
+  - FSDP's all-gathers and reduce-scatters are prefetched and overlap the blocks' compute, except the first
+    block's all-gather and the last reduce-scatter: exposed are that edge and what exceeds the compute. HSDP's
+    replica all-reduce of the gradient shards too. Under PP the parameters stay gathered from the first
+    micro-batch, whose forward hides the all-gathers, and every gradient is reduced after the last micro-batch's
+    backward (torch.distributed.pipelining's perform_reduce_grad): exposed, after the pipeline has drained.
   - Sequence-parallel TP's all-gathers and reduce-scatters sit between the matmuls that need them: exposed, unless
     async TP decomposes them into chunks that overlap the matmuls (then exposed only beyond the matmul time).
-  - Context parallelism's ring exchange of keys and values overlaps attention: exposed beyond its time.
+  - Context parallelism all-gathers the keys and values once per attention call (torch's "allgather" rotation)
+    and waits for them after the local chunk: exposed beyond 1/c of attention's time.
   - Pipeline sends are small (one micro-batch of hidden states) and overlap.
 - pipeline bubble: (micro-batches x v + pp - 1) / (micro-batches x v) for 1F1B-style schedules with v stages per
   rank (v = 1: 1F1B; Interleaved1F1B: v >= 2); GPipe and LoopedBFS add the same warm-up and drain.
@@ -79,10 +83,12 @@ class StepTime:
     fsdp_comm_s: float
     tp_comm_s: float
     cp_comm_s: float
+    drained_comm_s: float = 0.0
+    """Communication after the pipeline has drained (PP's gradient reduction): not stretched by the bubble."""
 
     @property
     def seconds(self) -> float:
-        return (self.compute_s + self.exposed_comm_s) * self.bubble
+        return (self.compute_s + self.exposed_comm_s) * self.bubble + self.drained_comm_s
 
 
 def _link_bandwidth(gpu: GPU, stride: int, size: int) -> float:
@@ -142,10 +148,12 @@ def step_time(args: TransformerModelArgs, layout: Layout, seq_len: int, gpu: GPU
     fsdp_bytes_ag = gathers * stage_params * gather_bytes
     fsdp_bytes_rs = stage_params * 4
     fsdp_bw = _link_bandwidth(gpu, t, shard)
-    fsdp_s = _ring_seconds(fsdp_bytes_ag + fsdp_bytes_rs, shard, fsdp_bw)
+    gather_s = _ring_seconds(fsdp_bytes_ag, shard, fsdp_bw)
+    reduce_s = _ring_seconds(fsdp_bytes_rs, shard, fsdp_bw)
     if layout.dp_replicate > 1:
         replica_bw = _link_bandwidth(gpu, t * shard, layout.dp_replicate)
-        fsdp_s += 2 * _ring_seconds(stage_params * 4 / shard, layout.dp_replicate, replica_bw)
+        reduce_s += 2 * _ring_seconds(stage_params * 4 / shard, layout.dp_replicate, replica_bw)
+    fsdp_s = gather_s + reduce_s
 
     # Sequence-parallel TP gathers the hidden state before attention and the FFN and reduce-scatters after them:
     # per block, forward and recomputed forward 2 + 2 each, backward 2 all-gathers and 1 reduce-scatter (the
@@ -160,22 +168,36 @@ def step_time(args: TransformerModelArgs, layout: Layout, seq_len: int, gpu: GPU
         # Async TP (inductor's micro-pipelining) splits each all-gather feeding a matmul into chunks that overlap
         # it: the two such all-gathers of every forward (and recomputed forward) hide; backward's stay exposed.
         tp_exposed = tp_s * (1 - (2 + (2 if recompute else 0)) / collectives)
-    # Context parallelism's ring passes every rank's keys and values around the ring (forward; backward also
-    # their gradients) while attention computes: exposed beyond the attention's own time.
+    # Context parallelism moves every rank's keys and values to every other rank (forward; backward also their
+    # gradients).
     cp_s = 0.0
     if c > 1:
         kv_bytes = layout.local_batch * seq_len / c * 2 * args.kv_heads * args.head_dim / t * 2
         ring_bytes = kv_bytes * (c - 1) * (3 + (1 if recompute else 0)) * layers
         cp_s = ring_bytes / _link_bandwidth(gpu, t, c)
+    # torch's ring attention all-gathers the keys and values once per call ("allgather" rotation) and waits for
+    # them after the local chunk: only that chunk's attention (1/c of it) hides the exchange.
     attention_s = attention / (gpu.bf16_flops * efficiency)
-    exposed = max(0.0, fsdp_s - compute_s) + tp_exposed + max(0.0, cp_s - attention_s)
+    cp_exposed = max(0.0, cp_s - attention_s / c)
 
-    bubble = 1.0
+    bubble, drained_s = 1.0, 0.0
+    microbatches = layout.local_batch // layout.microbatch
     if p > 1:
-        microbatches = layout.local_batch // layout.microbatch
         bubble = (microbatches * layout.stages_per_rank + p - 1) / (microbatches * layout.stages_per_rank)
+        # The schedule keeps the parameters gathered from the first micro-batch (whose forward hides the
+        # all-gathers) and reduces every gradient after the last micro-batch's backward, with nothing left to
+        # overlap (torch.distributed.pipelining's perform_reduce_grad).
+        first_forward_s = compute_s / (microbatches * layout.stages_per_rank) * (1 / 4 if recompute else 1 / 3)
+        fsdp_exposed = max(0.0, gather_s - first_forward_s)
+        drained_s = reduce_s
+    else:
+        # Prefetching hides each block's all-gather behind the previous block's compute and its reduce-scatter
+        # behind the next one's, except the first block's all-gather and the last reduce-scatter.
+        edge_s = fsdp_s / layers
+        fsdp_exposed = edge_s + max(0.0, fsdp_s - edge_s - compute_s)
+    exposed = fsdp_exposed + tp_exposed + cp_exposed
     return StepTime(compute_s=compute_s, exposed_comm_s=exposed, bubble=bubble, fsdp_comm_s=fsdp_s, tp_comm_s=tp_s,
-                    cp_comm_s=cp_s)
+                    cp_comm_s=cp_s, drained_comm_s=drained_s)
 
 
 def tokens_per_second_per_gpu(args: TransformerModelArgs, layout: Layout, seq_len: int, gpu: GPU, **constants) -> float:

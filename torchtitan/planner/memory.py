@@ -17,7 +17,10 @@ State, always resident (the optimizer keeps fp32 masters):
                                                the first dimension), e.g. AdamW-bf16 4, AdamW-8bit ~2, Ranger21 16
                                                bytes per parameter
   gradients   P_rank x 4 / F                   fp32, sharded after FSDP's reduce-scatter; they exist from the
-                                               backward on (with gradient accumulation or PP: all the time)
+                                               backward on (with gradient accumulation: all the time)
+              P_rank x 4                       under PP with FSDP: the schedule defers the reduce-scatter to the
+                                               last micro-batch, so every parameter's unsharded gradient
+                                               accumulates in the reduce dtype (fp32) until then
 
 Activations saved for backward by one block and one micro-batch (what autograd keeps in this code; checked
 with saved-tensor hooks):
@@ -44,7 +47,7 @@ stage adds the final norm (T/t x d x 8 + T x d x a).
 Transients, of which only the largest coexists with the rest:
   loss         end of forward: logits, their fp32 copy and log-softmax: T x V/t x (a + 8) (8 in fp32);
                loss backward: log-softmax output, its gradient and the logits' gradient: T x V/t x 12;
-               loss parallel (TP) adds T x V/t x 8 (two more fp32 copies, measured); without loss
+               loss parallel (TP) adds T x V/t x 4 (one more fp32 copy, measured); without loss
                parallel the logits are whole (V instead of V/t)
   block        backward of a checkpointed block rebuilds its `none` activations (and autocast copies); any
                block's backward adds the gradients inside the SwiGLU backward: T x f/t x 2 x a
@@ -249,8 +252,8 @@ def _estimate_rank(config: JobConfig, args: TransformerModelArgs, dims: Parallel
     block_copies = s.block_matmul_params() / t * 2 if autocast else 0.0
     none = _block_activations(s, tokens, t, a, residual, autocast, "none", device)
     # Per block of the rank, in forward order: (saved bytes for its in-flight micro-batches, bytes rebuilt and
-    # alive during its backward, autocast copies it keeps for backward).
-    blocks: list[tuple[float, float, float]] = []
+    # alive during its backward, autocast copies it keeps for backward, micro-batches in flight).
+    blocks: list[tuple[float, float, float, float]] = []
     params = head_activations = head_copies = optimizer = 0.0
     has_head = False
     block_state = _optimizer_state(config, s.block_tensors(t), fsdp)
@@ -264,7 +267,7 @@ def _estimate_rank(config: JobConfig, args: TransformerModelArgs, dims: Parallel
             saved = mbs * _block_activations(s, tokens, t, a, residual, autocast, mode, device)
             rebuilt = none + block_copies if mode != "none" else 0.0
             # Autocast's cache hands every micro-batch the same copy of a weight.
-            blocks.append((saved, rebuilt, block_copies if mode == "none" else 0.0))
+            blocks.append((saved, rebuilt, block_copies if mode == "none" else 0.0, mbs))
         if stage_has_head:
             has_head = True
             params += head_params
@@ -275,7 +278,13 @@ def _estimate_rank(config: JobConfig, args: TransformerModelArgs, dims: Parallel
     sharded = params / fsdp
     parameters, gradients = 4 * sharded, 4 * sharded
     accumulating = dims.pp > 1 or config.training.global_batch_size > config.training.local_batch_size * dims.dp
-    resident_grads = gradients if accumulating else 0.0
+    grad_bytes = 4 / fsdp
+    if wrapped and dims.pp > 1:
+        # The pipeline schedule turns FSDP's gradient sync off until the last micro-batch's backward
+        # (torch.distributed.pipelining's stage.py): each parameter's unsharded gradient accumulates, upcast to
+        # the reduce dtype (FSDPParam.to_accumulated_grad_if_needed), and is reduce-scattered at the end.
+        grad_bytes = max(4 if config.training.mixed_precision_reduce == "float32" else 2, a)
+    resident_grads = params * grad_bytes if accumulating else 0.0
     activations = sum(b[0] for b in blocks) + head_activations
     saved_copies = sum(b[2] for b in blocks) + head_copies
 
@@ -293,8 +302,9 @@ def _estimate_rank(config: JobConfig, args: TransformerModelArgs, dims: Parallel
 
     loss_parallel = t > 1 and not config.parallelism.disable_loss_parallel
     logits = tokens * s.vocab / (t if loss_parallel else 1) if has_head else 0.0
-    # Measured: torch's loss-parallel log-softmax keeps two more fp32 copies of the logits shard.
-    loss_parallel_extra = 8 * logits if loss_parallel else 0.0
+    # Measured (CPU run and trace agree): torch's loss-parallel log-softmax keeps one more fp32 copy of the
+    # logits shard.
+    loss_parallel_extra = 4 * logits if loss_parallel else 0.0
     phases = {
         "end of forward": (activations, logits * (a + 8 if a != 4 else 8) + loss_parallel_extra,
                            forward_buffers + forward_copies, resident_grads),
@@ -304,16 +314,25 @@ def _estimate_rank(config: JobConfig, args: TransformerModelArgs, dims: Parallel
                            gradients),
     }
     # Backward walks the blocks from the last: the blocks before it still hold their activations, those after
-    # it already hold their gradients; a checkpointed block rebuilds its activations.
-    grads_after = (head_params * 4 / fsdp) if has_head else 0.0
+    # it have freed this micro-batch's (the other in-flight micro-batches keep theirs) and hold their gradients;
+    # a checkpointed block rebuilds its activations. Under PP a later micro-batch's backward also runs with
+    # every gradient accumulated and one micro-batch fewer in flight.
+    grads_after = (head_params * grad_bytes) if has_head else 0.0
+    total_micro_batches = config.training.local_batch_size // microbatch
     for index in reversed(range(len(blocks))):
         saved_before = sum(b[0] for b in blocks[:index + 1])
         copies_before = sum(b[2] for b in blocks[:index + 1])
         transient = blocks[index][1] + 2 * tokens * s.f / t * a
-        phase = (saved_before, transient, backward_buffers + copies_before, max(resident_grads, grads_after))
-        if sum(phase) > sum(phases.get("block backward", (0.0,))):
-            phases["block backward"] = phase
-        grads_after += block_params * 4 / fsdp
+        candidates = [(saved_before + sum(b[0] * (b[3] - 1) / b[3] for b in blocks[index + 1:]),
+                       max(resident_grads if dims.pp == 1 else 0.0, grads_after))]
+        if dims.pp > 1 and total_micro_batches > 1:
+            candidates.append((sum(b[0] * (b[3] - 1) / b[3] for b in blocks[:index + 1])
+                               + sum(b[0] * max(b[3] - 2, 0) / b[3] for b in blocks[index + 1:]), resident_grads))
+        for saved, grads in candidates:
+            phase = (saved, transient, backward_buffers + copies_before, grads)
+            if sum(phase) > sum(phases.get("block backward", (0.0,))):
+                phases["block backward"] = phase
+        grads_after += block_params * grad_bytes
     phase, (acts, transient, buffers, grads) = max(phases.items(), key=lambda item: sum(item[1]))
     return Estimate(parameters=round(parameters), optimizer=round(optimizer), gradients=round(grads),
                     activations=round(acts), transient=round(transient), buffers=round(buffers), overhead=overhead,
