@@ -245,14 +245,15 @@ def traced_table() -> str:
 
 def _measure_in_new_processes(trainer_argv: list[str], nproc: int) -> dict[str, float]:
     """The largest figures over the ranks of `--measure` runs (torchrun for more than one process)."""
-    script = [str(Path(__file__).resolve()), "--measure", *trainer_argv]
     launcher = [sys.executable] if nproc == 1 else [sys.executable, "-m", "torch.distributed.run",
                                                    f"--nproc_per_node={nproc}", "--rdzv-backend=c10d",
                                                    "--rdzv-endpoint=localhost:0"]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    proc = subprocess.run([*launcher, *script], env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                          timeout=600)
-    rows = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
+    with tempfile.TemporaryDirectory(prefix="estimate-memory-ranks-") as results:
+        script = [str(Path(__file__).resolve()), "--measure", "--measure_to", results, *trainer_argv]
+        proc = subprocess.run([*launcher, *script], env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                              text=True, timeout=600)
+        rows = [json.loads(path.read_text()) for path in sorted(Path(results).glob("rank-*.json"))]
     if proc.returncode or len(rows) != nproc:
         raise RuntimeError(f"measuring {trainer_argv} failed:\n{proc.stdout[-4000:]}")
     return {key: max(row[key] for row in rows) for key in rows[0]}
@@ -270,6 +271,8 @@ def main(argv: list[str] | None = None) -> int:
                         help="compare the presets' estimates with the dry run's trace (minutes per preset)")
     parser.add_argument("--measure", action="store_true",
                         help="measure the trainer options given (one line of JSON per rank; used by --validate)")
+    parser.add_argument("--measure_to", default=None,
+                        help="with --measure: write each rank's JSON to <folder>/rank-<RANK>.json instead")
     for name in _SHORTHANDS:
         parser.add_argument(f"--{name}", default=None)
     parser.add_argument("--ac", default=None, help="activation checkpointing: none, full, op or N")
@@ -285,7 +288,12 @@ def main(argv: list[str] | None = None) -> int:
             return 0
         trainer_argv = _trainer_argv(args, rest)
         if args.measure:
-            print(json.dumps(measure(trainer_argv)), flush=True)
+            result = json.dumps(measure(trainer_argv))
+            if args.measure_to:
+                # A file per rank: ranks printing to one pipe can interleave with each other's warnings.
+                Path(args.measure_to, f"rank-{os.environ.get('RANK', '0')}.json").write_text(result)
+            else:
+                print(result, flush=True)
             return 0
         if args.ngpu is None and not trainer_argv:
             print(presets_table(args.device_memory_gib, overhead_gib))

@@ -18,8 +18,8 @@ def table():
     return validation.validation_table()
 
 
-# Not met yet (docs/scaling.md): the 405B pipeline rows, predicted 17-19% fast, and row 8's memory, the analytic
-# model 23% under the published peak (the dry run's trace is 8% under). Strict: a fix makes these fail until unmarked.
+# Not met yet (docs/scaling.md): the 405B pipeline rows' tokens/s, predicted 17-19% fast (their memory is within
+# 15% now). Strict: a fix makes these fail until unmarked.
 NOT_YET = pytest.mark.xfail(strict=True, reason="405B PP rows outside 15% (docs/scaling.md)")
 
 

@@ -41,8 +41,15 @@ with saved-tensor hooks):
                                      runs in fp32)
   every N     every N-th block as `full`, the others as `none`
 A pipeline rank holds the activations of its in-flight micro-batches: 1F1B min(n_mb, p - rank), interleaved
-schedules (v stages per rank) (v - 1) x p + 2 x (p - 1 - rank) + 1 stage-micro-batches, GPipe all n_mb. The last
-stage adds the final norm (T/t x d x 8 + T x d x a).
+schedules (v stages per rank) a warm-up of (v - 1) x p + 2 x (p - 1 - rank) + 1 stage-micro-batches dealt p at a
+time to its stages in order (so its first stage holds the most), GPipe all n_mb. The last stage adds the final norm
+(T/t x d x 8 + T x d x a).
+Under PP a rank's backward peaks either in its first micro-batch (the other micro-batches' activations, the
+gradients of the blocks already done) or in a later one (one micro-batch fewer, the gradients of its stage and the
+later ones, and on the first stage the embedding's); with several stages per rank a stage's backward starts after
+the later stages have run theirs for a round of p micro-batches.
+Under TP the vocabulary-sharded embedding's gradient is whole (V x d, DTensor's embedding backward yields a Partial
+gradient); FSDP reduces it to the shard with the rest, so under PP it accumulates whole, in fp32.
 
 Transients, of which only the largest coexists with the rest:
   loss         end of forward: logits, their fp32 copy and log-softmax: T x V/t x (a + 8) (8 in fp32);
@@ -189,9 +196,12 @@ def _pipeline_layout(config: JobConfig, args: TransformerModelArgs, dims: Parall
             return n_mb
         if not plan.multi_stage:
             return min(n_mb, pp - rank)
-        # Interleaved 1F1B's warm-up on this rank, in stage-micro-batches, spread over its v stages.
+        # Interleaved 1F1B's warm-up on this rank, in stage-micro-batches: forwards of `pp` micro-batches on
+        # its first stage, then `pp` on the next, and so on (round after round); each stage keeps what the
+        # warm-up gave it, since the steady state pairs every forward with a backward.
         warmup = (v - 1) * pp + 2 * (pp - 1 - rank) + 1
-        return min(n_mb, warmup / v)
+        rounds, rest = divmod(warmup, pp * v)
+        return min(n_mb, rounds * pp + min(pp, max(0, rest - stage_index * pp)))
 
     return per_rank, in_flight
 
@@ -252,8 +262,9 @@ def _estimate_rank(config: JobConfig, args: TransformerModelArgs, dims: Parallel
     block_copies = s.block_matmul_params() / t * 2 if autocast else 0.0
     none = _block_activations(s, tokens, t, a, residual, autocast, "none", device)
     # Per block of the rank, in forward order: (saved bytes for its in-flight micro-batches, bytes rebuilt and
-    # alive during its backward, autocast copies it keeps for backward, micro-batches in flight).
-    blocks: list[tuple[float, float, float, float]] = []
+    # alive during its backward, autocast copies it keeps for backward, micro-batches in flight, which of the
+    # rank's stages holds it).
+    blocks: list[tuple[float, float, float, float, int]] = []
     params = head_activations = head_copies = optimizer = 0.0
     has_head = False
     block_state = _optimizer_state(config, s.block_tensors(t), fsdp)
@@ -267,7 +278,7 @@ def _estimate_rank(config: JobConfig, args: TransformerModelArgs, dims: Parallel
             saved = mbs * _block_activations(s, tokens, t, a, residual, autocast, mode, device)
             rebuilt = none + block_copies if mode != "none" else 0.0
             # Autocast's cache hands every micro-batch the same copy of a weight.
-            blocks.append((saved, rebuilt, block_copies if mode == "none" else 0.0, mbs))
+            blocks.append((saved, rebuilt, block_copies if mode == "none" else 0.0, mbs, stage_index))
         if stage_has_head:
             has_head = True
             params += head_params
@@ -279,12 +290,21 @@ def _estimate_rank(config: JobConfig, args: TransformerModelArgs, dims: Parallel
     parameters, gradients = 4 * sharded, 4 * sharded
     accumulating = dims.pp > 1 or config.training.global_batch_size > config.training.local_batch_size * dims.dp
     grad_bytes = 4 / fsdp
+    # Under TP the vocabulary-sharded embedding's gradient comes out of DTensor's embedding backward as a Partial
+    # tensor of the whole vocabulary (it has no rule that yields the row shard); FSDP reduces it to the shard
+    # when it reduces the gradient.
+    has_embedding = any(stage[1] for stage in stages)
+    whole_embedding_grad = s.vocab * s.d * (1 - 1 / t) if has_embedding and t > 1 else 0.0
     if wrapped and dims.pp > 1:
         # The pipeline schedule turns FSDP's gradient sync off until the last micro-batch's backward
         # (torch.distributed.pipelining's stage.py): each parameter's unsharded gradient accumulates, upcast to
-        # the reduce dtype (FSDPParam.to_accumulated_grad_if_needed), and is reduce-scattered at the end.
+        # the reduce dtype (FSDPParam.to_accumulated_grad_if_needed), and is reduce-scattered at the end; the
+        # embedding's whole-vocabulary gradient accumulates as it is.
         grad_bytes = max(4 if config.training.mixed_precision_reduce == "float32" else 2, a)
-    resident_grads = params * grad_bytes if accumulating else 0.0
+        params_with_grads = params + whole_embedding_grad
+    else:
+        params_with_grads = params
+    resident_grads = params_with_grads * grad_bytes if accumulating else 0.0
     activations = sum(b[0] for b in blocks) + head_activations
     saved_copies = sum(b[2] for b in blocks) + head_copies
 
@@ -305,29 +325,53 @@ def _estimate_rank(config: JobConfig, args: TransformerModelArgs, dims: Parallel
     # Measured (CPU run and trace agree): torch's loss-parallel log-softmax keeps one more fp32 copy of the
     # logits shard.
     loss_parallel_extra = 4 * logits if loss_parallel else 0.0
+    # With every micro-batch in flight at once (GPipe, or a rank whose warm-up covers the batch) no forward runs
+    # after a backward: the forwards see no gradients yet.
+    steady_grads = resident_grads if dims.pp == 1 or any(
+        config.training.local_batch_size // microbatch > b[3] for b in blocks) or not blocks else 0.0
     phases = {
         "end of forward": (activations, logits * (a + 8 if a != 4 else 8) + loss_parallel_extra,
-                           forward_buffers + forward_copies, resident_grads),
+                           forward_buffers + forward_copies, steady_grads),
         "loss backward": (activations, logits * 12 + loss_parallel_extra, forward_buffers + saved_copies,
-                          resident_grads),
+                          steady_grads),
         "optimizer step": (0.0, 4 * sharded if config.optimizer.implementation == "foreach" else 0.0, 0.0,
                            gradients),
     }
+    if whole_embedding_grad:
+        # The embedding's backward comes last: every other gradient exists, its whole-vocabulary one in the
+        # compute dtype beside them.
+        phases["embedding backward"] = (0.0, (whole_embedding_grad + s.vocab * s.d / t) * a, forward_buffers,
+                                        max(resident_grads, (params - s.vocab * s.d / t) * grad_bytes))
     # Backward walks the blocks from the last: the blocks before it still hold their activations, those after
     # it have freed this micro-batch's (the other in-flight micro-batches keep theirs) and hold their gradients;
-    # a checkpointed block rebuilds its activations. Under PP a later micro-batch's backward also runs with
-    # every gradient accumulated and one micro-batch fewer in flight.
+    # a checkpointed block rebuilds its activations. Under PP a later micro-batch's backward also runs with the
+    # gradients of its stage and the later ones accumulated (and the embedding's, on the first stage) and one
+    # micro-batch fewer in flight. With several stages per rank a stage's backward starts when the later stages
+    # have run theirs for a round of `pp` micro-batches: what they still hold is the rest.
     grads_after = (head_params * grad_bytes) if has_head else 0.0
     total_micro_batches = config.training.local_batch_size // microbatch
+
+    def later_stage_share(block: tuple) -> float:
+        return max(block[3] - dims.pp, 0) / block[3] if len(stages) > 1 else 1.0
+
     for index in reversed(range(len(blocks))):
-        saved_before = sum(b[0] for b in blocks[:index + 1])
-        copies_before = sum(b[2] for b in blocks[:index + 1])
+        stage = blocks[index][4]
+        before = blocks[:index + 1]
+        same_after = [b for b in blocks[index + 1:] if b[4] == stage]
+        later = [b for b in blocks[index + 1:] if b[4] != stage]
+        copies_before = sum(b[2] for b in before)
         transient = blocks[index][1] + 2 * tokens * s.f / t * a
-        candidates = [(saved_before + sum(b[0] * (b[3] - 1) / b[3] for b in blocks[index + 1:]),
+        candidates = [(sum(b[0] for b in before) + sum(b[0] * (b[3] - 1) / b[3] for b in same_after)
+                       + sum(b[0] * min(later_stage_share(b), (b[3] - 1) / b[3]) for b in later),
                        max(resident_grads if dims.pp == 1 else 0.0, grads_after))]
         if dims.pp > 1 and total_micro_batches > 1:
-            candidates.append((sum(b[0] * (b[3] - 1) / b[3] for b in blocks[:index + 1])
-                               + sum(b[0] * max(b[3] - 2, 0) / b[3] for b in blocks[index + 1:]), resident_grads))
+            stage_grads = (sum(block_params for b in blocks if b[4] >= stage) + (head_params if has_head else 0.0)
+                           + ((s.vocab * s.d / t + whole_embedding_grad) if stage == 0 and has_embedding else 0.0))
+            candidates.append((sum(b[0] for b in before if b[4] != stage)
+                               + sum(b[0] * (b[3] - 1) / b[3] for b in before if b[4] == stage)
+                               + sum(b[0] * max(b[3] - 2, 0) / b[3] for b in same_after)
+                               + sum(b[0] * min(later_stage_share(b), max(b[3] - 2, 0) / b[3]) for b in later),
+                               stage_grads * grad_bytes))
         for saved, grads in candidates:
             phase = (saved, transient, backward_buffers + copies_before, grads)
             if sum(phase) > sum(phases.get("block backward", (0.0,))):
