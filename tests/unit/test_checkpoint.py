@@ -6,12 +6,16 @@ import dataclasses
 import errno
 import json
 import multiprocessing
+import os
 import pickle
 import random
 import re
+import stat as stat_module
+import sys
 import threading
 import time
 import zlib
+from collections import Counter
 from concurrent.futures import Future
 from pathlib import Path
 
@@ -205,9 +209,10 @@ def test_saves_log_their_cost_and_a_forced_save_its_estimate(pg, tmp_path, monke
     c = build_components(seed=0)
     manager = make_manager(tmp_path, c, interval=2)
     manager.save(2)
-    assert len(manager.save_s) == len(manager.publish_s) == 1
+    assert len(manager.save_s) == len(manager.publish_cost) == len(manager.metadata_cost) == 1
     assert any(re.search(r"step-2: rank 0 wrote 0\.\d+ GiB .* every rank had written after \d+\.\d+ s, publishing "
-                         r"took \d+\.\d+ s", message) for message in messages), messages
+                         r"took \d+\.\d+ s \(\d+\.\d+ s CPU\), DCP's \.metadata \d+\.\d+ s before it", message)
+               for message in messages), messages
     manager.save(3, force=True)
     assert any(re.fullmatch(rf"Preemption: saving a full checkpoint of step 3 now; the previous save of this run "
                             rf"took {manager.save_s[0]:.2f} s until every rank had written", message)
@@ -356,8 +361,8 @@ def test_every_save_writes_a_manifest_of_its_files(pg, tmp_path, monkeypatch, mo
     manager.close()
     for step in ("step-1", "step-2"):
         assert_manifest_matches(tmp_path / "ckpt" / step)
-    # The shards were hashed as they were written; only the small .metadata is read back.
-    assert read_back == [".metadata", ".metadata"]
+    # Every file was hashed as it was written, `.metadata` too: nothing is read back.
+    assert read_back == []
 
 
 def two_checkpoints(tmp_path: Path) -> tuple[dict[str, bytes], Path, Path]:
@@ -911,7 +916,7 @@ def failed_publish_worker(rank: int, world_size: int, tmp: str) -> None:
         c = build_components(seed=0)
         manager = make_manager(Path(tmp), c, async_mode="async", timeout_seconds=20)
         if rank == 0:
-            def disk_full_on_publish(step: int) -> None:
+            def disk_full_on_publish(step: int, full: bool) -> None:
                 raise OSError(errno.ENOSPC, "No space left on device")
 
             manager._publish = disk_full_on_publish
@@ -926,6 +931,88 @@ def failed_publish_worker(rank: int, world_size: int, tmp: str) -> None:
 
 def test_a_failed_background_publish_reaches_every_rank(tmp_path):
     run_forked(failed_publish_worker, 2, str(tmp_path), timeout=60)
+
+
+class FileOperations:
+    """The file operations this process makes while `tracing` is set: opens (for reading or writing), listings,
+    renames, removals (Python's audit events) and stats."""
+
+    def __init__(self):
+        self.tracing = False
+        self.operations: list[tuple[str, str]] = []
+        self._stat, self._lstat = os.stat, os.lstat
+        sys.addaudithook(self._audit)
+        os.stat, os.lstat = self._counted(self._stat), self._counted(self._lstat)
+
+    def _counted(self, stat):
+        def counted(path, *args, **kwargs):
+            if self.tracing:
+                self.operations.append(("stat", os.path.basename(os.fspath(path))))
+            return stat(path, *args, **kwargs)
+        return counted
+
+    def _audit(self, event: str, args: tuple) -> None:
+        if not self.tracing or not event.startswith(("open", "os.", "shutil.")) or event in ("os.system",):
+            return
+        if event == "open":
+            path, mode, flags = args
+            if isinstance(path, int):  # os.fdopen of a file already opened
+                return
+            writes = any(c in mode for c in "wax+") if isinstance(mode, str) else flags & (os.O_WRONLY | os.O_RDWR)
+            directory = not writes and stat_module.S_ISDIR(self._stat(path).st_mode)
+            event = "open to write" if writes else "open a directory" if directory else "open to read"
+        self.operations.append((event, os.path.basename(os.fspath(args[0])) if args and isinstance(
+            args[0], (str, bytes, os.PathLike)) else ""))
+
+    def during(self, function):
+        def traced(*args, **kwargs):
+            self.tracing = True
+            try:
+                return function(*args, **kwargs)
+            finally:
+                self.tracing = False
+        return traced
+
+
+def publish_trace_worker(rank: int, world_size: int, tmp: str) -> None:
+    """Saves 4 steps of an FSDP model; rank 0 records its file operations while it writes `.metadata`
+    and the manifest and publishes (pruning included)."""
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", store=dist.FileStore(f"{tmp}/store", world_size), rank=rank,
+                            world_size=world_size)
+    try:
+        mesh = init_device_mesh("cpu", (world_size,), mesh_dim_names=("dp_shard",))
+        c = build_components(0, fsdp_model(0, mesh))
+        train_step(c, 1)
+        manager = make_manager(Path(tmp), c, keep_latest_k=10)
+        if rank == 0:
+            trace = FileOperations()
+            checkpoint_integrity.ChecksummedFileWriter.finish = trace.during(
+                checkpoint_integrity.ChecksummedFileWriter.finish)
+            manager._publish = trace.during(manager._publish)
+        save_steps(manager, c, range(1, 5))
+        if rank == 0:
+            Path(f"{tmp}/trace.json").write_text(json.dumps(trace.operations))
+    finally:
+        dist.destroy_process_group()
+
+
+def test_rank_0s_publish_does_not_grow_with_the_ranks(tmp_path):
+    """What rank 0 alone does after every rank has written (DCP's `.metadata`, the manifest, the rename, pruning
+    old checkpoints) makes the same file operations under 2 and 4 ranks, never touches a rank's data files and
+    reads no file back (a `.metadata` lists every rank's chunks)."""
+    traces = {}
+    for world_size in (2, 4):
+        folder = tmp_path / f"world{world_size}"
+        folder.mkdir()
+        run_forked(publish_trace_worker, world_size, str(folder))
+        assert step_folders(folder) == ["step-1", "step-2", "step-3", "step-4"]
+        assert len(list((folder / "ckpt" / "step-4").glob("*.distcp"))) == world_size
+        traces[world_size] = [tuple(operation) for operation in json.loads((folder / "trace.json").read_text())]
+    for trace in traces.values():
+        assert trace and not [name for _, name in trace if name.endswith(".distcp")], trace
+        assert not [operation for operation in trace if operation[0] == "open to read"], trace
+    assert Counter(event for event, _ in traces[2]) == Counter(event for event, _ in traces[4])
 
 
 def save_until_killed(root: Path, marker: Path) -> None:

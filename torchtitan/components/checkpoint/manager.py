@@ -36,6 +36,7 @@ from torchtitan.distributed.utils import collectives_bounded_by, new_group_with_
 from torchtitan.errors import UserError
 from torchtitan.models.llama3.args import TransformerModelArgs
 from torchtitan.models.llama3.state_dict_adapter import is_hf_folder
+from torchtitan.tools.cost import Cost, Stopwatch
 from torchtitan.tools.files import atomic_write
 from torchtitan.tools.logging import logger
 
@@ -264,10 +265,17 @@ class CheckpointManager:
         # The step this run resumed from: if it is among the abandoned ones it is renamed aside, never deleted.
         self._resumed_from: int | None = None
         # How long each save of this run kept the training loop waiting (seconds, in order), how long until every
-        # rank had written, and on rank 0 how long the manifest and the publishing rename took after that.
+        # rank had written, and on rank 0 what its own work after that cost: writing DCP's `.metadata` (None where
+        # the checkpoint process wrote it), then the manifest, the publishing rename and the pruning
+        # (`publish_cost`, the wait for the other ranks in the collective that ends the save left out).
         self.blocked_s: list[float] = []
         self.save_s: list[float] = []
-        self.publish_s: list[float] = []
+        self.metadata_cost: list[Cost | None] = []
+        self.publish_cost: list[Cost] = []
+        # Whether each step's checkpoint holds the train state: recorded for the checkpoints this run publishes,
+        # read once from `.metadata` for the others. Pruning asks at every publish, and a `.metadata` lists every
+        # rank's chunks: reading them at every publish made rank 0's publish grow with the number of ranks.
+        self._full_steps: dict[int, bool] = {}
         self._own_group: dist.ProcessGroup | None = None
         self._stager: DefaultStager | None = None
         # An async save's copy of the state, still running in the background: the next optimizer step must wait
@@ -387,7 +395,7 @@ class CheckpointManager:
         if self.config.load_step == -1:
             # A finished run ends with a model-only save: resuming it (to train further) must start from the latest
             # checkpoint that also holds the optimizer, data position and step, not restart from step 1.
-            resumable = [step for step in steps if self._holds_train_state(self._step_path(step))]
+            resumable = [step for step in steps if self._is_full(step)]
             if resumable and resumable[-1] != steps[-1]:
                 logger.warning(f"Resuming from step-{resumable[-1]}, the latest full checkpoint: step-{steps[-1]} "
                                f"holds only the model weights")
@@ -397,6 +405,12 @@ class CheckpointManager:
             raise UserError(f"option checkpoint.load_step: step {self.config.load_step} has no complete checkpoint "
                             f"in {self.folder}; available steps: {available}")
         return self.config.load_step
+
+    def _is_full(self, step: int) -> bool:
+        """Whether `step-<step>` holds the train state (read from its `.metadata` once per run)."""
+        if step not in self._full_steps:
+            self._full_steps[step] = self._holds_train_state(self._step_path(step))
+        return self._full_steps[step]
 
     def _holds_train_state(self, checkpoint: Path) -> bool:
         if not (checkpoint / METADATA_FILE).exists():
@@ -541,6 +555,7 @@ class CheckpointManager:
     def _save_dcp(self, step: int, state_dict: dict[str, Any]) -> None:
         self._wait_for_pending_save()
         staging = _incomplete(self._step_path(step))
+        full = self._is_saved("train_state", state_dict)
         self._on_rank0(self._remove_leftovers, f"cleaning up {self.folder} before saving step {step}")
         writer = ChecksummedFileWriter(staging)
         started = time.perf_counter()
@@ -550,8 +565,9 @@ class CheckpointManager:
             except (Exception, CheckpointException) as err:
                 self._raise_save_error(err, step, staging)
             written = time.perf_counter()
-            self._on_rank0(lambda: self._publish(step), f"publishing checkpoint {staging}")
-            self._record_cost(step, writer, started, written)
+            published: list[Cost] = []
+            self._on_rank0(lambda: published.append(self._publish(step, full)), f"publishing checkpoint {staging}")
+            self._record_cost(step, writer, started, written, published[0] if published else None)
             return
         checkpointer = AsyncCheckpointerType.PROCESS if self.config.async_mode == "async_with_pinned_mem" else \
             AsyncCheckpointerType.THREAD
@@ -572,9 +588,8 @@ class CheckpointManager:
             try:
                 upload.result()
                 written = time.perf_counter()
-                if self.rank == 0:
-                    self._publish(step)
-                self._record_cost(step, writer, started, written)
+                published = self._publish(step, full) if self.rank == 0 else None
+                self._record_cost(step, writer, started, written, published)
                 completed.set_result(None)
             except BaseException as err:  # CheckpointException is a BaseException; it must reach the waiter
                 completed.set_exception(err)
@@ -582,22 +597,29 @@ class CheckpointManager:
         upload.add_done_callback(finish)
         self._pending = _PendingSave(completed, step, staging)
 
-    def _record_cost(self, step: int, writer: ChecksummedFileWriter, started: float, written: float) -> None:
+    def _record_cost(self, step: int, writer: ChecksummedFileWriter, started: float, written: float,
+                     published: Cost | None) -> None:
         """Log what the save cost, the figures a preemption budget needs (docs/checkpointing.md): the bytes rank 0
         wrote, the time from the start of the save until DCP's save returned (every rank had written, `save_s`),
-        and on rank 0 the time of what only it does: `.metadata`, the manifest and the publishing rename
-        (`publish_s`). A save's duration depends on the largest rank's share and the file system's bandwidth per
-        rank, not on the number of ranks. (The checkpoint process of async_with_pinned_mem writes `.metadata` and
-        the manifest where this process does not time them.)"""
-        published = time.perf_counter()
+        and on rank 0 (`published`, its publish) what only it does after that: DCP's `.metadata`, then the
+        manifest, the publishing rename and the pruning (`metadata_cost`, `publish_cost`). A save's duration depends
+        on the largest rank's share and the file system's bandwidth per rank; rank 0's publish does not depend on
+        the number of ranks beyond one manifest entry per file. (The checkpoint process of async_with_pinned_mem
+        writes `.metadata` and the manifest where this process does not time them.)"""
         self.save_s.append(written - started)
-        if self.rank != 0:
+        if published is None:
             return
-        self.publish_s.append((writer.manifest_s or 0.0) + published - written)
+        if writer.manifest_cost is not None:
+            published = writer.manifest_cost + published
+        self.publish_cost.append(published)
+        self.metadata_cost.append(writer.metadata_cost)
         gib = writer.written_bytes / 2**30
+        metadata = (f", DCP's .metadata {writer.metadata_cost.wall_s:.3f} s before it"
+                    if writer.metadata_cost is not None else "")
         logger.info(f"Checkpoint {self._step_path(step)}: rank 0 wrote {gib:.3f} GiB ({gib / (written - started):.2f} "
                     f"GiB/s), every rank had written after {written - started:.2f} s, publishing took "
-                    f"{self.publish_s[-1]:.3f} s (async_mode {self.config.async_mode})")
+                    f"{published.wall_s:.3f} s ({published.cpu_s:.3f} s CPU){metadata} "
+                    f"(async_mode {self.config.async_mode})")
 
     def wait_for_staging(self) -> None:
         """Block until the last async save has copied the state; the trainer calls it before every optimizer step.
@@ -674,8 +696,10 @@ class CheckpointManager:
                 logger.info(f"Removing {entry}, left by an interrupted save")
                 shutil.rmtree(entry)
 
-    def _publish(self, step: int) -> None:
-        """Rename `step-N.incomplete` (with its checksums, if a DCP checkpoint) to `step-N`."""
+    def _publish(self, step: int, full: bool) -> Cost:
+        """Rename `step-N.incomplete` (with its checksums, if a DCP checkpoint) to `step-N`, which holds the train
+        state if `full`; returns what it cost. Touches no rank's files: its work does not grow with the ranks."""
+        watch = Stopwatch()
         final = self._step_path(step)
         staging = _incomplete(final)
         if (staging / METADATA_FILE).exists():
@@ -689,9 +713,11 @@ class CheckpointManager:
             shutil.rmtree(stale)
         else:
             os.rename(staging, final)
+        self._full_steps[step] = full
         fsync_dir(self.folder)
         self._retire_abandoned(keep=step)
         self._prune(keep=step)
+        return watch.cost()
 
     def _retire_abandoned(self, keep: int) -> None:
         """After the first checkpoint of a run that resumed from an older step, take the newer checkpoints of the
@@ -716,6 +742,7 @@ class CheckpointManager:
                     suffix += 1
                     target = self._step_path(step).with_name(f"step-{step}.abandoned-{suffix}")
             os.rename(self._step_path(step), target)
+            self._full_steps.pop(step, None)
             retired.append(target)
         fsync_dir(self.folder)
         why = "it belongs to the trajectory that this run abandoned by resuming from an older step"
@@ -748,7 +775,7 @@ class CheckpointManager:
         """Whether `step-<step>` holds the train state; one whose metadata cannot be read counts as full, so that
         keep_latest_k deletes it in turn rather than every later save failing on it."""
         try:
-            return self._holds_train_state(self._step_path(step))
+            return self._is_full(step)
         except UserError:
             return True
 
@@ -756,6 +783,7 @@ class CheckpointManager:
         # Renamed first, so that a crash halfway through the deletion leaves no `step-N` with missing files.
         doomed = _incomplete(self._step_path(step))
         os.rename(self._step_path(step), doomed)
+        self._full_steps.pop(step, None)
         shutil.rmtree(doomed)
         logger.info(f"Deleted checkpoint step-{step} ({why})")
 
@@ -780,7 +808,7 @@ class CheckpointManager:
         try:
             export_hf_from_dcp(scratch, _incomplete(final), self.model_args, dtype)
             shutil.rmtree(scratch)
-            self._publish(step)
+            self._publish(step, full=False)
         except OSError as err:
             raise UserError(f"writing the Hugging Face checkpoint {final} failed: {describe(err)}; earlier "
                             f"checkpoints in {self.folder} are untouched") from err
