@@ -231,6 +231,10 @@ def test_keep_latest_k_and_leftovers(pg, tmp_path):
     make_manager(tmp_path, fresh).load()
     assert fresh.train_state.step == c.train_state.step  # step-9.incomplete is not a checkpoint
     manager.save(3)
+    # step-9.incomplete went at the start of the save; step-1 is out of the resume's reach at once, and deleted at
+    # the next save or at close.
+    assert step_folders(tmp_path) == ["step-1.deleted.incomplete", "step-2", "step-3"]
+    manager.close()
     assert step_folders(tmp_path) == ["step-2", "step-3"]
 
 
@@ -246,6 +250,7 @@ def test_keep_latest_k_counts_only_full_checkpoints(pg, tmp_path):
     manager = make_manager(tmp_path, c, interval=2, keep_latest_k=1)
     manager.save_seed()
     save_steps(manager, c, range(1, 4), last=3)
+    manager.close()
     # step-0 (the seed, model-only) went once a newer full checkpoint was kept.
     assert step_folders(tmp_path) == ["step-2", "step-3"]
     relaunched = build_components(seed=1)
@@ -253,6 +258,7 @@ def test_keep_latest_k_counts_only_full_checkpoints(pg, tmp_path):
     assert manager.load()
     assert relaunched.train_state.step == 2
     save_steps(manager, relaunched, range(3, 5))
+    manager.close()
     # step-3 was replaced by a full checkpoint, then deleted with step-2 when step-4 was kept.
     assert step_folders(tmp_path) == ["step-4"]
 
@@ -270,6 +276,7 @@ def test_rollback_retires_the_abandoned_checkpoints_after_its_first_save(pg, tmp
     # Nothing is lost while the rollback run has no checkpoint of its own: if it died now, step-6 would resume.
     assert step_folders(tmp_path) == ["step-2", "step-4", "step-6"]
     save_steps(manager, rollback, range(3, 4))
+    manager.close()
     retired = [] if keep_latest_k else ["step-4.abandoned", "step-6.abandoned"]
     assert step_folders(tmp_path) == sorted(["step-2", "step-3", *retired])
 
@@ -289,6 +296,7 @@ def test_resume_without_train_state_keeps_the_checkpoint_it_loaded(pg, tmp_path)
     assert manager.load()
     assert restarted.train_state.step == 0
     save_steps(manager, restarted, range(1, 3))
+    manager.close()
     assert step_folders(tmp_path) == ["step-2", "step-4.abandoned"]
     # The kept folder is still a loadable checkpoint of step 4.
     (tmp_path / "ckpt" / "step-4.abandoned").rename(tmp_path / "elsewhere")
@@ -304,6 +312,8 @@ def test_saving_an_existing_step_replaces_it_once_complete(pg, tmp_path):
     manager.save(2)
     c.train_state.tokens_seen = 1234
     manager.save(2)
+    assert step_folders(tmp_path) == ["step-2", "step-2.stale.incomplete"]
+    manager.close()
     assert step_folders(tmp_path) == ["step-2"]
     fresh = build_components(seed=1)
     make_manager(tmp_path, fresh).load()
@@ -827,6 +837,7 @@ def fsdp_worker(rank: int, world_size: int, tmp: str) -> None:
         step = Path(tmp) / "ckpt" / "step-1"
         victim = step / sorted(json.loads((step / CHECKSUMS_FILE).read_text())["files"])[1]
         size = victim.stat().st_size
+        dist.barrier()  # every rank has its size before rank 0 rewrites it
         if rank == 0:
             original = victim.read_bytes()
             flip_middle_bytes(victim)
@@ -975,8 +986,8 @@ class FileOperations:
 
 
 def publish_trace_worker(rank: int, world_size: int, tmp: str) -> None:
-    """Saves 4 steps of an FSDP model; rank 0 records its file operations while it writes `.metadata`
-    and the manifest and publishes (pruning included)."""
+    """Saves 4 steps of an FSDP model, keeping 2; rank 0 records its file operations while it writes `.metadata`
+    and the manifest, publishes (pruning included) and removes the checkpoints that pruning superseded."""
     torch.set_num_threads(1)
     dist.init_process_group("gloo", store=dist.FileStore(f"{tmp}/store", world_size), rank=rank,
                             world_size=world_size)
@@ -984,13 +995,16 @@ def publish_trace_worker(rank: int, world_size: int, tmp: str) -> None:
         mesh = init_device_mesh("cpu", (world_size,), mesh_dim_names=("dp_shard",))
         c = build_components(0, fsdp_model(0, mesh))
         train_step(c, 1)
-        manager = make_manager(Path(tmp), c, keep_latest_k=10)
+        manager = make_manager(Path(tmp), c, keep_latest_k=2)
+        manager._group()  # created before the trace: joining a group reads the store's file
         if rank == 0:
             trace = FileOperations()
             checkpoint_integrity.ChecksummedFileWriter.finish = trace.during(
                 checkpoint_integrity.ChecksummedFileWriter.finish)
             manager._publish = trace.during(manager._publish)
+            manager._remove_leftovers = trace.during(manager._remove_leftovers)
         save_steps(manager, c, range(1, 5))
+        manager.close()
         if rank == 0:
             Path(f"{tmp}/trace.json").write_text(json.dumps(trace.operations))
     finally:
@@ -999,18 +1013,19 @@ def publish_trace_worker(rank: int, world_size: int, tmp: str) -> None:
 
 def test_rank_0s_publish_does_not_grow_with_the_ranks(tmp_path):
     """What rank 0 alone does after every rank has written (DCP's `.metadata`, the manifest, the rename, pruning
-    old checkpoints) makes the same file operations under 2 and 4 ranks, never touches a rank's data files and
-    reads no file back (a `.metadata` lists every rank's chunks)."""
+    old checkpoints, then deleting them) makes the same file operations under 2 and 4 ranks, never touches another
+    rank's data files and reads no file back (a `.metadata` lists every rank's chunks)."""
     traces = {}
     for world_size in (2, 4):
         folder = tmp_path / f"world{world_size}"
         folder.mkdir()
         run_forked(publish_trace_worker, world_size, str(folder))
-        assert step_folders(folder) == ["step-1", "step-2", "step-3", "step-4"]
+        assert step_folders(folder) == ["step-3", "step-4"]
         assert len(list((folder / "ckpt" / "step-4").glob("*.distcp"))) == world_size
         traces[world_size] = [tuple(operation) for operation in json.loads((folder / "trace.json").read_text())]
     for trace in traces.values():
-        assert trace and not [name for _, name in trace if name.endswith(".distcp")], trace
+        assert ("os.remove", "__0_0.distcp") in trace  # its own share of step-1
+        assert not [name for _, name in trace if name.endswith(".distcp") and not name.startswith("__0_")], trace
         assert not [operation for operation in trace if operation[0] == "open to read"], trace
     assert Counter(event for event, _ in traces[2]) == Counter(event for event, _ in traces[4])
 

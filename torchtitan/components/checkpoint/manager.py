@@ -2,6 +2,7 @@
 The package's `__init__` describes the layout and the keys."""
 
 import contextlib
+import itertools
 import json
 import os
 import pickle
@@ -130,6 +131,23 @@ def _rank() -> int:
 
 def _incomplete(path: Path) -> Path:
     return path.with_name(path.name + INCOMPLETE_SUFFIX)
+
+
+# What a superseded checkpoint is renamed to until it is deleted (`_remove_leftovers`), beside `.stale`, a step
+# replaced by a newer save of the same step.
+_DELETED = ".deleted"
+_STALE = ".stale"
+
+
+def _remove_own_files(folder: Path, rank: int) -> None:
+    """Delete the data files that this rank writes into a DCP checkpoint folder, by name: DCP's file writer names
+    them `__<rank>_<i>.distcp`, i = 0, 1, ... (no listing of the folder, whose entries grow with the number of
+    ranks). A file that cannot be deleted is left to rank 0, which removes the folder after every rank."""
+    for index in itertools.count():
+        try:
+            (folder / f"__{rank}_{index}.distcp").unlink()
+        except OSError:
+            return
 
 
 def complete_steps(folder: Path) -> list[int]:
@@ -529,15 +547,26 @@ class CheckpointManager:
         logger.info(f"Seed checkpoint written to {self._step_path(step)}")
 
     def close(self) -> None:
-        """Wait for an outstanding background save; call before exiting."""
+        """Wait for an outstanding background save and delete the checkpoints it superseded; call before exiting.
+        (Rank 0 deletes them alone, without waiting for the other ranks: they may not reach `close` together, as
+        after a Hugging Face export.)"""
         with self._bounded():
             self._wait_for_pending_save()
+        if self.rank == 0 and self._is_saving() and self.folder.is_dir():
+            try:
+                self._delete_leftovers(self._leftovers())
+            except OSError as err:
+                logger.warning(f"Deleting the superseded checkpoints in {self.folder} failed ({describe(err)}); the "
+                               f"next save removes them")
         if self._stager is not None:
             self._stager.close()
             self._stager = None
 
+    def _is_saving(self) -> bool:
+        return self.config.enable and not self.config.load_only
+
     def _is_due(self, step: int, last_step: bool, force: bool) -> bool:
-        if not self.config.enable or self.config.load_only:
+        if not self._is_saving():
             return False
         return (last_step or force or step % self.config.interval == 0
                 or (step == 1 and self.config.enable_first_step_checkpoint))
@@ -556,7 +585,7 @@ class CheckpointManager:
         self._wait_for_pending_save()
         staging = _incomplete(self._step_path(step))
         full = self._is_saved("train_state", state_dict)
-        self._on_rank0(self._remove_leftovers, f"cleaning up {self.folder} before saving step {step}")
+        self._remove_leftovers(step)
         writer = ChecksummedFileWriter(staging)
         started = time.perf_counter()
         if self.config.async_mode == "disabled":
@@ -565,9 +594,8 @@ class CheckpointManager:
             except (Exception, CheckpointException) as err:
                 self._raise_save_error(err, step, staging)
             written = time.perf_counter()
-            published: list[Cost] = []
-            self._on_rank0(lambda: published.append(self._publish(step, full)), f"publishing checkpoint {staging}")
-            self._record_cost(step, writer, started, written, published[0] if published else None)
+            published = self._on_rank0(lambda: self._publish(step, full), f"publishing checkpoint {staging}")
+            self._record_cost(step, writer, started, written, published if self.rank == 0 else None)
             return
         checkpointer = AsyncCheckpointerType.PROCESS if self.config.async_mode == "async_with_pinned_mem" else \
             AsyncCheckpointerType.THREAD
@@ -672,29 +700,45 @@ class CheckpointManager:
         raise UserError(f"saving the checkpoint of step {step} into {staging} failed: {describe(err)}; earlier "
                         f"checkpoints in {self.folder} are untouched") from err
 
-    def _on_rank0(self, action: Callable[[], None], what: str) -> None:
-        """Run a filesystem action on rank 0 alone. The broadcast of its outcome doubles as a barrier, and makes
-        every rank raise if it failed, rather than leave the others waiting in the next collective."""
-        error = None
+    def _on_rank0(self, action: Callable[[], Any], what: str) -> Any:
+        """Run a filesystem action on rank 0 alone and return its result on every rank. The broadcast of its
+        outcome doubles as a barrier, and makes every rank raise if it failed, rather than leave the others waiting
+        in the next collective."""
+        outcome: list[Any] = [None, None]
         if self.rank == 0:
             try:
-                action()
+                outcome = [action(), None]
             except (OSError, UserError) as err:
-                error = f"{what} failed: {err}"
+                outcome = [None, f"{what} failed: {err}"]
         if dist.is_initialized():
-            outcome = [error]
             dist.broadcast_object_list(outcome, src=0, group=self._group())
-            error = outcome[0]
-        if error is not None:
-            raise UserError(error)
+        if outcome[1] is not None:
+            raise UserError(outcome[1])
+        return outcome[0]
 
-    def _remove_leftovers(self) -> None:
-        """Delete `*.incomplete` folders: interrupted saves, whose contents are never loaded."""
+    def _leftovers(self) -> list[str]:
+        """The `*.incomplete` folders: interrupted saves and superseded checkpoints, never loaded."""
         self.folder.mkdir(parents=True, exist_ok=True)
-        for entry in self.folder.iterdir():
-            if entry.name.endswith(INCOMPLETE_SUFFIX):
-                logger.info(f"Removing {entry}, left by an interrupted save")
-                shutil.rmtree(entry)
+        return sorted(entry.name for entry in self.folder.iterdir() if entry.name.endswith(INCOMPLETE_SUFFIX))
+
+    def _remove_leftovers(self, step: int) -> None:
+        """Delete the `*.incomplete` folders before saving `step`; every rank calls it. Each rank deletes its own
+        data files first, then rank 0 the rest (`.metadata`, the manifest, files of ranks beyond this run's): rank
+        0's share of a superseded checkpoint does not grow with the number of ranks."""
+        leftovers = self._on_rank0(self._leftovers, f"listing {self.folder} before saving step {step}")
+        if not leftovers:
+            return
+        for name in leftovers:
+            _remove_own_files(self.folder / name, self.rank)
+        self._on_rank0(lambda: self._delete_leftovers(leftovers),
+                       f"cleaning up {self.folder} before saving step {step}")
+
+    def _delete_leftovers(self, names: list[str]) -> None:
+        superseded = (_DELETED + INCOMPLETE_SUFFIX, _STALE + INCOMPLETE_SUFFIX)
+        for name in names:
+            why = "a superseded checkpoint" if name.endswith(superseded) else "left by an interrupted save"
+            logger.info(f"Removing {self.folder / name}, {why}")
+            shutil.rmtree(self.folder / name)
 
     def _publish(self, step: int, full: bool) -> Cost:
         """Rename `step-N.incomplete` (with its checksums, if a DCP checkpoint) to `step-N`, which holds the train
@@ -707,10 +751,8 @@ class CheckpointManager:
                 json.dump(_model_shape(self.model_args), f, indent=1)
         if final.exists():
             logger.warning(f"Replacing the existing checkpoint {final} by the one just saved")
-            stale = _incomplete(final.with_name(final.name + ".stale"))
-            os.rename(final, stale)
+            os.rename(final, _incomplete(final.with_name(final.name + _STALE)))
             os.rename(staging, final)
-            shutil.rmtree(stale)
         else:
             os.rename(staging, final)
         self._full_steps[step] = full
@@ -728,11 +770,11 @@ class CheckpointManager:
         resumed_from, self._resumed_from = self._resumed_from, None
         if not abandoned:
             return
-        # Every one is renamed before anything is deleted: renames are quick, so a crash is unlikely to leave some
-        # of them loadable, and a `.incomplete` left half-deleted goes at the next save.
+        # Renamed, all of them at once (renames are quick, so a crash is unlikely to leave some of them loadable);
+        # the ones to delete go with the leftovers at the next save.
         retired = []
         for step in abandoned:
-            target = _incomplete(self._step_path(step))
+            target = self._doomed(step)
             # Kept when asked to keep everything, and always the checkpoint this run loaded its weights from (a
             # resume without its train state restarts at step 0 from it), but under a name no resume considers.
             if self.config.keep_latest_k == 0 or step == resumed_from:
@@ -748,8 +790,7 @@ class CheckpointManager:
         why = "it belongs to the trajectory that this run abandoned by resuming from an older step"
         for step, target in zip(abandoned, retired):
             if target.name.endswith(INCOMPLETE_SUFFIX):
-                shutil.rmtree(target)
-                logger.warning(f"Deleted checkpoint step-{step}: {why}")
+                logger.warning(f"Deleting checkpoint step-{step}: {why}")
             else:
                 logger.warning(f"Renamed checkpoint step-{step} to {target.name}: {why}")
 
@@ -779,13 +820,15 @@ class CheckpointManager:
         except UserError:
             return True
 
+    def _doomed(self, step: int) -> Path:
+        """What `step-<step>` is renamed to when it is to be deleted: out of the resume's reach at once, deleted
+        with the leftovers at the next save (every rank its own files, `_remove_leftovers`), or at `close`."""
+        return _incomplete(self._step_path(step).with_name(f"step-{step}{_DELETED}"))
+
     def _delete_step(self, step: int, why: str) -> None:
-        # Renamed first, so that a crash halfway through the deletion leaves no `step-N` with missing files.
-        doomed = _incomplete(self._step_path(step))
-        os.rename(self._step_path(step), doomed)
+        os.rename(self._step_path(step), self._doomed(step))
         self._full_steps.pop(step, None)
-        shutil.rmtree(doomed)
-        logger.info(f"Deleted checkpoint step-{step} ({why})")
+        logger.info(f"Deleting checkpoint step-{step} ({why})")
 
     def _save_hf_export(self, step: int) -> None:
         """The last checkpoint as a Hugging Face folder: every rank saves its shards of the model, in the export
@@ -795,7 +838,7 @@ class CheckpointManager:
         self._wait_for_pending_save()
         final = self._step_path(step)
         scratch = _incomplete(final.with_name(final.name + ".dcp"))
-        self._on_rank0(self._remove_leftovers, f"cleaning up {self.folder} before saving step {step}")
+        self._remove_leftovers(step)
         dtype = EXPORT_DTYPES[self.config.export_dtype]
         try:
             # In the export dtype already: no larger scratch copy on disk than the export itself.
