@@ -963,7 +963,7 @@ class FileOperations:
         return counted
 
     def _audit(self, event: str, args: tuple) -> None:
-        if not self.tracing or not event.startswith(("open", "os.", "shutil.")) or event in ("os.system",):
+        if not self.tracing or not event.startswith(("open", "os.", "shutil.")):
             return
         if event == "open":
             path, mode, flags = args
