@@ -24,14 +24,17 @@ after the other), `step_median_s` (the median time of `Trainer.train_step`, save
 step left out: a background save that competes with the steps for the cores shows here, not in the stall),
 `train_s` (each repeat's wall time of `Trainer.train`, which includes the wait for the last background save at its
 end), `save_median_s` (from the start of a save until DCP's save returned, every rank having written: in the
-background for the async modes), `publish_s` and `publish_median_s` (what rank 0 alone does after that: `.metadata`,
-the checksum manifest and the publishing rename, `CheckpointManager.publish_s`); at the top level
-`ratio_async_to_sync` and `ratio_pinned_to_sync`, the medians over the `disabled` one, and `checkpoint_mib`, the size
-of one checkpoint.
+background for the async modes); what rank 0 alone does after that (`CheckpointManager.publish_cost`, the
+checksum manifest, the publishing rename and the pruning of old checkpoints) as `publish_s` and `publish_median_s`
+(wall time) and `publish_cpu_s` and `publish_cpu_median_s` (the CPU time of the thread that did it), and before it
+DCP's own `.metadata` as `metadata_median_s` and `metadata_cpu_median_s` (null for async_with_pinned_mem, whose
+checkpoint process writes `.metadata` and the manifest); at the top level `ratio_async_to_sync` and
+`ratio_pinned_to_sync`, the medians over the `disabled` one, and `checkpoint_mib`, the size of one checkpoint.
 
 With --processes N the script starts N training processes on this machine (gloo, one process group per run), which
 share each run's dump folder; the figures are rank 0's. Comparing --processes 1, 2 and 4 on one model shows how
-rank 0's publish time depends on the number of ranks.
+rank 0's publish cost depends on the number of ranks. Where the processes outnumber the cores, a wall time also
+counts the time a thread waited for a core; the CPU time is rank 0's work alone.
 
 async_with_pinned_mem saves from a checkpoint process that torch starts at the first save and keeps for the life of
 this process (the later repeats reuse it). It is spawned, so it imports this script as its `__main__`: the entry
@@ -125,6 +128,9 @@ class Run:
     stalls_s: list[float]
     saves_s: list[float]
     publish_s: list[float]
+    publish_cpu_s: list[float]
+    metadata_s: list[float | None]
+    metadata_cpu_s: list[float | None]
     steps_s: list[float]
     train_s: float
     checkpoint_mib: float
@@ -154,8 +160,11 @@ def train_once(config: JobConfig, threads: int) -> Run:
         steps = complete_steps(folder)
         size = folder_mib(folder / f"step-{steps[-1]}") if steps else 0.0
         checkpointer = trainer.checkpointer
-        return Run(list(checkpointer.blocked_s), list(checkpointer.save_s), list(checkpointer.publish_s), steps_s,
-                   train_s, size, describe_config(config, trainer, threads))
+        publish, metadata = checkpointer.publish_cost, checkpointer.metadata_cost
+        return Run(list(checkpointer.blocked_s), list(checkpointer.save_s), [cost.wall_s for cost in publish],
+                   [cost.cpu_s for cost in publish], [cost and cost.wall_s for cost in metadata],
+                   [cost and cost.cpu_s for cost in metadata], steps_s, train_s, size,
+                   describe_config(config, trainer, threads))
     finally:
         trainer.close()
 
@@ -224,8 +233,16 @@ def run(argv: list[str]) -> dict:
     # The first step of a run allocates and warms up: left out of the step times.
     step_medians = {mode: statistics.median([s for result in results for s in result.steps_s[1:] or result.steps_s])
                     for mode, results in runs.items()}
-    publish = {mode: [s for result in results for s in result.publish_s] for mode, results in runs.items()}
-    saves = {mode: [s for result in results for s in result.saves_s] for mode, results in runs.items()}
+
+    def every(field: str) -> dict[str, list]:
+        return {mode: [s for result in results for s in getattr(result, field)] for mode, results in runs.items()}
+
+    def median_if_timed(values: list[float | None]) -> float | None:
+        # None: the checkpoint process wrote `.metadata`, where this process cannot time it.
+        return None if None in values else statistics.median(values)
+
+    publish, publish_cpu, saves = every("publish_s"), every("publish_cpu_s"), every("saves_s")
+    metadata, metadata_cpu = every("metadata_s"), every("metadata_cpu_s")
     return {
         "config": runs[SYNC][0].described,
         "processes": args.processes,
@@ -235,6 +252,9 @@ def run(argv: list[str]) -> dict:
         "modes": {mode: {"stall_median_s": medians[mode], "stall_s": stalls[mode], "step_median_s": step_medians[mode],
                          "save_median_s": statistics.median(saves[mode]),
                          "publish_median_s": statistics.median(publish[mode]), "publish_s": publish[mode],
+                         "publish_cpu_median_s": statistics.median(publish_cpu[mode]),
+                         "publish_cpu_s": publish_cpu[mode], "metadata_median_s": median_if_timed(metadata[mode]),
+                         "metadata_cpu_median_s": median_if_timed(metadata_cpu[mode]),
                          "train_s": [result.train_s for result in runs[mode]]} for mode in ASYNC_MODES},
         "ratio_async_to_sync": medians[ASYNC] / medians[SYNC],
         "ratio_pinned_to_sync": medians[PINNED] / medians[SYNC],

@@ -6,12 +6,16 @@ import dataclasses
 import errno
 import json
 import multiprocessing
+import os
 import pickle
 import random
 import re
+import stat as stat_module
+import sys
 import threading
 import time
 import zlib
+from collections import Counter
 from concurrent.futures import Future
 from pathlib import Path
 
@@ -205,9 +209,10 @@ def test_saves_log_their_cost_and_a_forced_save_its_estimate(pg, tmp_path, monke
     c = build_components(seed=0)
     manager = make_manager(tmp_path, c, interval=2)
     manager.save(2)
-    assert len(manager.save_s) == len(manager.publish_s) == 1
+    assert len(manager.save_s) == len(manager.publish_cost) == len(manager.metadata_cost) == 1
     assert any(re.search(r"step-2: rank 0 wrote 0\.\d+ GiB .* every rank had written after \d+\.\d+ s, publishing "
-                         r"took \d+\.\d+ s", message) for message in messages), messages
+                         r"took \d+\.\d+ s \(\d+\.\d+ s CPU\), DCP's \.metadata \d+\.\d+ s before it", message)
+               for message in messages), messages
     manager.save(3, force=True)
     assert any(re.fullmatch(rf"Preemption: saving a full checkpoint of step 3 now; the previous save of this run "
                             rf"took {manager.save_s[0]:.2f} s until every rank had written", message)
@@ -226,6 +231,10 @@ def test_keep_latest_k_and_leftovers(pg, tmp_path):
     make_manager(tmp_path, fresh).load()
     assert fresh.train_state.step == c.train_state.step  # step-9.incomplete is not a checkpoint
     manager.save(3)
+    # step-9.incomplete went at the start of the save; step-1 is out of the resume's reach at once, and deleted at
+    # the next save or at close.
+    assert step_folders(tmp_path) == ["step-1.deleted.incomplete", "step-2", "step-3"]
+    manager.close()
     assert step_folders(tmp_path) == ["step-2", "step-3"]
 
 
@@ -241,6 +250,7 @@ def test_keep_latest_k_counts_only_full_checkpoints(pg, tmp_path):
     manager = make_manager(tmp_path, c, interval=2, keep_latest_k=1)
     manager.save_seed()
     save_steps(manager, c, range(1, 4), last=3)
+    manager.close()
     # step-0 (the seed, model-only) went once a newer full checkpoint was kept.
     assert step_folders(tmp_path) == ["step-2", "step-3"]
     relaunched = build_components(seed=1)
@@ -248,6 +258,7 @@ def test_keep_latest_k_counts_only_full_checkpoints(pg, tmp_path):
     assert manager.load()
     assert relaunched.train_state.step == 2
     save_steps(manager, relaunched, range(3, 5))
+    manager.close()
     # step-3 was replaced by a full checkpoint, then deleted with step-2 when step-4 was kept.
     assert step_folders(tmp_path) == ["step-4"]
 
@@ -265,6 +276,7 @@ def test_rollback_retires_the_abandoned_checkpoints_after_its_first_save(pg, tmp
     # Nothing is lost while the rollback run has no checkpoint of its own: if it died now, step-6 would resume.
     assert step_folders(tmp_path) == ["step-2", "step-4", "step-6"]
     save_steps(manager, rollback, range(3, 4))
+    manager.close()
     retired = [] if keep_latest_k else ["step-4.abandoned", "step-6.abandoned"]
     assert step_folders(tmp_path) == sorted(["step-2", "step-3", *retired])
 
@@ -284,6 +296,7 @@ def test_resume_without_train_state_keeps_the_checkpoint_it_loaded(pg, tmp_path)
     assert manager.load()
     assert restarted.train_state.step == 0
     save_steps(manager, restarted, range(1, 3))
+    manager.close()
     assert step_folders(tmp_path) == ["step-2", "step-4.abandoned"]
     # The kept folder is still a loadable checkpoint of step 4.
     (tmp_path / "ckpt" / "step-4.abandoned").rename(tmp_path / "elsewhere")
@@ -299,6 +312,8 @@ def test_saving_an_existing_step_replaces_it_once_complete(pg, tmp_path):
     manager.save(2)
     c.train_state.tokens_seen = 1234
     manager.save(2)
+    assert step_folders(tmp_path) == ["step-2", "step-2.stale.incomplete"]
+    manager.close()
     assert step_folders(tmp_path) == ["step-2"]
     fresh = build_components(seed=1)
     make_manager(tmp_path, fresh).load()
@@ -356,8 +371,8 @@ def test_every_save_writes_a_manifest_of_its_files(pg, tmp_path, monkeypatch, mo
     manager.close()
     for step in ("step-1", "step-2"):
         assert_manifest_matches(tmp_path / "ckpt" / step)
-    # The shards were hashed as they were written; only the small .metadata is read back.
-    assert read_back == [".metadata", ".metadata"]
+    # Every file was hashed as it was written, `.metadata` too: nothing is read back.
+    assert read_back == []
 
 
 def two_checkpoints(tmp_path: Path) -> tuple[dict[str, bytes], Path, Path]:
@@ -822,6 +837,7 @@ def fsdp_worker(rank: int, world_size: int, tmp: str) -> None:
         step = Path(tmp) / "ckpt" / "step-1"
         victim = step / sorted(json.loads((step / CHECKSUMS_FILE).read_text())["files"])[1]
         size = victim.stat().st_size
+        dist.barrier()  # every rank has its size before rank 0 rewrites it
         if rank == 0:
             original = victim.read_bytes()
             flip_middle_bytes(victim)
@@ -911,7 +927,7 @@ def failed_publish_worker(rank: int, world_size: int, tmp: str) -> None:
         c = build_components(seed=0)
         manager = make_manager(Path(tmp), c, async_mode="async", timeout_seconds=20)
         if rank == 0:
-            def disk_full_on_publish(step: int) -> None:
+            def disk_full_on_publish(step: int, full: bool) -> None:
                 raise OSError(errno.ENOSPC, "No space left on device")
 
             manager._publish = disk_full_on_publish
@@ -926,6 +942,92 @@ def failed_publish_worker(rank: int, world_size: int, tmp: str) -> None:
 
 def test_a_failed_background_publish_reaches_every_rank(tmp_path):
     run_forked(failed_publish_worker, 2, str(tmp_path), timeout=60)
+
+
+class FileOperations:
+    """The file operations this process makes while `tracing` is set: opens (for reading or writing), listings,
+    renames, removals (Python's audit events) and stats."""
+
+    def __init__(self):
+        self.tracing = False
+        self.operations: list[tuple[str, str]] = []
+        self._stat, self._lstat = os.stat, os.lstat
+        sys.addaudithook(self._audit)
+        os.stat, os.lstat = self._counted(self._stat), self._counted(self._lstat)
+
+    def _counted(self, stat):
+        def counted(path, *args, **kwargs):
+            if self.tracing:
+                self.operations.append(("stat", os.path.basename(os.fspath(path))))
+            return stat(path, *args, **kwargs)
+        return counted
+
+    def _audit(self, event: str, args: tuple) -> None:
+        if not self.tracing or not event.startswith(("open", "os.", "shutil.")):
+            return
+        if event == "open":
+            path, mode, flags = args
+            if isinstance(path, int):  # os.fdopen of a file already opened
+                return
+            writes = any(c in mode for c in "wax+") if isinstance(mode, str) else flags & (os.O_WRONLY | os.O_RDWR)
+            directory = not writes and stat_module.S_ISDIR(self._stat(path).st_mode)
+            event = "open to write" if writes else "open a directory" if directory else "open to read"
+        self.operations.append((event, os.path.basename(os.fspath(args[0])) if args and isinstance(
+            args[0], (str, bytes, os.PathLike)) else ""))
+
+    def during(self, function):
+        def traced(*args, **kwargs):
+            self.tracing = True
+            try:
+                return function(*args, **kwargs)
+            finally:
+                self.tracing = False
+        return traced
+
+
+def publish_trace_worker(rank: int, world_size: int, tmp: str) -> None:
+    """Saves 4 steps of an FSDP model, keeping 2; rank 0 records its file operations while it writes `.metadata`
+    and the manifest, publishes (pruning included) and removes the checkpoints that pruning superseded."""
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", store=dist.FileStore(f"{tmp}/store", world_size), rank=rank,
+                            world_size=world_size)
+    try:
+        mesh = init_device_mesh("cpu", (world_size,), mesh_dim_names=("dp_shard",))
+        c = build_components(0, fsdp_model(0, mesh))
+        train_step(c, 1)
+        manager = make_manager(Path(tmp), c, keep_latest_k=2)
+        manager._group()  # created before the trace: joining a group reads the store's file
+        if rank == 0:
+            trace = FileOperations()
+            checkpoint_integrity.ChecksummedFileWriter.finish = trace.during(
+                checkpoint_integrity.ChecksummedFileWriter.finish)
+            manager._publish = trace.during(manager._publish)
+            manager._remove_leftovers = trace.during(manager._remove_leftovers)
+        save_steps(manager, c, range(1, 5))
+        manager.close()
+        if rank == 0:
+            Path(f"{tmp}/trace.json").write_text(json.dumps(trace.operations))
+    finally:
+        dist.destroy_process_group()
+
+
+def test_rank_0s_publish_does_not_grow_with_the_ranks(tmp_path):
+    """What rank 0 alone does after every rank has written (DCP's `.metadata`, the manifest, the rename, pruning
+    old checkpoints, then deleting them) makes the same file operations under 2 and 4 ranks, never touches another
+    rank's data files and reads no file back (a `.metadata` lists every rank's chunks)."""
+    traces = {}
+    for world_size in (2, 4):
+        folder = tmp_path / f"world{world_size}"
+        folder.mkdir()
+        run_forked(publish_trace_worker, world_size, str(folder))
+        assert step_folders(folder) == ["step-3", "step-4"]
+        assert len(list((folder / "ckpt" / "step-4").glob("*.distcp"))) == world_size
+        traces[world_size] = [tuple(operation) for operation in json.loads((folder / "trace.json").read_text())]
+    for trace in traces.values():
+        assert ("os.remove", "__0_0.distcp") in trace  # its own share of step-1
+        assert not [name for _, name in trace if name.endswith(".distcp") and not name.startswith("__0_")], trace
+        assert not [operation for operation in trace if operation[0] == "open to read"], trace
+    assert Counter(event for event, _ in traces[2]) == Counter(event for event, _ in traces[4])
 
 
 def save_until_killed(root: Path, marker: Path) -> None:

@@ -33,6 +33,10 @@ def test_reports_the_stall_of_every_mode(tmp_path):
         figures = result["modes"][mode]
         assert figures["stall_median_s"] > 0 and figures["step_median_s"] > 0
         assert len(figures["publish_s"]) == steps and figures["publish_median_s"] > 0
+        assert len(figures["publish_cpu_s"]) == steps and 0 < figures["publish_cpu_median_s"]
+        # `.metadata` is written (and timed) in this process, except by the checkpoint process of pinned_mem.
+        assert (figures["metadata_median_s"] is None) == (mode == "async_with_pinned_mem")
+        assert (figures["metadata_cpu_median_s"] is None) == (mode == "async_with_pinned_mem")
         assert len(figures["stall_s"]) == steps and all(stall > 0 for stall in figures["stall_s"])
         assert len(figures["train_s"]) == 1 and figures["train_s"][0] > 0
     assert result["ratio_async_to_sync"] > 0 and result["ratio_pinned_to_sync"] > 0

@@ -6,13 +6,16 @@ Layout under `<dump_folder>/<checkpoint.folder>`:
                              or, for a last save with `last_save_in_hf`, a Hugging Face folder (`config.json`,
                              `model.safetensors`)
     step-N.incomplete/       being written, or left behind by a crash: never loaded, removed by the next save
+    step-N.deleted.incomplete/   superseded (below): never loaded, removed by the next save
 
 Every save is written into `step-N.incomplete`; only once DCP has finished on every rank does rank 0 rename it to
 `step-N` (an atomic rename), so a folder named `step-N` is always complete, whenever a process dies. If `step-N`
 already exists (a run resumed from an earlier step reaches the same step again), the new checkpoint replaces it once
 the new one is complete: the old folder is renamed to `step-N.stale.incomplete`, the new one into place, and the old
-one deleted. A crash between those renames leaves both under `.incomplete` names, and resuming takes the previous
-complete step.
+one goes with the leftovers. A crash between those renames leaves both under `.incomplete` names, and resuming takes
+the previous complete step. Leftovers (`*.incomplete`) are deleted at the start of the next save, every rank its own
+data files (by name) and then rank 0 the rest, so that rank 0 never deletes every rank's files; at `close()` rank 0
+deletes what is left alone.
 
 Rank 0 also writes `model.json` into every DCP checkpoint: the model's shape (width, layers, heads, FFN width,
 vocabulary, RoPE), which `[model]` may have set on top of the flavor. Loading a checkpoint (resume or
@@ -24,7 +27,8 @@ rename rank 0 writes `checksums.json` into the folder, the size and CRC32 of eve
 its own files as it writes them; rank 0 gathers the entries), and every load checks the files against it before DCP
 reads them; a checkpoint without one (an older version's, or another tool's) loads unchecked, with a warning.
 
-Once a new checkpoint is in place, rank 0 deletes what it supersedes:
+Once a new checkpoint is in place, rank 0 retires what it supersedes (renamed to `step-N.deleted.incomplete`, out of
+a resume's reach, and deleted with the leftovers):
 - `keep_latest_k` counts only full checkpoints (those holding the train state, the only ones a resume continues
   from): the k newest are kept. A model-only checkpoint never evicts a full one; it is deleted once it is older than
   every full checkpoint kept (it can no longer be what the run resumes from, nor its latest weights).

@@ -2,13 +2,13 @@
 checks the files against it before DCP reads them (DCP itself has none: a damaged shard would load silently).
 
 Each rank hashes its own files while it writes them (`ChecksummedFileWriter`), and the checksums travel to the
-coordinating rank with DCP's own gather of the write results: nothing is read back, and the coordinator's cost does
-not grow with the number of ranks."""
+coordinating rank with DCP's own gather of the write results, one entry per file: nothing is read back (the
+coordinator hashes its `.metadata` as it writes it too), and beyond that manifest the coordinator's work does not grow
+with the number of ranks."""
 
 import contextlib
 import json
 import os
-import time
 import zlib
 from collections.abc import Iterator
 from pathlib import Path
@@ -23,6 +23,7 @@ from torch.futures import Future
 
 from torchtitan.components.checkpoint.safe_io import METADATA_FILE, FileWriter, describe
 from torchtitan.errors import UserError
+from torchtitan.tools.cost import Cost, Stopwatch
 from torchtitan.tools.files import atomic_write
 from torchtitan.tools.logging import warn_once
 
@@ -96,6 +97,12 @@ class _HashingFileSystem(FileSystem):
             yield hashing
         self.checksums[Path(path).name] = hashing.checksum()
 
+    def rename(self, path: str | os.PathLike, new_path: str | os.PathLike) -> None:
+        # DCP writes `.metadata` under a temporary name and renames it: its checksum follows it.
+        super().rename(path, new_path)
+        if Path(path).name in self.checksums:
+            self.checksums[Path(new_path).name] = self.checksums.pop(Path(path).name)
+
 
 # The key of the extra write result in which a rank hands its files' checksums to the coordinator.
 _CHECKSUMS_RESULT = MetadataIndex("__checksums__")
@@ -110,9 +117,11 @@ class ChecksummedFileWriter(FileWriter):
     def __init__(self, path: str | os.PathLike) -> None:
         super().__init__(path)
         self.fs = _HashingFileSystem()
-        # What this rank wrote, and on the coordinator how long the manifest took (for the save's cost).
+        # What this rank wrote, and on the coordinator what writing DCP's `.metadata` and then the manifest cost
+        # (for the save's cost; None where this process did not write them).
         self.written_bytes = 0
-        self.manifest_s: float | None = None
+        self.metadata_cost: Cost | None = None
+        self.manifest_cost: Cost | None = None
 
     def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future[list[WriteResult]]:
         results = super().write_data(plan, planner).wait()
@@ -127,18 +136,22 @@ class ChecksummedFileWriter(FileWriter):
         return written
 
     def finish(self, metadata: Metadata, results: list[list[WriteResult]]) -> None:
-        begin = time.perf_counter()
         checksums: dict[str, dict[str, Any]] = {}
         for rank_results in results:
-            for result in rank_results:
-                if result.index == _CHECKSUMS_RESULT:
-                    checksums.update(result.storage_data)
-        super().finish(metadata, [[result for result in rank_results if result.index != _CHECKSUMS_RESULT]
-                                  for rank_results in results])
+            # Each rank's checksums are the last of its write results (`write_data` appends them): taken out in
+            # place, without a pass over every rank's entries, before DCP indexes the rest into `.metadata`.
+            entry = rank_results.pop()
+            if entry.index != _CHECKSUMS_RESULT:
+                raise RuntimeError("DCP reordered a rank's write results: the checksums are not the last one")
+            checksums.update(entry.storage_data)
+        watch = Stopwatch()
+        super().finish(metadata, results)
+        self.metadata_cost = watch.cost()
+        watch = Stopwatch()
         folder = Path(self.path)
-        checksums[METADATA_FILE] = _file_checksum(folder / METADATA_FILE)
+        checksums[METADATA_FILE] = self.fs.checksums.get(METADATA_FILE) or _file_checksum(folder / METADATA_FILE)
         write_checksums(folder, checksums)
-        self.manifest_s = time.perf_counter() - begin
+        self.manifest_cost = watch.cost()
 
 
 def write_checksums(folder: Path, checksums: dict[str, dict[str, Any]]) -> None:

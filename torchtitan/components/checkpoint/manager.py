@@ -2,6 +2,7 @@
 The package's `__init__` describes the layout and the keys."""
 
 import contextlib
+import itertools
 import json
 import os
 import pickle
@@ -36,6 +37,7 @@ from torchtitan.distributed.utils import collectives_bounded_by, new_group_with_
 from torchtitan.errors import UserError
 from torchtitan.models.llama3.args import TransformerModelArgs
 from torchtitan.models.llama3.state_dict_adapter import is_hf_folder
+from torchtitan.tools.cost import Cost, Stopwatch
 from torchtitan.tools.files import atomic_write
 from torchtitan.tools.logging import logger
 
@@ -129,6 +131,23 @@ def _rank() -> int:
 
 def _incomplete(path: Path) -> Path:
     return path.with_name(path.name + INCOMPLETE_SUFFIX)
+
+
+# What a superseded checkpoint is renamed to until it is deleted (`_remove_leftovers`), beside `.stale`, a step
+# replaced by a newer save of the same step.
+_DELETED = ".deleted"
+_STALE = ".stale"
+
+
+def _remove_own_files(folder: Path, rank: int) -> None:
+    """Delete the data files that this rank writes into a DCP checkpoint folder, by name: DCP's file writer names
+    them `__<rank>_<i>.distcp`, i = 0, 1, ... (no listing of the folder, whose entries grow with the number of
+    ranks). A file that cannot be deleted is left to rank 0, which removes the folder after every rank."""
+    for index in itertools.count():
+        try:
+            (folder / f"__{rank}_{index}.distcp").unlink()
+        except OSError:
+            return
 
 
 def complete_steps(folder: Path) -> list[int]:
@@ -264,10 +283,17 @@ class CheckpointManager:
         # The step this run resumed from: if it is among the abandoned ones it is renamed aside, never deleted.
         self._resumed_from: int | None = None
         # How long each save of this run kept the training loop waiting (seconds, in order), how long until every
-        # rank had written, and on rank 0 how long the manifest and the publishing rename took after that.
+        # rank had written, and on rank 0 what its own work after that cost: writing DCP's `.metadata` (None where
+        # the checkpoint process wrote it), then the manifest, the publishing rename and the pruning
+        # (`publish_cost`, the wait for the other ranks in the collective that ends the save left out).
         self.blocked_s: list[float] = []
         self.save_s: list[float] = []
-        self.publish_s: list[float] = []
+        self.metadata_cost: list[Cost | None] = []
+        self.publish_cost: list[Cost] = []
+        # Whether each step's checkpoint holds the train state: recorded for the checkpoints this run publishes,
+        # read once from `.metadata` for the others. Pruning asks at every publish, and a `.metadata` lists every
+        # rank's chunks: reading them at every publish made rank 0's publish grow with the number of ranks.
+        self._full_steps: dict[int, bool] = {}
         self._own_group: dist.ProcessGroup | None = None
         self._stager: DefaultStager | None = None
         # An async save's copy of the state, still running in the background: the next optimizer step must wait
@@ -387,7 +413,7 @@ class CheckpointManager:
         if self.config.load_step == -1:
             # A finished run ends with a model-only save: resuming it (to train further) must start from the latest
             # checkpoint that also holds the optimizer, data position and step, not restart from step 1.
-            resumable = [step for step in steps if self._holds_train_state(self._step_path(step))]
+            resumable = [step for step in steps if self._is_full(step)]
             if resumable and resumable[-1] != steps[-1]:
                 logger.warning(f"Resuming from step-{resumable[-1]}, the latest full checkpoint: step-{steps[-1]} "
                                f"holds only the model weights")
@@ -397,6 +423,12 @@ class CheckpointManager:
             raise UserError(f"option checkpoint.load_step: step {self.config.load_step} has no complete checkpoint "
                             f"in {self.folder}; available steps: {available}")
         return self.config.load_step
+
+    def _is_full(self, step: int) -> bool:
+        """Whether `step-<step>` holds the train state (read from its `.metadata` once per run)."""
+        if step not in self._full_steps:
+            self._full_steps[step] = self._holds_train_state(self._step_path(step))
+        return self._full_steps[step]
 
     def _holds_train_state(self, checkpoint: Path) -> bool:
         if not (checkpoint / METADATA_FILE).exists():
@@ -515,15 +547,26 @@ class CheckpointManager:
         logger.info(f"Seed checkpoint written to {self._step_path(step)}")
 
     def close(self) -> None:
-        """Wait for an outstanding background save; call before exiting."""
+        """Wait for an outstanding background save and delete the checkpoints it superseded; call before exiting.
+        (Rank 0 deletes them alone, without waiting for the other ranks: they may not reach `close` together, as
+        after a Hugging Face export.)"""
         with self._bounded():
             self._wait_for_pending_save()
+        if self.rank == 0 and self._is_saving() and self.folder.is_dir():
+            try:
+                self._delete_leftovers(self._leftovers())
+            except OSError as err:
+                logger.warning(f"Deleting the superseded checkpoints in {self.folder} failed ({describe(err)}); the "
+                               f"next save removes them")
         if self._stager is not None:
             self._stager.close()
             self._stager = None
 
+    def _is_saving(self) -> bool:
+        return self.config.enable and not self.config.load_only
+
     def _is_due(self, step: int, last_step: bool, force: bool) -> bool:
-        if not self.config.enable or self.config.load_only:
+        if not self._is_saving():
             return False
         return (last_step or force or step % self.config.interval == 0
                 or (step == 1 and self.config.enable_first_step_checkpoint))
@@ -541,7 +584,8 @@ class CheckpointManager:
     def _save_dcp(self, step: int, state_dict: dict[str, Any]) -> None:
         self._wait_for_pending_save()
         staging = _incomplete(self._step_path(step))
-        self._on_rank0(self._remove_leftovers, f"cleaning up {self.folder} before saving step {step}")
+        full = self._is_saved("train_state", state_dict)
+        self._remove_leftovers(step)
         writer = ChecksummedFileWriter(staging)
         started = time.perf_counter()
         if self.config.async_mode == "disabled":
@@ -550,8 +594,8 @@ class CheckpointManager:
             except (Exception, CheckpointException) as err:
                 self._raise_save_error(err, step, staging)
             written = time.perf_counter()
-            self._on_rank0(lambda: self._publish(step), f"publishing checkpoint {staging}")
-            self._record_cost(step, writer, started, written)
+            published = self._on_rank0(lambda: self._publish(step, full), f"publishing checkpoint {staging}")
+            self._record_cost(step, writer, started, written, published if self.rank == 0 else None)
             return
         checkpointer = AsyncCheckpointerType.PROCESS if self.config.async_mode == "async_with_pinned_mem" else \
             AsyncCheckpointerType.THREAD
@@ -572,9 +616,8 @@ class CheckpointManager:
             try:
                 upload.result()
                 written = time.perf_counter()
-                if self.rank == 0:
-                    self._publish(step)
-                self._record_cost(step, writer, started, written)
+                published = self._publish(step, full) if self.rank == 0 else None
+                self._record_cost(step, writer, started, written, published)
                 completed.set_result(None)
             except BaseException as err:  # CheckpointException is a BaseException; it must reach the waiter
                 completed.set_exception(err)
@@ -582,22 +625,29 @@ class CheckpointManager:
         upload.add_done_callback(finish)
         self._pending = _PendingSave(completed, step, staging)
 
-    def _record_cost(self, step: int, writer: ChecksummedFileWriter, started: float, written: float) -> None:
+    def _record_cost(self, step: int, writer: ChecksummedFileWriter, started: float, written: float,
+                     published: Cost | None) -> None:
         """Log what the save cost, the figures a preemption budget needs (docs/checkpointing.md): the bytes rank 0
         wrote, the time from the start of the save until DCP's save returned (every rank had written, `save_s`),
-        and on rank 0 the time of what only it does: `.metadata`, the manifest and the publishing rename
-        (`publish_s`). A save's duration depends on the largest rank's share and the file system's bandwidth per
-        rank, not on the number of ranks. (The checkpoint process of async_with_pinned_mem writes `.metadata` and
-        the manifest where this process does not time them.)"""
-        published = time.perf_counter()
+        and on rank 0 (`published`, its publish) what only it does after that: DCP's `.metadata`, then the
+        manifest, the publishing rename and the pruning (`metadata_cost`, `publish_cost`). A save's duration depends
+        on the largest rank's share and the file system's bandwidth per rank; rank 0's publish does not depend on
+        the number of ranks beyond one manifest entry per file. (The checkpoint process of async_with_pinned_mem
+        writes `.metadata` and the manifest where this process does not time them.)"""
         self.save_s.append(written - started)
-        if self.rank != 0:
+        if published is None:
             return
-        self.publish_s.append((writer.manifest_s or 0.0) + published - written)
+        if writer.manifest_cost is not None:
+            published = writer.manifest_cost + published
+        self.publish_cost.append(published)
+        self.metadata_cost.append(writer.metadata_cost)
         gib = writer.written_bytes / 2**30
+        metadata = (f", DCP's .metadata {writer.metadata_cost.wall_s:.3f} s before it"
+                    if writer.metadata_cost is not None else "")
         logger.info(f"Checkpoint {self._step_path(step)}: rank 0 wrote {gib:.3f} GiB ({gib / (written - started):.2f} "
                     f"GiB/s), every rank had written after {written - started:.2f} s, publishing took "
-                    f"{self.publish_s[-1]:.3f} s (async_mode {self.config.async_mode})")
+                    f"{published.wall_s:.3f} s ({published.cpu_s:.3f} s CPU){metadata} "
+                    f"(async_mode {self.config.async_mode})")
 
     def wait_for_staging(self) -> None:
         """Block until the last async save has copied the state; the trainer calls it before every optimizer step.
@@ -650,32 +700,50 @@ class CheckpointManager:
         raise UserError(f"saving the checkpoint of step {step} into {staging} failed: {describe(err)}; earlier "
                         f"checkpoints in {self.folder} are untouched") from err
 
-    def _on_rank0(self, action: Callable[[], None], what: str) -> None:
-        """Run a filesystem action on rank 0 alone. The broadcast of its outcome doubles as a barrier, and makes
-        every rank raise if it failed, rather than leave the others waiting in the next collective."""
-        error = None
+    def _on_rank0(self, action: Callable[[], Any], what: str) -> Any:
+        """Run a filesystem action on rank 0 alone and return its result on every rank. The broadcast of its
+        outcome doubles as a barrier, and makes every rank raise if it failed, rather than leave the others waiting
+        in the next collective."""
+        outcome: list[Any] = [None, None]
         if self.rank == 0:
             try:
-                action()
+                outcome = [action(), None]
             except (OSError, UserError) as err:
-                error = f"{what} failed: {err}"
+                outcome = [None, f"{what} failed: {err}"]
         if dist.is_initialized():
-            outcome = [error]
             dist.broadcast_object_list(outcome, src=0, group=self._group())
-            error = outcome[0]
-        if error is not None:
-            raise UserError(error)
+        if outcome[1] is not None:
+            raise UserError(outcome[1])
+        return outcome[0]
 
-    def _remove_leftovers(self) -> None:
-        """Delete `*.incomplete` folders: interrupted saves, whose contents are never loaded."""
+    def _leftovers(self) -> list[str]:
+        """The `*.incomplete` folders: interrupted saves and superseded checkpoints, never loaded."""
         self.folder.mkdir(parents=True, exist_ok=True)
-        for entry in self.folder.iterdir():
-            if entry.name.endswith(INCOMPLETE_SUFFIX):
-                logger.info(f"Removing {entry}, left by an interrupted save")
-                shutil.rmtree(entry)
+        return sorted(entry.name for entry in self.folder.iterdir() if entry.name.endswith(INCOMPLETE_SUFFIX))
 
-    def _publish(self, step: int) -> None:
-        """Rename `step-N.incomplete` (with its checksums, if a DCP checkpoint) to `step-N`."""
+    def _remove_leftovers(self, step: int) -> None:
+        """Delete the `*.incomplete` folders before saving `step`; every rank calls it. Each rank deletes its own
+        data files first, then rank 0 the rest (`.metadata`, the manifest, files of ranks beyond this run's): rank
+        0's share of a superseded checkpoint does not grow with the number of ranks."""
+        leftovers = self._on_rank0(self._leftovers, f"listing {self.folder} before saving step {step}")
+        if not leftovers:
+            return
+        for name in leftovers:
+            _remove_own_files(self.folder / name, self.rank)
+        self._on_rank0(lambda: self._delete_leftovers(leftovers),
+                       f"cleaning up {self.folder} before saving step {step}")
+
+    def _delete_leftovers(self, names: list[str]) -> None:
+        superseded = (_DELETED + INCOMPLETE_SUFFIX, _STALE + INCOMPLETE_SUFFIX)
+        for name in names:
+            why = "a superseded checkpoint" if name.endswith(superseded) else "left by an interrupted save"
+            logger.info(f"Removing {self.folder / name}, {why}")
+            shutil.rmtree(self.folder / name)
+
+    def _publish(self, step: int, full: bool) -> Cost:
+        """Rename `step-N.incomplete` (with its checksums, if a DCP checkpoint) to `step-N`, which holds the train
+        state if `full`; returns what it cost. Touches no rank's files: its work does not grow with the ranks."""
+        watch = Stopwatch()
         final = self._step_path(step)
         staging = _incomplete(final)
         if (staging / METADATA_FILE).exists():
@@ -683,15 +751,15 @@ class CheckpointManager:
                 json.dump(_model_shape(self.model_args), f, indent=1)
         if final.exists():
             logger.warning(f"Replacing the existing checkpoint {final} by the one just saved")
-            stale = _incomplete(final.with_name(final.name + ".stale"))
-            os.rename(final, stale)
+            os.rename(final, _incomplete(final.with_name(final.name + _STALE)))
             os.rename(staging, final)
-            shutil.rmtree(stale)
         else:
             os.rename(staging, final)
+        self._full_steps[step] = full
         fsync_dir(self.folder)
         self._retire_abandoned(keep=step)
         self._prune(keep=step)
+        return watch.cost()
 
     def _retire_abandoned(self, keep: int) -> None:
         """After the first checkpoint of a run that resumed from an older step, take the newer checkpoints of the
@@ -702,11 +770,11 @@ class CheckpointManager:
         resumed_from, self._resumed_from = self._resumed_from, None
         if not abandoned:
             return
-        # Every one is renamed before anything is deleted: renames are quick, so a crash is unlikely to leave some
-        # of them loadable, and a `.incomplete` left half-deleted goes at the next save.
+        # Renamed, all of them at once (renames are quick, so a crash is unlikely to leave some of them loadable);
+        # the ones to delete go with the leftovers at the next save.
         retired = []
         for step in abandoned:
-            target = _incomplete(self._step_path(step))
+            target = self._doomed(step)
             # Kept when asked to keep everything, and always the checkpoint this run loaded its weights from (a
             # resume without its train state restarts at step 0 from it), but under a name no resume considers.
             if self.config.keep_latest_k == 0 or step == resumed_from:
@@ -716,13 +784,13 @@ class CheckpointManager:
                     suffix += 1
                     target = self._step_path(step).with_name(f"step-{step}.abandoned-{suffix}")
             os.rename(self._step_path(step), target)
+            self._full_steps.pop(step, None)
             retired.append(target)
         fsync_dir(self.folder)
         why = "it belongs to the trajectory that this run abandoned by resuming from an older step"
         for step, target in zip(abandoned, retired):
             if target.name.endswith(INCOMPLETE_SUFFIX):
-                shutil.rmtree(target)
-                logger.warning(f"Deleted checkpoint step-{step}: {why}")
+                logger.warning(f"Deleting checkpoint step-{step}: {why}")
             else:
                 logger.warning(f"Renamed checkpoint step-{step} to {target.name}: {why}")
 
@@ -748,16 +816,19 @@ class CheckpointManager:
         """Whether `step-<step>` holds the train state; one whose metadata cannot be read counts as full, so that
         keep_latest_k deletes it in turn rather than every later save failing on it."""
         try:
-            return self._holds_train_state(self._step_path(step))
+            return self._is_full(step)
         except UserError:
             return True
 
+    def _doomed(self, step: int) -> Path:
+        """What `step-<step>` is renamed to when it is to be deleted: out of the resume's reach at once, deleted
+        with the leftovers at the next save (every rank its own files, `_remove_leftovers`), or at `close`."""
+        return _incomplete(self._step_path(step).with_name(f"step-{step}{_DELETED}"))
+
     def _delete_step(self, step: int, why: str) -> None:
-        # Renamed first, so that a crash halfway through the deletion leaves no `step-N` with missing files.
-        doomed = _incomplete(self._step_path(step))
-        os.rename(self._step_path(step), doomed)
-        shutil.rmtree(doomed)
-        logger.info(f"Deleted checkpoint step-{step} ({why})")
+        os.rename(self._step_path(step), self._doomed(step))
+        self._full_steps.pop(step, None)
+        logger.info(f"Deleting checkpoint step-{step} ({why})")
 
     def _save_hf_export(self, step: int) -> None:
         """The last checkpoint as a Hugging Face folder: every rank saves its shards of the model, in the export
@@ -767,7 +838,7 @@ class CheckpointManager:
         self._wait_for_pending_save()
         final = self._step_path(step)
         scratch = _incomplete(final.with_name(final.name + ".dcp"))
-        self._on_rank0(self._remove_leftovers, f"cleaning up {self.folder} before saving step {step}")
+        self._remove_leftovers(step)
         dtype = EXPORT_DTYPES[self.config.export_dtype]
         try:
             # In the export dtype already: no larger scratch copy on disk than the export itself.
@@ -780,7 +851,7 @@ class CheckpointManager:
         try:
             export_hf_from_dcp(scratch, _incomplete(final), self.model_args, dtype)
             shutil.rmtree(scratch)
-            self._publish(step)
+            self._publish(step, full=False)
         except OSError as err:
             raise UserError(f"writing the Hugging Face checkpoint {final} failed: {describe(err)}; earlier "
                             f"checkpoints in {self.folder} are untouched") from err
