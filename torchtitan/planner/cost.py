@@ -10,7 +10,10 @@ Per GPU and step (all stages of one pipeline rank together; the slowest pipeline
   Float8 runs the blocks' linear layers at the GPU's float8 peak, the rest at its bf16 peak; both at the same
   achievable fraction EFFICIENCY (fitted). The memory-bound work (norms, RoPE, SwiGLU's product, residual adds,
   casts, float8's scaling) moves MEMORY_BOUND_BYTES bytes per element of the hidden state per block (fitted, eager);
-  compiled blocks fuse it into COMPILED_FRACTION of that (fitted). It runs at the GPU's HBM bandwidth.
+  compiled blocks fuse it into COMPILED_FRACTION of that (fitted). Float8 adds its dynamic casts, counted from what
+  torchao reads and writes (float8_cast_bytes_per_token: no constant); under TP some of them work on whole-sequence
+  tensors, which is most of what makes the 70B and 405B layouts slower per token than the 8B ones. It runs at the
+  GPU's HBM bandwidth.
 - communication, each collective's bytes over the link it crosses (NVLink within a host of 8, the RDMA network
   between hosts; mesh dimensions are laid out pp, dp_replicate, dp_shard, cp, tp, the last varying fastest, so a
   dimension stays within a host when its stride x size <= 8). A ring moves (n - 1) / n of the buffer over its
@@ -40,9 +43,9 @@ from torchtitan.models.llama3.args import TransformerModelArgs
 from torchtitan.planner.hardware import GPU
 
 # Fitted on the 8B, 8-GPU rows of the published table (scripts/plan.py --validate refits and prints them).
-EFFICIENCY = 0.73
-MEMORY_BOUND_BYTES = 1740.0
-COMPILED_FRACTION = 0.75
+EFFICIENCY = 0.62
+MEMORY_BOUND_BYTES = 1500.0
+COMPILED_FRACTION = 0.7
 
 HOST_SIZE = 8
 
@@ -110,6 +113,23 @@ def recomputed_op_weights(args: TransformerModelArgs) -> int:
     return args.dim * (args.kv_heads * args.head_dim + args.n_heads * args.head_dim + args.ffn_hidden_dim)
 
 
+def float8_cast_bytes_per_token(args: TransformerModelArgs, t: int, ac: str) -> float:
+    """HBM bytes per token and block of Float8's dynamic tensorwise casts (torchao), on one TP rank.
+
+    Every tensor a float8 matmul takes is read twice (its absolute maximum, then the scaled cast) and written once
+    in float8: 5 bytes per element. Forward: the two normalised block inputs (each shared by its projections), wo's
+    and w2's inputs; full AC casts them again in the recomputed forward, per-op AC the inputs of the matmuls it
+    recomputes (wk, wo, w3). Backward: the gradients of the seven outputs. The weight-gradient matmuls take the
+    inputs and the output gradients transposed: one more float8 copy of each (2 bytes). Under TP the block inputs and
+    the output gradients of wo and w2 are whole-sequence tensors (gathered from the sequence-parallel regions): they
+    cost d per token on every rank, where the hidden state's other work costs d / t."""
+    d, q, kv, f = args.dim, args.n_heads * args.head_dim / t, args.kv_heads * args.head_dim / t, args.ffn_hidden_dim / t
+    inputs = 2 * d + q + f
+    output_grads = q + 2 * kv + 2 * d + 2 * f
+    recast = {"full": inputs, "op": 2 * d + q}.get(ac, 0.0)
+    return 5 * (inputs + recast + output_grads) + 2 * (inputs + output_grads)
+
+
 def step_time(args: TransformerModelArgs, layout: Layout, seq_len: int, gpu: GPU,
               efficiency: float = EFFICIENCY, memory_bound_bytes: float = MEMORY_BOUND_BYTES,
               compiled_fraction: float = COMPILED_FRACTION) -> StepTime:
@@ -137,7 +157,10 @@ def step_time(args: TransformerModelArgs, layout: Layout, seq_len: int, gpu: GPU
     fp8 = linear if layout.float8 else 0.0
     matmul_s = bf16 / (gpu.bf16_flops * efficiency) + fp8 / (gpu.fp8_flops * efficiency)
     hidden_elements = tokens * args.dim * layers * (4 / 3 if recompute else 1.0)
-    memory_bound = memory_bound_bytes * hidden_elements * (compiled_fraction if layout.compile else 1.0)
+    memory_bound = memory_bound_bytes * hidden_elements
+    if layout.float8:
+        memory_bound += float8_cast_bytes_per_token(args, t, layout.ac) * tokens * t * layers
+    memory_bound *= compiled_fraction if layout.compile else 1.0
     compute_s = matmul_s + memory_bound / gpu.hbm_bytes_per_s
 
     # FSDP over dp_shard x cp (stride tp), HSDP's replicas (stride dp_shard x cp x tp).
