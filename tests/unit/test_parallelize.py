@@ -29,3 +29,32 @@ def test_cpu_offload_needs_gpus_and_fsdp():
     with pytest.raises(UserError, match=r"option training.enable_cpu_offload: .*does not shard with FSDP"):
         validate_parallelism(args, ParallelDims.from_config(config.parallelism, 1), config, "cuda")
     validate_parallelism(args, ParallelDims.from_config(config.parallelism, 2), config, "cuda")
+
+
+def test_tensor_parallel_embedding_gradient_is_the_ranks_slice():
+    """A row-split embedding's gradient comes out of DTensor's backward whole (vocabulary x dim on every rank); the
+    column split keeps it to the rank's slice."""
+    import torch
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    from torchtitan.distributed.tensor_parallel import apply_tp
+    from torchtitan.models.llama3.model import Transformer
+
+    if dist.is_initialized():
+        dist.destroy_process_group()
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=2)
+    try:
+        args = model_args_for("tiny", 32)
+        model = Transformer(args)
+        model.init_weights(seed=0)
+        apply_tp(model, init_device_mesh("cpu", (2,)), loss_parallel=False, async_tp=False)
+        tokens = torch.randint(0, args.vocab_size, (2, 32))
+        model(tokens).sum().backward()
+        grad = model.tok_embeddings.weight.grad
+        assert grad.placements == (Shard(1),)
+        assert grad.to_local().shape == (args.vocab_size, args.dim // 2)
+    finally:
+        dist.destroy_process_group()

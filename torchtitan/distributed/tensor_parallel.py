@@ -1,8 +1,13 @@
 """Tensor + sequence parallelism for Llama blocks (Megatron-style), with the loss computed in parallel.
 
 Q/K/V and W1/W3 are split by output column, O and W2 by input row; norms run sequence-parallel on a slice of the
-sequence; the embedding is split by row and the output projection by vocabulary column, whose sharded logits feed
-`loss_parallel` directly.
+sequence; the output projection is split by vocabulary column, whose sharded logits feed `loss_parallel` directly.
+
+The embedding is split by column (the hidden dimension), not by row (the vocabulary) as Megatron and TorchTitan
+split it: DTensor's embedding backward has no rule that yields a row shard's gradient, so a row-split embedding's
+gradient comes out whole (vocabulary x dim, all-reduced over TP) on every rank; 4 GiB in bf16 at 405B, kept in
+fp32 through a pipeline's micro-batches (found by the dry run, docs/scaling.md). Split by column, the gradient is
+the rank's slice, and the lookup's output goes from hidden-dim shards to sequence shards with one all-to-all.
 """
 
 import torch
@@ -17,7 +22,7 @@ from torch.distributed.tensor.parallel import (ColwiseParallel, PrepareModuleInp
 def apply_tp(model: nn.Module, tp_mesh: DeviceMesh, *, loss_parallel: bool, async_tp: bool) -> None:
     top_plan = {}
     if model.tok_embeddings is not None:
-        top_plan["tok_embeddings"] = RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(1))
+        top_plan["tok_embeddings"] = ColwiseParallel(input_layouts=Replicate(), output_layouts=Shard(1))
     if model.norm is not None:
         top_plan["norm"] = SequenceParallel()
     if model.output is not None:

@@ -68,6 +68,9 @@ class Layout:
     float8: bool
     compile: bool
     async_tp: bool
+    row_split_embedding: bool = False
+    """Split the embedding by vocabulary row under TP, as TorchTitan did for the published figures (this framework
+    splits it by column): its gradient is then whole on every rank (planner/memory.py)."""
 
     @property
     def world_size(self) -> int:

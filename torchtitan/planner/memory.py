@@ -48,8 +48,9 @@ Under PP a rank's backward peaks either in its first micro-batch (the other micr
 gradients of the blocks already done) or in a later one (one micro-batch fewer, the gradients of its stage and the
 later ones, and on the first stage the embedding's); with several stages per rank a stage's backward starts after
 the later stages have run theirs for a round of p micro-batches.
-Under TP the vocabulary-sharded embedding's gradient is whole (V x d, DTensor's embedding backward yields a Partial
-gradient); FSDP reduces it to the shard with the rest, so under PP it accumulates whole, in fp32.
+A TP plan that splits the embedding by vocabulary row (TorchTitan's, which measured the published figures; this
+framework splits it by column) gets its gradient whole from DTensor's embedding backward (V x d); FSDP cuts it to the
+shard with the rest, so under PP it accumulates whole, in fp32 (`row_split_embedding`).
 
 Transients, of which only the largest coexists with the rest:
   loss         end of forward: logits, their fp32 copy and log-softmax: T x V/t x (a + 8) (8 in fp32);
@@ -158,14 +159,17 @@ def _optimizer_state(config: JobConfig, tensors: list[tuple[str, tuple[float, ..
                                 getattr(config.optimizer.groups, group).matrix_method) for group, shape in tensors)
 
 
-def estimate(config: JobConfig, ngpu: int, overhead_bytes: int = 0, device: str = "cuda") -> Estimate:
+def estimate(config: JobConfig, ngpu: int, overhead_bytes: int = 0, device: str = "cuda",
+             row_split_embedding: bool = False) -> Estimate:
     """The peak over the pipeline ranks (every rank of a pipeline stage group holds the same) on `device` devices
-    ("cuda" or "cpu": attention saves different tensors on each)."""
+    ("cuda" or "cpu": attention saves different tensors on each). `row_split_embedding` models a TP plan that
+    splits the embedding by vocabulary row (TorchTitan's, which measured the published figures; this framework
+    splits it by column): its gradient is then whole on every rank."""
     dims = ParallelDims.from_config(config.parallelism, ngpu)
     args = model_args_for(config.model.flavor, config.training.seq_len, overrides=shape_overrides(config.model))
     stages_of_rank, in_flight = _pipeline_layout(config, args, dims)
-    estimates = [_estimate_rank(config, args, dims, rank, stages, in_flight, overhead_bytes, device)
-                 for rank, stages in enumerate(stages_of_rank)]
+    estimates = [_estimate_rank(config, args, dims, rank, stages, in_flight, overhead_bytes, device,
+                                row_split_embedding) for rank, stages in enumerate(stages_of_rank)]
     return max(estimates, key=lambda e: e.total)
 
 
@@ -246,7 +250,8 @@ def _ac_modes(config: JobConfig, n_blocks: int) -> list[str]:
 
 
 def _estimate_rank(config: JobConfig, args: TransformerModelArgs, dims: ParallelDims, rank: int,
-                   stages: list[tuple[int, bool, bool]], in_flight, overhead: int, device: str) -> Estimate:
+                   stages: list[tuple[int, bool, bool]], in_flight, overhead: int, device: str,
+                   row_split_embedding: bool = False) -> Estimate:
     s = _Shapes.of(args)
     t, fsdp = dims.tp, dims.dp_shard * dims.cp
     a = 2 if config.training.mixed_precision_param == "bfloat16" else 4
@@ -290,11 +295,10 @@ def _estimate_rank(config: JobConfig, args: TransformerModelArgs, dims: Parallel
     parameters, gradients = 4 * sharded, 4 * sharded
     accumulating = dims.pp > 1 or config.training.global_batch_size > config.training.local_batch_size * dims.dp
     grad_bytes = 4 / fsdp
-    # Under TP the vocabulary-sharded embedding's gradient comes out of DTensor's embedding backward as a Partial
-    # tensor of the whole vocabulary (it has no rule that yields the row shard); FSDP reduces it to the shard
-    # when it reduces the gradient.
+    # A row-split embedding's gradient comes out of DTensor's embedding backward whole (vocabulary x dim; it has
+    # no rule that yields the row shard), and FSDP cuts it to the shard only when it reduces the gradient.
     has_embedding = any(stage[1] for stage in stages)
-    whole_embedding_grad = s.vocab * s.d * (1 - 1 / t) if has_embedding and t > 1 else 0.0
+    whole_embedding_grad = s.vocab * s.d * (1 - 1 / t) if has_embedding and t > 1 and row_split_embedding else 0.0
     if wrapped and dims.pp > 1:
         # The pipeline schedule turns FSDP's gradient sync off until the last micro-batch's backward
         # (torch.distributed.pipelining's stage.py): each parameter's unsharded gradient accumulates, upcast to

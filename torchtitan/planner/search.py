@@ -44,6 +44,7 @@ class Prediction:
 
     def as_json(self) -> dict:
         layout = asdict(self.layout)
+        del layout["row_split_embedding"]  # a property of the measured runs the planner is validated on
         return {**layout, "tps_per_gpu": round(self.tps_per_gpu, 1), "peak_memory_gib": round(self.peak_memory_gib, 2),
                 "step_seconds": round(self.step_seconds, 3), "overrides": self.overrides}
 
@@ -107,7 +108,8 @@ def predict(flavor: str, layout: Layout, seq_len: int, gpu: GPU, config: JobConf
 @functools.lru_cache(maxsize=4096)
 def _layout_memory(flavor: str, layout: Layout, seq_len: int) -> int:
     """Tensor peak of a layout; compile and async TP do not change the (eager) model's memory."""
-    return estimate(trainer_config(flavor, layout, seq_len), layout.world_size).total
+    return estimate(trainer_config(flavor, layout, seq_len), layout.world_size,
+                    row_split_embedding=layout.row_split_embedding).total
 
 
 def layout_from_config(config: JobConfig, world_size: int) -> Layout:
