@@ -816,10 +816,15 @@ def full_state(c: Components) -> dict:
             "optimizer": get_optimizer_state_dict(c.model, c.optimizers.optimizers[0], options=options)}
 
 
-def fsdp_worker(rank: int, world_size: int, tmp: str) -> None:
+def join_gloo(rank: int, world_size: int, tmp: str) -> None:
+    """One thread per process, joined through a file store in `tmp`."""
     torch.set_num_threads(1)
     dist.init_process_group("gloo", store=dist.FileStore(f"{tmp}/store", world_size), rank=rank,
                             world_size=world_size)
+
+
+def fsdp_worker(rank: int, world_size: int, tmp: str) -> None:
+    join_gloo(rank, world_size, tmp)
     try:
         mesh = init_device_mesh("cpu", (world_size,), mesh_dim_names=("dp_shard",))
         saved = build_components(0, fsdp_model(0, mesh))
@@ -869,9 +874,7 @@ def test_fsdp_save_reloads_on_two_ranks_and_one(tmp_path):
 
 
 def disagreeing_listing_worker(rank: int, world_size: int, tmp: str) -> None:
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", store=dist.FileStore(f"{tmp}/store", world_size), rank=rank,
-                            world_size=world_size)
+    join_gloo(rank, world_size, tmp)
     try:
         c = build_components(seed=0)
         save_steps(make_manager(Path(tmp), c, interval=2), c, range(1, 5))
@@ -898,9 +901,7 @@ def test_every_rank_resumes_from_the_step_rank_0_chose(tmp_path):
 
 
 def slow_writer_worker(rank: int, world_size: int, tmp: str) -> None:
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", store=dist.FileStore(f"{tmp}/store", world_size), rank=rank,
-                            world_size=world_size)
+    join_gloo(rank, world_size, tmp)
     try:
         c = build_components(seed=0)
         manager = make_manager(Path(tmp), c, timeout_seconds=60)
@@ -920,9 +921,7 @@ def test_checkpoint_collectives_outlast_the_training_timeout(tmp_path):
 
 
 def failed_publish_worker(rank: int, world_size: int, tmp: str) -> None:
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", store=dist.FileStore(f"{tmp}/store", world_size), rank=rank,
-                            world_size=world_size)
+    join_gloo(rank, world_size, tmp)
     try:
         c = build_components(seed=0)
         manager = make_manager(Path(tmp), c, async_mode="async", timeout_seconds=20)
@@ -988,9 +987,7 @@ class FileOperations:
 def publish_trace_worker(rank: int, world_size: int, tmp: str) -> None:
     """Saves 4 steps of an FSDP model, keeping 2; rank 0 records its file operations while it writes `.metadata`
     and the manifest, publishes (pruning included) and removes the checkpoints that pruning superseded."""
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", store=dist.FileStore(f"{tmp}/store", world_size), rank=rank,
-                            world_size=world_size)
+    join_gloo(rank, world_size, tmp)
     try:
         mesh = init_device_mesh("cpu", (world_size,), mesh_dim_names=("dp_shard",))
         c = build_components(0, fsdp_model(0, mesh))
