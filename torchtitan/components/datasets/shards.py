@@ -22,9 +22,12 @@ The permutation is a Feistel network over the next power-of-four domain with cyc
 `[0, num_windows)` computed per index, so no table of billions of window indices is kept in memory.
 """
 
+import functools
 import hashlib
+import itertools
 import json
 import os
+import threading
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -34,6 +37,7 @@ import torch
 from torch.distributed.checkpoint.stateful import Stateful
 from torch.utils.data import IterableDataset
 
+from torchtitan.components.datasets.read_ahead import ReadAhead
 from torchtitan.errors import UserError
 from torchtitan.tools.files import atomic_write
 from torchtitan.tools.logging import logger
@@ -99,6 +103,7 @@ class TokenShards:
         self._check_tokenizer(manifest["tokenizer"], tokenizer)
         self.vocab_size = int(manifest["tokenizer"]["vocab_size"])
         dtype = np.dtype(manifest["dtype"])
+        self._itemsize = dtype.itemsize
         self._arrays: list[np.ndarray] = []
         starts = [0]
         for entry in manifest["shards"]:
@@ -109,6 +114,8 @@ class TokenShards:
         self._starts = np.array(starts, dtype=np.int64)
         self.num_tokens = int(self._starts[-1])
         self.bytes_read = 0
+        # Reader threads (training.num_workers) add to bytes_read concurrently.
+        self._count_lock = threading.Lock()
         logger.info(f"token shards {self.folder}: {self.num_tokens:,} tokens, {manifest['num_documents']:,} "
                     f"documents in {len(manifest['shards'])} shard(s), memory-mapped")
 
@@ -164,9 +171,10 @@ class TokenShards:
             offset = start + filled - int(self._starts[shard])
             piece = self._arrays[shard][offset : offset + length - filled]
             out[filled : filled + len(piece)] = piece
-            self.bytes_read += piece.nbytes
             filled += len(piece)
             shard += 1
+        with self._count_lock:
+            self.bytes_read += length * self._itemsize
         if out.max() >= self.vocab_size:
             raise UserError(f"{self.option}: tokens {start}..{start + length} hold id {int(out.max())}, beyond the "
                             f"vocabulary of {self.vocab_size} (corrupt shard); re-create the folder with "
@@ -203,7 +211,8 @@ class ShardDataset(IterableDataset, Stateful):
     """Yields `(input, label)` LongTensors of length `seq_len` for one data-parallel rank, from token shards."""
 
     def __init__(self, *, path: str, tokenizer: Any, seq_len: int, dp_rank: int, dp_degree: int, infinite: bool,
-                 seed: int, config_section: str = "training", path_option: str | None = None) -> None:
+                 seed: int, config_section: str = "training", path_option: str | None = None, num_workers: int = 0,
+                 read_ahead: int = 16) -> None:
         self._option = f"{path_option or config_section + '.dataset_path'}={path!r}"
         self._section = config_section
         self.shards = TokenShards(path, tokenizer, self._option)
@@ -218,6 +227,7 @@ class ShardDataset(IterableDataset, Stateful):
                 f"{config_section}.seq_len + 1 = {seq_len + 1} tokens, but each of the {dp_degree} data-parallel "
                 f"ranks needs at least one window; use more data or a smaller {config_section}.seq_len")
         self._next_sample = 0
+        self._reader: ReadAhead[torch.Tensor] = ReadAhead(num_workers, read_ahead)
 
     def window(self, sample: int) -> torch.Tensor:
         """The `seq_len + 1` tokens of global sample `sample` (any epoch)."""
@@ -226,15 +236,22 @@ class ShardDataset(IterableDataset, Stateful):
         span = self._seq_len + 1
         return torch.from_numpy(self.shards.read(window * span, span))
 
+    def _samples(self) -> Iterator[int]:
+        """This rank's global samples from the consumed position on."""
+        first, degree = self._next_sample + self._dp_rank, self._dp_degree
+        return itertools.count(first, degree) if self._infinite else iter(range(first, self._num_windows, degree))
+
     def __iter__(self) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
         degree, rank = self._dp_degree, self._dp_rank
-        sample = self._next_sample + rank
-        while self._infinite or sample < self._num_windows:
-            window = self.window(sample)
-            # Updated before yielding: the loader may save the state right after this sample.
-            self._next_sample = sample - rank + degree
-            yield window[:-1], window[1:]
-            sample += degree
+        windows = self._reader.run((functools.partial(self.window, sample), True) for sample in self._samples())
+        try:
+            for sample, window in zip(self._samples(), windows):
+                # Updated before yielding: the loader may save the state right after this sample. Windows read
+                # ahead are not counted: a resume reads them again.
+                self._next_sample = sample - rank + degree
+                yield window[:-1], window[1:]
+        finally:
+            windows.close()
         self._next_sample = 0
 
     def state_dict(self) -> dict[str, int]:
@@ -253,4 +270,6 @@ class ShardDataset(IterableDataset, Stateful):
                 raise UserError(f"{option}: the data loader checkpoint was saved with {key} = {state_dict[key]}, "
                                 f"now {current}; resume with the checkpointed run's data and options, or without "
                                 f"its data loader state")
+        # Windows read ahead of the old position are dropped.
+        self._reader.stop()
         self._next_sample = int(state_dict["next_sample"])
