@@ -20,12 +20,18 @@ on-the-fly path, each rank reads only its own windows: bytes read per rank fall 
 
 The permutation is a Feistel network over the next power-of-four domain with cycle walking: a bijection of
 `[0, num_windows)` computed per index, so no table of billions of window indices is kept in memory.
+
+Reading: the shards are memory-mapped with the advice that they are read at random, and each window's pages are
+asked for at once, so a cold read fetches that window, not the file's read-ahead span around it. With
+`num_workers`, threads read the windows ahead of the training loop (read_ahead.py); the state still counts only the
+samples the loop consumed.
 """
 
 import functools
 import hashlib
 import itertools
 import json
+import mmap
 import os
 import threading
 from collections.abc import Iterator
@@ -104,7 +110,9 @@ class TokenShards:
         self.vocab_size = int(manifest["tokenizer"]["vocab_size"])
         dtype = np.dtype(manifest["dtype"])
         self._itemsize = dtype.itemsize
+        # The non-empty shards' token arrays, and the memory maps they view.
         self._arrays: list[np.ndarray] = []
+        self._mappings: list[mmap.mmap] = []
         starts = [0]
         for entry in manifest["shards"]:
             array = self._open_shard(entry, dtype)
@@ -160,7 +168,14 @@ class TokenShards:
                             f"re-create the folder with scripts/tokenize_dataset.py")
         if num_tokens == 0:
             return np.zeros(0, dtype=dtype)
-        return np.memmap(data, dtype=dtype, mode="r")
+        with open(data, "rb") as f:
+            mapping = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
+        # Windows are read in a random order: without this advice every page fault reads the file's whole read-ahead
+        # span around it (8 MiB on the machine measured, for a window of a few KiB). read() asks for each window's
+        # pages at once instead (MADV_WILLNEED).
+        mapping.madvise(mmap.MADV_RANDOM)
+        self._mappings.append(mapping)
+        return np.frombuffer(mapping, dtype=dtype)
 
     def read(self, start: int, length: int) -> np.ndarray:
         """Tokens [start, start + length) of the concatenated stream, as int64."""
@@ -170,6 +185,9 @@ class TokenShards:
         while filled < length:
             offset = start + filled - int(self._starts[shard])
             piece = self._arrays[shard][offset : offset + length - filled]
+            first_byte = offset * self._itemsize
+            page_start = first_byte - first_byte % mmap.PAGESIZE
+            self._mappings[shard].madvise(mmap.MADV_WILLNEED, page_start, first_byte + piece.nbytes - page_start)
             out[filled : filled + len(piece)] = piece
             filled += len(piece)
             shard += 1
