@@ -427,12 +427,19 @@ def _encode_in_workers(
 
     for chunk in itertools.islice(chunks, num_workers * _TASKS_PER_WORKER):
         submit(chunk)
-    while pending:
-        indices, result = pending.popleft()
-        following = next(chunks, None)
-        if following is not None:
-            submit(following)
-        yield from zip(indices, result.get())
+    try:
+        while pending:
+            indices, result = pending.popleft()
+            following = next(chunks, None)
+            if following is not None:
+                submit(following)
+            yield from zip(indices, result.get())
+    finally:
+        # The pool is terminated after this: a worker still encoding then could send a result larger than a pipe's
+        # buffer after the pool stopped reading results, holding the lock that terminating needs (a hang, seen in
+        # scripts/benchmark_data.py). So the tasks sent are finished first: at most num_workers x 4 chunks.
+        for _, result in pending:
+            result.wait()
 
 
 class TextDataset(IterableDataset, Stateful):
