@@ -79,14 +79,14 @@ def shard_batches(tokenizer, shards: str, readers: str, seq_len: int, batch: int
     (training.num_workers = N, threads) or "N_processes" (a process pool: the design not taken)."""
     count, kind = readers.split("_")
     if kind == "workers":
-        return _loader_batches(build_dataloader(dataset="x", dataset_path=shards, text_field="text", tokenizer=tokenizer,
-                                     seq_len=seq_len, local_batch_size=batch, dp_rank=0, dp_degree=1, infinite=True,
-                                     num_workers=int(count)))
+        return _loader_batches(tokenizer, shards, int(count), seq_len, batch)
     return _process_windows(tokenizer, shards, int(count), seq_len)
 
 
-def _loader_batches(loader) -> Iterator:
-    yield from loader
+def _loader_batches(tokenizer, shards: str, workers: int, seq_len: int, batch: int) -> Iterator:
+    yield from build_dataloader(dataset="x", dataset_path=shards, text_field="text", tokenizer=tokenizer,
+                                seq_len=seq_len, local_batch_size=batch, dp_rank=0, dp_degree=1, infinite=True,
+                                num_workers=workers)
 
 
 _process_dataset: ShardDataset | None = None
@@ -295,9 +295,12 @@ def run(argv: list[str]) -> dict:
         result["bytes_read_per_rank"] = bytes_read(tokenizer, shards, args.seq_len, args.epoch_samples)
         if not args.skip_trainer:
             trainer = {}
-            for name, extra in (("on_the_fly_0_workers", []), ("on_the_fly_1_workers", ["--training.num_workers", "1"]),
+            for name, extra in (("on_the_fly_0_workers", []),
+                                ("on_the_fly_1_workers", ["--training.num_workers", "1"]),
                                 ("on_the_fly_2_workers", ["--training.num_workers", "2"]),
-                                ("shards", ["--training.dataset_path", shards])):
+                                ("shards_0_workers", ["--training.dataset_path", shards]),
+                                ("shards_2_workers",
+                                 ["--training.dataset_path", shards, "--training.num_workers", "2"])):
                 trainer[name] = train(extra, args.trainer_steps, str(Path(temp) / name))
                 logger.info(f"trainer {name}: {trainer[name]}")
             result["trainer"] = trainer
