@@ -270,7 +270,7 @@ def run(argv: list[str]) -> dict:
     parser.add_argument("--epoch_samples", type=int, default=400, help="global samples for bytes_read_per_rank")
     parser.add_argument("--trainer_steps", type=int, default=21)
     parser.add_argument("--attention_repeats", type=int, default=2)
-    parser.add_argument("--cold_gib", type=float, default=2.0, help="size of the shards read from the disk")
+    parser.add_argument("--cold_gib", type=float, default=1.0, help="size of the shards read from the disk")
     parser.add_argument("--read_latency_ms", type=float, default=1.0, help="simulated latency of a network read")
     parser.add_argument("--step_s", type=float, default=0.05, help="step time of the simulated training loop")
     parser.add_argument("--loop_steps", type=int, default=40, help="steps of the simulated training loop")
