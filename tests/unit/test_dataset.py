@@ -369,12 +369,9 @@ def test_tokenizer_workers_are_idle_when_their_pool_stops(monkeypatch):
             self.results.append(self.pool.apply_async(*args))
             return self.results[-1]
 
-        def __enter__(self):
-            return self
-
-        def __exit__(self, *exc):
+        def terminate(self):
             unfinished.append(sum(not result.ready() for result in self.results))
-            return self.pool.__exit__(*exc)
+            self.pool.terminate()
 
     monkeypatch.setattr(text_module, "worker_pool", RecordingPool)
     iterator = iter(loader(workers=2))

@@ -13,6 +13,7 @@ the reads not yet begun and waits for the ones running, so no thread outlives it
 """
 
 import itertools
+import sys
 from collections import deque
 from collections.abc import Callable, Generator, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -64,4 +65,7 @@ class ReadAhead(Generic[T]):
                 plan(1)
                 yield item.result() if isinstance(item, Future) else item()
         finally:
-            executor.shutdown(wait=True, cancel_futures=True)
+            # A run still alive when the interpreter exits ends in its teardown: concurrent.futures' exit handler has
+            # joined the threads by then, and what shutdown() needs may already be torn down.
+            if not sys.is_finalizing():
+                executor.shutdown(wait=True, cancel_futures=True)

@@ -32,13 +32,13 @@ field, or not text) is an error naming the file and line (records.py). Plain-tex
 hold one document per line, as the Hugging Face `text` builder reads them.
 """
 
-import contextlib
 import glob
 import itertools
 import multiprocessing
 import os
 import random
 import re
+import sys
 import time
 import warnings
 from collections import deque
@@ -437,9 +437,11 @@ def _encode_in_workers(
     finally:
         # The pool is terminated after this: a worker still encoding then could send a result larger than a pipe's
         # buffer after the pool stopped reading results, holding the lock that terminating needs (a hang, seen in
-        # scripts/benchmark_data.py). So the tasks sent are finished first: at most num_workers x 4 chunks.
-        for _, result in pending:
-            result.wait()
+        # scripts/benchmark_data.py). So the tasks sent are finished first: at most num_workers x 4 chunks. Not in the
+        # interpreter's teardown: multiprocessing's exit handler has terminated the pool, its results never come.
+        if not sys.is_finalizing():
+            for _, result in pending:
+                result.wait()
 
 
 class TextDataset(IterableDataset, Stateful):
@@ -521,11 +523,14 @@ class TextDataset(IterableDataset, Stateful):
 
     def _tokenized(self, epoch: int, start: int) -> Iterator[tuple[int, int, list[int]]]:
         """(epoch, document index, tokens) of every non-empty document from the given position on."""
-        # One pool for the whole iteration (every epoch): it stops when the iteration does.
-        with contextlib.ExitStack() as stack:
-            pool = (stack.enter_context(worker_pool(self._num_workers, _init_worker, (self._tokenizer,)))
-                    if self._num_workers else None)
+        # One pool for the whole iteration (every epoch): it stops when the iteration does. In the interpreter's
+        # teardown, multiprocessing's exit handler has stopped it already.
+        pool = worker_pool(self._num_workers, _init_worker, (self._tokenizer,)) if self._num_workers else None
+        try:
             yield from self._tokenized_with(epoch, start, pool)
+        finally:
+            if pool is not None and not sys.is_finalizing():
+                pool.terminate()
 
     def _tokenized_with(self, epoch: int, start: int, pool: Any) -> Iterator[tuple[int, int, list[int]]]:
         while True:
