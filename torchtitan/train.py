@@ -166,6 +166,7 @@ class Trainer:
                                 dp_degree=dp_mesh.size(), infinite=infinite, config_section=section,
                                 num_workers=training.num_workers if section == "training" else 0,
                                 seed=training.data_seed, sources=training.sources if section == "training" else None,
+                                batches_per_step=self.grad_accumulation_steps if section == "training" else 1,
                                 stream_retry=StreamRetry(training.stream_max_attempts, training.stream_backoff_seconds))
 
     def _masking(self, inputs: torch.Tensor) -> dict[str, torch.Tensor]:

@@ -257,10 +257,21 @@ def another_tokenizer(shards: Path) -> None:
                                                  + '",\n  "vocab', manifest, count=1))
 
 
+def corrupt_ids(shards: Path) -> None:
+    """Every token id beyond the vocabulary (as a flipped high bit would make them): found when a window is read."""
+    for shard in shards.glob("shard-*.bin"):
+        shard.write_bytes(b"\xff\xfe" * (shard.stat().st_size // 2))
+
+
 CHECKPOINT_CASES = [
     # (name, damage done to the copy of the good run before resuming, extra options, text the error names)
     ("truncated_token_shard", lambda d: write_shards(d, lambda s: truncate(s / "shard-00001.bin")),
      ["--training.dataset_path", "{dump}/shards"], "{dump}/shards/shard-00001.bin has 1"),
+    # Read by the reader threads: the error reaches the training loop as it does without them.
+    ("corrupt_token_shard_read_in_background", lambda d: write_shards(d, corrupt_ids),
+     ["--training.dataset_path", "{dump}/shards", "--training.num_workers", "2", "--checkpoint.exclude_from_loading",
+      "dataloader"],
+     "{dump}/shards': tokens 99..132 hold id 65279, beyond the vocabulary of 2304 (corrupt shard)"),
     ("token_shards_of_another_tokenizer", lambda d: write_shards(d, another_tokenizer),
      ["--training.dataset_path", "{dump}/shards"], "the shards were made with tokenizer 'tokenizer.model' (sha256 111"),
     ("mixture_weights_sum_to_zero", None, ["--training.sources", "{dump}/a.jsonl:0,{dump}/b.jsonl:0"],

@@ -15,6 +15,7 @@ import pytest
 import torch
 import torch.distributed.checkpoint as dcp
 
+from scripts import tokenize_dataset
 from tests.integration.harness import TINY, losses, max_relative_difference, read_metrics, train
 from torchtitan.components.checkpoint import WeightsOnlyLoadPlanner, read_metadata, without_collectives
 from torchtitan.components.datasets import build_dataloader
@@ -306,6 +307,20 @@ def test_data_parallel_change_consumes_every_window_once(corpus, num_workers):
     assert consumed == expected
     whole_steps = len(stream) // GLOBAL_BATCH * GLOBAL_BATCH
     assert sorted(consumed) == list(range(whole_steps))
+
+
+def test_token_shards_read_ahead_resume_under_another_degree(tmp_path_factory, corpus):
+    """The trainer on token shards with 2 reader threads (training.num_workers): FSDP 2 saves after step 4 while its
+    threads have read further windows, one process resumes; it continues at the first unconsumed sample (16 after 4
+    steps of 4, 32 after 8), and steps 5-8 see the data of an uninterrupted FSDP 2 run (equal losses)."""
+    shards = tmp_path_factory.mktemp("shards") / "numbered"
+    tokenize_dataset.tokenize(str(corpus), str(shards), workers=1, progress=False)
+    runs = Runs(tmp_path_factory, shards, label="_shard_readers", options=("--training.num_workers", "2"))
+    assert dataloader_state(runs.saved("fsdp2") / "checkpoint" / f"step-{SAVED_STEP}")["next_sample"] == 16
+    resumed = runs.resharded("one_process")
+    assert dataloader_state(resumed / "checkpoint" / f"step-{STEPS}")["next_sample"] == 32
+    difference = max_relative_difference(losses(read_metrics(resumed)), losses(after_save(runs.straight("fsdp2"))))
+    assert difference <= 1e-5
 
 
 # ----------------------------------------------------------------------------------------------------------------

@@ -353,6 +353,33 @@ def test_workers_give_the_same_stream_and_errors(corpus, tmp_path):
         list(loader(path=str(path), workers=2, infinite=False))
 
 
+def test_tokenizer_workers_are_idle_when_their_pool_stops(monkeypatch):
+    # Stopping the pool while a worker encodes can hang the training process (a worker sending a large result holds
+    # the lock that the pool's termination waits for): the iteration finishes the tasks it sent first.
+    big = [f"document {i} " + "many words in a long document " * 100 for i in range(200)]
+    monkeypatch.setattr(text_module, "embedded_corpus", lambda split: big)
+    unfinished = []
+    real_pool = text_module.worker_pool
+
+    class RecordingPool:
+        def __init__(self, *args):
+            self.pool, self.results = real_pool(*args), []
+
+        def apply_async(self, *args):
+            self.results.append(self.pool.apply_async(*args))
+            return self.results[-1]
+
+        def terminate(self):
+            unfinished.append(sum(not result.ready() for result in self.results))
+            self.pool.terminate()
+
+    monkeypatch.setattr(text_module, "worker_pool", RecordingPool)
+    iterator = iter(loader(workers=2))
+    next(iterator)
+    del iterator
+    assert unfinished == [0]
+
+
 def test_validation_split(corpus):
     got = rows(list(loader(dataset="embedded_validation", infinite=False)))
     assert got == windows_of(DOCS[:3], 16)

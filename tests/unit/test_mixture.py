@@ -2,6 +2,10 @@
 degree, the end of a source, and the errors of bad weights."""
 
 import json
+import os
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 
@@ -11,6 +15,7 @@ from torchtitan.components.datasets.mixture import PERIOD, parse_sources, quotas
 from torchtitan.components.tokenizer import build_tokenizer
 from torchtitan.config import parse_args
 from torchtitan.errors import UserError
+from tests.unit.reader_threads import live_reader_threads, read_where_expected, record_reading_threads
 
 SEQ_LEN = 16
 
@@ -34,11 +39,11 @@ def sources(tmp_path_factory):
     return str(folder / "a.jsonl"), str(folder / "b_shards")
 
 
-def mixture(sources, tokenizer, weights=(0.7, 0.3), rank=0, degree=1, infinite=True, batch=2):
+def mixture(sources, tokenizer, weights=(0.7, 0.3), rank=0, degree=1, infinite=True, batch=2, num_workers=0):
     entries = [f"{path}:{weight}" for path, weight in zip(sources, weights)]
     return build_dataloader(dataset="x", dataset_path=None, text_field="text", tokenizer=tokenizer, seq_len=SEQ_LEN,
                             local_batch_size=batch, dp_rank=rank, dp_degree=degree, infinite=infinite,
-                            sources=entries)
+                            sources=entries, num_workers=num_workers)
 
 
 def rows(batches):
@@ -73,13 +78,16 @@ def test_sample_g_is_window_count_of_its_source(sources, tokenizer):
     assert {dataset.source_of(g) for g in range(60)} == {0, 1}
 
 
+@pytest.mark.parametrize("num_workers", [0, 2])
 @pytest.mark.parametrize("new_degree", [1, 3])
-def test_resume_under_another_degree_sees_every_sample_once(sources, tokenizer, new_degree):
+def test_resume_under_another_degree_sees_every_sample_once(sources, tokenizer, new_degree, num_workers,
+                                                            monkeypatch):
     reference = rows(take(iter(mixture(sources, tokenizer, batch=1)), 2 * 3 * 2 + new_degree * 4 * 2))
+    threads = record_reading_threads(monkeypatch)
     consumed = []
     states = []
     for rank in range(2):
-        loader = mixture(sources, tokenizer, rank=rank, degree=2)
+        loader = mixture(sources, tokenizer, rank=rank, degree=2, num_workers=num_workers)
         consumed += rows(take(iter(loader), 3))
         states.append(loader.state_dict())
     # Every rank's state holds the same positions (the on-the-fly source's anchor may differ: any valid one works).
@@ -88,11 +96,21 @@ def test_resume_under_another_degree_sees_every_sample_once(sources, tokenizer, 
         assert state["dataset_state"]["next_sample"] == 12
         assert (positions[0]["next_window"], positions[1]["next_sample"]) == (8, 4)
     for rank in range(new_degree):
-        loader = mixture(sources, tokenizer, rank=rank, degree=new_degree)
+        loader = mixture(sources, tokenizer, rank=rank, degree=new_degree, num_workers=num_workers)
         loader.load_state_dict(json.loads(json.dumps(states[1])))
         consumed += rows(take(iter(loader), 4))
     assert sorted(consumed) == sorted(reference)
     assert len(set(reference)) == len(reference)
+    assert read_where_expected(threads, num_workers)
+
+
+def test_workers_give_the_same_mixture_to_its_end(sources, tokenizer, monkeypatch):
+    finite = rows(mixture(sources, tokenizer, weights=(0.5, 0.5), infinite=False, batch=1))
+    others = set(live_reader_threads())
+    threads = record_reading_threads(monkeypatch)
+    assert rows(mixture(sources, tokenizer, weights=(0.5, 0.5), infinite=False, batch=1, num_workers=2)) == finite
+    assert read_where_expected(threads, 2)
+    assert set(live_reader_threads()) <= others, "the finished iteration's reader threads are gone"
 
 
 def test_a_source_that_runs_out_ends_the_mixture_without_looping(sources, tokenizer):
@@ -145,3 +163,36 @@ def test_toml_tables_and_command_line(tmp_path):
     config.write_text('[[training.sources]]\npath = "a.jsonl"\n')
     with pytest.raises(UserError, match="option training.sources: .* is not a table with a path .* and a weight"):
         parse_args(["--job.config_file", str(config)])
+
+
+EXIT_SCRIPT = """
+import sys
+from torchtitan.components.datasets import build_dataloader
+from torchtitan.components.tokenizer import build_tokenizer
+
+if __name__ == "__main__":
+    tokenizer = build_tokenizer("")
+    a, b = sys.argv[1:]
+    iterations = []
+    for sources, path in ((None, b), ([a + ":0.5", b + ":0.5"], None)):
+        loader = build_dataloader(dataset="x", dataset_path=path, text_field="text", tokenizer=tokenizer, seq_len=16,
+                                  local_batch_size=2, dp_rank=0, dp_degree=1, infinite=True, num_workers=2,
+                                  sources=sources)
+        iterator = iter(loader)
+        next(iterator)
+        iterations.append((loader, iterator))
+    print("exiting with live iterations", flush=True)
+"""
+
+
+def test_exit_with_live_workers_is_quick(sources, tmp_path):
+    # Reader threads and tokenizer processes still running when the interpreter exits: their iterations end in its
+    # teardown, after the libraries' own exit handlers stopped them (waiting there for them hung).
+    script = tmp_path / "exit.py"
+    script.write_text(EXIT_SCRIPT)
+    repo = str(Path(__file__).resolve().parents[2])
+    done = subprocess.run([sys.executable, str(script), *sources], capture_output=True, text=True, timeout=120,
+                          env={**os.environ, "PYTHONPATH": repo})
+    assert done.returncode == 0 and "exiting with live iterations" in done.stdout, done.stderr[-2000:]
+    # (multiprocessing's Pool.__del__ may still complain in the teardown of a pool it terminated: not our code.)
+    assert "torchtitan" not in done.stderr, done.stderr[-2000:]

@@ -1,17 +1,19 @@
 """Token shards: scripts/tokenize_dataset.py writes them, the trainer's loader reads them memory-mapped."""
 
+import itertools
 import json
 import os
+import time
 
 import numpy as np
 import pytest
 
 from scripts import tokenize_dataset
 from torchtitan.components.datasets import build_dataloader
-from torchtitan.components.datasets import text as text_module
 from torchtitan.components.datasets.shards import ShardDataset, permute
 from torchtitan.components.tokenizer import build_tokenizer
 from torchtitan.errors import UserError
+from tests.unit.reader_threads import live_reader_threads, read_where_expected, record_reading_threads
 
 SEQ_LEN = 16
 
@@ -61,11 +63,44 @@ def test_shards_hold_the_on_the_fly_windows_in_a_seeded_order(source, shards, to
     assert windows(shard_loader(shards, tokenizer)) == from_shards
 
 
-def test_tokenizer_workers_are_said_to_be_idle_on_shards(shards, tokenizer, monkeypatch):
-    warnings = []
-    monkeypatch.setattr(text_module, "warn_once", warnings.append)
-    assert windows(shard_loader(shards, tokenizer, num_workers=2)) == windows(shard_loader(shards, tokenizer))
-    assert len(warnings) == 1 and "training.num_workers = 2: token shards" in warnings[0]
+@pytest.mark.parametrize("infinite", [False, True])
+def test_reader_threads_deliver_the_same_windows_and_stop(shards, tokenizer, monkeypatch, infinite):
+    num_windows = ShardDataset(path=shards, tokenizer=tokenizer, seq_len=SEQ_LEN, dp_rank=0, dp_degree=1,
+                               infinite=False, seed=0)._num_windows
+    batches = num_windows if infinite else num_windows // 2 + 1  # two epochs, or to the end (batch 2)
+    reference = windows(itertools.islice(shard_loader(shards, tokenizer, infinite=infinite), batches))
+    threads = record_reading_threads(monkeypatch)
+    loader = shard_loader(shards, tokenizer, infinite=infinite, num_workers=2)
+    assert windows(itertools.islice(loader, batches)) == reference
+    assert read_where_expected(threads, 2)
+    if not infinite:
+        assert not live_reader_threads(), "the iteration ended: so did its reader threads"
+
+
+def test_state_counts_consumed_windows_not_those_read_ahead(shards, tokenizer):
+    others = set(live_reader_threads())
+    loader = shard_loader(shards, tokenizer, infinite=True, num_workers=2)
+    iterator = iter(loader)
+    next(iterator)
+    readers = set(live_reader_threads()) - others
+    assert len(readers) == 2
+    window_bytes = (SEQ_LEN + 1) * 2
+    # Read ahead: two batches beyond the one consumed (read_ahead = 2 x local_batch_size windows).
+    deadline = time.monotonic() + 30
+    while loader.dataset.shards.bytes_read < 6 * window_bytes and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert loader.dataset.shards.bytes_read == 6 * window_bytes
+    state = loader.state_dict()
+    assert state["dataset_state"]["next_sample"] == 2
+    following = windows([next(iterator) for _ in range(3)])
+    resumed = shard_loader(shards, tokenizer, infinite=True, num_workers=2)
+    resumed.load_state_dict(state)
+    assert windows(itertools.islice(resumed, 3)) == following
+    # Loading a state into a loader whose reads are running ahead drops them, and their threads (the old iterator
+    # is still referenced here).
+    loader.load_state_dict(state)
+    assert windows(itertools.islice(loader, 3)) == following
+    assert not any(thread.is_alive() for thread in readers)
 
 
 def test_permutation_is_a_bijection():
@@ -73,13 +108,16 @@ def test_permutation_is_a_bijection():
         assert sorted(permute(i, size, 5, 2) for i in range(size)) == list(range(size))
 
 
+@pytest.mark.parametrize("num_workers", [0, 2])
 @pytest.mark.parametrize("new_degree", [1, 3])
-def test_ranks_split_the_order_and_resume_under_another_degree(shards, tokenizer, new_degree):
+def test_ranks_split_the_order_and_resume_under_another_degree(shards, tokenizer, new_degree, num_workers,
+                                                                monkeypatch):
     reference = windows(shard_loader(shards, tokenizer))
+    threads = record_reading_threads(monkeypatch)
     consumed = []
     states = []
     for rank in range(2):
-        loader = shard_loader(shards, tokenizer, rank=rank, degree=2)
+        loader = shard_loader(shards, tokenizer, rank=rank, degree=2, num_workers=num_workers)
         iterator = iter(loader)
         for step in range(4):
             inputs, labels = next(iterator)
@@ -90,14 +128,17 @@ def test_ranks_split_the_order_and_resume_under_another_degree(shards, tokenizer
         states.append(loader.state_dict())
     assert states[0] == states[1]
     for rank in range(new_degree):
-        loader = shard_loader(shards, tokenizer, rank=rank, degree=new_degree)
+        loader = shard_loader(shards, tokenizer, rank=rank, degree=new_degree, num_workers=num_workers)
         loader.load_state_dict(json.loads(json.dumps(states[1])))
         consumed += windows(loader)
     assert sorted(consumed) == sorted(reference)
+    assert read_where_expected(threads, num_workers)
 
 
-def test_epochs_reshuffle_and_resume_exactly(shards, tokenizer):
-    loader = shard_loader(shards, tokenizer, infinite=True)
+@pytest.mark.parametrize("num_workers", [0, 2])
+def test_epochs_reshuffle_and_resume_exactly(shards, tokenizer, num_workers, monkeypatch):
+    threads = record_reading_threads(monkeypatch)
+    loader = shard_loader(shards, tokenizer, infinite=True, num_workers=num_workers)
     num_windows = loader.dataset.state_dict()["num_windows"]
     iterator = iter(loader)
     first = [next(iterator) for _ in range(num_windows)]  # two epochs: batch 2
@@ -106,10 +147,11 @@ def test_epochs_reshuffle_and_resume_exactly(shards, tokenizer):
     assert epoch_windows[:num_windows] != epoch_windows[num_windows:]
     state = loader.state_dict()
     following = windows([next(iterator) for _ in range(3)])
-    resumed = shard_loader(shards, tokenizer, infinite=True)
+    resumed = shard_loader(shards, tokenizer, infinite=True, num_workers=num_workers)
     resumed.load_state_dict(state)
     iterator = iter(resumed)
     assert windows([next(iterator) for _ in range(3)]) == following
+    assert read_where_expected(threads, num_workers)
 
 
 def test_bytes_read_per_rank_fall_as_one_over_degree(shards, tokenizer):
@@ -126,6 +168,27 @@ def test_bytes_read_per_rank_fall_as_one_over_degree(shards, tokenizer):
     for degree in (2, 4):
         assert sum(read[degree]) == total
         assert max(read[degree]) - total / degree <= window_bytes
+
+
+def mapping_flags(file: str) -> set[str]:
+    """The kernel's flags (VmFlags in /proc/self/smaps) of this process's memory maps of `file`."""
+    flags, current = set(), None
+    for line in open("/proc/self/smaps"):
+        fields = line.split()
+        if line.startswith("VmFlags:") and current == file:
+            flags.update(fields[1:])
+        elif "-" in fields[0] and ":" not in fields[0]:  # the first line of a mapping: address range, ..., path
+            current = fields[5] if len(fields) > 5 else None
+    return flags
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/smaps"), reason="reads the kernel's flags of a mapping (Linux)")
+def test_shards_are_mapped_for_random_reads(shards, tokenizer):
+    # Without the advice, a cold page fault reads the file's whole read-ahead span (measured 20-50x slower reads).
+    dataset = ShardDataset(path=shards, tokenizer=tokenizer, seq_len=SEQ_LEN, dp_rank=0, dp_degree=1, infinite=False,
+                           seed=0)
+    assert "rr" in mapping_flags(os.path.join(shards, "shard-00000.bin")), "mapped with MADV_RANDOM"
+    assert next(iter(dataset))[0].shape == (SEQ_LEN,)
 
 
 def test_refuses_shards_of_another_tokenizer(shards, tokenizer, monkeypatch):
@@ -160,6 +223,32 @@ def test_truncated_corrupt_and_missing_shards_are_one_line_errors(shards, tokeni
     (copy / "manifest.json").write_text("{ not json")
     with pytest.raises(UserError, match="cannot read the shard manifest"):
         shard_loader(str(copy), tokenizer)
+
+
+def test_reader_thread_errors_are_the_same_one_line_errors(shards, tokenizer, tmp_path, monkeypatch):
+    copy = copy_shards(shards, tmp_path)
+    data = (copy / "shard-00002.bin").read_bytes()
+    (copy / "shard-00002.bin").write_bytes(data[:-10])
+    with pytest.raises(UserError, match=r"shard-00002.bin has \d+ bytes, the manifest says \d+ \(truncated"):
+        shard_loader(str(copy), tokenizer, num_workers=2)
+    corrupt = np.frombuffer(data, dtype=np.uint16).copy()
+    corrupt[:] = 65000
+    (copy / "shard-00002.bin").write_bytes(corrupt.tobytes())
+    others = set(live_reader_threads())
+    outcomes = []
+    for num_workers in (0, 2):
+        threads = record_reading_threads(monkeypatch)
+        delivered = []
+        with pytest.raises(UserError) as error:
+            for batch in shard_loader(str(copy), tokenizer, num_workers=num_workers, batch=1):
+                delivered += windows([batch])
+        assert read_where_expected(threads, num_workers)
+        outcomes.append((delivered, str(error.value)))
+    # The error arrives where the training loop reaches the bad window, after the same good ones.
+    assert outcomes[0] == outcomes[1]
+    assert "beyond the vocabulary of 2304 (corrupt shard)" in outcomes[1][1]
+    assert outcomes[1][0], "windows before the corrupt one are delivered"
+    assert set(live_reader_threads()) <= others, "the failed iteration's reader threads are gone"
 
 
 def test_resume_rejects_another_seed(shards, tokenizer):

@@ -278,7 +278,7 @@ class Training:
     """Collect garbage at every step to find reference cycles."""
 
     num_workers: int = 0
-    """Processes that tokenize documents ahead of the training loop (on-the-fly data); 0 = tokenize in the training process. The samples and their order do not depend on it. Token shards need none: they are read memory-mapped."""
+    """Background workers of the training data, running ahead of the training loop: for documents tokenized on the fly, processes that tokenize them; for token shards (also the shard sources of training.sources), threads that read the windows of the next two steps, so that a cold page cache or a slow file system does not stall a step. 0 = tokenize and read in the training thread. The samples, their order and the checkpointed position (the samples the training loop consumed, not those read ahead) do not depend on it."""
 
     data_seed: int = 0
     """Seed of the order in which windows of token shards are sampled (the same on every rank and data-parallel degree)."""

@@ -45,7 +45,7 @@ UNSUPPORTED_TORCHTITAN_OPTIONS: dict[str, Any] = {
     "training.dtype": "float32",
     "training.debug_moe_force_load_balance": False,  # TorchTitan v0.2.0; debug.moe_force_load_balance in v0.2.2
     # The loader's own workers would each read the whole stream to keep the one global window order: tokenizer
-    # processes (training.num_workers) run inside the dataset instead.
+    # processes and shard reader threads (training.num_workers) run inside the dataset instead.
     "training.dataloader.num_workers": 0,
     "training.dataloader.persistent_workers": False,
     "training.dataloader.pin_memory": False,
@@ -550,8 +550,8 @@ def validate(config: JobConfig) -> None:
         raise UserError(f"option training.stream_backoff_seconds: {config.training.stream_backoff_seconds} must not be "
                         f"negative")
     if config.training.num_workers < 0:
-        raise UserError(f"option training.num_workers: {config.training.num_workers} must be 0 (tokenize in the "
-                        f"training process) or positive")
+        raise UserError(f"option training.num_workers: {config.training.num_workers} must be 0 (tokenize and read in "
+                        f"the training process) or positive")
     if config.model.attention_mask == "block_causal" and config.parallelism.context_parallel_degree > 1:
         raise UserError("option model.attention_mask: 'block_causal' does not work with context parallelism "
                         "(parallelism.context_parallel_degree > 1), whose ring attention is causal only; use "

@@ -14,6 +14,8 @@ once. A source that runs out starts a new epoch of its own with `training.datase
 without it.
 """
 
+import functools
+import itertools
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -22,6 +24,7 @@ import torch
 from torch.distributed.checkpoint.stateful import Stateful
 from torch.utils.data import IterableDataset
 
+from torchtitan.components.datasets.read_ahead import Read, ReadAhead
 from torchtitan.components.datasets.shards import ShardDataset
 from torchtitan.errors import UserError
 
@@ -131,10 +134,11 @@ class MixtureDataset(IterableDataset, Stateful):
     """Yields `(input, label)` LongTensors for one data-parallel rank from weighted sources.
 
     `open_source(path)` returns the source's window stream for one rank of one (a ShardDataset or a TextDataset).
+    With `num_workers`, that many threads read the windows of token shards up to `read_ahead` samples ahead.
     """
 
     def __init__(self, *, sources: list[tuple[str, float]], open_source: Callable[[str], Any], seq_len: int,
-                 dp_rank: int, dp_degree: int, infinite: bool) -> None:
+                 dp_rank: int, dp_degree: int, infinite: bool, num_workers: int = 0, read_ahead: int = 16) -> None:
         self._sources = sources
         self._streams = [_RandomAccess(d, infinite) if isinstance(d, ShardDataset) else _Sequential(d)
                          for d in (open_source(path) for path, _ in sources)]
@@ -142,6 +146,7 @@ class MixtureDataset(IterableDataset, Stateful):
         self._seq_len = seq_len
         self._dp_rank, self._dp_degree = dp_rank, dp_degree
         self._next_sample = 0
+        self._reader: ReadAhead[torch.Tensor | None] = ReadAhead(num_workers, read_ahead)
 
     def count(self, source: int, sample: int) -> int:
         """Samples drawn from `source` before global sample `sample`."""
@@ -151,17 +156,25 @@ class MixtureDataset(IterableDataset, Stateful):
     def source_of(self, sample: int) -> int:
         return int(self._order[sample % PERIOD])
 
+    def _read(self, sample: int) -> Read:
+        """The read of global sample `sample`: token shards in the background, on-the-fly sources in order."""
+        source = self.source_of(sample)
+        stream = self._streams[source]
+        return functools.partial(stream.window, self.count(source, sample)), isinstance(stream, _RandomAccess)
+
     def __iter__(self) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
         degree, rank = self._dp_degree, self._dp_rank
-        sample = self._next_sample + rank
-        while True:
-            source = self.source_of(sample)
-            window = self._streams[source].window(self.count(source, sample))
-            if window is None:
-                break
-            self._next_sample = sample - rank + degree
-            yield window[:-1], window[1:]
-            sample += degree
+        first = self._next_sample + rank
+        windows = self._reader.run(map(self._read, itertools.count(first, degree)))
+        try:
+            for sample, window in zip(itertools.count(first, degree), windows):
+                if window is None:
+                    break
+                # Windows read ahead are not counted: a resume reads them again.
+                self._next_sample = sample - rank + degree
+                yield window[:-1], window[1:]
+        finally:
+            windows.close()
 
     def state_dict(self) -> dict[str, Any]:
         return {
@@ -177,6 +190,8 @@ class MixtureDataset(IterableDataset, Stateful):
             listed = ", ".join(f"{path}:{weight}" for path, weight in saved) or "a single source"
             raise UserError(f"option {OPTION}: the data loader checkpoint was saved with {listed}; resume with the "
                             f"same sources and weights, or without the data loader state")
+        # Windows read ahead of the old position are dropped.
+        self._reader.stop()
         self._next_sample = int(state_dict["next_sample"])
         for stream, source_state in zip(self._streams, state_dict["sources"]):
             stream.load(source_state["state"])

@@ -32,13 +32,13 @@ field, or not text) is an error naming the file and line (records.py). Plain-tex
 hold one document per line, as the Hugging Face `text` builder reads them.
 """
 
-import contextlib
 import glob
 import itertools
 import multiprocessing
 import os
 import random
 import re
+import sys
 import time
 import warnings
 from collections import deque
@@ -55,7 +55,7 @@ from torchdata.stateful_dataloader import StatefulDataLoader
 from torchtitan.components.datasets.corpus import embedded_corpus
 from torchtitan.components.datasets.records import first_malformed_record
 from torchtitan.errors import UserError
-from torchtitan.tools.logging import logger, warn_once
+from torchtitan.tools.logging import logger
 
 __all__ = ["DATASETS", "TextDataset", "build_dataloader"]
 
@@ -75,6 +75,9 @@ _WORKER_CHUNK = 64
 # Tasks queued per worker: the workers tokenize this far ahead of the packer (prefetching) without reading the whole
 # source into memory.
 _TASKS_PER_WORKER = 4
+# Steps' worth of token-shard windows that the reader threads keep ready: the next step's batches, and the step's after
+# them, which they read while the next step trains.
+_READ_AHEAD_STEPS = 2
 
 _STATE_KEYS = (
     "next_window",
@@ -424,12 +427,21 @@ def _encode_in_workers(
 
     for chunk in itertools.islice(chunks, num_workers * _TASKS_PER_WORKER):
         submit(chunk)
-    while pending:
-        indices, result = pending.popleft()
-        following = next(chunks, None)
-        if following is not None:
-            submit(following)
-        yield from zip(indices, result.get())
+    try:
+        while pending:
+            indices, result = pending.popleft()
+            following = next(chunks, None)
+            if following is not None:
+                submit(following)
+            yield from zip(indices, result.get())
+    finally:
+        # The pool is terminated after this: a worker still encoding then could send a result larger than a pipe's
+        # buffer after the pool stopped reading results, holding the lock that terminating needs (a hang, seen in
+        # scripts/benchmark_data.py). So the tasks sent are finished first: at most num_workers x 4 chunks. Not in the
+        # interpreter's teardown: multiprocessing's exit handler has terminated the pool, its results never come.
+        if not sys.is_finalizing():
+            for _, result in pending:
+                result.wait()
 
 
 class TextDataset(IterableDataset, Stateful):
@@ -511,11 +523,14 @@ class TextDataset(IterableDataset, Stateful):
 
     def _tokenized(self, epoch: int, start: int) -> Iterator[tuple[int, int, list[int]]]:
         """(epoch, document index, tokens) of every non-empty document from the given position on."""
-        # One pool for the whole iteration (every epoch): it stops when the iteration does.
-        with contextlib.ExitStack() as stack:
-            pool = (stack.enter_context(worker_pool(self._num_workers, _init_worker, (self._tokenizer,)))
-                    if self._num_workers else None)
+        # One pool for the whole iteration (every epoch): it stops when the iteration does. In the interpreter's
+        # teardown, multiprocessing's exit handler has stopped it already.
+        pool = worker_pool(self._num_workers, _init_worker, (self._tokenizer,)) if self._num_workers else None
+        try:
             yield from self._tokenized_with(epoch, start, pool)
+        finally:
+            if pool is not None and not sys.is_finalizing():
+                pool.terminate()
 
     def _tokenized_with(self, epoch: int, start: int, pool: Any) -> Iterator[tuple[int, int, list[int]]]:
         while True:
@@ -647,15 +662,18 @@ def build_dataloader(
     seed: int = 0,
     sources: list[str] | None = None,
     stream_retry: StreamRetry = StreamRetry(),
+    batches_per_step: int = 1,
 ) -> StatefulDataLoader:
     """A loader of `(inputs, labels)` batches of shape `[local_batch_size, seq_len]` for one rank.
 
-    The data is `dataset_path` (token shards when it is a folder with a shard manifest, else documents tokenized here
-    by `num_workers` processes, or in this process with 0) or `dataset`; or, with `sources` (`path:weight` entries),
-    a weighted mixture of such paths. `seed` orders the windows of token shards; `stream_retry` says how streams from
-    the Hugging Face hub survive transient faults. One rank's `state_dict()` after any
-    batch can be loaded into the loaders of every rank, also of a run with another data-parallel degree (see the
-    module docstrings).
+    The data is `dataset_path` (token shards when it is a folder with a shard manifest, read by `num_workers` threads
+    ahead of the training loop, else documents tokenized here by `num_workers` processes; with 0 both happen in the
+    training thread) or `dataset`; or, with `sources` (`path:weight` entries), a weighted mixture of such paths.
+    `seed` orders the windows of token shards; `stream_retry` says how streams from the Hugging Face hub survive
+    transient faults. `batches_per_step` (gradient accumulation) sets how far shard reads run ahead: two steps' worth
+    of batches. One rank's `state_dict()` after any batch can be loaded into the loaders of every rank, also of
+    a run with another data-parallel degree (see the module docstrings); it counts the samples consumed, not those
+    read ahead.
     """
     # Imported here: both modules build on this one.
     from torchtitan.components.datasets.mixture import MixtureDataset, parse_sources
@@ -664,16 +682,18 @@ def build_dataloader(
     if local_batch_size < 1:
         raise UserError(f"{config_section}.local_batch_size={local_batch_size} must be at least 1")
     if num_workers < 0:
-        raise UserError(f"{config_section}.num_workers={num_workers} must be 0 (tokenize in the training process) "
-                        f"or more")
+        raise UserError(f"{config_section}.num_workers={num_workers} must be 0 (tokenize and read in the training "
+                        f"process) or more")
 
-    def open_path(path: str | None, rank: int, degree: int, path_option: str | None = None) -> IterableDataset:
+    # Windows of token shards are read up to this many samples ahead by the reader threads.
+    read_ahead = _READ_AHEAD_STEPS * batches_per_step * local_batch_size
+
+    def open_path(path: str | None, rank: int, degree: int, path_option: str | None = None,
+                  reader_threads: int = num_workers) -> IterableDataset:
         if path is not None and is_shard_folder(path):
-            if num_workers:
-                warn_once(f"{config_section}.num_workers = {num_workers}: token shards ({path}) are read, not "
-                          f"tokenized; the tokenizer processes serve only the sources that are documents")
             return ShardDataset(path=path, tokenizer=tokenizer, seq_len=seq_len, dp_rank=rank, dp_degree=degree,
-                                infinite=infinite, seed=seed, config_section=config_section, path_option=path_option)
+                                infinite=infinite, seed=seed, config_section=config_section, path_option=path_option,
+                                num_workers=reader_threads, read_ahead=read_ahead)
         return TextDataset(dataset=dataset, dataset_path=path, text_field=text_field, tokenizer=tokenizer,
                            seq_len=seq_len, dp_rank=rank, dp_degree=degree, infinite=infinite,
                            config_section=config_section, num_workers=num_workers, path_option=path_option,
@@ -683,10 +703,12 @@ def build_dataloader(
         if dataset_path is not None:
             raise UserError(f"{config_section}.dataset_path={dataset_path!r} and training.sources are both set; "
                             f"list every source (with its weight) in training.sources, or use dataset_path alone")
+        # The mixture reads its shard sources' windows itself, ahead of the training loop.
         data: IterableDataset = MixtureDataset(
-            sources=parse_sources(sources), open_source=lambda path: open_path(path, 0, 1, "training.sources entry"),
-            seq_len=seq_len,
-            dp_rank=dp_rank, dp_degree=dp_degree, infinite=infinite)
+            sources=parse_sources(sources),
+            open_source=lambda path: open_path(path, 0, 1, "training.sources entry", reader_threads=0),
+            seq_len=seq_len, dp_rank=dp_rank, dp_degree=dp_degree, infinite=infinite, num_workers=num_workers,
+            read_ahead=read_ahead)
     else:
         data = open_path(dataset_path, dp_rank, dp_degree)
     with warnings.catch_warnings():
@@ -695,5 +717,5 @@ def build_dataloader(
         warnings.filterwarnings("ignore", message="'set_vital' is deprecated", category=UserWarning,
                                 module=r"torchdata\.stateful_dataloader")
         # The loader's own worker processes would each read the whole stream to keep the one global window order:
-        # the parallel part, tokenization, runs in the dataset's worker pool instead.
+        # the parallel parts run inside the datasets instead (tokenizer processes, shard reader threads).
         return StatefulDataLoader(data, batch_size=local_batch_size, num_workers=0, collate_fn=_collate)
