@@ -4,7 +4,10 @@ How to add an optimizer
 -----------------------
 1. Write `torchtitan/components/optimizers/<method>.py` with a builder registered under its config name:
 
-       @register_optimizer("MyOpt", state_bytes=lambda shape, local_shape, config, matrix_method: 8 * math.prod(local_shape))
+       def my_state_bytes(shape, local_shape, config, matrix_method):
+           return 8 * math.prod(local_shape)
+
+       @register_optimizer("MyOpt", state_bytes=my_state_bytes)
        def build_my_opt(groups: list[dict], config: OptimizerConfig, context: BuildContext) -> torch.optim.Optimizer:
            return MyOpt(groups, lr=config.lr, ...)
 
