@@ -81,14 +81,14 @@ def main() -> None:
     totals = {"galore": 0.0, "adamw": 0.0}
     for shape, count in hidden.items():
         rank = args.rank or default_rank(shape)
-        ours, theirs = galore_bytes(shape, galore, True), adamw_bytes(shape, galore, False)
+        ours, theirs = galore_bytes(shape, shape, galore, True), adamw_bytes(shape, shape, galore, False)
         totals["galore"] += count * ours
         totals["adamw"] += count * theirs
         exact = refresh_seconds(shape, rank, "exact", args.device, args.repeats)
         randomized = refresh_seconds(shape, rank, "randomized", args.device, args.repeats)
         print(f"| {shape[0]} x {shape[1]} | {count} | {rank} | {ours / theirs:.1%} | {exact:.4f} | "
               f"{randomized:.4f} | {exact / randomized:.1f}x |")
-    rest = sum(count * adamw_bytes(shape, galore, False) for shape, count in other.items())
+    rest = sum(count * adamw_bytes(shape, shape, galore, False) for shape, count in other.items())
     print(f"\nprojected matrices: GaLore state {totals['galore'] / 2**20:.2f} MiB = "
           f"{totals['galore'] / totals['adamw']:.1%} of AdamW's {totals['adamw'] / 2**20:.2f} MiB "
           f"(moments and projectors, fp32)")

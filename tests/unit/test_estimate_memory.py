@@ -35,15 +35,20 @@ def test_estimate_within_15_percent_of_measured_peak(overrides):
 
 
 @pytest.mark.parametrize("n", [2, 8])
-def test_fsdp_divides_parameter_state(n):
-    whole = estimate(preset("llama3_8b.toml", "--parallelism.data_parallel_shard_degree", "1"), 1)
-    sharded = estimate(preset("llama3_8b.toml", "--parallelism.data_parallel_shard_degree", str(n)), n)
+@pytest.mark.parametrize("name", ["AdamW", "GaLore-AdamW"])
+def test_fsdp_divides_parameter_state(n, name):
+    """GaLore too: a rank keeps 1/n of each matrix's moments and projector, not the state of a matrix shaped like
+    its shard."""
+    whole = estimate(preset("llama3_8b.toml", "--parallelism.data_parallel_shard_degree", "1",
+                            "--optimizer.name", name), 1)
+    sharded = estimate(preset("llama3_8b.toml", "--parallelism.data_parallel_shard_degree", str(n),
+                              "--optimizer.name", name), n)
     for part in ("parameters", "optimizer"):
         assert getattr(sharded, part) == pytest.approx(getattr(whole, part) / n, rel=1e-6)
 
 
 @pytest.mark.parametrize("name, ratio", [("Adam", 1.0), ("AdamW-bf16", 0.5), ("AdamW-8bit", 0.254), ("Ranger21", 2.0),
-                                         ("Muon", 0.565)])
+                                         ("Muon", 0.565), ("GaLore-AdamW", 0.391)])
 def test_optimizer_state_follows_the_registered_method(name, ratio):
     """8B on FSDP 8: the optimizer term is the method's state bytes (8-bit: codes, a scale per 256 values and a
     256-entry code book per moment), the rest of the estimate unchanged."""

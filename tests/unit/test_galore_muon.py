@@ -116,7 +116,8 @@ def test_registry_state_bytes_match_the_state_after_a_step(name):
     for group in optimizer.param_groups:
         for param in group["params"]:
             kept = sum(v.numel() * v.element_size() for v in optimizer.state[param].values() if v.dim() > 0)
-            assert kept == spec.state_bytes(tuple(param.shape), config, group["matrix_method"]), group["group"]
+            assert kept == spec.state_bytes(tuple(param.shape), tuple(param.shape), config,
+                                           group["matrix_method"]), group["group"]
 
 
 @pytest.mark.parametrize("option,value,message", [
@@ -192,6 +193,10 @@ def sharded_worker(rank: int, out_dir: str) -> None:
             state = [value for p in params for value in optimizer.state[p].values() if isinstance(value, DTensor)]
             results[layout, name, "state_fraction"] = (sum(v.to_local().numel() for v in state)
                                                        / sum(v.numel() for v in state))
+            results[layout, name, "local_state"] = [
+                (tuple(p.to_local().shape), sum(v.to_local().numel() * v.element_size()
+                                                for v in optimizer.state[p].values() if v.dim() > 0))
+                for p in params]
     torch.save(results, Path(out_dir) / f"rank{rank}.pt")
     dist.destroy_process_group()
 
@@ -225,6 +230,20 @@ def test_a_rank_keeps_its_share_of_the_state(sharded_results, layout):
     shards = 2 if layout == "hsdp" else 4
     for name in ("muon", "galore_randomized", "galore_exact"):
         assert sharded_results[layout, name, "state_fraction"] == pytest.approx(1 / shards, abs=0.02)
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_registry_state_bytes_count_a_ranks_share_of_the_state(sharded_results, layout):
+    """The registry's state_bytes (what the memory planner sums over a rank's shards) given a matrix's whole and
+    local shapes is what rank 0 keeps: GaLore's share of the whole matrix's moments and projector, not the state of
+    a matrix shaped like the shard (another projected side and rank). The evenly sharded matrices are exact."""
+    configs = {"galore_randomized": OptimizerConfig(name="GaLore-AdamW", galore_rank=5),
+               "galore_exact": OptimizerConfig(name="GaLore-AdamW", galore_rank=5),
+               "muon": OptimizerConfig(name="Muon")}
+    for name, config in configs.items():
+        spec = optimizer_spec(config.name)
+        for shape, (local_shape, kept) in zip(SHAPES[:2], sharded_results[layout, name, "local_state"]):
+            assert spec.state_bytes(shape, local_shape, config, True) == kept, (name, shape, local_shape)
 
 
 def test_galore_costs_script_reports_state_and_refresh_times(monkeypatch, capsys):

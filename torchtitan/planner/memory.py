@@ -143,20 +143,28 @@ class _Shapes:
     def block_matmul_params(self) -> int:
         return 2 * self.d * self.q + 2 * self.d * self.kv + 3 * self.d * self.f
 
-    def block_tensors(self, t: int) -> list[tuple[str, tuple[float, ...]]]:
-        """(parameter group, shape on one TP rank) of a block's parameters; TP splits the matrices, not the norms."""
-        return [("hidden_matrices", (self.q / t, self.d)), ("hidden_matrices", (self.kv / t, self.d)),
-                ("hidden_matrices", (self.kv / t, self.d)), ("hidden_matrices", (self.d, self.q / t)),
-                ("hidden_matrices", (self.f / t, self.d)), ("hidden_matrices", (self.f / t, self.d)),
-                ("hidden_matrices", (self.d, self.f / t)), ("norms", (self.d,)), ("norms", (self.d,))]
+    def block_tensors(self) -> list[tuple[str, tuple[int, ...], int | None]]:
+        """(parameter group, shape, the dimension TP splits) of a block's parameters: TP splits wq, wk, wv, w1 and
+        w3 by rows, wo and w2 by columns, not the norms."""
+        return [("hidden_matrices", (self.q, self.d), 0), ("hidden_matrices", (self.kv, self.d), 0),
+                ("hidden_matrices", (self.kv, self.d), 0), ("hidden_matrices", (self.d, self.q), 1),
+                ("hidden_matrices", (self.f, self.d), 0), ("hidden_matrices", (self.f, self.d), 0),
+                ("hidden_matrices", (self.d, self.f), 1), ("norms", (self.d,), None), ("norms", (self.d,), None)]
 
 
-def _optimizer_state(config: JobConfig, tensors: list[tuple[str, tuple[float, ...]]], fsdp: int) -> float:
-    """Bytes of the configured optimizer's state for these tensors, each an FSDP shard of its first dimension (the
-    registry's state_bytes per method: AdamW's 8 per parameter, 4 for bf16 moments, about 2 for 8-bit, ...)."""
+def _optimizer_state(config: JobConfig, tensors: list[tuple[str, tuple[int, ...], int | None]], t: int,
+                     fsdp: int) -> float:
+    """Bytes of the configured optimizer's state one rank keeps for these tensors (group, whole shape, the dimension
+    TP splits), whose TP shard FSDP splits along its first dimension: the registry's state_bytes per method (AdamW's
+    8 per parameter, 4 for bf16 moments, about 2 for 8-bit, GaLore's share of each whole matrix's projector...)."""
     spec = optimizer_spec(config.optimizer.name)
-    return sum(spec.state_bytes((shape[0] / fsdp, *shape[1:]), config.optimizer,
-                                getattr(config.optimizer.groups, group).matrix_method) for group, shape in tensors)
+    total = 0.0
+    for group, shape, tp_dim in tensors:
+        local = [size / t if dim == tp_dim else size for dim, size in enumerate(shape)]
+        local[0] /= fsdp
+        total += spec.state_bytes(shape, tuple(local), config.optimizer,
+                                  getattr(config.optimizer.groups, group).matrix_method)
+    return total
 
 
 def estimate(config: JobConfig, ngpu: int, overhead_bytes: int = 0, device: str = "cuda",
@@ -272,13 +280,13 @@ def _estimate_rank(config: JobConfig, args: TransformerModelArgs, dims: Parallel
     blocks: list[tuple[float, float, float, float, int]] = []
     params = head_activations = head_copies = optimizer = 0.0
     has_head = False
-    block_state = _optimizer_state(config, s.block_tensors(t), fsdp)
+    block_state = _optimizer_state(config, s.block_tensors(), t, fsdp)
     for stage_index, (n_blocks, has_embedding, stage_has_head) in enumerate(stages):
         mbs = in_flight(rank, stage_index)
         params += n_blocks * block_params + (s.vocab * s.d / t if has_embedding else 0.0)
         optimizer += n_blocks * block_state
         if has_embedding:
-            optimizer += _optimizer_state(config, [("embeddings", (s.vocab / t, s.d))], fsdp)
+            optimizer += _optimizer_state(config, [("embeddings", (s.vocab, s.d), 0)], t, fsdp)
         for mode in _ac_modes(config, n_blocks):
             saved = mbs * _block_activations(s, tokens, t, a, residual, autocast, mode, device)
             rebuilt = none + block_copies if mode != "none" else 0.0
@@ -287,7 +295,7 @@ def _estimate_rank(config: JobConfig, args: TransformerModelArgs, dims: Parallel
         if stage_has_head:
             has_head = True
             params += head_params
-            optimizer += _optimizer_state(config, [("output", (s.vocab / t, s.d)), ("norms", (s.d,))], fsdp)
+            optimizer += _optimizer_state(config, [("output", (s.vocab, s.d), 0), ("norms", (s.d,), None)], t, fsdp)
             head_activations += mbs * (tokens / t * s.d * 8 + tokens * s.d * a)
             head_copies += s.vocab * s.d / t * 2 if autocast else 0.0
 

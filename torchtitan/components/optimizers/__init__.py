@@ -4,7 +4,10 @@ How to add an optimizer
 -----------------------
 1. Write `torchtitan/components/optimizers/<method>.py` with a builder registered under its config name:
 
-       @register_optimizer("MyOpt", state_bytes=lambda shape, config, matrix_method: 8 * math.prod(shape))
+       def my_state_bytes(shape, local_shape, config, matrix_method):
+           return 8 * math.prod(local_shape)
+
+       @register_optimizer("MyOpt", state_bytes=my_state_bytes)
        def build_my_opt(groups: list[dict], config: OptimizerConfig, context: BuildContext) -> torch.optim.Optimizer:
            return MyOpt(groups, lr=config.lr, ...)
 
@@ -15,8 +18,10 @@ How to add an optimizer
    the groups handed to the optimizer: the learning-rate scheduler scales `lr` per group, and the checkpoint saves
    the groups by parameter name. The parameters may be DTensors (FSDP and TP shards): say in the module docstring
    what the method computes per shard and what it gathers.
-   `state_bytes(shape, config, matrix_method)` returns the optimizer-state bytes the method keeps for one tensor of
-   `shape` (the memory planner and scripts/estimate_memory.py use it). Pass `needs_matrices=True` when the method
+   `state_bytes(shape, local_shape, config, matrix_method)` returns the optimizer-state bytes one rank keeps for a
+   tensor of `shape` (the whole tensor) of which it holds a shard of `local_shape` (FSDP, TP; the same shape on one
+   process): elementwise state follows the shard, state of the whole matrix (a projector) does not (the memory
+   planner and scripts/estimate_memory.py use it). Pass `needs_matrices=True` when the method
    only makes sense with at least one 2-D group with matrix_method = true (the container then checks the groups).
 2. Import the module at the end of this file, add the name to the `name` Literal of `Optimizer` in
    torchtitan/config/job_config.py (tests/unit/test_optimizer_registry.py checks that the two agree), describe it in
@@ -51,7 +56,7 @@ class BuildContext:
 
 
 Builder = Callable[[list[dict], OptimizerConfig, BuildContext], torch.optim.Optimizer]
-StateBytes = Callable[[tuple[int, ...], OptimizerConfig, bool], float]
+StateBytes = Callable[[tuple[int, ...], tuple[float, ...], OptimizerConfig, bool], float]
 
 
 @dataclass(frozen=True)
@@ -59,7 +64,8 @@ class OptimizerSpec:
     name: str
     build: Builder
     state_bytes: StateBytes
-    """Optimizer-state bytes for one tensor of this shape (whole or a shard's), given whether matrix_method applies."""
+    """Optimizer-state bytes one rank keeps for a tensor of a shape (whole) of which it holds a shard of another,
+    given whether matrix_method applies."""
     needs_matrices: bool = False
     """The method needs at least one group of 2-D weights with matrix_method = true."""
 

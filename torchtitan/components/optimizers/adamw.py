@@ -23,9 +23,10 @@ def implementation_flags(implementation: str) -> dict:
     return {"foreach": implementation == "foreach"}
 
 
-def two_fp32_moments(shape: tuple[int, ...], config: OptimizerConfig, matrix_method: bool) -> float:
-    """exp_avg and exp_avg_sq in fp32 (the scalar step counter is left out)."""
-    return 8 * math.prod(shape)
+def two_fp32_moments(shape: tuple[int, ...], local_shape: tuple[float, ...], config: OptimizerConfig,
+                     matrix_method: bool) -> float:
+    """exp_avg and exp_avg_sq of the shard in fp32 (the scalar step counter is left out)."""
+    return 8 * math.prod(local_shape)
 
 
 @register_optimizer("AdamW", state_bytes=two_fp32_moments)

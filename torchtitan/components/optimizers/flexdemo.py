@@ -112,8 +112,9 @@ class FlexDeMo(torch.optim.Optimizer):
         return super().state_dict()
 
 
-def _momentum_bytes(shape: tuple[int, ...], config: OptimizerConfig, matrix_method: bool) -> float:
-    return 4 * math.prod(shape)
+def _momentum_bytes(shape: tuple[int, ...], local_shape: tuple[float, ...], config: OptimizerConfig,
+                    matrix_method: bool) -> float:
+    return 4 * math.prod(local_shape)
 
 
 @register_optimizer("FlexDeMo", state_bytes=_momentum_bytes)

@@ -162,15 +162,17 @@ def _check(config: OptimizerConfig, groups: list[dict]) -> None:
                         f"smallest side of a projected matrix), or unset for a quarter of each matrix's smaller side")
 
 
-def state_bytes(shape: tuple[int, ...], config: OptimizerConfig, matrix_method: bool) -> float:
-    """Projected matrices: two fp32 moments of rank x kept side plus the fp32 projector (rank x projected side);
-    the rest: AdamW's two fp32 moments. Exact for a whole matrix; a shard's shape is counted as a matrix of its own,
-    which gives its moments and underestimates its share of the projector (rank of the whole matrix x its side)."""
+def state_bytes(shape: tuple[int, ...], local_shape: tuple[float, ...], config: OptimizerConfig,
+                matrix_method: bool) -> float:
+    """Projected matrices: two fp32 moments of rank x kept side plus the fp32 projector (rank x projected side), the
+    rank and sides those of the whole matrix; a rank holding a shard keeps the same share of both (the moments are
+    sharded along the kept side, the projector along the projected side, wherever the parameter is sharded; exact
+    for even shards). The rest: AdamW's two fp32 moments of the shard."""
     if not matrix_method:
-        return 8 * math.prod(shape)
+        return 8 * math.prod(local_shape)
     rank = config.galore_rank or default_rank(shape)
     d = projected_dim(shape)
-    return 4 * rank * (2 * shape[1 - d] + shape[d])
+    return 4 * rank * (2 * shape[1 - d] + shape[d]) * math.prod(local_shape) / math.prod(shape)
 
 
 @register_optimizer("GaLore-AdamW", state_bytes=state_bytes, needs_matrices=True)

@@ -65,8 +65,9 @@ class AdamWBF16State(torch.optim.Optimizer):
         return None
 
 
-def _bf16_moments(shape: tuple[int, ...], config: OptimizerConfig, matrix_method: bool) -> float:
-    return 4 * math.prod(shape)
+def _bf16_moments(shape: tuple[int, ...], local_shape: tuple[float, ...], config: OptimizerConfig,
+                  matrix_method: bool) -> float:
+    return 4 * math.prod(local_shape)
 
 
 @register_optimizer("AdamW-bf16", state_bytes=_bf16_moments)
@@ -76,9 +77,10 @@ def build_adamw_bf16(groups: list[dict], config: OptimizerConfig, context: Build
 
 def _torchao_state_bytes(bits: int, block: int):
     """Per moment: the codes, an fp32 scale per block and the fp32 code book (2^bits values); fp32 moments for
-    tensors torchao leaves unquantized (pass a local shard's shape: torchao decides per shard)."""
-    def state_bytes(shape: tuple[int, ...], config: OptimizerConfig, matrix_method: bool) -> float:
-        numel = math.prod(shape)
+    tensors torchao leaves unquantized (torchao quantizes each local shard by itself)."""
+    def state_bytes(shape: tuple[int, ...], local_shape: tuple[float, ...], config: OptimizerConfig,
+                    matrix_method: bool) -> float:
+        numel = math.prod(local_shape)
         if numel < 4096 or numel % block:
             return 8 * numel
         return 2 * (numel * bits / 8 + numel // block * 4 + 2 ** bits * 4)

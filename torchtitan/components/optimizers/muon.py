@@ -86,9 +86,10 @@ class Muon(torch.optim.Optimizer):
         return update
 
 
-def state_bytes(shape: tuple[int, ...], config: OptimizerConfig, matrix_method: bool) -> float:
-    """Muon matrices: one fp32 momentum; the rest: AdamW's two fp32 moments."""
-    return (4 if matrix_method else 8) * math.prod(shape)
+def state_bytes(shape: tuple[int, ...], local_shape: tuple[float, ...], config: OptimizerConfig,
+                matrix_method: bool) -> float:
+    """Muon matrices: one fp32 momentum, sharded like the parameter; the rest: AdamW's two fp32 moments."""
+    return (4 if matrix_method else 8) * math.prod(local_shape)
 
 
 @register_optimizer("Muon", state_bytes=state_bytes, needs_matrices=True)

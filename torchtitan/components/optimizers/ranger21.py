@@ -161,9 +161,10 @@ class Ranger21(torch.optim.Optimizer):
             weight.copy_(slow)
 
 
-def _ranger21_state_bytes(shape: tuple[int, ...], config: OptimizerConfig, matrix_method: bool) -> float:
-    """Two momenta and the second moment, plus the slow weights with Lookahead, in fp32."""
-    return (16 if config.ranger_lookahead_steps else 12) * math.prod(shape)
+def _ranger21_state_bytes(shape: tuple[int, ...], local_shape: tuple[float, ...], config: OptimizerConfig,
+                          matrix_method: bool) -> float:
+    """Two momenta and the second moment, plus the slow weights with Lookahead, in fp32, of the shard."""
+    return (16 if config.ranger_lookahead_steps else 12) * math.prod(local_shape)
 
 
 @register_optimizer("Ranger21", state_bytes=_ranger21_state_bytes)
