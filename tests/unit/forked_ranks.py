@@ -1,5 +1,6 @@
 """Run a test's `worker(rank, out_dir)` as forked processes and collect what each rank saved."""
 
+import gc
 import time
 from pathlib import Path
 
@@ -18,10 +19,21 @@ def run_ranks(worker, out_dir: Path, nprocs: int, timeout_s: float, what: str) -
 def join_forked(worker, args: tuple, nprocs: int, timeout_s: float, what: str) -> None:
     """Fork `nprocs` ranks of `worker(rank, *args)` (forked, not spawned: a spawned process would import torch
     again, seconds each on two cores) and wait for them; fails the test, killing them, after `timeout_s`."""
-    workers = mp.start_processes(worker, args=args, nprocs=nprocs, join=False, start_method="fork")
+    # Objects that earlier tests left for the garbage collector (a gloo process group among them) are destroyed
+    # here, where their threads run: a forked child has none of those threads, and a gloo group's destructor
+    # collected there waits for them forever.
+    gc.collect()
+    workers = mp.start_processes(_without_inherited_garbage, args=(worker, *args), nprocs=nprocs, join=False,
+                                 start_method="fork")
     deadline = time.monotonic() + timeout_s
     while not workers.join(timeout=1):
         if time.monotonic() > deadline:
             for process in workers.processes:
                 process.kill()
             pytest.fail(f"{what} still running after {timeout_s:.0f} s")
+
+
+def _without_inherited_garbage(rank: int, worker, *args) -> None:
+    """Run the worker with what the parent held out of the child's garbage collection (see join_forked)."""
+    gc.freeze()
+    worker(rank, *args)

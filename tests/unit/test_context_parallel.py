@@ -2,15 +2,14 @@
 
 import datetime
 import inspect
-import time
 from pathlib import Path
 
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 import torch.nn.functional as F
 
+from tests.unit.forked_ranks import join_forked
 from torchtitan.distributed import context_parallel as cp
 from torchtitan.errors import UserError
 from torchtitan.models.llama3.args import model_args_for
@@ -84,14 +83,8 @@ def cp_results(request, tmp_path_factory) -> dict[str, dict]:
     (spawned ones would import torch again, seconds each on two cores)."""
     world_size = request.param
     tmp = tmp_path_factory.mktemp(f"cp{world_size}")
-    workers = mp.start_processes(cp_worker, args=(world_size, str(tmp / "store"), str(tmp)), nprocs=world_size,
-                                 join=False, start_method="fork")
-    deadline = time.monotonic() + 120
-    while not workers.join(timeout=1):
-        if time.monotonic() > deadline:
-            for process in workers.processes:
-                process.kill()
-            pytest.fail(f"{world_size} context-parallel workers still running after 120 s")
+    join_forked(cp_worker, (world_size, str(tmp / "store"), str(tmp)), world_size, 120,
+                f"{world_size} context-parallel workers")
     return {method: torch.load(tmp / f"{method}.pt") for method in ROTATE_METHODS}
 
 
