@@ -50,7 +50,8 @@ def test_layout_matches_single_process(tmp_path, reference, name, nproc, dp, opt
     assert_follows_reference(tmp_path / name, name, nproc, [*BASE, *batch_args(dp), *options], reference)
 
 
-def assert_follows_reference(dump: Path, name: str, nproc: int, args: list[str], reference: list[dict]) -> None:
+def assert_follows_reference(dump: Path, name: str, nproc: int, args: list[str], reference: list[dict],
+                             loss_bound: float = 1e-5) -> None:
     proc = launch(dump, nproc, args)
     assert proc.returncode == 0, proc.stdout[-6000:]
     # No layout triggers a Python warning (torch's deprecated slicing of flattened meshes, torchdata's set_vital).
@@ -59,7 +60,7 @@ def assert_follows_reference(dump: Path, name: str, nproc: int, args: list[str],
     assert len(losses(rows)) == STEPS
     difference = max_relative_difference(losses(rows), losses(reference))
     print(f"parity {name}: max relative loss difference {difference:.2e}")
-    assert difference <= 1e-5
+    assert difference <= loss_bound
     grad_norms = [row["grad_norm"] for row in rows]
     reference_norms = [row["grad_norm"] for row in reference]
     assert max_relative_difference(grad_norms, reference_norms) <= 1e-4
@@ -78,6 +79,10 @@ OPTIMIZERS = {
     "GaLore-AdamW": ["--optimizer.name", "GaLore-AdamW", "--optimizer.galore_update_gap", "4"],
     "Muon": ["--optimizer.name", "Muon"],
 }
+# torchao quantizes a rank's local shard in its own blocks (128 values for 4-bit): under TP the embedding's state is
+# split along its second dimension (the embedding is split by column), so its blocks hold other values than one
+# process's, and 4-bit's coarse codes turn that into 1.1e-5 of loss over 10 steps (8-bit's into less than 1e-5).
+LOSS_BOUND = {"AdamW-4bit": 2e-5}
 FAST_OPTIMIZER_LAYOUTS = {("Ranger21", "fsdp2"), ("Ranger21", "tp2"), ("GaLore-AdamW", "fsdp2"), ("Muon", "tp2")}
 OPTIMIZER_LAYOUTS = [pytest.param(optimizer, layout, marks=() if (optimizer, layout) in FAST_OPTIMIZER_LAYOUTS
                                   else pytest.mark.slow, id=f"{optimizer}-{layout}")
@@ -104,7 +109,8 @@ def optimizer_references(tmp_path_factory) -> dict[str, list[dict]]:
 def test_optimizer_matches_single_process(tmp_path, optimizer_references, optimizer, layout):
     name, nproc, dp, options = next(entry for entry in LAYOUTS if entry[0] == layout)
     assert_follows_reference(tmp_path / name, f"{optimizer} {name}", nproc,
-                             [*BASE, *batch_args(dp), *options, *OPTIMIZERS[optimizer]], optimizer_references(optimizer))
+                             [*BASE, *batch_args(dp), *options, *OPTIMIZERS[optimizer]], optimizer_references(optimizer),
+                             LOSS_BOUND.get(optimizer, 1e-5))
 
 
 def test_fsdp_shards_model_state(tmp_path, reference):
