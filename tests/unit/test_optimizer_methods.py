@@ -51,6 +51,28 @@ def test_bf16_state_follows_adamw():
     assert bf16.state_bytes() - step_counters == (adamw.state_bytes() - step_counters) / 2
 
 
+def test_bf16_state_resumes_in_bf16_and_exactly():
+    """torch's Optimizer.load_state_dict casts state tensors to the parameter's dtype: loaded moments must go back
+    to bf16, or the resumed run keeps fp32 moments (twice the memory) and steps differently."""
+    straight, resumed = matrices(), matrices()
+    straight_optimizer, first = container(straight, "AdamW-bf16"), container(resumed, "AdamW-bf16")
+    train_steps(straight, straight_optimizer, 3)
+    train_steps(resumed, first, 3)
+    second = container(resumed, "AdamW-bf16")
+    second.optimizers[0].load_state_dict(first.optimizers[0].state_dict())
+    state = second.optimizers[0].state[resumed[0].weight]
+    assert state["exp_avg"].dtype == state["exp_avg_sq"].dtype == torch.bfloat16
+    for steps in range(3):
+        torch.manual_seed(10 + steps)
+        batch = torch.randn(8, 256)
+        for model, optimizers in ((straight, straight_optimizer), (resumed, second)):
+            optimizers.zero_grad()
+            model(batch).square().mean().backward()
+            optimizers.step()
+    for a, b in zip(straight.parameters(), resumed.parameters()):
+        assert torch.equal(a, b)
+
+
 @pytest.mark.parametrize("name, most", [("AdamW-8bit", 0.30), ("AdamW-4bit", 0.16)])
 def test_torchao_state_is_small_and_counted_by_its_codes(name, most):
     model = matrices()

@@ -64,6 +64,16 @@ class AdamWBF16State(torch.optim.Optimizer):
                 weight.addcdiv_(exp_avg, denominator, value=-lr / (1 - beta1 ** step))
         return None
 
+    def load_state_dict(self, state_dict: dict) -> None:
+        """torch's loader casts every floating-point state tensor to its parameter's dtype (fp32): the moments are
+        put back in bf16 (exactly, as they were saved), or a resumed run would keep fp32 moments, twice the memory,
+        and step differently from the run it resumes."""
+        super().load_state_dict(state_dict)
+        for state in self.state.values():
+            for key in ("exp_avg", "exp_avg_sq"):
+                if key in state:
+                    state[key] = state[key].to(torch.bfloat16)
+
 
 def _bf16_moments(shape: tuple[int, ...], local_shape: tuple[float, ...], config: OptimizerConfig,
                   matrix_method: bool) -> float:
