@@ -363,26 +363,22 @@ def _estimate_rank(config: JobConfig, args: TransformerModelArgs, dims: Parallel
     grads_after = (head_params * grad_bytes) if has_head else 0.0
     total_micro_batches = config.training.local_batch_size // microbatch
 
-    def later_stage_share(block: tuple) -> float:
-        return max(block[3] - dims.pp, 0) / block[3] if len(stages) > 1 else 1.0
-
     for index in reversed(range(len(blocks))):
         stage = blocks[index][4]
         before = blocks[:index + 1]
         same_after = [b for b in blocks[index + 1:] if b[4] == stage]
-        later = [b for b in blocks[index + 1:] if b[4] != stage]
+        # Only a rank with several stages has later ones; they keep what exceeds a round of `pp` micro-batches.
+        later_held = sum(b[0] * max(b[3] - dims.pp, 0) / b[3] for b in blocks[index + 1:] if b[4] != stage)
         copies_before = sum(b[2] for b in before)
         transient = blocks[index][1] + 2 * tokens * s.f / t * a
-        candidates = [(sum(b[0] for b in before) + sum(b[0] * (b[3] - 1) / b[3] for b in same_after)
-                       + sum(b[0] * min(later_stage_share(b), (b[3] - 1) / b[3]) for b in later),
+        candidates = [(sum(b[0] for b in before) + sum(b[0] * (b[3] - 1) / b[3] for b in same_after) + later_held,
                        max(resident_grads if dims.pp == 1 else 0.0, grads_after))]
         if dims.pp > 1 and total_micro_batches > 1:
             stage_grads = (sum(block_params for b in blocks if b[4] >= stage) + (head_params if has_head else 0.0)
                            + ((s.vocab * s.d / t + whole_embedding_grad) if stage == 0 and has_embedding else 0.0))
             candidates.append((sum(b[0] for b in before if b[4] != stage)
                                + sum(b[0] * (b[3] - 1) / b[3] for b in before if b[4] == stage)
-                               + sum(b[0] * max(b[3] - 2, 0) / b[3] for b in same_after)
-                               + sum(b[0] * min(later_stage_share(b), max(b[3] - 2, 0) / b[3]) for b in later),
+                               + sum(b[0] * max(b[3] - 2, 0) / b[3] for b in same_after) + later_held,
                                stage_grads * grad_bytes))
         for saved, grads in candidates:
             phase = (saved, transient, backward_buffers + copies_before, grads)
