@@ -44,7 +44,9 @@ def describe(layout: Layout) -> str:
     parts += ["float8"] if layout.float8 else []
     parts += ["compile"] if layout.compile else []
     parts += ["async TP"] if layout.async_tp else []
-    parts.append(f"batch {layout.local_batch}")
+    accumulation = layout.local_batch // layout.microbatch if layout.pp == 1 else 1
+    parts.append(f"batch {layout.local_batch}" + (f" in {accumulation} accumulation steps of {layout.microbatch}"
+                                                   if accumulation > 1 else ""))
     return ", ".join(parts)
 
 

@@ -54,9 +54,33 @@ def test_published_layout_in_top_5_and_first_choice_as_fast(row):
 
 def test_overrides_round_trip_through_the_trainer_config():
     ranked = plan("70B", 64, GPUS["h100"], 8192, 128)
-    for prediction in ranked[:5]:
+    accumulating = [p for p in ranked if p.layout.pp == 1 and p.layout.microbatch < p.layout.local_batch]
+    for prediction in ranked[:5] + accumulating[:1]:
         config = parse_args(["--job.config_file", "train_configs/llama3_70b.toml", *prediction.overrides])
         assert layout_from_config(config, 64) == prediction.layout
+    assert accumulating
+
+
+def test_micro_batches_are_searched_and_accumulation_regathers_the_weights():
+    """The published 405B layouts (8 pipeline micro-batches of 4) are candidates; without PP, each gradient-
+    accumulation micro-step gathers and reduces the weights again, so splitting the batch costs FSDP traffic."""
+    import dataclasses
+
+    from torchtitan.models.llama3.args import model_args_for
+    from torchtitan.planner.cost import step_time
+    from torchtitan.planner.search import candidate_layouts
+
+    rows = validation.published_rows()
+    pipelined = rows[9]
+    candidates = candidate_layouts("405B", 512, 8192, 256, validation.GPU)
+    assert dataclasses.replace(pipelined.layout, row_split_embedding=False) in candidates
+    flat = rows[3]
+    args = model_args_for(flat.flavor, flat.seq_len)
+    whole = step_time(args, flat.layout, flat.seq_len, validation.GPU)
+    split = step_time(args, dataclasses.replace(flat.layout, microbatch=1), flat.seq_len, validation.GPU)
+    assert split.fsdp_comm_s == pytest.approx(2 * whole.fsdp_comm_s)
+    assert split.compute_s == pytest.approx(whole.compute_s)
+    assert split.exposed_comm_s == pytest.approx(2 * whole.exposed_comm_s)
 
 
 def test_json_lists_every_field(capsys):

@@ -9,6 +9,7 @@ misspelt option, a value of the wrong type, a TorchTitan option this project doe
 import ast
 import dataclasses
 import difflib
+import functools
 import inspect
 import os
 import sys
@@ -117,7 +118,7 @@ _TRUE = ("true", "1", "yes", "on")
 _FALSE = ("false", "0", "no", "off")
 
 
-@dataclasses.dataclass
+@dataclasses.dataclass(frozen=True)
 class OptionSpec:
     """One leaf option: its dotted key, type, default and help text."""
 
@@ -127,6 +128,7 @@ class OptionSpec:
     doc: str
 
 
+@functools.cache
 def _field_docs() -> dict[str, dict[str, str]]:
     """Map class name -> option -> the docstring written under it in job_config.py."""
     tree = ast.parse(inspect.getsource(job_config_module))
@@ -145,6 +147,12 @@ def _field_docs() -> dict[str, dict[str, str]]:
 
 def option_specs(config_class: type = JobConfig) -> dict[str, OptionSpec]:
     """Every leaf option of the config, keyed `section.option` (nested sections joined with dots)."""
+    return dict(_option_specs(config_class))
+
+
+@functools.cache
+def _option_specs(config_class: type) -> dict[str, OptionSpec]:
+    # Read once per process: the planner builds thousands of configs.
     docs = _field_docs()
     specs: dict[str, OptionSpec] = {}
 

@@ -20,7 +20,7 @@ Per GPU and step (all stages of one pipeline rank together; the slowest pipeline
   slowest link.
   - FSDP's all-gathers and reduce-scatters are prefetched and overlap the blocks' compute, except the first
     block's all-gather and the last reduce-scatter: exposed are that edge and what exceeds the compute. HSDP's
-    replica all-reduce of the gradient shards too. Under PP the parameters stay gathered from the first
+    replica all-reduce of the gradient shards too. With gradient accumulation, all of it in every micro-step. Under PP the parameters stay gathered from the first
     micro-batch, whose forward hides the all-gathers, and every gradient is reduced after the last micro-batch's
     backward (torch.distributed.pipelining's perform_reduce_grad): exposed, after the pipeline has drained.
   - Sequence-parallel TP's all-gathers and reduce-scatters sit between the matmuls that need them: exposed, unless
@@ -62,7 +62,9 @@ class Layout:
     schedule: str | None
     stages_per_rank: int
     local_batch: int
+    """Sequences per data-parallel rank and optimizer step."""
     microbatch: int
+    """Sequences per forward: a pipeline micro-batch, or without PP the gradient-accumulation micro-step."""
     ac: str
     """none, full or op (selective per-op)."""
     float8: bool
@@ -136,7 +138,7 @@ def float8_cast_bytes_per_token(args: TransformerModelArgs, t: int, ac: str) -> 
 def step_time(args: TransformerModelArgs, layout: Layout, seq_len: int, gpu: GPU,
               efficiency: float = EFFICIENCY, memory_bound_bytes: float = MEMORY_BOUND_BYTES,
               compiled_fraction: float = COMPILED_FRACTION) -> StepTime:
-    """Predicted time of one optimizer step on every GPU of `layout` (no gradient accumulation)."""
+    """Predicted time of one optimizer step on every GPU of `layout`."""
     t, p, c = layout.tp, layout.pp, layout.cp
     layers = args.n_layers / p
     # Tokens one GPU's share of the work covers: its data-parallel rank's batch, split over tp x cp (and the
@@ -218,9 +220,11 @@ def step_time(args: TransformerModelArgs, layout: Layout, seq_len: int, gpu: GPU
         drained_s = reduce_s
     else:
         # Prefetching hides each block's all-gather behind the previous block's compute and its reduce-scatter
-        # behind the next one's, except the first block's all-gather and the last reduce-scatter.
+        # behind the next one's, except the first block's all-gather and the last reduce-scatter. FSDP gathers
+        # and reduces again in every gradient-accumulation micro-step (the trainer keeps gradient sync on).
         edge_s = fsdp_s / layers
-        fsdp_exposed = edge_s + max(0.0, fsdp_s - edge_s - compute_s)
+        fsdp_exposed = microbatches * (edge_s + max(0.0, fsdp_s - edge_s - compute_s / microbatches))
+        fsdp_s *= microbatches
     exposed = fsdp_exposed + tp_exposed + cp_exposed
     return StepTime(compute_s=compute_s, exposed_comm_s=exposed, bubble=bubble, fsdp_comm_s=fsdp_s, tp_comm_s=tp_s,
                     cp_comm_s=cp_s, drained_comm_s=drained_s)

@@ -57,8 +57,11 @@ def reserved_gib(tensor_peak_bytes: float) -> float:
 def layout_overrides(layout: Layout, seq_len: int, n_layers: int) -> list[str]:
     """The trainer options that run `layout` on top of the flavor's TOML."""
     ac_mode, ac_option = {"none": ("none", "op"), "full": ("full", "op"), "op": ("selective", "op")}[layout.ac]
+    # Without PP the micro-batch is the trainer's local batch, accumulated up to the global batch.
     options = [
-        "--training.seq_len", str(seq_len), "--training.local_batch_size", str(layout.local_batch),
+        "--training.seq_len", str(seq_len),
+        "--training.local_batch_size", str(layout.local_batch if layout.pp > 1 else layout.microbatch),
+        "--training.global_batch_size", str(layout.local_batch * layout.dp),
         "--parallelism.data_parallel_replicate_degree", str(layout.dp_replicate),
         "--parallelism.data_parallel_shard_degree", str(layout.dp_shard),
         "--parallelism.tensor_parallel_degree", str(layout.tp),
@@ -121,6 +124,8 @@ def layout_from_config(config: JobConfig, world_size: int) -> Layout:
     if ac.mode == "selective" and ac.selective_ac_option != "op":
         raise UserError(f"option activation_checkpoint.selective_ac_option: the planner models 'op', full and none, "
                         f"not every-{ac.selective_ac_option}-th block")
+    step_batch = config.training.global_batch_size // dims.dp if config.training.global_batch_size > 0 else \
+        config.training.local_batch_size
     stages_per_rank = 1
     if dims.pp > 1 and parallelism.pipeline_parallel_schedule != "1F1B":
         layers = model_args_for(config.model.flavor, config.training.seq_len).n_layers
@@ -128,7 +133,7 @@ def layout_from_config(config: JobConfig, world_size: int) -> Layout:
         stages_per_rank = math.ceil((layers + 2) / per_stage) // dims.pp if per_stage else 2
     return Layout(dp_replicate=dims.dp_replicate, dp_shard=dims.dp_shard, tp=dims.tp, pp=dims.pp, cp=dims.cp,
                   schedule=parallelism.pipeline_parallel_schedule if dims.pp > 1 else None,
-                  stages_per_rank=stages_per_rank, local_batch=config.training.local_batch_size,
+                  stages_per_rank=stages_per_rank, local_batch=step_batch,
                   microbatch=parallelism.pipeline_parallel_microbatch_size if dims.pp > 1 else
                   config.training.local_batch_size,
                   ac={"none": "none", "full": "full", "selective": "op"}[ac.mode],
@@ -138,6 +143,13 @@ def layout_from_config(config: JobConfig, world_size: int) -> Layout:
 
 def _divisors(n: int) -> list[int]:
     return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def _microbatches(local_batch: int, pp: int) -> list[int]:
+    """Micro-batch sizes to try: powers of two that split the local batch into a multiple of pp micro-batches
+    (every schedule here accepts those counts); without PP, gradient accumulation steps."""
+    sizes = [2**i for i in range(local_batch.bit_length()) if local_batch % 2**i == 0] + [local_batch]
+    return sorted({size for size in sizes if (local_batch // size) % pp == 0})
 
 
 def candidate_layouts(flavor: str, gpus: int, seq_len: int, global_batch: int, gpu: GPU) -> list[Layout]:
@@ -161,24 +173,24 @@ def candidate_layouts(flavor: str, gpus: int, seq_len: int, global_batch: int, g
             if dp_replicate > 1 and dp_shard * cp * tp < gpu.gpus_per_host:
                 continue  # replicas only across hosts
             schedules = [(None, 1)] if pp == 1 else [("1F1B", 1), ("Interleaved1F1B", 2)]
-            for (schedule, v), ac, float8, compile_, async_tp in itertools.product(
-                    schedules, ("op", "full"), (False, True), (False, True), (False, True)):
+            for (schedule, v), microbatch, ac, float8, compile_, async_tp in itertools.product(
+                    schedules, _microbatches(local_batch, pp), ("op", "full"), (False, True), (False, True),
+                    (False, True)):
                 if async_tp and (tp == 1 or not compile_):
                     continue
                 if float8 and gpu.fp8_flops == 0:
                     continue
-                if pp > 1 and local_batch < pp * (2 if schedule == "Interleaved1F1B" else 1):
-                    continue
                 candidates.append(Layout(dp_replicate=dp_replicate, dp_shard=dp_shard, tp=tp, pp=pp, cp=cp,
                                          schedule=schedule, stages_per_rank=v, local_batch=local_batch,
-                                         microbatch=1 if pp > 1 else local_batch, ac=ac, float8=float8,
-                                         compile=compile_, async_tp=async_tp))
+                                         microbatch=microbatch, ac=ac, float8=float8, compile=compile_,
+                                         async_tp=async_tp))
     return candidates
 
 
 def plan(flavor: str, gpus: int, gpu: GPU, seq_len: int, global_batch: int,
          fixed: dict[str, bool] | None = None) -> list[Prediction]:
-    """The layouts that fit, fastest first; `fixed` pins techniques (float8, compile, async_tp) on or off."""
+    """The layouts that fit, fastest first, each with its fastest micro-batch; `fixed` pins techniques (float8,
+    compile, async_tp) on or off."""
     if flavor not in llama3_flavors:
         raise UserError(f"option --flavor: unknown flavor {flavor!r}; valid: {', '.join(llama3_flavors)}")
     candidates = [layout for layout in candidate_layouts(flavor, gpus, seq_len, global_batch, gpu)
@@ -196,8 +208,13 @@ def plan(flavor: str, gpus: int, gpu: GPU, seq_len: int, global_batch: int,
         raise UserError(f"flavor {flavor} does not fit {gpus} x {gpu.name} ({gpu.memory_gib} GiB) in any of "
                         f"{len(candidates)} layouts at seq_len {seq_len} and global batch {global_batch}: use more "
                         f"GPUs, a GPU with more memory, or a smaller batch")
-    # Among equally fast layouts, the simplest first: fewer parallel dimensions, then fewer techniques.
-    return sorted(fitting, key=lambda p: (-round(p.tps_per_gpu, 1), _complexity(p.layout)))
+    # Among equally fast layouts, the simplest first: fewer parallel dimensions, then fewer techniques, then fewer
+    # micro-batches. The micro-batch size is tuned per layout: each layout is listed once, with its fastest one.
+    ranked = sorted(fitting, key=lambda p: (-round(p.tps_per_gpu, 1), _complexity(p.layout), -p.layout.microbatch))
+    listed = {}
+    for prediction in ranked:
+        listed.setdefault(dataclasses.replace(prediction.layout, microbatch=0), prediction)
+    return list(listed.values())
 
 
 def _complexity(layout: Layout) -> int:
