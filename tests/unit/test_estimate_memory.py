@@ -122,13 +122,18 @@ def test_dry_run_within_10_percent_of_measured_peak(nproc, layout):
 
 
 # Layouts where the analytic model once disagreed with the trace: loss parallel's log-softmax (one extra fp32 copy
-# of the logits shard, not two) and a pipeline under FSDP (unsharded fp32 gradients accumulate until the last
-# micro-batch's backward).
+# of the logits shard, not two), a pipeline under FSDP (unsharded fp32 gradients accumulate until the last
+# micro-batch's backward) and eager Float8 under TP.
 ANALYTIC_AGAINST_TRACE = [
     ("tp2_loss_parallel", ["--parallelism.tensor_parallel_degree", "2", "--parallelism.data_parallel_shard_degree",
                            "2", "--activation_checkpoint.mode", "full", "--model.vocab_size", "32768"]),
     ("pp2_fsdp2", ["--parallelism.pipeline_parallel_degree", "2", "--parallelism.data_parallel_shard_degree", "2",
                    "--activation_checkpoint.mode", "full", "--parallelism.pipeline_parallel_microbatch_size", "1"]),
+    # Eager Float8 under TP: the whole-sequence output gradient's cast passes through two fp32 copies.
+    ("tp2_float8_eager", ["--parallelism.tensor_parallel_degree", "2", "--parallelism.data_parallel_shard_degree",
+                          "2", "--activation_checkpoint.mode", "full", "--model.converters", "quantize.linear.float8",
+                          "--model.dim", "1024", "--model.n_heads", "16", "--model.n_layers", "2",
+                          "--training.local_batch_size", "16"]),
 ]
 
 

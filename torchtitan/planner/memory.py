@@ -61,6 +61,8 @@ Transients, of which only the largest coexists with the rest:
                block's backward adds the gradients inside the SwiGLU backward: T x f/t x 2 x a
   optimizer    the foreach implementation allocates one fp32 temporary per parameter (P_rank x 4 / F); fused
                and for-loop implementations none to speak of
+  float8       eager (not compiled) under TP: the cast of a whole-sequence output gradient in block backward
+               passes through two fp32 copies, T x d x 8 (compiled blocks fuse the cast)
 
 Mixed precision and FSDP buffers:
   FSDP (F > 1, or DDP)  the gathered parameters of 2 blocks (the running one and the prefetched one) and of the
@@ -80,9 +82,9 @@ Peak = parameters + optimizer + max over the phases of the step:
 plus a fixed overhead (--overhead_gib; default 2 GiB on GPUs for the CUDA context, NCCL and cuBLAS workspaces,
 not validated here; 0 for the CPU validation, which counts tensors only).
 
-Not modelled: torch.compile (inductor's partitioner usually saves less), context parallelism's exchange buffers,
-allocator fragmentation, Float8's transient casts (torchao saves the high-precision tensors for backward, so
-activations are those of bf16). With a fused RMSNorm kernel (CUDA) each norm may keep one fp32 [T, d] tensor fewer.
+Not modelled: torch.compile's other effects (inductor's partitioner usually saves less), context parallelism's
+exchange buffers, allocator fragmentation; Float8 saves the high-precision tensors for backward, so its activations
+are those of bf16. With a fused RMSNorm kernel (CUDA) each norm may keep one fp32 [T, d] tensor fewer.
 """
 
 from __future__ import annotations
@@ -361,6 +363,11 @@ def _estimate_rank(config: JobConfig, args: TransformerModelArgs, dims: Parallel
     # micro-batch fewer in flight. With several stages per rank a stage's backward starts when the later stages
     # have run theirs for a round of `pp` micro-batches: what they still hold is the rest.
     grads_after = (head_params * grad_bytes) if has_head else 0.0
+    # Eager Float8 casts a tensor through two fp32 intermediates (torchao: scaled, then clamped) before the float8
+    # copy; the largest, under TP, is the whole-sequence output gradient of wo and w2 (T x d). Compiled blocks fuse
+    # the cast into one kernel. Without TP the casts are no larger than SwiGLU's own tensors and the traces' peaks
+    # did not move (8B rows).
+    float8_casts = 8 * tokens * s.d if float8_enabled(config) and not config.compile.enable and t > 1 else 0.0
     total_micro_batches = config.training.local_batch_size // microbatch
 
     for index in reversed(range(len(blocks))):
@@ -370,7 +377,7 @@ def _estimate_rank(config: JobConfig, args: TransformerModelArgs, dims: Parallel
         # Only a rank with several stages has later ones; they keep what exceeds a round of `pp` micro-batches.
         later_held = sum(b[0] * max(b[3] - dims.pp, 0) / b[3] for b in blocks[index + 1:] if b[4] != stage)
         copies_before = sum(b[2] for b in before)
-        transient = blocks[index][1] + 2 * tokens * s.f / t * a
+        transient = blocks[index][1] + 2 * tokens * s.f / t * a + float8_casts
         candidates = [(sum(b[0] for b in before) + sum(b[0] * (b[3] - 1) / b[3] for b in same_after) + later_held,
                        max(resident_grads if dims.pp == 1 else 0.0, grads_after))]
         if dims.pp > 1 and total_micro_batches > 1:

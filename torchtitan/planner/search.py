@@ -98,7 +98,8 @@ def predict(flavor: str, layout: Layout, seq_len: int, gpu: GPU, config: JobConf
     """Speed and memory of one layout; `config` (a trainer config) when the layout comes from one."""
     args = model_args_for(flavor, seq_len)
     if config is None:
-        tensors = _layout_memory(flavor, dataclasses.replace(layout, compile=False, async_tp=False), seq_len)
+        tensors = _layout_memory(flavor, dataclasses.replace(layout, compile=layout.compile and layout.float8,
+                                                             async_tp=False), seq_len)
     else:
         tensors = estimate(config, layout.world_size).total
     step = step_time(args, layout, seq_len, gpu, **constants)
@@ -110,7 +111,7 @@ def predict(flavor: str, layout: Layout, seq_len: int, gpu: GPU, config: JobConf
 
 @functools.lru_cache(maxsize=4096)
 def _layout_memory(flavor: str, layout: Layout, seq_len: int) -> int:
-    """Tensor peak of a layout; compile and async TP do not change the (eager) model's memory."""
+    """Tensor peak of a layout; async TP does not change it, compile only through Float8's fused casts."""
     return estimate(trainer_config(flavor, layout, seq_len), layout.world_size,
                     row_split_embedding=layout.row_split_embedding).total
 
