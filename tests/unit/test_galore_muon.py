@@ -13,7 +13,7 @@ from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tenso
 from tests.unit.forked_ranks import run_ranks
 from torchtitan.components.optimizer import OptimizersContainer
 from torchtitan.components.optimizers import optimizer_spec
-from torchtitan.components.optimizers.galore import GaLoreAdamW, top_subspace
+from torchtitan.components.optimizers.galore import GaLoreAdamW, rotate_moments, top_subspace
 from torchtitan.components.optimizers.muon import Muon, newton_schulz
 from torchtitan.config.job_config import Optimizer as OptimizerConfig
 from torchtitan.errors import UserError
@@ -92,6 +92,29 @@ def test_galore_refreshes_the_subspace_every_update_gap_steps(caplog):
     assert len(refreshes) == 3 and refreshes[0].startswith("GaLore: 1 subspaces refreshed (randomized SVD) in ")
 
 
+@pytest.mark.parametrize("shape", [(24, 40), (40, 24)])
+def test_rotated_moments_follow_the_subspace(shape):
+    """galore_moments = "rotate": a refresh whose new basis spans the old subspace (columns permuted, signs flipped)
+    leaves the first moment's full-size image unchanged and permutes the second moment's coordinates; carried, the
+    first moment would point elsewhere."""
+    param = torch.nn.Parameter(torch.randn(shape, generator=torch.Generator().manual_seed(0)))
+    rotated = GaLoreAdamW([{"params": [param], "matrix_method": True}], lr=1e-2, rank=4, update_gap=2,
+                          moments="rotate")
+    param.grad = torch.randn(shape)
+    rotated.step()
+    state = rotated.state[param]
+    old, exp_avg, exp_avg_sq = state["projector"].clone(), state["exp_avg"].clone(), state["exp_avg_sq"].clone()
+    order, signs = torch.tensor([2, 0, 3, 1]), torch.tensor([1.0, -1.0, -1.0, 1.0])
+    new = old[:, order] * signs
+    rows = shape[0] < shape[1]
+    rotate_moments(state, new, 0 if rows else 1)
+    image = (lambda basis, m: basis @ m) if rows else (lambda basis, m: m @ basis.T)
+    torch.testing.assert_close(image(new, state["exp_avg"]), image(old, exp_avg))
+    expected_sq = exp_avg_sq[order] if rows else exp_avg_sq[:, order]
+    torch.testing.assert_close(state["exp_avg_sq"], expected_sq)
+    assert not torch.allclose(image(new, exp_avg), image(old, exp_avg))
+
+
 # ----------------------------------------------------------------------------------------------------------------
 # Through the registry
 
@@ -154,6 +177,8 @@ LAYOUTS = {
 OPTIMIZERS = {
     "galore_randomized": lambda groups: GaLoreAdamW(groups, lr=1e-2, weight_decay=0.1, rank=5, update_gap=2),
     "galore_exact": lambda groups: GaLoreAdamW(groups, lr=1e-2, weight_decay=0.1, rank=5, update_gap=2, svd="exact"),
+    "galore_rotate": lambda groups: GaLoreAdamW(groups, lr=1e-2, weight_decay=0.1, rank=5, update_gap=2,
+                                                moments="rotate"),
     "muon": lambda groups: Muon(groups, lr=1e-2, weight_decay=0.1),
 }
 

@@ -86,6 +86,45 @@ def test_torchao_state_is_small_and_counted_by_its_codes(name, most):
     assert low.state_bytes() == pytest.approx(predicted, rel=1e-3)  # the step counters aside
 
 
+@pytest.mark.parametrize("name", ["AdamW-8bit", "AdamW-4bit"])
+def test_torchao_state_is_saved_dequantized_and_resumes_bitwise(name):
+    """The checkpointed moments are fp32 values shaped like the parameter (reshardable like AdamW's); loading them
+    quantizes them again into the very codes they came from, including the blocks whose largest magnitude is
+    negative, which torchao's own quantization of the dequantized values gets wrong."""
+    straight, resumed = matrices(), matrices()
+    straight_optimizers, first = container(straight, name), container(resumed, name)
+    train_steps(straight, straight_optimizers, 3)
+    train_steps(resumed, first, 3)
+    saved = first.state_dict()
+    weight = resumed[0].weight
+    moments = {key: value for key, value in saved.items() if key.startswith("state.0.weight.exp_avg")}
+    assert sorted(moments) == ["state.0.weight.exp_avg", "state.0.weight.exp_avg_sq"]
+    assert all(type(v) is torch.Tensor and v.dtype == torch.float32 and v.shape == weight.shape
+               for v in moments.values())
+    live = first.optimizers[0].state[weight]["exp_avg"]
+    torchao_alone = type(live).zeros(weight.shape, True, live.block_size)
+    torchao_alone.copy_(moments["state.0.weight.exp_avg"])
+    assert not torch.equal(torchao_alone.dequantize(), live.dequantize())
+
+    first.zero_grad()  # as in a trainer that loads before its first step: torch initialises the state to load into
+    second = container(resumed, name)
+    second.load_state_dict(saved)
+    for param in resumed.parameters():
+        for key in ("exp_avg", "exp_avg_sq"):
+            before, after = first.optimizers[0].state[param][key], second.optimizers[0].state[param][key]
+            assert type(after) is type(before)
+            assert torch.equal(after.dequantize(), before.dequantize())
+    for steps in range(3):
+        torch.manual_seed(10 + steps)
+        batch = torch.randn(8, 256)
+        for model, optimizers in ((straight, straight_optimizers), (resumed, second)):
+            optimizers.zero_grad()
+            model(batch).square().mean().backward()
+            optimizers.step()
+    for a, b in zip(straight.parameters(), resumed.parameters()):
+        assert torch.equal(a, b)
+
+
 def test_ranger21_state_and_lookahead():
     """Lookahead with alpha 0 brings the weights back to the slow weights at every k-th step."""
     model = matrices()

@@ -208,6 +208,9 @@ class Optimizer:
     galore_svd: Literal["randomized", "exact"] = "randomized"
     """GaLore-AdamW: how a refresh finds the gradient's top singular subspace: randomized (GaLore 2: a range finder with 2 power iterations and 8 extra columns) or exact (a full SVD)."""
 
+    galore_moments: Literal["carry", "rotate"] = "carry"
+    """GaLore-AdamW: what a refresh does with the projected moments: carry them unchanged into the new subspace (the GaLore and GaLore 2 papers), or rotate them into it (first moment by the new basis' overlap with the old, second moment by its square; not in the papers)."""
+
     muon_momentum: float = 0.95
     """Muon: momentum of the matrix_method matrices (Nesterov); the other groups take AdamW's beta1/beta2."""
 

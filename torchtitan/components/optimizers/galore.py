@@ -8,7 +8,9 @@ projected. The projector is optimizer state (`projector`), so a checkpoint resum
 
 The refresh is either the exact SVD or (GaLore 2) a randomized one: a range finder with `oversample` extra columns
 and `power_iterations` power iterations, whose Gaussian test matrix comes from a generator seeded by `seed` and the
-step, so every rank (and every layout) draws the same one and computes the same projector.
+step, so every rank (and every layout) draws the same one and computes the same projector. The moments are carried
+into the new subspace unchanged, as in both papers (`moments="carry"`), or rotated into it (`"rotate"`, not in the
+papers; see `rotate_moments`).
 
 Under FSDP / HSDP / TP (DTensor parameters), the computation is sharded, not gathered, except at a refresh:
 - refresh (every `update_gap` steps): the gradient is all-gathered (`full_tensor`, m x n values) and every rank
@@ -27,7 +29,7 @@ import time
 import torch
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
-from torchtitan.components.optimizers import BuildContext, gradient, register_optimizer
+from torchtitan.components.optimizers import BuildContext, gradient, local, register_optimizer
 from torchtitan.components.optimizers.adam_direction import adam_direction
 from torchtitan.config.job_config import Optimizer as OptimizerConfig
 from torchtitan.errors import UserError
@@ -81,9 +83,10 @@ class GaLoreAdamW(torch.optim.Optimizer):
 
     def __init__(self, params, lr: float, betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8,
                  weight_decay: float = 0.0, rank: int | None = None, update_gap: int = 200, scale: float = 1.0,
-                 svd: str = "randomized", oversample: int = 8, power_iterations: int = 2, seed: int = 0):
+                 svd: str = "randomized", moments: str = "carry", oversample: int = 8, power_iterations: int = 2,
+                 seed: int = 0):
         defaults = {"lr": lr, "betas": betas, "eps": eps, "weight_decay": weight_decay, "matrix_method": False,
-                    "rank": rank, "update_gap": update_gap, "scale": scale, "svd": svd}
+                    "rank": rank, "update_gap": update_gap, "scale": scale, "svd": svd, "moments": moments}
         super().__init__(params, defaults)
         self.oversample, self.power_iterations, self.seed = oversample, power_iterations, seed
         for group in self.param_groups:
@@ -146,11 +149,29 @@ class GaLoreAdamW(torch.optim.Optimizer):
         generator = torch.Generator().manual_seed(self.seed + int(state.get("step", 0)))
         basis = top_subspace(grad if d == 0 else grad.T, rank, group["svd"], generator, self.oversample,
                              self.power_iterations)
+        if group["moments"] == "rotate" and "exp_avg" in state:
+            rotate_moments(state, basis, d)
         placements = param.placements if isinstance(param, DTensor) else []
         state["projector"] = _placed(basis.contiguous(), param,
                                      [Shard(0) if isinstance(p, Shard) else Replicate() for p in placements])
         self.refresh_seconds += time.perf_counter() - start
         self.refreshes += 1
+
+
+def rotate_moments(state: dict, basis: torch.Tensor, d: int) -> None:
+    """Express the moments kept in the old subspace in the new one (`basis`, whole, the same on every rank).
+
+    With R = new^T old (r x r), a low-rank matrix M of the old subspace is R M (rows projected, d = 0) or M R^T
+    (d = 1) in the new one: the first moment maps so; the second moment, a per-coordinate mean of squares, maps by R
+    squared elementwise (its coordinates taken as independent). The moments are sharded along the kept side only,
+    so each rank rotates its local shard.
+    """
+    old = state["projector"]
+    old = old.full_tensor() if isinstance(old, DTensor) else old
+    rotation = basis.T @ old
+    for key, matrix in (("exp_avg", rotation), ("exp_avg_sq", rotation.square())):
+        moment = local(state[key])
+        moment.copy_(matrix @ moment if d == 0 else moment @ matrix.T)
 
 
 def _check(config: OptimizerConfig, groups: list[dict]) -> None:
@@ -180,4 +201,4 @@ def build_galore_adamw(groups: list[dict], config: OptimizerConfig, context: Bui
     _check(config, groups)
     return GaLoreAdamW(groups, lr=config.lr, betas=(config.beta1, config.beta2), eps=config.eps,
                        rank=config.galore_rank, update_gap=config.galore_update_gap, scale=config.galore_scale,
-                       svd=config.galore_svd)
+                       svd=config.galore_svd, moments=config.galore_moments)

@@ -14,18 +14,20 @@ gathered. torchao quantizes each rank's local shard in its own blocks, so which 
 scale) depends on the layout: a dim-0 shard (FSDP, TP column-wise) is a contiguous run of the whole tensor and
 keeps its blocks when its size is a multiple of the block; a dim-1 shard (TP row-wise) groups other values.
 
-Checkpoints of AdamW-8bit/4bit hold torchao's quantized tensors themselves, by parameter name: a resumed run
-continues exactly, and the state reshards along the first dimension (FSDP or data-parallel degree changes, one
-process). torchao's quantized tensors cannot be sliced along another dimension, so a checkpoint whose 8-/4-bit
-state must be cut along the second (resumed under TP, whose row-wise shards split it that way) fails to load with
-"Only support aten.slice along the first dim". Saving the moments dequantized instead would load anywhere, but
-torchao's quantization does not reproduce its own codes from their dequantized values (measured: a resumed 8-bit
-run's loss drifts by 3e-5 relative within 4 steps, a 4-bit one by 2e-4), so exact resumption is kept.
+Checkpoints of AdamW-8bit/4bit hold the moments dequantized, fp32 and shaped and sharded like their parameter
+(DTensors under FSDP/TP), as AdamW's: 8 bytes per parameter, so the state reshards to any layout AdamW's does
+(torchao's quantized tensors themselves can be cut along their first dimension only: a TP layout could not load
+them). Loading quantizes them again. torchao's quantization alone does not reproduce a block from its dequantized
+values where the block's largest magnitude is negative (the signed code books end at -0.993 (8-bit) / -0.8875
+(4-bit) but at +1: the re-derived scale comes out smaller), so the loader takes, for each such block, the scale that
+reproduces the saved values bitwise, which exists whenever the blocks are those of the saved layout: a run resumed in
+its own layout continues exactly, and one resumed in another layout quantizes its new blocks afresh.
 """
 
 import math
 
 import torch
+from torch.distributed.tensor import DTensor
 
 from torchtitan.components.optimizers import BuildContext, gradient, local, register_optimizer
 from torchtitan.config.job_config import Optimizer as OptimizerConfig
@@ -97,6 +99,56 @@ def _torchao_state_bytes(bits: int, block: int):
     return state_bytes
 
 
+def _dequantized(value):
+    """A torchao quantized tensor (or a DTensor of them) as fp32 values of the same shape and placements."""
+    inner = local(value)
+    if type(inner) is torch.Tensor:
+        return value
+    if isinstance(value, DTensor):
+        return DTensor.from_local(inner.dequantize(), value.device_mesh, value.placements, run_check=False,
+                                  shape=value.shape, stride=value.stride())
+    return inner.dequantize()
+
+
+def _quantize_exactly(values: torch.Tensor, buffer: torch.Tensor) -> None:
+    """Fill `buffer` (torchao's quantized tensor, or a plain one for shards torchao keeps in fp32) with `values`.
+
+    torchao's copy derives each block's scale from its largest magnitude; where that value is negative it was
+    stored as the code book's most negative code (-0.993 x scale for 8-bit), not -1 x scale, and the scale comes out
+    smaller. Those blocks take scale = magnitude / |most negative code| (or the fp32 value beside it) where that
+    reproduces every saved value bitwise; blocks no scale reproduces (values quantized in other blocks, under another
+    layout) keep torchao's quantization.
+    """
+    if type(buffer) is torch.Tensor:
+        buffer.copy_(values)
+        return
+    from torchao.optim.quant_utils import quantize_4bit_with_qmap, quantize_8bit_with_qmap
+
+    buffer.copy_(values)
+    block = buffer.block_size
+    blocks = values.reshape(-1, block)
+    rows = (buffer.dequantize().reshape(-1, block) != blocks).any(-1).nonzero().squeeze(1)
+    if rows.numel() == 0:
+        return
+    qmap = buffer.qmap
+    four_bit = buffer.codes.numel() < buffer.numel()  # two codes per byte
+    quantize = quantize_4bit_with_qmap if four_bit else quantize_8bit_with_qmap
+    codes_per_block = buffer.codes.view(-1, block // 2 if four_bit else block)
+    wanted = blocks[rows]
+    scale = wanted.abs().amax(-1) / qmap.min().abs()
+    left = torch.ones_like(rows, dtype=torch.bool)
+    # The division rounds: the scale the block was stored with is this one or an fp32 neighbour.
+    for candidate in (scale, scale.nextafter(torch.full_like(scale, math.inf)),
+                      scale.nextafter(torch.zeros_like(scale))):
+        codes = quantize(wanted / candidate.view(-1, 1), qmap)
+        exact = left & (qmap[codes.int()] * candidate.view(-1, 1) == wanted).all(-1)
+        if four_bit:
+            codes = (codes[:, ::2] << 4) | codes[:, 1::2]
+        codes_per_block[rows[exact]] = codes[exact]
+        buffer.scale[rows[exact]] = candidate[exact]
+        left &= ~exact
+
+
 def _torchao_adamw(class_name: str, groups: list[dict], config: OptimizerConfig) -> torch.optim.Optimizer:
     try:
         from torchao import optim as torchao_optim
@@ -111,6 +163,25 @@ def _torchao_adamw(class_name: str, groups: list[dict], config: OptimizerConfig)
             # own cache still serves the step.
             with torch._functorch.config.patch(enable_autograd_cache=False):
                 return super().step(closure)
+
+        def state_dict(self) -> dict:
+            """The moments dequantized (fp32, sharded like the parameter): see the module docstring."""
+            saved = super().state_dict()
+            saved["state"] = {index: {key: _dequantized(value) for key, value in state.items()}
+                              for index, state in saved["state"].items()}
+            return saved
+
+        def load_state_dict(self, state_dict: dict) -> None:
+            super().load_state_dict(state_dict)
+            for group in self.param_groups:
+                for param in group["params"]:
+                    state = self.state.get(param, {})
+                    for key, signed in (("exp_avg", True), ("exp_avg_sq", False), ("max_exp_avg_sq", False)):
+                        if key in state:
+                            # torchao's buffer for this parameter: quantized or, for small shards, fp32.
+                            buffer = self._new_buffer(param, signed)
+                            _quantize_exactly(local(state[key]), local(buffer))
+                            state[key] = buffer
 
     TorchaoAdamW.__name__ = class_name
     return TorchaoAdamW(groups, lr=config.lr, betas=(config.beta1, config.beta2), eps=config.eps)
