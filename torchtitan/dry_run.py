@@ -160,7 +160,7 @@ def _dry_run_rank_in_new_process(config: JobConfig, rank: int) -> dict:
 
 
 def _dry_run_rank(config: JobConfig, trainer_class: type, rank: int, world_size: int, gpu) -> dict:
-    with dry_run_patches():
+    with dry_run_patches(config.comm.fake_device):
         trainer = trainer_class(config)
         try:
             return _run_steps(trainer, rank, world_size, gpu)

@@ -55,6 +55,8 @@ def test_debug_model_world_64_pp_fsdp_tp(tmp_path):
     for kind, dim_name in (("all_gather", "tp"), ("reduce_scatter", "tp"), ("all_gather", "dp_shard_cp"),
                            ("reduce_scatter", "dp_shard_cp"), ("send", "pp"), ("recv", "pp")):
         assert found[(kind, dim_name)]["count"] > 0 and found[(kind, dim_name)]["bytes"] > 0, (kind, dim_name)
+    # The embedding's output moves to sequence shards by the GPUs' all-to-all, not gloo's all-gather fallback.
+    assert found[("all_to_all", "tp")]["count"] > 0
     other = report["other_end_of_pipeline"]
     assert (other["rank"], other["pipeline_rank"], other["pipeline_stages"]) == (35, 1, [1])
     assert report["pipeline_stage_memory_gib"]["first"] == report["peak_memory_gib"]

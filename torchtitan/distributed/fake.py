@@ -112,13 +112,17 @@ def _replaced(owner: Any, name: str, replacement: Any) -> Iterator[None]:
         setattr(owner, name, original)
 
 
-def dry_run_patches() -> contextlib.ExitStack:
-    """What a dry run changes in torch and torchao while it runs, each because fake tensors or the fake backend
-    cannot do what the original does; the accounting is unchanged (see each replacement)."""
+def dry_run_patches(target_device: str) -> contextlib.ExitStack:
+    """What a dry run changes in torch and torchao while it runs, each because fake tensors, the fake backend or
+    the CPU mesh standing in for the target's cannot do what the original does; the accounting is unchanged (see
+    each replacement)."""
     from torch.distributed.pipelining.schedules import _PipelineSchedule
+    from torch.distributed.tensor import placement_types
     from torch.distributed.tensor._sharding_prop import ShardingPropagator
 
     stack = contextlib.ExitStack()
+    if target_device != "cpu":
+        stack.enter_context(_replaced(placement_types, "shard_dim_alltoall", _shard_dim_alltoall_as_on_gpus))
     propagate = ShardingPropagator._propagate_tensor_meta_non_cached
     stack.enter_context(_replaced(ShardingPropagator, "_propagate_tensor_meta_non_cached",
                                   _separate_propagation(propagate)))
@@ -131,6 +135,20 @@ def dry_run_patches() -> contextlib.ExitStack:
     stack.enter_context(_replaced(WeightWithDynamicFloat8CastTensor, "__tensor_flatten__",
                                   _float8_flatten_without_values))
     return stack
+
+
+def _shard_dim_alltoall_as_on_gpus(input, gather_dim, shard_dim, mesh, mesh_dim):
+    """DTensor moves a shard to another dimension by an all-to-all, except on a CPU mesh (gloo has none), where it
+    all-gathers the whole tensor and keeps its chunk; torch's fake kernel of the all-to-all does the same. A chunk
+    of a micro-batch of one sequence is a view that keeps the whole gathered tensor alive: tp times the memory (at
+    405B a column-split embedding's output, 256 MiB per micro-batch in flight). A dry run for GPUs runs on a CPU
+    mesh: issue the GPUs' all-to-all (the fake backend has one, and the collective counter sees it) and return a
+    tensor of its own, as the GPUs' kernel does."""
+    from torch.distributed import _functional_collectives as funcol
+
+    group = funcol._resolve_group((mesh, mesh_dim))
+    out = torch.ops._dtensor.shard_dim_alltoall(input, gather_dim, shard_dim, funcol._group_or_group_name(group))
+    return torch.empty_like(out, memory_format=torch.contiguous_format)
 
 
 def _separate_propagation(original):

@@ -70,6 +70,9 @@ Mixed precision and FSDP buffers:
                         a_gather = 1 for float8 all-gather, else a; during backward also one block's unsharded
                         gradients, in a plus their fp32 copy for the reduction when a = 2; under PP (no
                         resharding after forward) all the rank's parameters stay gathered: P_rank / t x a_gather
+  pipeline (PP)         one receive buffer per micro-batch and stage for the previous stage's hidden states
+                        (not on the first stage) and one for the next stage's gradients (not on the last):
+                        n_mb x T/t x d x r each, kept from the first step on
   autocast (no FSDP)    bf16 copies of every matrix: held by autocast's cache to the end of forward, and saved
                         for backward by blocks without AC: P_matmul / t x 2
 
@@ -333,6 +336,12 @@ def _estimate_rank(config: JobConfig, args: TransformerModelArgs, dims: Parallel
     else:
         forward_buffers = backward_buffers = 0.0
         forward_copies = len(blocks) * block_copies + head_copies
+    # torch.distributed.pipelining gives a stage one receive buffer per micro-batch for the hidden states of the
+    # previous stage, and one for the gradients of the next, allocated at the first step and kept (stage.py).
+    receives = sum((not first) + (not last) for _, first, last in stages) if dims.pp > 1 else 0
+    receive_buffers = receives * config.training.local_batch_size // microbatch * tokens / t * s.d * residual
+    forward_buffers += receive_buffers
+    backward_buffers += receive_buffers
 
     loss_parallel = t > 1 and not config.parallelism.disable_loss_parallel
     logits = tokens * s.vocab / (t if loss_parallel else 1) if has_head else 0.0
@@ -343,13 +352,19 @@ def _estimate_rank(config: JobConfig, args: TransformerModelArgs, dims: Parallel
     # after a backward: the forwards see no gradients yet.
     steady_grads = resident_grads if dims.pp == 1 or any(
         config.training.local_batch_size // microbatch > b[3] for b in blocks) or not blocks else 0.0
+    if has_head and len(stages) > 1 and config.training.local_batch_size // microbatch <= dims.pp:
+        # Interleaved schedules run backward in rounds of pp micro-batches, a rank's later stage first: in a single
+        # round every loss backward comes before the rank's earlier stages hold any gradient.
+        head_stage = len(stages) - 1
+        steady_grads = min(steady_grads, (sum(block_params for b in blocks if b[4] == head_stage) + head_params)
+                           * grad_bytes)
     phases = {
         "end of forward": (activations, logits * (a + 8 if a != 4 else 8) + loss_parallel_extra,
                            forward_buffers + forward_copies, steady_grads),
         "loss backward": (activations, logits * 12 + loss_parallel_extra, forward_buffers + saved_copies,
                           steady_grads),
-        "optimizer step": (0.0, 4 * sharded if config.optimizer.implementation == "foreach" else 0.0, 0.0,
-                           gradients),
+        "optimizer step": (0.0, 4 * sharded if config.optimizer.implementation == "foreach" else 0.0,
+                           receive_buffers, gradients),
     }
     if whole_embedding_grad:
         # The embedding's backward comes last: every other gradient exists, its whole-vocabulary one in the
@@ -362,13 +377,20 @@ def _estimate_rank(config: JobConfig, args: TransformerModelArgs, dims: Parallel
     # gradients of its stage and the later ones accumulated (and the embedding's, on the first stage) and one
     # micro-batch fewer in flight. With several stages per rank a stage's backward starts when the later stages
     # have run theirs for a round of `pp` micro-batches: what they still hold is the rest.
-    grads_after = (head_params * grad_bytes) if has_head else 0.0
+    last = len(stages) - 1
+    # A multi-stage schedule reduces a stage's gradients right after its last backward (schedules.py's
+    # _add_reduce_grad): in a single round of pp micro-batches a rank's later stages are done before its earlier
+    # ones start, and hold their gradient shards only.
     # Eager Float8 casts a tensor through two fp32 intermediates (torchao: scaled, then clamped) before the float8
     # copy; the largest, under TP, is the whole-sequence output gradient of wo and w2 (T x d). Compiled blocks fuse
     # the cast into one kernel. Without TP the casts are no larger than SwiGLU's own tensors and the traces' peaks
     # did not move (8B rows).
     float8_casts = 8 * tokens * s.d if float8_enabled(config) and not config.compile.enable and t > 1 else 0.0
     total_micro_batches = config.training.local_batch_size // microbatch
+    later_bytes = 4 / fsdp if dims.pp > 1 and total_micro_batches <= dims.pp else grad_bytes
+    # Parameters whose gradients the backward has produced so far, per stage of this rank (the head's first).
+    done = {stage: 0.0 for stage in range(len(stages))}
+    done[last] = head_params if has_head else 0.0
 
     for index in reversed(range(len(blocks))):
         stage = blocks[index][4]
@@ -379,19 +401,24 @@ def _estimate_rank(config: JobConfig, args: TransformerModelArgs, dims: Parallel
         copies_before = sum(b[2] for b in before)
         transient = blocks[index][1] + 2 * tokens * s.f / t * a + float8_casts
         candidates = [(sum(b[0] for b in before) + sum(b[0] * (b[3] - 1) / b[3] for b in same_after) + later_held,
-                       max(resident_grads if dims.pp == 1 else 0.0, grads_after))]
+                       max(resident_grads if dims.pp == 1 else 0.0,
+                           done[stage] * grad_bytes
+                           + sum(done[later_stage] for later_stage in done if later_stage > stage) * later_bytes))]
         if dims.pp > 1 and total_micro_batches > 1:
-            stage_grads = (sum(block_params for b in blocks if b[4] >= stage) + (head_params if has_head else 0.0)
-                           + ((s.vocab * s.d / t + whole_embedding_grad) if stage == 0 and has_embedding else 0.0))
+            own = (sum(block_params for b in blocks if b[4] == stage) + (head_params if has_head and stage == last
+                                                                          else 0.0)
+                   + ((s.vocab * s.d / t + whole_embedding_grad) if stage == 0 and has_embedding else 0.0))
+            later = sum(block_params for b in blocks if b[4] > stage) + (head_params if has_head and stage < last
+                                                                          else 0.0)
             candidates.append((sum(b[0] for b in before if b[4] != stage)
                                + sum(b[0] * (b[3] - 1) / b[3] for b in before if b[4] == stage)
                                + sum(b[0] * max(b[3] - 2, 0) / b[3] for b in same_after) + later_held,
-                               stage_grads * grad_bytes))
+                               own * grad_bytes + later * later_bytes))
         for saved, grads in candidates:
             phase = (saved, transient, backward_buffers + copies_before, grads)
             if sum(phase) > sum(phases.get("block backward", (0.0,))):
                 phases["block backward"] = phase
-        grads_after += block_params * grad_bytes
+        done[stage] += block_params
     phase, (acts, transient, buffers, grads) = max(phases.items(), key=lambda item: sum(item[1]))
     return Estimate(parameters=round(parameters), optimizer=round(optimizer), gradients=round(grads),
                     activations=round(acts), transient=round(transient), buffers=round(buffers), overhead=overhead,
