@@ -54,32 +54,62 @@ def encode(values: torch.Tensor, bits: int, stochastic: bool = False, rotate: bo
            segments: list[int] | None = None) -> torch.Tensor:
     """Rows of `values` (rows, n), each the concatenation of `segments` (default: one), -> uint8 payload rows
     (rows, payload_bytes(segments, bits))."""
+    return _quantize(values, bits, stochastic, rotate, segments, restore=False)[0]
+
+
+def encode_and_restore(values: torch.Tensor, bits: int, stochastic: bool = False, rotate: bool = False,
+                       segments: list[int] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """`encode`, and the float32 rows (rows, n) that `decode` makes of its payload, computed from the codes before
+    they are packed (the sender's view of what it sent, for error feedback: no unpacking)."""
+    return _quantize(values, bits, stochastic, rotate, segments, restore=True)
+
+
+def _quantize(values: torch.Tensor, bits: int, stochastic: bool, rotate: bool, segments: list[int] | None,
+              restore: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
+    # Every float operation below is the one `decode` inverts, in the same order: the codes do not depend on the
+    # input's dtype (bfloat16 blocks are divided in float32, the dtype the division promotes to).
     rows, n = values.shape
     segments = segments or [n]
     padded = padded_length(segments)
     if padded == n:
-        x = values.float().contiguous()
+        x = values if values.is_contiguous() else values.contiguous()
     else:
-        x = torch.zeros(rows, padded, dtype=torch.float32, device=values.device)
-        x[:, _positions(tuple(segments), values.device)] = values.float()
+        x = torch.zeros(rows, padded, dtype=values.dtype, device=values.device)
+        x[:, _positions(tuple(segments), values.device)] = values
     blocks = x.view(rows, -1, BLOCK)
     if rotate:
-        blocks = hadamard_rotate(blocks)
+        blocks = hadamard_rotate(blocks.float())
     qmax = 2 ** (bits - 1) - 1
-    scales = (blocks.abs().amax(dim=-1) / qmax).to(torch.bfloat16)
+    # The largest magnitude is exact in any float dtype; the division by qmax happens in float32.
+    scales = (blocks.abs().amax(dim=-1).float() / qmax).to(torch.bfloat16)
     safe = torch.where(scales == 0, torch.ones_like(scales), scales).float().unsqueeze(-1)
-    scaled = blocks / safe
+    codes = blocks / safe  # float32: the codes, rounded in place below
     if stochastic:
-        codes = torch.floor(scaled + _content_seeded_uniform(scaled))
+        codes.add_(_content_seeded_uniform(codes)).floor_()
     else:
-        codes = torch.round(scaled)
-    codes = codes.clamp_(-qmax, qmax).to(torch.int16).view(rows, padded)
+        codes.round_()
+    codes.clamp_(-qmax, qmax)
+    restored = None
+    if restore:
+        # + 0.0 turns a code of -0.0 (rounded from a small negative value) into the +0.0 an unpacked code gives.
+        dequantized = (codes * scales.float().unsqueeze(-1)).add_(0.0)
+        if rotate:
+            dequantized = hadamard_rotate(dequantized)
+        restored = dequantized.view(rows, padded)
+        if padded != n:
+            restored = restored[:, _positions(tuple(segments), values.device)]
+    code_len = padded * bits // 8
+    payload = torch.empty(rows, code_len + 2 * (padded // BLOCK), dtype=torch.uint8, device=values.device)
+    codes = codes.view(rows, padded)
     if bits == 4:
-        nibbles = (codes + 8).to(torch.uint8).view(rows, padded // 2, 2)
-        code_bytes = nibbles[..., 0] | (nibbles[..., 1] << 4)
+        # Two codes per byte, offset by 8 to be non-negative: low nibble first. Integers below 256 are exact in
+        # float32, so the byte is assembled there and converted once.
+        pairs = codes.add_(8).view(rows, padded // 2, 2)
+        payload[:, :code_len].copy_(torch.add(pairs[..., 0], pairs[..., 1], alpha=16))
     else:
-        code_bytes = codes.to(torch.int8).view(torch.uint8)
-    return torch.cat((code_bytes, scales.view(torch.uint8).view(rows, -1)), dim=1)
+        payload[:, :code_len].view(torch.int8).copy_(codes)
+    payload[:, code_len:].copy_(scales.view(torch.uint8).view(rows, -1))
+    return payload, restored
 
 
 def decode(payload: torch.Tensor, n: int, bits: int, rotate: bool = False,
