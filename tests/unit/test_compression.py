@@ -10,6 +10,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import FSDPModule
+from torch.distributed.fsdp._fully_shard._fsdp_api import AllGather
 
 from tests.unit.forked_ranks import run_ranks
 from torchtitan.config.job_config import JobConfig
@@ -159,6 +160,24 @@ def local_grads(model: Transformer) -> dict[str, torch.Tensor]:
     return {name: p.grad.to_local().clone() for name, p in model.named_parameters()}
 
 
+class CheckedAllGather(AllGather):
+    """Runs QSDP's all-gather and records whether it reused its codes and whether they equal a fresh encode."""
+
+    def __init__(self, inner: QuantizedAllGather, calls: list):
+        self.inner, self.calls = inner, calls
+
+    def allocate(self, size, *, dtype, device):
+        return self.inner.allocate(size, dtype=dtype, device=device)
+
+    def __call__(self, output_tensor, input_tensor, group, async_op=False):
+        # The input lies inside the output, which the all-gather overwrites: encode it first.
+        fresh = encode(input_tensor.view(1, -1), self.inner.bits, stochastic=True, rotate=self.inner.rotate,
+                       segments=self.inner.segments)
+        before = self.inner.encoded
+        self.inner(output_tensor, input_tensor, group, async_op)
+        self.calls.append((self.inner.encoded is before, torch.equal(fresh, self.inner.encoded[1])))
+
+
 def worker(rank: int, out_dir: str) -> None:
     torch.set_num_threads(1)
     dist.init_process_group("gloo", store=dist.FileStore(f"{out_dir}/store", WORLD), rank=rank, world_size=WORLD,
@@ -207,6 +226,24 @@ def worker(rank: int, out_dir: str) -> None:
                                         for m in off.modules()
                                         if isinstance(m, FSDPModule) and m._get_fsdp_state()._fsdp_param_groups]
         results["stats"] = compression_stats([loco])
+
+        # QSDP's weights are encoded once per step: the backward re-gathers reuse the forward's codes, bitwise those
+        # a fresh encode of their input gives, and the optimizer's update makes new ones.
+        qsdp = tiny_fsdp(mesh, {"weight_quantization": "qsdp"})
+        calls: list[tuple[bool, bool]] = []  # per all-gather: (codes reused, identical to a fresh encode)
+        param_groups = {id(g): g for m in qsdp.modules() if isinstance(m, FSDPModule)
+                        for g in m._get_fsdp_state()._fsdp_param_groups}.values()
+        for param_group in param_groups:
+            param_group._all_gather_comm = CheckedAllGather(param_group._all_gather_comm, calls)
+        # The trainer's default, whose fused kernel leaves the parameters' version counters as they were.
+        optimizer = torch.optim.AdamW(qsdp.parameters(), lr=0.1, fused=True)
+        phases = []
+        for seed in range(2):
+            calls.clear()
+            backward(qsdp, rank, seed)
+            optimizer.step()
+            phases.append(list(calls))
+        results["qsdp_reuse"] = (len(param_groups), phases)
 
         # The checkpointed residuals: saving rebalances them onto the shards' owners without changing what is owed
         # to each shard, and loading what was saved restores the live state bit for bit.
@@ -264,6 +301,15 @@ def test_compression_off_is_bitwise_fsdp(results):
         assert 0 < relative < 0.02  # 8-bit codes: every parameter's gradient within 2% (scales are per parameter)
         stats = rank_results["stats"]
         assert 0.25 < stats["sent_bytes"] / stats["uncompressed_bytes"] < 0.3  # 8-bit codes + scales of fp32
+
+
+def test_qsdp_encodes_each_weight_shard_once_per_step(results):
+    for rank_results in results:
+        modules, phases = rank_results["qsdp_reuse"]
+        for calls in phases:
+            assert sum(not reused for reused, _ in calls) == modules  # each FSDP module's codes made once a step
+            assert sum(reused for reused, _ in calls) >= 4  # the 4 blocks' backward re-gathers
+            assert all(identical for _, identical in calls)
 
 
 def test_saved_residuals_keep_what_is_owed_and_restore_bitwise(results):
