@@ -19,7 +19,8 @@ from torchtitan.distributed.compression import (CompressionState, apply_compress
 from torchtitan.distributed.compression.hadamard import hadamard_rotate
 from torchtitan.distributed.compression.loco import CompressedReduceScatter
 from torchtitan.distributed.compression.qsdp import QuantizedAllGather
-from torchtitan.distributed.compression.quantize import decode, encode, payload_bytes, relative_error
+from torchtitan.distributed.compression.quantize import (decode, encode, encode_and_restore, payload_bytes,
+                                                         relative_error)
 from torchtitan.distributed.fsdp import apply_fsdp
 from torchtitan.distributed.utils import init_model_weights, materialize_model
 from torchtitan.distributed.parallel_dims import ParallelDims
@@ -43,6 +44,20 @@ def test_round_trip_error_and_payload_size(bits, bound, rotate):
     restored = decode(payload, ROW, bits, rotate=rotate)
     error = ((restored - values).norm() / values.norm()).item()
     assert 0 < error < bound
+
+
+@pytest.mark.parametrize("bits", [4, 8])
+@pytest.mark.parametrize("rotate", [False, True])
+@pytest.mark.parametrize("segments", [None, [300, 128, 77]])
+def test_what_the_sender_restores_and_decoding_in_place_match_decode(bits, rotate, segments):
+    n = sum(segments) if segments else 2 * ROW
+    values = torch.randn(2, n, generator=torch.Generator().manual_seed(3)).bfloat16()
+    payload, restored = encode_and_restore(values, bits, stochastic=True, rotate=rotate, segments=segments)
+    assert torch.equal(payload, encode(values, bits, stochastic=True, rotate=rotate, segments=segments))
+    decoded = decode(payload, n, bits, rotate, segments)
+    assert torch.equal(restored, decoded)
+    out = torch.empty(2, n, dtype=torch.bfloat16)
+    assert decode(payload, n, bits, rotate, segments, out=out) is out and torch.equal(out, decoded.bfloat16())
 
 
 def test_four_bit_codes_pack_two_per_byte_exactly():

@@ -73,7 +73,7 @@ class QuantizedAllGather(AllGather):
             self.encoded = (version, payload) if version is not None else None
         gathered = torch.empty(world, payload.shape[1], dtype=torch.uint8, device=payload.device)
         dist.all_gather_into_tensor(gathered, payload, group=group)
-        output_tensor.view(world, n).copy_(decode(gathered, n, self.bits, self.rotate, self.segments))
+        decode(gathered, n, self.bits, self.rotate, self.segments, out=output_tensor.view(world, n))
         self.sent_bytes += (world - 1) * payload.shape[1]
         self.uncompressed_bytes += (world - 1) * n * input_tensor.element_size()
         return None

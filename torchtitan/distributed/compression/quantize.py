@@ -113,8 +113,9 @@ def _quantize(values: torch.Tensor, bits: int, stochastic: bool, rotate: bool, s
 
 
 def decode(payload: torch.Tensor, n: int, bits: int, rotate: bool = False,
-           segments: list[int] | None = None) -> torch.Tensor:
-    """uint8 payload rows -> float32 rows (rows, n): what `encode` sent, as every receiver reconstructs it."""
+           segments: list[int] | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
+    """uint8 payload rows -> float32 rows (rows, n): what `encode` sent, as every receiver reconstructs it. Given
+    `out` (rows, n) of any float dtype, the float32 values are rounded into it (in the same pass where possible)."""
     rows = payload.shape[0]
     segments = segments or [n]
     padded = padded_length(segments)
@@ -123,15 +124,21 @@ def decode(payload: torch.Tensor, n: int, bits: int, rotate: bool = False,
     if bits == 4:
         low = (code_bytes & 0x0F).to(torch.int16) - 8
         high = (code_bytes >> 4).to(torch.int16) - 8
-        codes = torch.stack((low, high), dim=-1).view(rows, padded)
+        codes = torch.stack((low, high), dim=-1).view(rows, -1, BLOCK)
     else:
-        codes = code_bytes.contiguous().view(torch.int8)
+        codes = code_bytes.view(torch.int8).view(rows, -1, BLOCK)
     scales = scale_bytes.contiguous().view(torch.bfloat16).float().view(rows, -1, 1)
-    blocks = codes.float().view(rows, -1, BLOCK) * scales
+    # Integer codes times float32 scales multiply in float32 (exact conversion), whatever `out`'s dtype.
+    if out is not None and padded == n and not rotate:
+        torch.mul(codes, scales, out=out.view(rows, -1, BLOCK))
+        return out
+    blocks = codes * scales
     if rotate:
         blocks = hadamard_rotate(blocks)
     restored = blocks.view(rows, padded)
-    return restored if padded == n else restored[:, _positions(tuple(segments), payload.device)]
+    if padded != n:
+        restored = restored[:, _positions(tuple(segments), payload.device)]
+    return restored if out is None else out.copy_(restored)
 
 
 def relative_error(values: torch.Tensor, bits: int, stochastic: bool = False, rotate: bool = False) -> float:
