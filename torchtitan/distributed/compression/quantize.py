@@ -66,8 +66,9 @@ def encode_and_restore(values: torch.Tensor, bits: int, stochastic: bool = False
 
 def _quantize(values: torch.Tensor, bits: int, stochastic: bool, rotate: bool, segments: list[int] | None,
               restore: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
-    # Every float operation below is the one `decode` inverts, in the same order: the codes do not depend on the
-    # input's dtype (bfloat16 blocks are divided in float32, the dtype the division promotes to).
+    # The codes are those of the float32 values whatever the input's dtype: a block's largest magnitude is exact in
+    # any float dtype, and dividing bfloat16 blocks by the float32 scales computes in float32. Rounding works in
+    # place on the quotient, which is a new tensor.
     rows, n = values.shape
     segments = segments or [n]
     padded = padded_length(segments)
@@ -80,7 +81,6 @@ def _quantize(values: torch.Tensor, bits: int, stochastic: bool, rotate: bool, s
     if rotate:
         blocks = hadamard_rotate(blocks.float())
     qmax = 2 ** (bits - 1) - 1
-    # The largest magnitude is exact in any float dtype; the division by qmax happens in float32.
     scales = (blocks.abs().amax(dim=-1).float() / qmax).to(torch.bfloat16)
     safe = torch.where(scales == 0, torch.ones_like(scales), scales).float().unsqueeze(-1)
     codes = blocks / safe  # float32: the codes, rounded in place below
