@@ -19,8 +19,8 @@ from torchtitan.distributed.compression import (CompressionState, apply_compress
 from torchtitan.distributed.compression.hadamard import hadamard_rotate
 from torchtitan.distributed.compression.loco import CompressedReduceScatter
 from torchtitan.distributed.compression.qsdp import QuantizedAllGather
-from torchtitan.distributed.compression.quantize import (decode, encode, encode_and_restore, payload_bytes,
-                                                         relative_error)
+from torchtitan.distributed.compression.quantize import (_add_content_seeded_uniform, decode, encode,
+                                                         encode_and_restore, payload_bytes, relative_error)
 from torchtitan.distributed.fsdp import apply_fsdp
 from torchtitan.distributed.utils import init_model_weights, materialize_model
 from torchtitan.distributed.parallel_dims import ParallelDims
@@ -77,6 +77,15 @@ def test_stochastic_rounding_is_unbiased_and_reproducible():
     assert abs(once.mean() - values.mean()) < 2e-3
     nearest = decode(encode(values, 4), values.shape[1], 4)
     assert abs(nearest.mean() - values.mean()) > 1e-2  # rounding to nearest is biased here
+
+
+def test_stochastic_rounding_draws_antithetic_pairs_on_the_float32_grid():
+    dither = torch.zeros(1, 1001)
+    _add_content_seeded_uniform(dither)
+    first, second = dither[0, :501], dither[0, 501:]
+    assert 0 <= dither.min() and dither.max() < 1 and len(first.unique()) > 490
+    assert torch.equal(first[:500] + second, torch.full((500,), 1 - 2.0 ** -24))  # exact: both on the 2^-24 grid
+    assert torch.equal(first * 2 ** 24, (first * 2 ** 24).round())
 
 
 def test_hadamard_is_an_involution_and_spreads_an_outlier():
