@@ -10,6 +10,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import FSDPModule
+from torch.distributed.fsdp._fully_shard._fsdp_api import AllGather
 
 from tests.unit.forked_ranks import run_ranks
 from torchtitan.config.job_config import JobConfig
@@ -18,7 +19,8 @@ from torchtitan.distributed.compression import (CompressionState, apply_compress
 from torchtitan.distributed.compression.hadamard import hadamard_rotate
 from torchtitan.distributed.compression.loco import CompressedReduceScatter
 from torchtitan.distributed.compression.qsdp import QuantizedAllGather
-from torchtitan.distributed.compression.quantize import decode, encode, payload_bytes, relative_error
+from torchtitan.distributed.compression.quantize import (_add_content_seeded_uniform, decode, encode,
+                                                         encode_and_restore, payload_bytes, relative_error)
 from torchtitan.distributed.fsdp import apply_fsdp
 from torchtitan.distributed.utils import init_model_weights, materialize_model
 from torchtitan.distributed.parallel_dims import ParallelDims
@@ -44,6 +46,20 @@ def test_round_trip_error_and_payload_size(bits, bound, rotate):
     assert 0 < error < bound
 
 
+@pytest.mark.parametrize("bits", [4, 8])
+@pytest.mark.parametrize("rotate", [False, True])
+@pytest.mark.parametrize("segments", [None, [300, 128, 77]])
+def test_what_the_sender_restores_and_decoding_in_place_match_decode(bits, rotate, segments):
+    n = sum(segments) if segments else 2 * ROW
+    values = torch.randn(2, n, generator=torch.Generator().manual_seed(3)).bfloat16()
+    payload, restored = encode_and_restore(values, bits, stochastic=True, rotate=rotate, segments=segments)
+    assert torch.equal(payload, encode(values, bits, stochastic=True, rotate=rotate, segments=segments))
+    decoded = decode(payload, n, bits, rotate, segments)
+    assert torch.equal(restored, decoded)
+    out = torch.empty(2, n, dtype=torch.bfloat16)
+    assert decode(payload, n, bits, rotate, segments, out=out) is out and torch.equal(out, decoded.bfloat16())
+
+
 def test_four_bit_codes_pack_two_per_byte_exactly():
     # Values on the grid (scale 1: the block maximum is 7) come back unchanged, both nibbles of every byte.
     codes = torch.arange(-7, 8).repeat(9)[:128].float().view(1, 128)
@@ -61,6 +77,15 @@ def test_stochastic_rounding_is_unbiased_and_reproducible():
     assert abs(once.mean() - values.mean()) < 2e-3
     nearest = decode(encode(values, 4), values.shape[1], 4)
     assert abs(nearest.mean() - values.mean()) > 1e-2  # rounding to nearest is biased here
+
+
+def test_stochastic_rounding_draws_antithetic_pairs_on_the_float32_grid():
+    dither = torch.zeros(1, 1001)
+    _add_content_seeded_uniform(dither)
+    first, second = dither[0, :501], dither[0, 501:]
+    assert 0 <= dither.min() and dither.max() < 1 and len(first.unique()) > 490
+    assert torch.equal(first[:500] + second, torch.full((500,), 1 - 2.0 ** -24))  # exact: both on the 2^-24 grid
+    assert torch.equal(first * 2 ** 24, (first * 2 ** 24).round())
 
 
 def test_hadamard_is_an_involution_and_spreads_an_outlier():
@@ -159,6 +184,24 @@ def local_grads(model: Transformer) -> dict[str, torch.Tensor]:
     return {name: p.grad.to_local().clone() for name, p in model.named_parameters()}
 
 
+class CheckedAllGather(AllGather):
+    """Runs QSDP's all-gather and records whether it reused its codes and whether they equal a fresh encode."""
+
+    def __init__(self, inner: QuantizedAllGather, calls: list):
+        self.inner, self.calls = inner, calls
+
+    def allocate(self, size, *, dtype, device):
+        return self.inner.allocate(size, dtype=dtype, device=device)
+
+    def __call__(self, output_tensor, input_tensor, group, async_op=False):
+        # The input lies inside the output, which the all-gather overwrites: encode it first.
+        fresh = encode(input_tensor.view(1, -1), self.inner.bits, stochastic=True, rotate=self.inner.rotate,
+                       segments=self.inner.segments)
+        before = self.inner.encoded
+        self.inner(output_tensor, input_tensor, group, async_op)
+        self.calls.append((self.inner.encoded is before, torch.equal(fresh, self.inner.encoded[1])))
+
+
 def worker(rank: int, out_dir: str) -> None:
     torch.set_num_threads(1)
     dist.init_process_group("gloo", store=dist.FileStore(f"{out_dir}/store", WORLD), rank=rank, world_size=WORLD,
@@ -207,6 +250,24 @@ def worker(rank: int, out_dir: str) -> None:
                                         for m in off.modules()
                                         if isinstance(m, FSDPModule) and m._get_fsdp_state()._fsdp_param_groups]
         results["stats"] = compression_stats([loco])
+
+        # QSDP's weights are encoded once per step: the backward re-gathers reuse the forward's codes, bitwise those
+        # a fresh encode of their input gives, and the optimizer's update makes new ones.
+        qsdp = tiny_fsdp(mesh, {"weight_quantization": "qsdp"})
+        calls: list[tuple[bool, bool]] = []  # per all-gather: (codes reused, identical to a fresh encode)
+        param_groups = {id(g): g for m in qsdp.modules() if isinstance(m, FSDPModule)
+                        for g in m._get_fsdp_state()._fsdp_param_groups}.values()
+        for param_group in param_groups:
+            param_group._all_gather_comm = CheckedAllGather(param_group._all_gather_comm, calls)
+        # The trainer's default, whose fused kernel leaves the parameters' version counters as they were.
+        optimizer = torch.optim.AdamW(qsdp.parameters(), lr=0.1, fused=True)
+        phases = []
+        for seed in range(2):
+            calls.clear()
+            backward(qsdp, rank, seed)
+            optimizer.step()
+            phases.append(list(calls))
+        results["qsdp_reuse"] = (len(param_groups), phases)
 
         # The checkpointed residuals: saving rebalances them onto the shards' owners without changing what is owed
         # to each shard, and loading what was saved restores the live state bit for bit.
@@ -264,6 +325,15 @@ def test_compression_off_is_bitwise_fsdp(results):
         assert 0 < relative < 0.02  # 8-bit codes: every parameter's gradient within 2% (scales are per parameter)
         stats = rank_results["stats"]
         assert 0.25 < stats["sent_bytes"] / stats["uncompressed_bytes"] < 0.3  # 8-bit codes + scales of fp32
+
+
+def test_qsdp_encodes_each_weight_shard_once_per_step(results):
+    for rank_results in results:
+        modules, phases = rank_results["qsdp_reuse"]
+        for calls in phases:
+            assert sum(not reused for reused, _ in calls) == modules  # each FSDP module's codes made once a step
+            assert sum(reused for reused, _ in calls) >= 4  # the 4 blocks' backward re-gathers
+            assert all(identical for _, identical in calls)
 
 
 def test_saved_residuals_keep_what_is_owed_and_restore_bitwise(results):

@@ -86,7 +86,8 @@ def apply_compression(model: nn.Module, config: JobConfig) -> None:
             module.set_custom_reduce_scatter(CompressedReduceScatter(
                 comm.gradient_bits, error_feedback=loco, stochastic=not loco, rotate=rotate, segments=segments))
         if comm.weight_quantization == "qsdp":
-            module.set_custom_all_gather(QuantizedAllGather(comm.weight_bits, rotate=rotate, segments=segments))
+            module.set_custom_all_gather(QuantizedAllGather(comm.weight_bits, rotate=rotate, segments=segments,
+                                                            fsdp_params=group.fsdp_params))
 
 
 def _param_groups(model_parts: list[nn.Module]):

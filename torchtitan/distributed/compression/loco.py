@@ -15,7 +15,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.fsdp._fully_shard._fsdp_api import ReduceScatter
 
-from torchtitan.distributed.compression.quantize import decode, encode
+from torchtitan.distributed.compression.quantize import decode, encode, encode_and_restore
 
 
 class CompressedReduceScatter(ReduceScatter):
@@ -51,9 +51,11 @@ class CompressedReduceScatter(ReduceScatter):
             if self.residual is None:
                 self.residual = torch.zeros_like(rows)
             rows = rows + self.residual
-        payload = encode(rows, self.bits, self.stochastic, self.rotate, self.segments)
         if self.error_feedback:
-            self.residual = rows - decode(payload, n, self.bits, self.rotate, self.segments)
+            payload, sent = encode_and_restore(rows, self.bits, self.stochastic, self.rotate, self.segments)
+            self.residual = rows - sent
+        else:
+            payload = encode(rows, self.bits, self.stochastic, self.rotate, self.segments)
         received = torch.empty_like(payload)
         dist.all_to_all_single(received, payload, group=group)
         output_tensor.copy_(decode(received, n, self.bits, self.rotate, self.segments).sum(dim=0))

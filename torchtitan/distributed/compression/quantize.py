@@ -42,49 +42,93 @@ def _positions(segments: tuple[int, ...], device: torch.device) -> torch.Tensor:
     return torch.cat(starts)
 
 
-def _content_seeded_uniform(x: torch.Tensor) -> torch.Tensor:
-    """A uniform draw in [0, 1) per value, from a generator seeded by (a sample of) the values themselves."""
-    bits = x.contiguous().view(torch.int32).view(-1)
+def _add_content_seeded_uniform(x: torch.Tensor) -> None:
+    """Add a uniform draw in [0, 1) to every value of the contiguous float32 `x`, in place, from a generator seeded
+    by (a sample of) the values themselves.
+
+    Antithetic pairs halve the generator's work (torch's CPU generator makes one value at a time and was a tenth of
+    a QSDP step): the first half of the values gets draws u, the second half (1 - 2^-24) - u, which lies on the same
+    grid of multiples of 2^-24 in [0, 1) (exactly: every term is such a multiple) and is as uniform. Every value's
+    rounding stays unbiased with the same variance; a value and its partner, half the buffer away, round in
+    opposite directions more often than independent ones would, which can only lower the error of a sum.
+    """
+    flat = x.view(-1)
+    bits = flat.view(torch.int32)
     seed = int(bits[::4099].to(torch.int64).sum()) * 0x9E3779B1 + bits.numel()
     generator = torch.Generator(device=x.device).manual_seed(seed & 0x7FFFFFFFFFFFFFFF)
-    return torch.rand(x.shape, generator=generator, device=x.device)
+    half = (flat.numel() + 1) // 2
+    draws = torch.rand(half, generator=generator, device=x.device)
+    flat[half:].add_(torch.rsub(draws[:flat.numel() - half], 1.0 - 2.0 ** -24))
+    flat[:half].add_(draws)
 
 
 def encode(values: torch.Tensor, bits: int, stochastic: bool = False, rotate: bool = False,
            segments: list[int] | None = None) -> torch.Tensor:
     """Rows of `values` (rows, n), each the concatenation of `segments` (default: one), -> uint8 payload rows
     (rows, payload_bytes(segments, bits))."""
+    return _quantize(values, bits, stochastic, rotate, segments, restore=False)[0]
+
+
+def encode_and_restore(values: torch.Tensor, bits: int, stochastic: bool = False, rotate: bool = False,
+                       segments: list[int] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """`encode`, and the float32 rows (rows, n) that `decode` makes of its payload, computed from the codes before
+    they are packed (the sender's view of what it sent, for error feedback: no unpacking)."""
+    return _quantize(values, bits, stochastic, rotate, segments, restore=True)
+
+
+def _quantize(values: torch.Tensor, bits: int, stochastic: bool, rotate: bool, segments: list[int] | None,
+              restore: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
+    # The codes are those of the float32 values whatever the input's dtype: a block's largest magnitude is exact in
+    # any float dtype, and dividing bfloat16 blocks by the float32 scales computes in float32. Rounding works in
+    # place on the quotient, which is a new tensor.
     rows, n = values.shape
     segments = segments or [n]
     padded = padded_length(segments)
     if padded == n:
-        x = values.float().contiguous()
+        x = values if values.is_contiguous() else values.contiguous()
     else:
-        x = torch.zeros(rows, padded, dtype=torch.float32, device=values.device)
-        x[:, _positions(tuple(segments), values.device)] = values.float()
+        x = torch.zeros(rows, padded, dtype=values.dtype, device=values.device)
+        x[:, _positions(tuple(segments), values.device)] = values
     blocks = x.view(rows, -1, BLOCK)
     if rotate:
-        blocks = hadamard_rotate(blocks)
+        blocks = hadamard_rotate(blocks.float())
     qmax = 2 ** (bits - 1) - 1
-    scales = (blocks.abs().amax(dim=-1) / qmax).to(torch.bfloat16)
+    scales = (blocks.abs().amax(dim=-1).float() / qmax).to(torch.bfloat16)
     safe = torch.where(scales == 0, torch.ones_like(scales), scales).float().unsqueeze(-1)
-    scaled = blocks / safe
+    codes = blocks / safe  # float32: the codes, rounded in place below
     if stochastic:
-        codes = torch.floor(scaled + _content_seeded_uniform(scaled))
+        _add_content_seeded_uniform(codes)
+        codes.floor_()
     else:
-        codes = torch.round(scaled)
-    codes = codes.clamp_(-qmax, qmax).to(torch.int16).view(rows, padded)
+        codes.round_()
+    codes.clamp_(-qmax, qmax)
+    restored = None
+    if restore:
+        # + 0.0 turns a code of -0.0 (rounded from a small negative value) into the +0.0 an unpacked code gives.
+        dequantized = (codes * scales.float().unsqueeze(-1)).add_(0.0)
+        if rotate:
+            dequantized = hadamard_rotate(dequantized)
+        restored = dequantized.view(rows, padded)
+        if padded != n:
+            restored = restored[:, _positions(tuple(segments), values.device)]
+    code_len = padded * bits // 8
+    payload = torch.empty(rows, code_len + 2 * (padded // BLOCK), dtype=torch.uint8, device=values.device)
+    codes = codes.view(rows, padded)
     if bits == 4:
-        nibbles = (codes + 8).to(torch.uint8).view(rows, padded // 2, 2)
-        code_bytes = nibbles[..., 0] | (nibbles[..., 1] << 4)
+        # Two codes per byte, offset by 8 to be non-negative: low nibble first. Integers below 256 are exact in
+        # float32, so the byte is assembled there and converted once.
+        pairs = codes.add_(8).view(rows, padded // 2, 2)
+        payload[:, :code_len].copy_(torch.add(pairs[..., 0], pairs[..., 1], alpha=16))
     else:
-        code_bytes = codes.to(torch.int8).view(torch.uint8)
-    return torch.cat((code_bytes, scales.view(torch.uint8).view(rows, -1)), dim=1)
+        payload[:, :code_len].view(torch.int8).copy_(codes)
+    payload[:, code_len:].copy_(scales.view(torch.uint8).view(rows, -1))
+    return payload, restored
 
 
 def decode(payload: torch.Tensor, n: int, bits: int, rotate: bool = False,
-           segments: list[int] | None = None) -> torch.Tensor:
-    """uint8 payload rows -> float32 rows (rows, n): what `encode` sent, as every receiver reconstructs it."""
+           segments: list[int] | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
+    """uint8 payload rows -> float32 rows (rows, n): what `encode` sent, as every receiver reconstructs it. Given
+    `out` (rows, n) of any float dtype, the float32 values are rounded into it (in the same pass where possible)."""
     rows = payload.shape[0]
     segments = segments or [n]
     padded = padded_length(segments)
@@ -93,15 +137,21 @@ def decode(payload: torch.Tensor, n: int, bits: int, rotate: bool = False,
     if bits == 4:
         low = (code_bytes & 0x0F).to(torch.int16) - 8
         high = (code_bytes >> 4).to(torch.int16) - 8
-        codes = torch.stack((low, high), dim=-1).view(rows, padded)
+        codes = torch.stack((low, high), dim=-1).view(rows, -1, BLOCK)
     else:
-        codes = code_bytes.contiguous().view(torch.int8)
+        codes = code_bytes.view(torch.int8).view(rows, -1, BLOCK)
     scales = scale_bytes.contiguous().view(torch.bfloat16).float().view(rows, -1, 1)
-    blocks = codes.float().view(rows, -1, BLOCK) * scales
+    # Integer codes times float32 scales multiply in float32 (exact conversion), whatever `out`'s dtype.
+    if out is not None and padded == n and not rotate:
+        torch.mul(codes, scales, out=out.view(rows, -1, BLOCK))
+        return out
+    blocks = codes * scales
     if rotate:
         blocks = hadamard_rotate(blocks)
     restored = blocks.view(rows, padded)
-    return restored if padded == n else restored[:, _positions(tuple(segments), payload.device)]
+    if padded != n:
+        restored = restored[:, _positions(tuple(segments), payload.device)]
+    return restored if out is None else out.copy_(restored)
 
 
 def relative_error(values: torch.Tensor, bits: int, stochastic: bool = False, rotate: bool = False) -> float:
