@@ -20,9 +20,10 @@ Per GPU and step (all stages of one pipeline rank together; the slowest pipeline
   slowest link.
   - FSDP's all-gathers and reduce-scatters are prefetched and overlap the blocks' compute, except the first
     block's all-gather and the last reduce-scatter: exposed are that edge and what exceeds the compute. HSDP's
-    replica all-reduce of the gradient shards too. With gradient accumulation, all of it in every micro-step. Under PP the parameters stay gathered from the first
-    micro-batch, whose forward hides the all-gathers, and every gradient is reduced after the last micro-batch's
-    backward (torch.distributed.pipelining's perform_reduce_grad): exposed, after the pipeline has drained.
+    replica all-reduce of the gradient shards too. With gradient accumulation, all of it in every micro-step.
+    Under PP the parameters stay gathered from the first micro-batch, whose forward hides the all-gathers, and
+    every gradient is reduced after the last micro-batch's backward (torch.distributed.pipelining's
+    perform_reduce_grad): exposed, after the pipeline has drained.
   - Sequence-parallel TP's all-gathers and reduce-scatters sit between the matmuls that need them: exposed, unless
     async TP decomposes them into chunks that overlap the matmuls (then exposed only beyond the matmul time).
   - Context parallelism all-gathers the keys and values once per attention call (torch's "allgather" rotation)
