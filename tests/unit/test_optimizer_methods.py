@@ -51,6 +51,19 @@ def test_bf16_state_follows_adamw():
     assert bf16.state_bytes() - step_counters == (adamw.state_bytes() - step_counters) / 2
 
 
+def assert_same_after_three_steps(straight, straight_optimizers, resumed, resumed_optimizers):
+    """Both runs take the same three batches; their weights must stay bitwise equal."""
+    for steps in range(3):
+        torch.manual_seed(10 + steps)
+        batch = torch.randn(8, 256)
+        for model, optimizers in ((straight, straight_optimizers), (resumed, resumed_optimizers)):
+            optimizers.zero_grad()
+            model(batch).square().mean().backward()
+            optimizers.step()
+    for a, b in zip(straight.parameters(), resumed.parameters()):
+        assert torch.equal(a, b)
+
+
 def test_bf16_state_resumes_in_bf16_and_exactly():
     """torch's Optimizer.load_state_dict casts state tensors to the parameter's dtype: loaded moments must go back
     to bf16, or the resumed run keeps fp32 moments (twice the memory) and steps differently."""
@@ -62,15 +75,7 @@ def test_bf16_state_resumes_in_bf16_and_exactly():
     second.optimizers[0].load_state_dict(first.optimizers[0].state_dict())
     state = second.optimizers[0].state[resumed[0].weight]
     assert state["exp_avg"].dtype == state["exp_avg_sq"].dtype == torch.bfloat16
-    for steps in range(3):
-        torch.manual_seed(10 + steps)
-        batch = torch.randn(8, 256)
-        for model, optimizers in ((straight, straight_optimizer), (resumed, second)):
-            optimizers.zero_grad()
-            model(batch).square().mean().backward()
-            optimizers.step()
-    for a, b in zip(straight.parameters(), resumed.parameters()):
-        assert torch.equal(a, b)
+    assert_same_after_three_steps(straight, straight_optimizer, resumed, second)
 
 
 @pytest.mark.parametrize("name, most", [("AdamW-8bit", 0.30), ("AdamW-4bit", 0.16)])
@@ -114,15 +119,7 @@ def test_torchao_state_is_saved_dequantized_and_resumes_bitwise(name):
             before, after = first.optimizers[0].state[param][key], second.optimizers[0].state[param][key]
             assert type(after) is type(before)
             assert torch.equal(after.dequantize(), before.dequantize())
-    for steps in range(3):
-        torch.manual_seed(10 + steps)
-        batch = torch.randn(8, 256)
-        for model, optimizers in ((straight, straight_optimizers), (resumed, second)):
-            optimizers.zero_grad()
-            model(batch).square().mean().backward()
-            optimizers.step()
-    for a, b in zip(straight.parameters(), resumed.parameters()):
-        assert torch.equal(a, b)
+    assert_same_after_three_steps(straight, straight_optimizers, resumed, second)
 
 
 def test_ranger21_state_and_lookahead():
