@@ -8,7 +8,7 @@ import torch
 import torch.distributed as dist
 
 from tests.unit.forked_ranks import run_ranks
-from torchtitan.components.optimizers.flexdemo import FlexDeMo, dct_matrix, payload_bytes
+from torchtitan.components.optimizers.flexdemo import FlexDeMo, dct_matrix, payload_bytes, top_k_indices
 
 REPLICAS = 2
 CHUNK, TOPK = 64, 8
@@ -24,6 +24,22 @@ def test_payload_is_under_a_tenth_of_an_fp32_ring_all_reduce():
     all_reduce = 2 * (REPLICAS - 1) / REPLICAS * 4 * numel  # bytes a rank sends in a ring all-reduce of fp32
     assert payload_bytes(numel, CHUNK, TOPK) / all_reduce == pytest.approx(3 * TOPK / (4 * CHUNK))
     assert payload_bytes(numel, CHUNK, TOPK) / all_reduce < 0.1
+
+
+def test_top_k_indices_are_the_largest_magnitudes_and_always_k_distinct_positions():
+    # Well separated magnitudes, random signs and order: exactly torch.topk's choice.
+    generator = torch.Generator().manual_seed(0)
+    rows = torch.stack([torch.randperm(CHUNK, generator=generator) for _ in range(300)]).float() + 1
+    rows *= torch.randint(0, 2, rows.shape, generator=generator) * 2 - 1
+    expected = rows.abs().topk(TOPK, dim=1).indices.sort(dim=1).values
+    assert torch.equal(top_k_indices(rows, TOPK).long().sort(dim=1).values, expected)
+    # Ties (an all-zero chunk, equal values) are broken by position: k distinct positions, the lowest; tiny values
+    # still beat zeros.
+    ties = torch.zeros(3, CHUNK)
+    ties[1, 40:] = -2.0
+    ties[2, ::2] = 1e-30
+    chosen = top_k_indices(ties, TOPK).long().sort(dim=1).values
+    assert chosen.tolist() == [list(range(TOPK)), list(range(40, 40 + TOPK)), list(range(0, 2 * TOPK, 2))]
 
 
 def worker(rank: int, out_dir: str) -> None:

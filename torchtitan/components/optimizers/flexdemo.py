@@ -8,6 +8,10 @@ momentum stays local.
 Under HSDP, FSDP shards and reduce-scatters within a replica (a host) as usual; this optimizer then owns the
 exchange across replicas, on each rank's shard. The wire format of one step, per chunk: `topk` coefficient indices
 (uint8) and values (bfloat16), in one all-gather.
+
+The parameters are processed in buckets of whole tensors (each padded to whole chunks, laid end to end), so a step
+runs a handful of large kernels instead of a dozen small ones per tensor, while its temporaries stay bounded by the
+bucket's size rather than the model's.
 """
 
 import math
@@ -18,6 +22,10 @@ from torch.distributed.tensor import DTensor
 
 from torchtitan.components.optimizers import BuildContext, register_optimizer
 from torchtitan.config.job_config import Optimizer as OptimizerConfig
+
+# Values per bucket (beyond one tensor's own size): each fp32 temporary is at most 4 MiB, small enough for the
+# allocator to reuse rather than map fresh (and zero) pages every step.
+BUCKET_VALUES = 1 << 20
 
 
 def dct_matrix(size: int, device: torch.device) -> torch.Tensor:
@@ -33,11 +41,43 @@ def payload_bytes(numel: int, chunk_size: int, topk: int) -> int:
     return -(-numel // chunk_size) * topk * 3
 
 
+# The bit pattern of float32's smallest normal number: smaller magnitudes count as equal to it (denormals would
+# compare as zero where the CPU flushes them).
+_SMALLEST_NORMAL_BITS = 0x00800000
+
+
+def _running_maxima(keys: torch.Tensor, k: int) -> torch.Tensor:
+    """Each row's k largest keys, in descending order: k running maxima, each below the last. A compiler fuses them
+    into one pass per row, where a CPU `topk` sorts (value, index) pairs row by row and costs several times more."""
+    found = [keys.amax(dim=1, keepdim=True)]
+    for _ in range(k - 1):
+        found.append(torch.where(keys < found[-1], keys, -1.0).amax(dim=1, keepdim=True))
+    return torch.cat(found, dim=1)
+
+
+# TORCHDYNAMO_DISABLE=1 (or a platform without a compiler) runs it eagerly: the same result, slower.
+_compiled_running_maxima = torch.compile(_running_maxima, dynamic=True)
+
+
+def top_k_indices(coefficients: torch.Tensor, k: int) -> torch.Tensor:
+    """The positions of each row's k largest magnitudes. Non-negative floats order as their bit patterns, so each
+    magnitude's lowest bits are replaced by its position: every key of a row is distinct, still a float in the same
+    order (magnitudes within 2^-15 of each other, far below the bfloat16 they are sent in, are ordered by position),
+    and the k largest keys carry their own positions."""
+    width = coefficients.shape[1]
+    low_bits = (1 << (width - 1).bit_length()) - 1
+    positions = torch.arange(width, dtype=torch.int32, device=coefficients.device)
+    keys = coefficients.abs().view(torch.int32).clamp_min_(_SMALLEST_NORMAL_BITS)
+    keys.bitwise_and_(~low_bits).bitwise_or_(low_bits - positions)
+    top = _compiled_running_maxima(keys.view(torch.float32), k)
+    return low_bits - (top.view(torch.int32) & low_bits)
+
+
 class FlexDeMo(torch.optim.Optimizer):
     def __init__(self, params, lr: float, weight_decay: float, chunk_size: int, topk: int, momentum_decay: float,
                  replicate_group: dist.ProcessGroup):
         super().__init__(params, {"lr": lr, "weight_decay": weight_decay})
-        self.chunk_size, self.topk, self.momentum_decay = chunk_size, topk, momentum_decay
+        self.chunk_size, self.topk, self.momentum_decay = chunk_size, min(topk, chunk_size), momentum_decay
         self.replicate_group = replicate_group
         self._dct: torch.Tensor | None = None
         self.sent_bytes = 0
@@ -46,59 +86,86 @@ class FlexDeMo(torch.optim.Optimizer):
     def _local(t: torch.Tensor) -> torch.Tensor:
         return t.to_local() if isinstance(t, DTensor) else t
 
-    def _chunks(self, flat: torch.Tensor) -> torch.Tensor:
-        padded = torch.zeros(-(-flat.numel() // self.chunk_size) * self.chunk_size, device=flat.device)
-        padded[:flat.numel()] = flat
-        return padded.view(-1, self.chunk_size)
-
-    @torch.no_grad()
-    def step(self, closure=None):
-        # Every parameter's components travel in one all-gather: one collective per step, not one per tensor.
-        work = [(param, group) for group in self.param_groups for param in group["params"] if param.grad is not None]
-        extracted = [self._extract(param) for param, _ in work]
-        payload = torch.cat([torch.cat((indices.to(torch.uint8), values.view(torch.uint8)), dim=1).view(-1)
-                             for _, indices, values in extracted]) if extracted else torch.zeros(0, dtype=torch.uint8)
-        replicas = dist.get_world_size(self.replicate_group)
-        gathered = torch.empty(replicas * payload.numel(), dtype=torch.uint8, device=payload.device)
-        dist.all_gather_into_tensor(gathered, payload, group=self.replicate_group)
-        gathered = gathered.view(replicas, -1)
-        self.sent_bytes += (replicas - 1) * payload.numel()
-        offset = 0
-        for (param, group), (coefficients, indices, _) in zip(work, extracted):
-            chunks, k = indices.shape
-            part = gathered[:, offset:offset + chunks * 3 * k].reshape(replicas, chunks, 3 * k)
-            offset += chunks * 3 * k
-            mean = torch.zeros_like(coefficients)
-            for replica in range(replicas):  # in replica order: every replica sums identically
-                mean.scatter_add_(1, part[replica, :, :k].long(),
-                                  part[replica, :, k:].contiguous().view(torch.bfloat16).float())
-            weight = self._local(param)
-            update = (mean / replicas @ self._dct).view(-1)[:weight.numel()].view_as(weight)
-            if group["weight_decay"]:
-                weight.mul_(1 - group["lr"] * group["weight_decay"])
-            weight.add_(update.sign().to(weight.dtype), alpha=-group["lr"])
-        return None
-
-    def _extract(self, param: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """Accumulate the gradient into the local momentum and take out its top DCT components: returns the chunks'
-        coefficients (for their shape), and the indices and bfloat16 values sent."""
-        grad = self._local(param.grad)
+    def _momentum(self, param: torch.Tensor) -> torch.Tensor:
         state = self.state[param]
         if "momentum" not in state:
             state["momentum"] = torch.zeros_like(param, dtype=torch.float32)
-        momentum = self._local(state["momentum"])
-        if self._dct is None:
-            self._dct = dct_matrix(self.chunk_size, grad.device)
-        momentum.mul_(self.momentum_decay).add_(grad.float())
-        # An uneven shard can be empty: it sends nothing, but this rank still joins the all-gather.
-        coefficients = self._chunks(momentum.view(-1)) @ self._dct.T
-        indices = coefficients.abs().topk(min(self.topk, self.chunk_size), dim=1).indices
+        return self._local(state["momentum"])
+
+    def _buckets(self, work: list[tuple[torch.Tensor, dict]]) -> list[list[tuple[torch.Tensor, dict]]]:
+        buckets, size = [[]], 0
+        for param, group in work:
+            numel = self._local(param).numel()
+            if buckets[-1] and size + numel > BUCKET_VALUES:
+                buckets.append([])
+                size = 0
+            buckets[-1].append((param, group))
+            size += numel
+        return buckets
+
+    def _rows(self, tensors: list[torch.Tensor]) -> list[int]:
+        return [-(-t.numel() // self.chunk_size) for t in tensors]
+
+    def _chunk_matrix(self, tensors: list[torch.Tensor]) -> torch.Tensor:
+        """A zero (chunks x chunk_size) matrix with room for the tensors, each padded to whole chunks."""
+        return torch.zeros(sum(self._rows(tensors)), self.chunk_size, device=self._dct.device)
+
+    def _unchunk(self, chunks: torch.Tensor, like: list[torch.Tensor]) -> list[torch.Tensor]:
+        return [part.view(-1)[:t.numel()].view_as(t) for t, part in zip(like, chunks.split(self._rows(like)))]
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        work = [(param, group) for group in self.param_groups for param in group["params"] if param.grad is not None]
+        if self._dct is None and work:
+            self._dct = dct_matrix(self.chunk_size, self._local(work[0][0]).device)
+        buckets = self._buckets(work)
+        # Every bucket's components travel in one all-gather: one collective per step.
+        payload = (torch.cat([self._extract(bucket) for bucket in buckets]) if work
+                   else torch.zeros(0, dtype=torch.uint8))
+        replicas = dist.get_world_size(self.replicate_group)
+        gathered = torch.empty(replicas * payload.numel(), dtype=torch.uint8, device=payload.device)
+        dist.all_gather_into_tensor(gathered, payload, group=self.replicate_group)
+        self.sent_bytes += (replicas - 1) * payload.numel()
+        offset = 0
+        for bucket in buckets:
+            weights = [self._local(param) for param, _ in bucket]
+            rows = sum(self._rows(weights))
+            part = gathered.view(replicas, -1)[:, offset:offset + rows * 3 * self.topk]
+            offset += rows * 3 * self.topk
+            for (param, group), update in zip(bucket, self._unchunk(self._decode(part, rows), weights)):
+                weight = self._local(param)
+                if group["weight_decay"]:
+                    weight.mul_(1 - group["lr"] * group["weight_decay"])
+                weight.add_(update.to(weight.dtype), alpha=-group["lr"])
+        return None
+
+    def _extract(self, bucket: list[tuple[torch.Tensor, dict]]) -> torch.Tensor:
+        """Accumulate the gradients into the local momenta and take out their top DCT components: returns the bytes
+        sent, per chunk the `topk` indices (uint8) then their values (bfloat16)."""
+        momenta = [self._momentum(param) for param, _ in bucket]
+        accumulated = self._chunk_matrix(momenta)
+        accumulated_views = self._unchunk(accumulated, momenta)
+        for momentum, accumulated_view, (param, _) in zip(momenta, accumulated_views, bucket):
+            torch.add(self._local(param.grad), momentum, alpha=self.momentum_decay, out=accumulated_view)
+        coefficients = accumulated @ self._dct.T
+        indices = top_k_indices(coefficients, self.topk)
         values = coefficients.gather(1, indices).to(torch.bfloat16)
         # What is sent leaves the local momentum (as the receivers decode it: in bfloat16).
         sent = torch.zeros_like(coefficients).scatter_(1, indices, values.float())
-        if momentum.numel():
-            momentum.view(-1).sub_((sent @ self._dct).view(-1)[:momentum.numel()])
-        return coefficients, indices, values
+        removed_views = self._unchunk(sent @ self._dct, momenta)
+        for momentum, accumulated_view, removed_view in zip(momenta, accumulated_views, removed_views):
+            torch.sub(accumulated_view, removed_view, out=momentum)
+        return torch.cat((indices.to(torch.uint8), values.view(torch.uint8)), dim=1).view(-1)
+
+    def _decode(self, part: torch.Tensor, rows: int) -> torch.Tensor:
+        """The sign of the replicas' mean components, back in the chunks' value space."""
+        replicas, k = part.shape[0], self.topk
+        part = part.reshape(replicas, rows, 3 * k)
+        total = torch.zeros(rows, self.chunk_size, device=self._dct.device)
+        for replica in range(replicas):  # in replica order: every replica sums identically
+            values = part[replica, :, k:].contiguous().view(torch.bfloat16).float()
+            total.scatter_add_(1, part[replica, :, :k].long(), values)
+        return (total.div_(replicas) @ self._dct).sign_()
 
     def state_dict(self):
         """Before saving, the replicas' momenta are replaced by their mean (the total, what the exchange averages,
@@ -110,8 +177,6 @@ class FlexDeMo(torch.optim.Optimizer):
                 dist.all_reduce(momentum, group=self.replicate_group)
                 momentum.div_(dist.get_world_size(self.replicate_group))
         return super().state_dict()
-
-
 def _momentum_bytes(shape: tuple[int, ...], local_shape: tuple[float, ...], config: OptimizerConfig,
                     matrix_method: bool) -> float:
     return 4 * math.prod(local_shape)
