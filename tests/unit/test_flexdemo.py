@@ -32,13 +32,13 @@ def test_top_k_indices_are_the_largest_magnitudes_and_always_k_distinct_position
     rows = torch.stack([torch.randperm(CHUNK, generator=generator) for _ in range(300)]).float() + 1
     rows *= torch.randint(0, 2, rows.shape, generator=generator) * 2 - 1
     expected = rows.abs().topk(TOPK, dim=1).indices.sort(dim=1).values
-    assert torch.equal(top_k_indices(rows, TOPK).long().sort(dim=1).values, expected)
+    assert torch.equal(top_k_indices(rows, TOPK).sort(dim=1).values, expected)
     # Ties (an all-zero chunk, equal values) are broken by position: k distinct positions, the lowest; tiny values
     # still beat zeros.
     ties = torch.zeros(3, CHUNK)
     ties[1, 40:] = -2.0
     ties[2, ::2] = 1e-30
-    chosen = top_k_indices(ties, TOPK).long().sort(dim=1).values
+    chosen = top_k_indices(ties, TOPK).sort(dim=1).values
     assert chosen.tolist() == [list(range(TOPK)), list(range(40, 40 + TOPK)), list(range(0, 2 * TOPK, 2))]
 
 

@@ -70,7 +70,7 @@ def top_k_indices(coefficients: torch.Tensor, k: int) -> torch.Tensor:
     keys = coefficients.abs().view(torch.int32).clamp_min_(_SMALLEST_NORMAL_BITS)
     keys.bitwise_and_(~low_bits).bitwise_or_(low_bits - positions)
     top = _compiled_running_maxima(keys.view(torch.float32), k)
-    return low_bits - (top.view(torch.int32) & low_bits)
+    return (low_bits - (top.view(torch.int32) & low_bits)).long()
 
 
 class FlexDeMo(torch.optim.Optimizer):
