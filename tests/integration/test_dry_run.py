@@ -114,3 +114,16 @@ def test_cpu_offload_on_the_gpu_target(tmp_path):
     report = dry_run(tmp_path, 8, "--training.enable_cpu_offload")
     assert report["offloaded_to_host"] == ["parameters", "gradients", "optimizer_state"]
     assert report["memory_gib_by_category"]["parameters"] > 0
+
+
+def test_flexdemo_exchanges_its_components_once_per_step(tmp_path):
+    """FlexDeMo compiles its own selection kernel; a dry run runs it eagerly, like the model (a compiled kernel would
+    read the storage fake tensors do not have), and its one exchange per step is one all-gather across replicas of
+    3/8 byte per value of the rank's shard (8 of 64 DCT coefficients, 3 bytes each; chunks padded per tensor), in
+    place of gradient all-reduces."""
+    report = dry_run(tmp_path, 4, "--parallelism.data_parallel_replicate_degree", "2", "--optimizer.name", "FlexDeMo")
+    exchange = collectives(report)[("all_gather", "dp_replicate")]
+    assert exchange["count"] == 1
+    shard_values = 5_901_568 / 2
+    assert exchange["bytes"] == pytest.approx(2 * shard_values * 3 / 8, rel=1e-3)  # both replicas' payloads
+    assert not any(c["mesh_dim"] == "dp_replicate" and c["kind"] != "all_gather" for c in report["collectives"])

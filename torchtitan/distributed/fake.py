@@ -128,6 +128,9 @@ def dry_run_patches(target_device: str) -> contextlib.ExitStack:
                                   _separate_propagation(propagate)))
     stack.enter_context(_replaced(_PipelineSchedule, "_warmup_p2p", _static_pipeline_warmup))
     stack.enter_context(_replaced(torch.Tensor, "pin_memory", _pinning_without_storage(torch.Tensor.pin_memory)))
+    # torch.compile that components call themselves (FlexDeMo's selection) runs eagerly, as the model does: a compiled
+    # kernel would read the storage fake tensors do not have.
+    stack.enter_context(torch._dynamo.config.patch(disable=True))
     try:
         from torchao.float8.fsdp_utils import WeightWithDynamicFloat8CastTensor
     except ImportError:
