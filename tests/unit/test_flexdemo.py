@@ -48,12 +48,16 @@ def worker(rank: int, out_dir: str) -> None:
                             world_size=REPLICAS, timeout=datetime.timedelta(seconds=60))
     try:
         weight = torch.nn.Parameter(torch.randn(30, 20, generator=torch.Generator().manual_seed(0)))
-        optimizer = FlexDeMo([weight], lr=0.01, weight_decay=0.0, chunk_size=CHUNK, topk=TOPK, momentum_decay=0.9,
-                             replicate_group=dist.group.WORLD)
-        generator = torch.Generator().manual_seed(rank)  # every replica sees other gradients
+        empty = torch.nn.Parameter(torch.zeros(0, 20))  # an uneven shard can be empty
+        optimizer = FlexDeMo([weight, empty], lr=0.01, weight_decay=0.0, chunk_size=CHUNK, topk=TOPK,
+                             momentum_decay=0.9, replicate_group=dist.group.WORLD)
         start = weight.detach().clone()
+        optimizer.step()  # no gradients yet: nothing sent and nothing changed, but the exchange is still joined
+        assert torch.equal(weight, start) and not optimizer.state
+        generator = torch.Generator().manual_seed(rank)  # every replica sees other gradients
         for _ in range(3):
             weight.grad = torch.randn(weight.shape, generator=generator)
+            empty.grad = torch.zeros(0, 20)
             optimizer.step()
         momentum = optimizer.state[weight]["momentum"].clone()
         saved = optimizer.state_dict()

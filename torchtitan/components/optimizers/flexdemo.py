@@ -122,9 +122,10 @@ class FlexDeMo(torch.optim.Optimizer):
         work = [(param, group) for group in self.param_groups for param in group["params"] if param.grad is not None]
         if self._dct is None and work:
             self._dct = dct_matrix(self.chunk_size, self._local(work[0][0]).device)
-        buckets = self._buckets(work)
-        # Every bucket's components travel in one all-gather: one collective per step.
-        payload = (torch.cat([self._extract(bucket) for bucket in buckets]) if work
+        buckets = self._buckets(work) if work else []
+        # Every bucket's components travel in one all-gather: one collective per step. A rank without gradients (or
+        # with empty shards) sends nothing, but still joins it.
+        payload = (torch.cat([self._extract(bucket) for bucket in buckets]) if buckets
                    else torch.zeros(0, dtype=torch.uint8))
         replicas = dist.get_world_size(self.replicate_group)
         gathered = torch.empty(replicas * payload.numel(), dtype=torch.uint8, device=payload.device)
@@ -181,6 +182,8 @@ class FlexDeMo(torch.optim.Optimizer):
                 dist.all_reduce(momentum, group=self.replicate_group)
                 momentum.div_(dist.get_world_size(self.replicate_group))
         return super().state_dict()
+
+
 def _momentum_bytes(shape: tuple[int, ...], local_shape: tuple[float, ...], config: OptimizerConfig,
                     matrix_method: bool) -> float:
     return 4 * math.prod(local_shape)
