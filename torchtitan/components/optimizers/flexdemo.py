@@ -66,8 +66,8 @@ _compiled_running_maxima = torch.compile(_running_maxima, dynamic=True)
 def top_k_indices(coefficients: torch.Tensor, k: int) -> torch.Tensor:
     """The positions of each row's k largest magnitudes. Non-negative floats order as their bit patterns, so each
     magnitude's lowest bits are replaced by its position: every key of a row is distinct, still a float in the same
-    order (magnitudes within 2^-15 of each other, far below the bfloat16 they are sent in, are ordered by position),
-    and the k largest keys carry their own positions."""
+    order, and the k largest keys carry their own positions. Magnitudes within 2^-17 of each other (rows of 64; 2^-15
+    for 256), far below the bfloat16 they are sent in, are ordered by position instead of by value."""
     width = coefficients.shape[1]
     low_bits = (1 << (width - 1).bit_length()) - 1
     positions = torch.arange(width, dtype=torch.int32, device=coefficients.device)
