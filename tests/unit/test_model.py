@@ -12,8 +12,9 @@ from torchtitan.errors import UserError
 from torchtitan.config import parse_args
 from torchtitan.models.llama3.args import (TransformerModelArgs, describe_model, llama3_flavors, model_args_for,
                                            shape_overrides)
-from torchtitan.models.llama3.model import (Transformer, apply_rotary_emb, count_parameters, flops_per_token,
-                                            rope_table, scale_rope_frequencies)
+from torchtitan.models.llama3.model import (Transformer, apply_rotary_emb, causal_attention, count_parameters,
+                                            cpu_attention_in_fp32, flops_per_token, rope_table,
+                                            scale_rope_frequencies)
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -239,6 +240,19 @@ def test_a_token_changes_no_logit_before_it():
 
 # ---------------------------------------------------------------------------------------------------------------
 # Initialisation
+
+
+@pytest.mark.parametrize("head_dim, seq_len, in_fp32", [(16, 512, True), (16, 1024, False), (64, 256, True),
+                                                          (64, 512, False)])
+def test_cpu_bf16_attention_takes_the_faster_path_and_agrees_with_fp32(head_dim, seq_len, in_fp32):
+    """docs/performance.md measured which path is faster per shape; both compute the same attention."""
+    assert cpu_attention_in_fp32(head_dim, seq_len) == in_fp32
+    generator = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(1, heads, seq_len, head_dim, generator=generator) for heads in (4, 2, 2))
+    reference = causal_attention(q, k, v, "cpu")
+    out = causal_attention(q.bfloat16(), k.bfloat16(), v.bfloat16(), "cpu")
+    assert out.dtype == torch.bfloat16
+    torch.testing.assert_close(out.float(), reference, rtol=0.02, atol=0.02)
 
 
 def test_init_is_deterministic_per_seed():

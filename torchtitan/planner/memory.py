@@ -29,8 +29,9 @@ with saved-tensor hooks):
                                      (bf16 without FSDP) every linear casts its own copy (n_in = 5)
             + T x A                  attention, what SDPA saves (query, key, value, output = wo's input):
                                      on CUDA the KV heads are expanded: A = 4 x q/t x a; on CPU SDPA takes
-                                     grouped KV heads: A = (2 q + 2 kv)/t x a, and bf16 heads under 64 wide
-                                     run in fp32: A = (2 q + 2 kv)/t x 4 + q/t x a (wo's input stays bf16)
+                                     grouped KV heads: A = (2 q + 2 kv)/t x a, and bf16 attention runs in
+                                     fp32 where that is faster (model.cpu_attention_in_fp32: short sequences,
+                                     narrow heads): A = (2 q + 2 kv)/t x 4 + q/t x a (wo's input stays bf16)
             + T x heads/t x 4        SDPA's log-sum-exp
             + T x f/t x 4 x a        SwiGLU: w1 and w3 outputs, silu output, product (= w2's input)
   full        T/t x d x r            only the block input (r: bytes of the residual stream: 4 under autocast
@@ -103,7 +104,7 @@ from torchtitan.config import JobConfig
 from torchtitan.distributed.parallel_dims import ParallelDims
 from torchtitan.distributed.pipeline_parallel import plan_pipeline
 from torchtitan.models.llama3.args import TransformerModelArgs, model_args_for, shape_overrides
-from torchtitan.models.llama3.model import CPU_BF16_ATTENTION_MIN_HEAD_DIM, Transformer
+from torchtitan.models.llama3.model import Transformer, cpu_attention_in_fp32
 from torchtitan.models.llama3.pipeline import stage_ids_for_rank
 
 # Schedules that keep every micro-batch's activations until the backward starts.
@@ -223,21 +224,22 @@ def _pipeline_layout(config: JobConfig, args: TransformerModelArgs, dims: Parall
     return per_rank, in_flight
 
 
-def _attention_bytes(s: _Shapes, t: int, a: int, device: str) -> tuple[float, float]:
+def _attention_bytes(s: _Shapes, seq_len: float, t: int, a: int, device: str) -> tuple[float, float]:
     """Bytes per token that attention saves for backward, and those of SDPA's output alone (model.causal_attention
-    chooses the path; see the module docstring)."""
+    chooses the path from the local sequence length; see the module docstring)."""
     if device != "cpu":
         return 4 * s.q / t * a, s.q / t * a
-    if a == 2 and s.head_dim < CPU_BF16_ATTENTION_MIN_HEAD_DIM:
+    if a == 2 and cpu_attention_in_fp32(s.head_dim, int(seq_len)):
         return (2 * s.q + 2 * s.kv) / t * 4 + s.q / t * a, s.q / t * 4
     return (2 * s.q + 2 * s.kv) / t * a, s.q / t * a
 
 
-def _block_activations(s: _Shapes, tokens: float, t: int, a: int, r: int, autocast: bool, mode: str,
-                       device: str) -> float:
-    """Bytes one block saves for backward for one micro-batch of `tokens` tokens (see the module docstring)."""
+def _block_activations(s: _Shapes, tokens: float, seq_len: float, t: int, a: int, r: int, autocast: bool,
+                       mode: str, device: str) -> float:
+    """Bytes one block saves for backward for one micro-batch of `tokens` tokens in sequences of `seq_len` (see the
+    module docstring)."""
     sp = tokens / t
-    attention, sdpa_output = _attention_bytes(s, t, a, device)
+    attention, sdpa_output = _attention_bytes(s, seq_len, t, a, device)
     if mode == "full":
         return sp * s.d * r
     if mode == "op":
@@ -273,12 +275,13 @@ def _estimate_rank(config: JobConfig, args: TransformerModelArgs, dims: Parallel
     residual = a if wrapped else 4
     microbatch = config.parallelism.pipeline_parallel_microbatch_size if dims.pp > 1 else \
         config.training.local_batch_size
-    tokens = microbatch * config.training.seq_len / dims.cp
+    seq_len = config.training.seq_len / dims.cp
+    tokens = microbatch * seq_len
 
     block_params = s.block_matmul_params() / t + 2 * s.d
     head_params = s.vocab * s.d / t + s.d
     block_copies = s.block_matmul_params() / t * 2 if autocast else 0.0
-    none = _block_activations(s, tokens, t, a, residual, autocast, "none", device)
+    none = _block_activations(s, tokens, seq_len, t, a, residual, autocast, "none", device)
     # Per block of the rank, in forward order: (saved bytes for its in-flight micro-batches, bytes rebuilt and
     # alive during its backward, autocast copies it keeps for backward, micro-batches in flight, which of the
     # rank's stages holds it).
@@ -293,7 +296,7 @@ def _estimate_rank(config: JobConfig, args: TransformerModelArgs, dims: Parallel
         if has_embedding:
             optimizer += _optimizer_state(config, [("embeddings", (s.vocab, s.d), 0)], t, fsdp)
         for mode in _ac_modes(config, n_blocks):
-            saved = mbs * _block_activations(s, tokens, t, a, residual, autocast, mode, device)
+            saved = mbs * _block_activations(s, tokens, seq_len, t, a, residual, autocast, mode, device)
             rebuilt = none + block_copies if mode != "none" else 0.0
             # Autocast's cache hands every micro-batch the same copy of a weight.
             blocks.append((saved, rebuilt, block_copies if mode == "none" else 0.0, mbs, stage_index))

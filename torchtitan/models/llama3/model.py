@@ -84,8 +84,10 @@ class Attention(nn.Module):
         return self.wo(out.transpose(1, 2).reshape(bsz, seqlen, -1))
 
 
-# Below this head width, CPU flash attention is slower in bf16 than in fp32 (docs/performance.md).
-CPU_BF16_ATTENTION_MIN_HEAD_DIM = 64
+def cpu_attention_in_fp32(head_dim: int, seq_len: int) -> bool:
+    """Whether bf16 attention of this shape runs faster in fp32 on the CPU: torch's CPU flash kernel is slower in bf16
+    for short sequences and for narrow heads at medium lengths (measured per shape in docs/performance.md)."""
+    return seq_len <= 256 or head_dim * seq_len < 16384
 
 
 def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, device_type: str) -> torch.Tensor:
@@ -97,7 +99,7 @@ def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, device_t
         k, v = k.repeat_interleave(n_rep, dim=1), v.repeat_interleave(n_rep, dim=1)
         return F.scaled_dot_product_attention(q, k, v, is_causal=True)
     # The CPU flash kernel takes grouped K/V natively, which beats expanding them at every head width measured.
-    if q.dtype == torch.bfloat16 and q.shape[-1] < CPU_BF16_ATTENTION_MIN_HEAD_DIM:
+    if q.dtype == torch.bfloat16 and cpu_attention_in_fp32(q.shape[-1], q.shape[-2]):
         # Autocast must be off here, or it would cast the fp32 inputs back to bf16.
         with torch.autocast("cpu", enabled=False):
             out = F.scaled_dot_product_attention(q.float(), k.float(), v.float(), is_causal=True, enable_gqa=True)
