@@ -130,7 +130,10 @@ def test_float8_emulated_distributed(tmp_path, reference, recipe, layout):
     assert max_relative_difference(float8, reference) <= 1e-4
 
 
-@pytest.mark.parametrize("recipe", ["tensorwise", pytest.param("rowwise", marks=pytest.mark.slow)])
+# Two 50-step runs of the debug model: about 2 minutes on a 2-core CPU, so slow; the emulated float8 layouts above
+# stay in the default suite.
+@pytest.mark.slow
+@pytest.mark.parametrize("recipe", ["tensorwise", "rowwise"])
 def test_float8_emulated_close_to_bf16_over_50_steps(tmp_path, recipe):
     """The debug model as configured (train_configs/debug_model.toml: seq 256, batch 8, bf16): over 50 steps
     every step's loss of emulated float8 stays within 1% of the bf16 run's (measured: 0.14% tensorwise)."""
