@@ -16,7 +16,7 @@ from pathlib import Path
 
 from torchtitan.config import JobConfig, parse_args
 from torchtitan.errors import UserError
-from torchtitan.models.llama3.args import llama3_flavors, model_args_for
+from torchtitan.models.llama3.args import llama3_flavors, model_args_for, shape_overrides
 from torchtitan.planner.cost import Layout, step_time
 from torchtitan.planner.hardware import GPU
 from torchtitan.planner.memory import estimate
@@ -95,8 +95,9 @@ def trainer_config(flavor: str, layout: Layout, seq_len: int) -> JobConfig:
 
 def predict(flavor: str, layout: Layout, seq_len: int, gpu: GPU, config: JobConfig | None = None,
             **constants) -> Prediction:
-    """Speed and memory of one layout; `config` (a trainer config) when the layout comes from one."""
-    args = model_args_for(flavor, seq_len)
+    """Speed and memory of one layout; `config` (a trainer config) when the layout comes from one, whose [model]
+    shape options then replace the flavor's."""
+    args = model_args_for(flavor, seq_len, overrides=shape_overrides(config.model) if config else None)
     if config is None:
         tensors = _layout_memory(flavor, dataclasses.replace(layout, compile=layout.compile and layout.float8,
                                                              async_tp=False), seq_len)
@@ -129,7 +130,8 @@ def layout_from_config(config: JobConfig, world_size: int) -> Layout:
         config.training.local_batch_size
     stages_per_rank = 1
     if dims.pp > 1 and parallelism.pipeline_parallel_schedule != "1F1B":
-        layers = model_args_for(config.model.flavor, config.training.seq_len).n_layers
+        layers = model_args_for(config.model.flavor, config.training.seq_len,
+                                overrides=shape_overrides(config.model)).n_layers
         per_stage = parallelism.pipeline_parallel_layers_per_stage
         stages_per_rank = math.ceil((layers + 2) / per_stage) // dims.pp if per_stage else 2
     return Layout(dp_replicate=dims.dp_replicate, dp_shard=dims.dp_shard, tp=dims.tp, pp=dims.pp, cp=dims.cp,
