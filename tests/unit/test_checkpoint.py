@@ -211,7 +211,7 @@ def test_saves_log_their_cost_and_a_forced_save_its_estimate(pg, tmp_path, monke
     manager = make_manager(tmp_path, c, interval=2)
     manager.save(2)
     assert len(manager.save_s) == len(manager.publish_cost) == len(manager.metadata_cost) == 1
-    assert any(re.search(r"step-2: rank 0 wrote 0\.\d+ GiB .* every rank had written after \d+\.\d+ s, publishing "
+    assert any(re.search(r"step-2: rank 0 wrote \d+\.\d+ MiB .* every rank had written after \d+\.\d+ s, publishing "
                          r"took \d+\.\d+ s \(\d+\.\d+ s CPU\), DCP's \.metadata \d+\.\d+ s before it", message)
                for message in messages), messages
     manager.save(3, force=True)
@@ -1089,6 +1089,9 @@ def save_with_pinned_memory(root: Path) -> None:
     with single_process_group(root):
         saved = build_components(seed=0)
         train_step(saved, 1)
+        messages = []
+        log = manager_module.logger.info
+        manager_module.logger.info = lambda message: (messages.append(message), log(message))
         manager = make_manager(root, saved, async_mode="async_with_pinned_mem")
         manager.save(1)
         expected = snapshot(saved)
@@ -1096,6 +1099,9 @@ def save_with_pinned_memory(root: Path) -> None:
         train_step(saved, 2)  # while the checkpoint process writes what save() staged
         manager.close()
         assert_manifest_matches(root / "ckpt" / "step-1")
+        # The checkpoint process writes the files; this process still reports their size.
+        (data_file,) = (root / "ckpt" / "step-1").glob("__0_*.distcp")
+        assert any(f"rank 0 wrote {data_file.stat().st_size / 2**20:.1f} MiB" in m for m in messages), messages
         fresh = build_components(seed=1)
         make_manager(root, fresh).load()
         assert_same(snapshot(fresh), expected)

@@ -641,10 +641,14 @@ class CheckpointManager:
             published = writer.manifest_cost + published
         self.publish_cost.append(published)
         self.metadata_cost.append(writer.metadata_cost)
-        gib = writer.written_bytes / 2**30
+        # The checkpoint process of async_with_pinned_mem counts its bytes in its own copy of the writer.
+        written_bytes = writer.written_bytes or sum(path.stat().st_size
+                                                    for path in self._step_path(step).glob("__0_*.distcp"))
+        gib = written_bytes / 2**30
+        size = f"{gib:.3f} GiB" if gib >= 1 else f"{written_bytes / 2**20:.1f} MiB"
         metadata = (f", DCP's .metadata {writer.metadata_cost.wall_s:.3f} s before it"
                     if writer.metadata_cost is not None else "")
-        logger.info(f"Checkpoint {self._step_path(step)}: rank 0 wrote {gib:.3f} GiB ({gib / (written - started):.2f} "
+        logger.info(f"Checkpoint {self._step_path(step)}: rank 0 wrote {size} ({gib / (written - started):.2f} "
                     f"GiB/s), every rank had written after {written - started:.2f} s, publishing took "
                     f"{published.wall_s:.3f} s ({published.cpu_s:.3f} s CPU){metadata} "
                     f"(async_mode {self.config.async_mode})")
