@@ -300,6 +300,12 @@ class CheckpointManager:
         # for it (wait_for_staging), or it would change the weights while they are being copied.
         self._staging: Future | None = None
         if config.enable and not config.load_only and config.async_mode != "disabled":
+            if tuple(int(part) for part in torch.__version__.split(".")[:2]) < (2, 13):
+                # Better at start-up than at the second save, hours into a run.
+                raise UserError(f"option checkpoint.async_mode: {config.async_mode!r} needs torch 2.13 or newer, "
+                                f"the oldest this project supports; this is torch {torch.__version__} (torch 2.11's "
+                                f"DCP stager fails at the second async save, pytorch/pytorch#183413). Upgrade torch, "
+                                f"or set checkpoint.async_mode = 'disabled'")
             # Staging copies the state into CPU buffers that the stager keeps and refills at every save (a fresh
             # copy per save would first fault in every page of new memory); one host copy of this rank's state
             # stays allocated between saves, as a background write needs it anyway. The copy runs in a thread of
@@ -734,6 +740,10 @@ class CheckpointManager:
             return
         for name in leftovers:
             _remove_own_files(self.folder / name, self.rank)
+        if dist.is_initialized():
+            # Rank 0 removes the folders once every rank has removed its files: without this wait its rmtree ran
+            # beside their unlinks, deleted their files itself or failed on a file another rank had just removed.
+            dist.barrier(group=self._group())
         self._on_rank0(lambda: self._delete_leftovers(leftovers),
                        f"cleaning up {self.folder} before saving step {step}")
 
