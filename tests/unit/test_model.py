@@ -238,10 +238,6 @@ def test_a_token_changes_no_logit_before_it():
         assert (after[:, position] - before[:, position]).abs().max() > 1e-4, f"position {position} unchanged"
 
 
-# ---------------------------------------------------------------------------------------------------------------
-# Initialisation
-
-
 @pytest.mark.parametrize("head_dim, seq_len, in_fp32", [(16, 512, True), (16, 1024, False), (64, 256, True),
                                                           (64, 512, False)])
 def test_cpu_bf16_attention_takes_the_faster_path_and_agrees_with_fp32(head_dim, seq_len, in_fp32):
@@ -253,6 +249,10 @@ def test_cpu_bf16_attention_takes_the_faster_path_and_agrees_with_fp32(head_dim,
     out = causal_attention(q.bfloat16(), k.bfloat16(), v.bfloat16(), "cpu")
     assert out.dtype == torch.bfloat16
     torch.testing.assert_close(out.float(), reference, rtol=0.02, atol=0.02)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Initialisation
 
 
 def test_init_is_deterministic_per_seed():
