@@ -138,11 +138,38 @@ def test_pipeline_reduces_gradients_after_it_drains_and_fsdp_exposes_its_edges()
     step = step_time(model_args_for(pipelined.flavor, pipelined.seq_len), pipelined.layout, pipelined.seq_len,
                      validation.GPU)
     assert step.drained_comm_s > 0
-    assert step.seconds == pytest.approx((step.compute_s + step.exposed_comm_s) * step.bubble + step.drained_comm_s)
+    assert step.seconds == pytest.approx((step.compute_s + step.exposed_comm_s) * step.bubble + step.drained_comm_s
+                                         + step.parameter_s)
     args = model_args_for(flat.flavor, flat.seq_len)
     step = step_time(args, flat.layout, flat.seq_len, validation.GPU)
     assert step.fsdp_comm_s < step.compute_s and step.drained_comm_s == 0
     assert step.exposed_comm_s == pytest.approx(step.fsdp_comm_s / args.n_layers)
+
+
+def test_parameter_traffic_is_paid_per_step_and_per_pass_not_per_token():
+    """The optimizer and clipping (40 bytes per shard parameter) run once per step, the precision casts once per
+    forward-backward pass: a second sequence in the same pass adds nothing, a second pass adds its casts."""
+    from dataclasses import replace
+
+    from torchtitan.models.llama3.args import model_args_for
+    from torchtitan.planner.cost import Layout, block_linear_params, step_time
+    from torchtitan.planner.hardware import GPUS
+
+    args, gpu = replace(model_args_for("8B", 8192), n_layers=4), GPUS["h100"]
+    params = block_linear_params(args) * 4 + 2 * args.vocab_size * args.dim
+    one_gpu = Layout(dp_replicate=1, dp_shard=1, tp=1, pp=1, cp=1, schedule=None, stages_per_rank=1, local_batch=1,
+                     microbatch=1, ac="none", float8=False, compile=False, async_tp=False)
+    one = step_time(args, one_gpu, 8192, gpu)
+    two = step_time(args, replace(one_gpu, local_batch=2, microbatch=2), 8192, gpu)
+    # Autocast on one GPU: 4 + 2 bytes to cast each weight, 2 + 4 to cast each gradient back.
+    assert one.parameter_s == pytest.approx((40 + 12) * params / gpu.hbm_bytes_per_s)
+    assert two.parameter_s == one.parameter_s and two.compute_s == pytest.approx(2 * one.compute_s)
+    accumulated = step_time(args, replace(one_gpu, local_batch=2), 8192, gpu)
+    assert accumulated.parameter_s == pytest.approx(one.parameter_s + 12 * params / gpu.hbm_bytes_per_s)
+    # Sharded over 8 GPUs the optimizer's share shrinks 8-fold, FSDP's copies of gathered parameters do not.
+    fsdp = step_time(args, replace(one_gpu, dp_shard=8), 8192, gpu)
+    assert fsdp.parameter_s * gpu.hbm_bytes_per_s == pytest.approx(40 * params / 8 + 2 * (params / 8 * 6 + params * 4)
+                                                                   + params * 6 + params / 8 * 12)
 
 
 def test_float8_casts_of_whole_sequence_tensors_do_not_shrink_with_tensor_parallelism():

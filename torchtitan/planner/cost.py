@@ -3,6 +3,7 @@
 Per GPU and step (all stages of one pipeline rank together; the slowest pipeline rank sets the pace):
 
     step = (compute + exposed communication) x pipeline bubble + communication after the pipeline drains
+           + parameter traffic (the optimizer step, precision casts)
 
 - compute = matmul FLOPs / (peak x efficiency) + memory-bound time.
   Matmul FLOPs per token: 6 per linear weight (forward, and the two backward matmuls) and causal attention, 6 x d x
@@ -29,6 +30,11 @@ Per GPU and step (all stages of one pipeline rank together; the slowest pipeline
   - Context parallelism all-gathers the keys and values once per attention call (torch's "allgather" rotation)
     and waits for them after the local chunk: exposed beyond 1/c of attention's time.
   - Pipeline sends are small (one micro-batch of hidden states) and overlap.
+- parameter traffic, memory-bound at the GPU's HBM bandwidth, counted, not fitted (parameter_traffic_bytes): once
+  per step, fused AdamW and gradient-norm clipping over the rank's parameter shard; per forward-backward pass, the
+  mixed-precision casts of the parameters and gradients (FSDP's copies into and out of its collectives' buffers,
+  or without FSDP autocast's). It does not grow with the tokens of a pass, so it weighs most at small batches on
+  few GPUs (one GPU, one sequence of the 8B's shape: about a seventh of the step) and is noise at scale.
 - pipeline bubble: (micro-batches x v + pp - 1) / (micro-batches x v) for 1F1B-style schedules with v stages per
   rank (v = 1: 1F1B; Interleaved1F1B: v >= 2); GPipe and LoopedBFS add the same warm-up and drain.
 
@@ -44,11 +50,16 @@ from torchtitan.models.llama3.args import TransformerModelArgs
 from torchtitan.planner.hardware import GPU
 
 # Fitted on the 8B, 8-GPU rows of the published table (scripts/plan.py --validate refits and prints them).
-EFFICIENCY = 0.62
-MEMORY_BOUND_BYTES = 1500.0
+EFFICIENCY = 0.64
+MEMORY_BOUND_BYTES = 1460.0
 COMPILED_FRACTION = 0.7
 
 HOST_SIZE = 8
+
+# Per fp32 parameter of the shard and step: fused AdamW reads the parameter, its gradient and both moments and
+# writes back the parameter and the moments (7 x 4 bytes); clipping reads every gradient for the norm, then reads
+# and writes it to scale it (3 x 4 bytes).
+OPTIMIZER_BYTES_PER_PARAM = 40
 
 
 @dataclass(frozen=True)
@@ -94,10 +105,12 @@ class StepTime:
     cp_comm_s: float
     drained_comm_s: float = 0.0
     """Communication after the pipeline has drained (PP's gradient reduction): not stretched by the bubble."""
+    parameter_s: float = 0.0
+    """Parameter traffic: the optimizer step and clipping, and the precision casts of parameters and gradients."""
 
     @property
     def seconds(self) -> float:
-        return (self.compute_s + self.exposed_comm_s) * self.bubble + self.drained_comm_s
+        return (self.compute_s + self.exposed_comm_s) * self.bubble + self.drained_comm_s + self.parameter_s
 
 
 def _link_bandwidth(gpu: GPU, stride: int, size: int) -> float:
@@ -117,6 +130,22 @@ def block_linear_params(args: TransformerModelArgs) -> int:
 def recomputed_op_weights(args: TransformerModelArgs) -> int:
     """Weights of the matmuls per-op checkpointing recomputes (the 2nd, 4th, 6th of a block: wk, wo, w3)."""
     return args.dim * (args.kv_heads * args.head_dim + args.n_heads * args.head_dim + args.ffn_hidden_dim)
+
+
+def parameter_traffic_bytes(stage_params: float, shard: int, gather_bytes: int, gathers: int, passes: int) -> float:
+    """HBM bytes per step of a rank's work on its parameters rather than its tokens: the optimizer over the shard
+    (OPTIMIZER_BYTES_PER_PARAM), and per forward-backward pass the precision casts. With FSDP (shard > 1) each
+    all-gather casts the fp32 shard into the gather buffer (4 bytes read, `gather_bytes` written) and copies the
+    gathered parameters out of it (read and written), each reduction casts the bf16 gradients into the fp32
+    reduce-scatter buffer (2 + 4) and adds the reduced shard to the gradient (read 4 + 4, write 4). Without FSDP,
+    autocast casts each weight for the forward (4 + 2) and each gradient back to fp32 (2 + 4)."""
+    shard_params = stage_params / shard
+    if shard > 1:
+        per_pass = (gathers * (shard_params * (4 + gather_bytes) + stage_params * 2 * gather_bytes)
+                    + stage_params * 6 + shard_params * 12)
+    else:
+        per_pass = stage_params * 12
+    return OPTIMIZER_BYTES_PER_PARAM * shard_params + passes * per_pass
 
 
 def float8_cast_bytes_per_token(args: TransformerModelArgs, t: int, ac: str) -> float:
@@ -227,8 +256,11 @@ def step_time(args: TransformerModelArgs, layout: Layout, seq_len: int, gpu: GPU
         fsdp_exposed = microbatches * (edge_s + max(0.0, fsdp_s - edge_s - compute_s / microbatches))
         fsdp_s *= microbatches
     exposed = fsdp_exposed + tp_exposed + cp_exposed
+    # Under PP with FSDP the parameters are gathered and reduced once per step; otherwise once per pass.
+    passes = 1 if p > 1 and shard > 1 else microbatches
+    parameter_s = parameter_traffic_bytes(stage_params, shard, gather_bytes, gathers, passes) / gpu.hbm_bytes_per_s
     return StepTime(compute_s=compute_s, exposed_comm_s=exposed, bubble=bubble, fsdp_comm_s=fsdp_s, tp_comm_s=tp_s,
-                    cp_comm_s=cp_s, drained_comm_s=drained_s)
+                    cp_comm_s=cp_s, drained_comm_s=drained_s, parameter_s=parameter_s)
 
 
 def tokens_per_second_per_gpu(args: TransformerModelArgs, layout: Layout, seq_len: int, gpu: GPU, **constants) -> float:
