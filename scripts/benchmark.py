@@ -6,10 +6,11 @@ From the repository root:
     python scripts/benchmark.py --job.config_file train_configs/debug_model.toml --compile.enable --hf --plain
     torchrun --nproc_per_node=2 scripts/benchmark.py --job.config_file train_configs/debug_model.toml
 
-Every argument other than --warmup/--steps/--hf/--plain/--threads is a trainer option, exactly as `torchtitan.train`
-takes it. The Trainer is built in this process (under torchrun, one per rank); after --warmup steps (compile and
-allocator warm-up happen there) it times --steps calls of `Trainer.train_step`. Fetching the batches is not
-timed. The log, and anything else printed meanwhile, goes to stderr: stdout holds only the JSON line.
+Every argument other than --warmup/--steps/--hf/--plain/--threads/--turns is a trainer option, exactly as
+`torchtitan.train` takes it. The Trainer is built in this process (under torchrun, one per rank); after
+--warmup steps (compile and allocator warm-up happen there) it times --steps steps: fetching the next batch
+and `Trainer.train_step`, as in training. The log, and anything else printed meanwhile, goes to stderr: stdout
+holds only the JSON line.
 
 What the line reports:
 - tokens_per_s_per_device: tokens of one step divided by the world size and by the median step time (a median,
@@ -30,6 +31,10 @@ forward and loss under `torch.compile` when we compile. After their own warm-up,
 further steps of ours, one each in turn, so that load from other processes falls on all alike: `hf.ratio` and
 `plain.ratio` say how many times faster ours is (the peer's median step time over ours, from those alternating
 steps), `ratio_cpu_time` the same from CPU times. All run with the same torch thread count (--threads).
+
+--turns MINE:THEIRS (two FIFOs, `scripts/turns.py`) makes every step, warm-up included, wait for its turn and then
+give the other process its own: how `scripts/benchmark_torchtitan.py` times TorchTitan, which cannot share this
+process, step by step against ours.
 """
 
 from __future__ import annotations
@@ -61,24 +66,29 @@ from torchtitan.tools.device_info import memory_stats, peak_flops, reset_peak_me
 from torchtitan.tools.logging import init_logger, logger  # noqa: E402
 from torchtitan.train import Trainer  # noqa: E402
 from scripts.benchmark_peers import PeerTraining, initial_state_dict  # noqa: E402
+from scripts.turns import Turns  # noqa: E402
 
 Batch = tuple[torch.Tensor, torch.Tensor]
 
 
 def parse_benchmark_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], add_help=False,
-                                     usage="benchmark.py [trainer options...] [--warmup N] [--steps N] [--hf] [--plain] "
-                                           "[--threads N]")
+                                     usage="benchmark.py [trainer options...] [--warmup N] [--steps N] [--hf] "
+                                           "[--plain] [--threads N] [--turns MINE:THEIRS]")
     parser.add_argument("--warmup", type=int, default=3, help="untimed steps first (compile happens here)")
     parser.add_argument("--steps", type=int, default=10, help="timed steps")
     parser.add_argument("--hf", action="store_true", help="also train transformers' LlamaForCausalLM, same recipe")
     parser.add_argument("--plain", action="store_true", help="also train a plain PyTorch Llama, same recipe")
     parser.add_argument("--threads", type=int, default=None,
                         help="torch threads per process (default: the usable cores / processes on this node)")
+    parser.add_argument("--turns", metavar="MINE:THEIRS",
+                        help="take turns with another process, one step each, over two FIFOs (scripts/turns.py)")
     parser.add_argument("--benchmark-help", action="help", help="this help (--help lists the trainer's options)")
     args, trainer_argv = parser.parse_known_args(argv)
     if args.warmup < 1 or args.steps < 1:
         raise UserError("--warmup and --steps must be at least 1 (the first step compiles and allocates)")
+    if args.turns and (args.hf or args.plain):
+        raise UserError("--turns times ours against another process: run it without --hf/--plain")
     return args, trainer_argv
 
 
@@ -161,8 +171,13 @@ def peak_memory(device: torch.device, baseline_rss_gib: float) -> dict:
 def run(argv: list[str]) -> dict:
     args, trainer_argv = parse_benchmark_args(argv)
     peers = peer_names(args)
-    if peers and int(os.environ.get("WORLD_SIZE", "1")) > 1:
-        raise UserError("--hf/--plain compare one process with one process: run them without torchrun")
+    if (peers or args.turns) and int(os.environ.get("WORLD_SIZE", "1")) > 1:
+        raise UserError("--hf/--plain/--turns compare one process with one process: run them without torchrun")
+    parent = os.getppid()
+    try:
+        turns = Turns(args.turns, other_alive=lambda: os.getppid() == parent)
+    except ValueError as e:
+        raise UserError(str(e)) from None
     threads = args.threads or default_threads()
     torch.set_num_threads(threads)
     baseline_rss_gib = memory_stats(torch.device("cpu")).get("rss_gib", 0.0)
@@ -171,13 +186,14 @@ def run(argv: list[str]) -> dict:
         config = benchmark_config(trainer_argv, total_steps, dump_folder)
         trainer = Trainer(config)
         try:
-            return measure(trainer, args, threads, baseline_rss_gib)
+            return measure(trainer, args, threads, baseline_rss_gib, turns)
         finally:
             trainer.metrics.close()
             trainer.close()
 
 
-def measure(trainer: Trainer, args: argparse.Namespace, threads: int, baseline_rss_gib: float) -> dict:
+def measure(trainer: Trainer, args: argparse.Namespace, threads: int, baseline_rss_gib: float,
+            turns: Turns) -> dict:
     config = trainer.config
     initial_state = initial_state_dict(trainer) if peer_names(args) else None
     data_iterator = iter(trainer.dataloader)
@@ -189,12 +205,17 @@ def measure(trainer: Trainer, args: argparse.Namespace, threads: int, baseline_r
 
     # As in Trainer.train: the collector runs only when asked, so that it never lands inside a timed step.
     gc.disable()
-    warmup_losses = [ours() for _ in range(args.warmup)]
+    warmup_losses = []
+    for _ in range(args.warmup):
+        with turns.turn():
+            warmup_losses.append(ours())
     gc.collect()
     reset_peak_memory(trainer.device)
     timing = Timing()
     for _ in range(args.steps):
-        timing.run(ours)
+        with turns.turn():
+            timing.run(ours)
+    turns.wait()  # the other process's last step runs without our shutdown beside it
     memory = peak_memory(trainer.device, baseline_rss_gib)
 
     dims = trainer.parallel_dims

@@ -84,3 +84,54 @@ def test_step_breakdown_sorts_the_step_into_categories(capsys):
     for category in ("matmul", "attention", "optimizer", "gradient clipping", "data", "norms, elementwise, loss"):
         assert ours[category] > 0, category
     assert plain["matmul"] > 0 and plain["attention"] > 0 and plain["data"] == 0
+
+
+def test_torchtitan_benchmark_needs_an_environment_of_its_own():
+    """TorchTitan 0.2.2's package has this project's name: its benchmark refuses to run here and says where to."""
+    from importlib.metadata import version
+
+    from scripts import benchmark_torchtitan
+
+    with pytest.raises(SystemExit) as stop:
+        benchmark_torchtitan._require_torchtitan_0_2_2()
+    assert str(stop.value).startswith("error: this script runs TorchTitan 0.2.2 from its own environment")
+    assert f"found torchtitan {version('torchtitan')}" in str(stop.value)
+
+
+def test_two_processes_take_turns_step_by_step(tmp_path):
+    """Over two FIFOs each side steps only in its turn, so their steps alternate; a side whose partner has gone
+    raises instead of waiting for ever."""
+    import threading
+
+    from scripts.turns import Turns, make_fifos
+
+    first, second = make_fifos(tmp_path, "first", "second")
+    steps: list[str] = []
+
+    def take_turns(turns: Turns, name: str) -> None:
+        for _ in range(4):
+            with turns.turn():
+                steps.append(name)
+        if name == "first":  # as scripts/benchmark.py does: wait out the other's last step
+            turns.wait()
+            steps.append("first done")
+
+    waiting = Turns(f"{second}:{first}")
+    threads = [threading.Thread(target=take_turns, args=(Turns(f"{first}:{second}"), "first"), daemon=True),
+               threading.Thread(target=take_turns, args=(waiting, "second"), daemon=True)]
+    for thread in threads:
+        thread.start()
+    waiting.pass_turn()
+    for thread in threads:
+        thread.join(timeout=30)
+    assert steps == ["first", "second"] * 4 + ["first done"]
+
+    with pytest.raises(RuntimeError, match="has exited"):
+        Turns(f"{first}:{second}", other_alive=lambda: False).wait()
+    with pytest.raises(ValueError, match="two FIFOs"):
+        Turns(f"{tmp_path}:{first}")
+
+
+def test_turns_are_for_one_process_against_one(capsys):
+    assert benchmark.main([*TINY, "--turns", "a:b", "--hf"]) == 2
+    assert "--turns times ours against another process" in capsys.readouterr().err
