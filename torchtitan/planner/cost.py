@@ -23,8 +23,9 @@ Per GPU and step (all stages of one pipeline rank together; the slowest pipeline
     block's all-gather and the last reduce-scatter: exposed are that edge and what exceeds the compute. HSDP's
     replica all-reduce of the gradient shards too. With gradient accumulation, all of it in every micro-step.
     Under PP the parameters stay gathered from the first micro-batch, whose forward hides the all-gathers, and
-    every gradient is reduced after the last micro-batch's backward (torch.distributed.pipelining's
-    perform_reduce_grad): exposed, after the pipeline has drained.
+    each stage's gradients are reduced after its last micro-batch's backward (torch.distributed.pipelining's
+    perform_reduce_grad), which then makes the compute stream wait for the reduction (FSDP's finalize_backward):
+    exposed, whether it comes after the drain or, for a rank's later stage, between its earlier stage's backwards.
   - Sequence-parallel TP's all-gathers and reduce-scatters sit between the matmuls that need them: exposed, unless
     async TP decomposes them into chunks that overlap the matmuls (then exposed only beyond the matmul time).
   - Context parallelism all-gathers the keys and values once per attention call (torch's "allgather" rotation)
@@ -243,8 +244,9 @@ def step_time(args: TransformerModelArgs, layout: Layout, seq_len: int, gpu: GPU
     if p > 1:
         bubble = (microbatches * layout.stages_per_rank + p - 1) / (microbatches * layout.stages_per_rank)
         # The schedule keeps the parameters gathered from the first micro-batch (whose forward hides the
-        # all-gathers) and reduces every gradient after the last micro-batch's backward, with nothing left to
-        # overlap (torch.distributed.pipelining's perform_reduce_grad).
+        # all-gathers) and reduces each stage's gradients after its last backward; the compute stream waits for
+        # that reduction before it goes on (perform_reduce_grad ends in FSDP's finalize_backward), so none of it
+        # overlaps compute.
         first_forward_s = compute_s / (microbatches * layout.stages_per_rank) * (1 / 4 if recompute else 1 / 3)
         fsdp_exposed = max(0.0, gather_s - first_forward_s)
         drained_s = reduce_s
