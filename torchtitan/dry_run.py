@@ -171,13 +171,13 @@ def _dry_run_rank(config: JobConfig, trainer_class: type, rank: int, world_size:
 
 def _run_steps(trainer, rank: int, world_size: int, gpu) -> dict:
     """Two training steps on fake batches; the second is measured (the first creates the optimizer state and
-    lets a pipeline learn its stage shapes)."""
+    lets a pipeline learn its stage shapes). Each step gets batches of its own, as in training: context
+    parallelism shards a step's batch in place."""
     with trainer.fake_mode:
-        batches = fake_batches(trainer)
-        trainer.train_step(batches)
+        trainer.train_step(fake_batches(trainer))
         counter = CollectiveCounter(trainer.parallel_dims)
         with StepMemoryTracker(trainer.model_parts, trainer.optimizers.optimizers) as memory, counter:
-            trainer.train_step(batches)
+            trainer.train_step(fake_batches(trainer))
     return _report(trainer, rank, world_size, memory.peak_by_category(), counter, gpu)
 
 

@@ -22,6 +22,7 @@ from torch.distributed._tools.fake_collectives import CollectiveOp, collective_o
 from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker
 from torch.distributed._tools.mem_tracker import MemTracker
 from torch.distributed.fsdp import FSDPModule
+from torch.distributed.tensor import DTensor
 from torch.utils._python_dispatch import TorchDispatchMode
 
 
@@ -64,11 +65,28 @@ def _kind_of(func: torch._ops.OpOverload) -> str:
     return name
 
 
+def _tensor_bytes(value: Any) -> int:
+    if isinstance(value, torch.Tensor):
+        return value.numel() * value.element_size()
+    if isinstance(value, (list, tuple)):
+        return sum(_tensor_bytes(item) for item in value)
+    return 0
+
+
+def _buffer_bytes(func: torch._ops.OpOverload, result: Any, args: tuple, kwargs: dict | None) -> int:
+    """The larger of what goes in and what comes out, counted by element (torch's `CollectiveOp` counts some ops by
+    their input and some by the whole storage a view belongs to): the gathered output of an all-gather, the
+    unreduced input of a reduce-scatter, the tensor of an all-reduce, the buffer of an all-to-all."""
+    if _kind_of(func) == "p2p":
+        return CollectiveOp.get_comm_tensor_size(func, result, args, kwargs)
+    return max(_tensor_bytes(result), *(_tensor_bytes(arg) for arg in args))
+
+
 class CollectiveCounter(TorchDispatchMode):
     """Counts each collective this rank issues, grouped by (kind, mesh dimension): calls and bytes.
 
-    Bytes are those of the buffer the collective works on, as torch's own `CollectiveOp` sizes it: the gathered
-    output of an all-gather, the unreduced input of a reduce-scatter, the tensor of an all-reduce or a send.
+    Bytes are those of the buffer the collective works on (`_buffer_bytes`): the gathered output of an all-gather,
+    the unreduced input of a reduce-scatter, the tensor of an all-reduce, the buffer of an all-to-all or a send.
     """
 
     def __init__(self, parallel_dims):
@@ -88,13 +106,18 @@ class CollectiveCounter(TorchDispatchMode):
         return names
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        # An op on DTensors reaches this mode before DTensor runs it, and the collectives DTensor then issues for it
+        # (redistributions, context parallelism's ring attention) would run with this mode off the stack, uncounted:
+        # let DTensor run the op first, as torch's CommDebugMode does, so that they come back here.
+        if any(issubclass(t, DTensor) for t in types):
+            return NotImplemented
         result = func(*args, **(kwargs or {}))
         if func in collective_ops and func not in sync_ops:
             group = CollectiveOp.get_process_group(func, args)
             dim = self._dim_of_group.get(group.group_name, f"group {group.group_name}")
             record = self.records[(_kind_of(func), dim)]
             record["count"] += 1
-            record["bytes"] += CollectiveOp.get_comm_tensor_size(func, result, args, kwargs)
+            record["bytes"] += _buffer_bytes(func, result, args, kwargs)
         return result
 
     def summary(self) -> list[dict[str, Any]]:

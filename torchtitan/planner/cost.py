@@ -29,7 +29,9 @@ Per GPU and step (all stages of one pipeline rank together; the slowest pipeline
   - Sequence-parallel TP's all-gathers and reduce-scatters sit between the matmuls that need them: exposed, unless
     async TP decomposes them into chunks that overlap the matmuls (then exposed only beyond the matmul time).
   - Context parallelism all-gathers the keys and values once per attention call (torch's "allgather" rotation)
-    and waits for them after the local chunk: exposed beyond 1/c of attention's time.
+    and waits for them after the local chunk; backward also passes their gradients around the ring: exposed
+    beyond 1/c of attention's time. The calls and bytes of TP and CP are those the dry run counts
+    (sequence_collectives).
   - Pipeline sends are small (one micro-batch of hidden states) and overlap.
 - parameter traffic, memory-bound at the GPU's HBM bandwidth, counted, not fitted (parameter_traffic_bytes): once
   per step, fused AdamW and gradient-norm clipping over the rank's parameter shard; per forward-backward pass, the
@@ -149,6 +151,39 @@ def parameter_traffic_bytes(stage_params: float, shard: int, gather_bytes: int, 
     return OPTIMIZER_BYTES_PER_PARAM * shard_params + passes * per_pass
 
 
+def sequence_collectives(args: TransformerModelArgs, layout: Layout,
+                         seq_len: int) -> dict[tuple[str, str], tuple[int, float]]:
+    """The collectives of tensor and context parallelism in one step of a rank, as the dry run counts them:
+    (kind, mesh dimension) -> (calls, bytes of the gathered or unreduced buffers); tests/unit/test_planner.py holds
+    them against dry runs.
+
+    Sequence-parallel TP gathers the hidden state before attention and before the FFN and reduce-scatters after
+    each: per block 2 + 2 forward, and backward the reverse of each (2 reduce-scatters, 2 all-gathers); full AC's
+    recomputed forward gathers twice and reduce-scatters once (it stops at the last tensor backward needs). The
+    output layer's input is gathered once more, and its gradient reduce-scattered, on the last stage. Context
+    parallelism runs torch's ring attention: each attention call (forward, recomputed forward, backward)
+    all-gathers the keys and values, which the GPU attention path has expanded to the query heads; backward passes
+    the keys' and values' gradients, in fp32, to the next rank c times (all-to-all)."""
+    t, c = layout.tp, layout.cp
+    layers = args.n_layers / layout.pp
+    passes = layout.local_batch // layout.microbatch
+    recompute = layout.ac == "full"
+    collectives: dict[tuple[str, str], tuple[int, float]] = {}
+    if t > 1:
+        hidden_bytes = layout.microbatch * seq_len / c * args.dim * 2
+        for kind, per_block in (("all_gather", 4 + (2 if recompute else 0)),
+                                ("reduce_scatter", 4 + (1 if recompute else 0))):
+            calls = (per_block * layers + 1) * passes
+            collectives[(kind, "tp")] = (round(calls), calls * hidden_bytes)
+    if c > 1:
+        kv_bytes = layout.microbatch * seq_len / c * 2 * args.n_heads / t * args.head_dim * 2
+        gathers = (3 if recompute else 2) * layers * passes
+        collectives[("all_gather", "cp")] = (round(gathers), gathers * c * kv_bytes)
+        exchanges = c * layers * passes
+        collectives[("all_to_all", "cp")] = (round(exchanges), exchanges * 2 * kv_bytes)
+    return collectives
+
+
 def float8_cast_bytes_per_token(args: TransformerModelArgs, t: int, ac: str) -> float:
     """HBM bytes per token and block of Float8's dynamic tensorwise casts (torchao), on one TP rank.
 
@@ -214,26 +249,23 @@ def step_time(args: TransformerModelArgs, layout: Layout, seq_len: int, gpu: GPU
         reduce_s += 2 * _ring_seconds(stage_params * 4 / shard, layout.dp_replicate, replica_bw)
     fsdp_s = gather_s + reduce_s
 
-    # Sequence-parallel TP gathers the hidden state before attention and the FFN and reduce-scatters after them:
-    # per block, forward and recomputed forward 2 + 2 each, backward 2 all-gathers and 1 reduce-scatter (the
-    # dry run counts them).
-    tp_s = 0.0
-    collectives = 7 + (4 if recompute else 0)
-    if t > 1:
-        hidden_bytes = layout.local_batch * seq_len / c * args.dim * 2
-        tp_s = _ring_seconds(collectives * hidden_bytes * layers, t, _link_bandwidth(gpu, 1, t))
+    sequence = sequence_collectives(args, layout, seq_len)
+    tp_calls = sum(sequence.get((kind, "tp"), (0, 0.0))[0] for kind in ("all_gather", "reduce_scatter"))
+    tp_bytes = sum(sequence.get((kind, "tp"), (0, 0.0))[1] for kind in ("all_gather", "reduce_scatter"))
+    tp_s = _ring_seconds(tp_bytes, t, _link_bandwidth(gpu, 1, t))
     tp_exposed = tp_s
-    if layout.async_tp:
+    if layout.async_tp and tp_calls:
         # Async TP (inductor's micro-pipelining) splits each all-gather feeding a matmul into chunks that overlap
         # it: the two such all-gathers of every forward (and recomputed forward) hide; backward's stay exposed.
-        tp_exposed = tp_s * (1 - (2 + (2 if recompute else 0)) / collectives)
-    # Context parallelism moves every rank's keys and values to every other rank (forward; backward also their
-    # gradients).
+        hidden_calls = (2 + (2 if recompute else 0)) * layers * (layout.local_batch // layout.microbatch)
+        tp_exposed = tp_s * (1 - hidden_calls / tp_calls)
+    # Context parallelism: a ring all-gather moves (c - 1) / c of its gathered keys and values, a gradient exchange
+    # its whole buffer to the next rank.
     cp_s = 0.0
     if c > 1:
-        kv_bytes = layout.local_batch * seq_len / c * 2 * args.kv_heads * args.head_dim / t * 2
-        ring_bytes = kv_bytes * (c - 1) * (3 + (1 if recompute else 0)) * layers
-        cp_s = ring_bytes / _link_bandwidth(gpu, t, c)
+        cp_bw = _link_bandwidth(gpu, t, c)
+        cp_s = (_ring_seconds(sequence[("all_gather", "cp")][1], c, cp_bw)
+                + sequence[("all_to_all", "cp")][1] / cp_bw)
     # torch's ring attention all-gathers the keys and values once per call ("allgather" rotation) and waits for
     # them after the local chunk: only that chunk's attention (1/c of it) hides the exchange.
     attention_s = attention / (gpu.bf16_flops * efficiency)
