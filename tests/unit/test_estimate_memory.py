@@ -103,12 +103,14 @@ def test_presets_table_flags_layouts_over_80_gib():
     assert over.total > 80 * GIB
 
 
-# The dry run's trace against the real run's measured tensor peak, per layout (one process, FSDP 2, TP 2, PP 2).
+# The dry run's trace against the real run's measured tensor peak, per layout (one process, FSDP 2, TP 2, PP 2,
+# CP 2).
 LAYOUTS = [
     ("one_process", 1, []),
     ("fsdp2", 2, ["--parallelism.data_parallel_shard_degree", "2"]),
     ("tp2", 2, ["--parallelism.tensor_parallel_degree", "2"]),
     ("pp2", 2, ["--parallelism.pipeline_parallel_degree", "2"]),
+    ("cp2", 2, ["--parallelism.context_parallel_degree", "2"]),
 ]
 
 
@@ -123,7 +125,8 @@ def test_dry_run_within_10_percent_of_measured_peak(nproc, layout):
 
 # Layouts where the analytic model once disagreed with the trace: loss parallel's log-softmax (one extra fp32 copy
 # of the logits shard, not two), a pipeline under FSDP (unsharded fp32 gradients accumulate until the last
-# micro-batch's backward) and eager Float8 under TP.
+# micro-batch's backward) and eager Float8 under TP; and CP, whose trace measured a twice-sharded batch until each
+# dry-run step got a batch of its own.
 ANALYTIC_AGAINST_TRACE = [
     ("tp2_loss_parallel", ["--parallelism.tensor_parallel_degree", "2", "--parallelism.data_parallel_shard_degree",
                            "2", "--activation_checkpoint.mode", "full", "--model.vocab_size", "32768"]),
@@ -134,6 +137,8 @@ ANALYTIC_AGAINST_TRACE = [
                           "2", "--activation_checkpoint.mode", "full", "--model.converters", "quantize.linear.float8",
                           "--model.dim", "1024", "--model.n_heads", "16", "--model.n_layers", "2",
                           "--training.local_batch_size", "16"]),
+    ("cp2_tp2", ["--parallelism.context_parallel_degree", "2", "--parallelism.tensor_parallel_degree", "2",
+                 "--activation_checkpoint.mode", "none"]),
 ]
 
 
