@@ -127,11 +127,12 @@ def _start_ours(options: argparse.Namespace, trainer_args: list[str], scratch: P
     threads = ["--threads", str(options.threads)] if options.threads else []
     # A process of its own, not a rank of this one's (one-process) group.
     env = {k: v for k, v in os.environ.items() if k not in _RENDEZVOUS}
-    process = subprocess.Popen(
-        [options.ours, str(REPO / "scripts" / "benchmark.py"), "--job.config_file", "train_configs/debug_model.toml",
-         *trainer_args, *threads, "--warmup", str(options.warmup), "--steps", str(options.steps),
-         "--turns", f"{ours_fifo}:{torchtitan_fifo}"],
-        cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=open(scratch / "ours.log", "w"), text=True)
+    with open(scratch / "ours.log", "w") as log:  # the child keeps its own descriptor
+        process = subprocess.Popen(
+            [options.ours, str(REPO / "scripts" / "benchmark.py"), "--job.config_file",
+             "train_configs/debug_model.toml", *trainer_args, *threads, "--warmup", str(options.warmup),
+             "--steps", str(options.steps), "--turns", f"{ours_fifo}:{torchtitan_fifo}"],
+            cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=log, text=True)
     turns = Turns(f"{torchtitan_fifo}:{ours_fifo}", other_alive=lambda: process.poll() is None)
     turns.pass_turn()
     return process, turns

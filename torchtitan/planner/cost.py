@@ -249,16 +249,20 @@ def step_time(args: TransformerModelArgs, layout: Layout, seq_len: int, gpu: GPU
         reduce_s += 2 * _ring_seconds(stage_params * 4 / shard, layout.dp_replicate, replica_bw)
     fsdp_s = gather_s + reduce_s
 
+    microbatches = layout.local_batch // layout.microbatch
     sequence = sequence_collectives(args, layout, seq_len)
-    tp_calls = sum(sequence.get((kind, "tp"), (0, 0.0))[0] for kind in ("all_gather", "reduce_scatter"))
-    tp_bytes = sum(sequence.get((kind, "tp"), (0, 0.0))[1] for kind in ("all_gather", "reduce_scatter"))
-    tp_s = _ring_seconds(tp_bytes, t, _link_bandwidth(gpu, 1, t))
-    tp_exposed = tp_s
-    if layout.async_tp and tp_calls:
-        # Async TP (inductor's micro-pipelining) splits each all-gather feeding a matmul into chunks that overlap
-        # it: the two such all-gathers of every forward (and recomputed forward) hide; backward's stay exposed.
-        hidden_calls = (2 + (2 if recompute else 0)) * layers * (layout.local_batch // layout.microbatch)
-        tp_exposed = tp_s * (1 - hidden_calls / tp_calls)
+    tp_s, tp_exposed = 0.0, 0.0
+    if t > 1:
+        gather_calls, gathered = sequence[("all_gather", "tp")]
+        reduce_calls, reduced = sequence[("reduce_scatter", "tp")]
+        tp_s = _ring_seconds(gathered + reduced, t, _link_bandwidth(gpu, 1, t))
+        tp_exposed = tp_s
+        if layout.async_tp:
+            # Async TP (inductor's micro-pipelining) splits each all-gather feeding a matmul into chunks that
+            # overlap it: the two such all-gathers of every forward (and recomputed forward) hide; backward's stay
+            # exposed.
+            hidden_calls = (2 + (2 if recompute else 0)) * layers * microbatches
+            tp_exposed = tp_s * (1 - hidden_calls / (gather_calls + reduce_calls))
     # Context parallelism: a ring all-gather moves (c - 1) / c of its gathered keys and values, a gradient exchange
     # its whole buffer to the next rank.
     cp_s = 0.0
@@ -272,7 +276,6 @@ def step_time(args: TransformerModelArgs, layout: Layout, seq_len: int, gpu: GPU
     cp_exposed = max(0.0, cp_s - attention_s / c)
 
     bubble, drained_s = 1.0, 0.0
-    microbatches = layout.local_batch // layout.microbatch
     if p > 1:
         bubble = (microbatches * layout.stages_per_rank + p - 1) / (microbatches * layout.stages_per_rank)
         # The schedule keeps the parameters gathered from the first micro-batch (whose forward hides the
