@@ -103,6 +103,18 @@ def test_out_of_memory_is_reported_after_the_report(tmp_path):
     assert "more than the 79.6 GiB of one h100" in report["_log"]
 
 
+def test_compiled_layout_is_judged_by_its_compiled_memory(tmp_path):
+    """8B on 8 without AC: the eager trace exceeds an H100 (80.5 GiB); compiled blocks and loss save less, and the
+    analytic compiled peak (54 GiB), which the report adds, lets the run through with a warning."""
+    proc = launch(tmp_path, 1, ["--job.config_file", str(REPO / "train_configs" / "llama3_8b.toml"),
+                                "--job.no_print_config", "--comm.mode", "fake_backend", "--comm.fake_world_size", "8",
+                                "--activation_checkpoint.mode", "none", "--compile.enable"], timeout=600)
+    assert proc.returncode == 0, proc.stdout[-5000:]
+    report = json.loads((tmp_path / "dry_run.json").read_text())
+    assert report["peak_memory_gib"] > 79.6 > report["compiled_estimate_gib"] > 40
+    assert "compiled, the analytic model gives" in proc.stdout
+
+
 def test_world_size_must_be_given(tmp_path):
     proc = launch(tmp_path, 1, [*DEBUG, "--comm.mode", "fake_backend"], env={"NGPU": ""})
     assert proc.returncode == 2

@@ -73,7 +73,7 @@ def test_micro_batches_are_searched_and_accumulation_regathers_the_weights():
     rows = validation.published_rows()
     pipelined = rows[9]
     candidates = candidate_layouts("405B", 512, 8192, 256, validation.GPU)
-    assert dataclasses.replace(pipelined.layout, row_split_embedding=False) in candidates
+    assert dataclasses.replace(pipelined.layout, row_split_embedding=False, compiled_loss=True) in candidates
     flat = rows[3]
     args = model_args_for(flat.flavor, flat.seq_len)
     whole = step_time(args, flat.layout, flat.seq_len, validation.GPU)

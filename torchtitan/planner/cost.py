@@ -88,6 +88,10 @@ class Layout:
     row_split_embedding: bool = False
     """Split the embedding by vocabulary row under TP, as TorchTitan did for the published figures (this framework
     splits it by column): its gradient is then whole on every rank (planner/memory.py)."""
+    compiled_loss: bool = True
+    """With compile, compile the loss too (fused, it keeps no fp32 copy of the logits). TorchTitan compiled only the
+    blocks when it measured the published figures: its loss stayed eager ("compiling loss function causes CUDA
+    errors, turning off for now" in its train.py of late 2024)."""
 
     @property
     def world_size(self) -> int:

@@ -34,6 +34,10 @@ with saved-tensor hooks):
                                      narrow heads): A = (2 q + 2 kv)/t x 4 + q/t x a (wo's input stays bf16)
             + T x heads/t x 4        SDPA's log-sum-exp
             + T x f/t x 4 x a        SwiGLU: w1 and w3 outputs, silu output, product (= w2's input)
+  no AC,      T/t x d x (r + a)      inductor's partitioner recomputes the norms and SiLU: the block input and
+  compiled  + T x d x a x 2            the attention's sum, one linear input per norm, attention as above,
+            + T x A + T x heads/t x 4  three of SwiGLU's four tensors (measured on this CPU with saved-tensor
+            + T x f/t x 3 x a          hooks, eager against inductor, under autocast and bf16 parameters)
   full        T/t x d x r            only the block input (r: bytes of the residual stream: 4 under autocast
                                      or fp32, a when FSDP casts the parameters)
   op          T/t x d x r + a x T x ((q + kv)/t + d + f/t) + T x o [+ 2 x T/t x d x a under TP]
@@ -57,7 +61,9 @@ Transients, of which only the largest coexists with the rest:
   loss         end of forward: logits, their fp32 copy and log-softmax: T x V/t x (a + 8) (8 in fp32);
                loss backward: log-softmax output, its gradient and the logits' gradient: T x V/t x 12;
                loss parallel (TP) adds T x V/t x 4 (one more fp32 copy, measured); without loss
-               parallel the logits are whole (V instead of V/t)
+               parallel the logits are whole (V instead of V/t). Compiled (compile.components has
+               "loss", no loss parallel, which keeps it eager): fused kernels keep only the logits in
+               forward, T x V x a, and the logits and their gradient in backward, T x V x 2a
   block        backward of a checkpointed block rebuilds its `none` activations (and autocast copies); any
                block's backward adds the gradients inside the SwiGLU backward: T x f/t x 2 x a
   optimizer    the foreach implementation allocates one fp32 temporary per parameter (P_rank x 4 / F); fused
@@ -86,9 +92,11 @@ Peak = parameters + optimizer + max over the phases of the step:
 plus a fixed overhead (--overhead_gib; default 2 GiB on GPUs for the CUDA context, NCCL and cuBLAS workspaces,
 not validated here; 0 for the CPU validation, which counts tensors only).
 
-Not modelled: torch.compile's other effects (inductor's partitioner usually saves less), context parallelism's
-exchange buffers, allocator fragmentation; Float8 saves the high-precision tensors for backward, so its activations
-are those of bf16. With a fused RMSNorm kernel (CUDA) each norm may keep one fp32 [T, d] tensor fewer.
+Compiled blocks with AC: per-op AC saves what its policy names (measured within 1% of the eager rule), full AC
+the block input, and the backward rebuilds the compiled `none` set.
+
+Not modelled: context parallelism's exchange buffers, allocator fragmentation; Float8 saves the high-precision
+tensors for backward, so its activations are those of bf16. With a fused RMSNorm kernel (CUDA) each norm may keep one fp32 [T, d] tensor fewer.
 """
 
 from __future__ import annotations
@@ -235,9 +243,9 @@ def _attention_bytes(s: _Shapes, seq_len: float, t: int, a: int, device: str) ->
 
 
 def _block_activations(s: _Shapes, tokens: float, seq_len: float, t: int, a: int, r: int, autocast: bool,
-                       mode: str, device: str) -> float:
+                       mode: str, device: str, compiled: bool = False) -> float:
     """Bytes one block saves for backward for one micro-batch of `tokens` tokens in sequences of `seq_len` (see the
-    module docstring)."""
+    module docstring); `compiled`: what inductor's partitioner saves of a compiled block without AC."""
     sp = tokens / t
     attention, sdpa_output = _attention_bytes(s, seq_len, t, a, device)
     if mode == "full":
@@ -247,6 +255,9 @@ def _block_activations(s: _Shapes, tokens: float, seq_len: float, t: int, a: int
         saved = (a * tokens * ((s.q + s.kv) / t + s.d + s.f / t) + tokens * sdpa_output
                  + tokens * s.n_heads / t * 4)
         return sp * s.d * r + saved + (2 * sp * s.d * a if t > 1 else 0)
+    if compiled:
+        return (sp * s.d * (r + a) + tokens * s.d * a * 2 + tokens * attention + tokens * s.f / t * 3 * a
+                + tokens * s.n_heads / t * 4)
     n_in = 5 if autocast and a != 4 else 2
     return (sp * s.d * 2 * 8 + tokens * s.d * a * n_in + tokens * attention + tokens * s.f / t * 4 * a
             + tokens * s.n_heads / t * 4)
@@ -281,7 +292,8 @@ def _estimate_rank(config: JobConfig, args: TransformerModelArgs, dims: Parallel
     block_params = s.block_matmul_params() / t + 2 * s.d
     head_params = s.vocab * s.d / t + s.d
     block_copies = s.block_matmul_params() / t * 2 if autocast else 0.0
-    none = _block_activations(s, tokens, seq_len, t, a, residual, autocast, "none", device)
+    compiled_blocks = config.compile.enable and "model" in config.compile.components
+    none = _block_activations(s, tokens, seq_len, t, a, residual, autocast, "none", device, compiled_blocks)
     # Per block of the rank, in forward order: (saved bytes for its in-flight micro-batches, bytes rebuilt and
     # alive during its backward, autocast copies it keeps for backward, micro-batches in flight, which of the
     # rank's stages holds it).
@@ -296,7 +308,8 @@ def _estimate_rank(config: JobConfig, args: TransformerModelArgs, dims: Parallel
         if has_embedding:
             optimizer += _optimizer_state(config, [("embeddings", (s.vocab, s.d), 0)], t, fsdp)
         for mode in _ac_modes(config, n_blocks):
-            saved = mbs * _block_activations(s, tokens, seq_len, t, a, residual, autocast, mode, device)
+            saved = mbs * _block_activations(s, tokens, seq_len, t, a, residual, autocast, mode, device,
+                                             compiled_blocks)
             rebuilt = none + block_copies if mode != "none" else 0.0
             # Autocast's cache hands every micro-batch the same copy of a weight.
             blocks.append((saved, rebuilt, block_copies if mode == "none" else 0.0, mbs, stage_index))
@@ -351,6 +364,14 @@ def _estimate_rank(config: JobConfig, args: TransformerModelArgs, dims: Parallel
     # Measured (CPU run and trace agree): torch's loss-parallel log-softmax keeps one more fp32 copy of the
     # logits shard.
     loss_parallel_extra = 4 * logits if loss_parallel else 0.0
+    # Compiled, the loss is fused kernels over the logits (measured on this CPU: nothing per logit beyond them in
+    # forward, their gradient in backward); eager, it materialises fp32 copies. Loss parallelism keeps it eager.
+    compiled_loss = config.compile.enable and "loss" in config.compile.components and not loss_parallel
+    if compiled_loss:
+        loss_forward, loss_backward = logits * a, logits * 2 * a
+    else:
+        loss_forward, loss_backward = logits * (a + 8 if a != 4 else 8) + loss_parallel_extra, \
+            logits * 12 + loss_parallel_extra
     # With every micro-batch in flight at once (GPipe, or a rank whose warm-up covers the batch) no forward runs
     # after a backward: the forwards see no gradients yet.
     steady_grads = resident_grads if dims.pp == 1 or any(
@@ -362,10 +383,8 @@ def _estimate_rank(config: JobConfig, args: TransformerModelArgs, dims: Parallel
         steady_grads = min(steady_grads, (sum(block_params for b in blocks if b[4] == head_stage) + head_params)
                            * grad_bytes)
     phases = {
-        "end of forward": (activations, logits * (a + 8 if a != 4 else 8) + loss_parallel_extra,
-                           forward_buffers + forward_copies, steady_grads),
-        "loss backward": (activations, logits * 12 + loss_parallel_extra, forward_buffers + saved_copies,
-                          steady_grads),
+        "end of forward": (activations, loss_forward, forward_buffers + forward_copies, steady_grads),
+        "loss backward": (activations, loss_backward, forward_buffers + saved_copies, steady_grads),
         "optimizer step": (0.0, 4 * sharded if config.optimizer.implementation == "foreach" else 0.0,
                            receive_buffers, gradients),
     }

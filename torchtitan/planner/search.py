@@ -44,7 +44,8 @@ class Prediction:
 
     def as_json(self) -> dict:
         layout = asdict(self.layout)
-        del layout["row_split_embedding"]  # a property of the measured runs the planner is validated on
+        for name in ("row_split_embedding", "compiled_loss"):  # properties of the published runs, not choices
+            del layout[name]
         return {**layout, "tps_per_gpu": round(self.tps_per_gpu, 1), "peak_memory_gib": round(self.peak_memory_gib, 2),
                 "step_seconds": round(self.step_seconds, 3), "overrides": self.overrides}
 
@@ -73,6 +74,8 @@ def layout_overrides(layout: Layout, seq_len: int, n_layers: int) -> list[str]:
         "--parallelism.enable_async_tensor_parallel" if layout.async_tp else
         "--parallelism.no_enable_async_tensor_parallel",
     ]
+    if layout.compile:
+        options += ["--compile.components", "model,loss" if layout.compiled_loss else "model"]
     if layout.float8:
         # Float8 all-gathers under FSDP: half the bytes of bf16 (TorchTitan's 405B recipe).
         options += ["--quantize.linear.float8.enable_fsdp_float8_all_gather",
@@ -99,8 +102,7 @@ def predict(flavor: str, layout: Layout, seq_len: int, gpu: GPU, config: JobConf
     shape options then replace the flavor's."""
     args = model_args_for(flavor, seq_len, overrides=shape_overrides(config.model) if config else None)
     if config is None:
-        tensors = _layout_memory(flavor, dataclasses.replace(layout, compile=layout.compile and layout.float8,
-                                                             async_tp=False), seq_len)
+        tensors = _layout_memory(flavor, dataclasses.replace(layout, async_tp=False), seq_len)
     else:
         tensors = estimate(config, layout.world_size).total
     step = step_time(args, layout, seq_len, gpu, **constants)
@@ -112,7 +114,7 @@ def predict(flavor: str, layout: Layout, seq_len: int, gpu: GPU, config: JobConf
 
 @functools.lru_cache(maxsize=4096)
 def _layout_memory(flavor: str, layout: Layout, seq_len: int) -> int:
-    """Tensor peak of a layout; async TP does not change it, compile only through Float8's fused casts."""
+    """Tensor peak of a layout (async TP does not change it)."""
     return estimate(trainer_config(flavor, layout, seq_len), layout.world_size,
                     row_split_embedding=layout.row_split_embedding).total
 
@@ -141,7 +143,8 @@ def layout_from_config(config: JobConfig, world_size: int) -> Layout:
                   config.training.local_batch_size,
                   ac={"none": "none", "full": "full", "selective": "op"}[ac.mode],
                   float8=any("float8" in c for c in config.model.converters), compile=config.compile.enable,
-                  async_tp=parallelism.enable_async_tensor_parallel)
+                  async_tp=parallelism.enable_async_tensor_parallel,
+                  compiled_loss="loss" in config.compile.components)
 
 
 def _divisors(n: int) -> list[int]:

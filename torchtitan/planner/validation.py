@@ -2,7 +2,8 @@
 
 FIT_ROWS name the rows the three constants of the performance model are fitted on; every other row is a
 prediction. The hardware of the table is the H100 96 GB of TorchTitan's hosts (`h100_96gb`), and the rows' layouts
-carry TorchTitan's row-split embedding (`Layout.row_split_embedding`), the code that measured them.
+carry TorchTitan's row-split embedding (`Layout.row_split_embedding`) and its eager loss (`Layout.compiled_loss`),
+the code that measured them.
 """
 
 from __future__ import annotations
@@ -64,7 +65,8 @@ def published_rows() -> list[Row]:
                         local_batch=int(record["local_batch"]), microbatch=int(record["local_batch"]) // pp,
                         ac={"selective": "op", "full": "full", "none": "none"}[record["ac"]],
                         float8=record["float8"] == "true", compile=record["compile"] == "true",
-                        async_tp=record["async_tp"] == "true", row_split_embedding=True)
+                        async_tp=record["async_tp"] == "true", row_split_embedding=True,
+                        compiled_loss=False)
         rows.append(Row(index=index, flavor=record["flavor"], gpus=int(record["gpus"]), seq_len=int(record["seq_len"]),
                         layout=layout, tps_per_gpu=float(record["tps_per_gpu"]),
                         peak_memory_gib=float(record["peak_mem_gib"])))
