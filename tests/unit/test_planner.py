@@ -183,3 +183,14 @@ def test_float8_casts_of_whole_sequence_tensors_do_not_shrink_with_tensor_parall
     assert tp8 > alone / 3
     assert float8_cast_bytes_per_token(args, 8, "full") > float8_cast_bytes_per_token(args, 8, "op") > \
         float8_cast_bytes_per_token(args, 8, "none")
+
+
+def test_ring_latency_counts_nvlink_and_network_hops():
+    """NCCL's ring: a base latency, then one hop per rank, over NVLink within a host and the network between."""
+    from torchtitan.planner.cost import ring_latency_seconds
+
+    gpu = GPUS["h100"]
+    assert ring_latency_seconds(gpu, 1, 1) == 0.0
+    assert ring_latency_seconds(gpu, 1, 8) == pytest.approx(8.4e-6 + 7 * 3.4e-6)
+    assert ring_latency_seconds(gpu, 1, 128) == pytest.approx(8.4e-6 + 112 * 3.4e-6 + 15 * 14e-6)
+    assert ring_latency_seconds(gpu, 8, 16) == pytest.approx(8.4e-6 + 15 * 14e-6)  # one rank per host

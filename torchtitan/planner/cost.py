@@ -18,7 +18,7 @@ Per GPU and step (all stages of one pipeline rank together; the slowest pipeline
 - communication, each collective's bytes over the link it crosses (NVLink within a host of 8, the RDMA network
   between hosts; mesh dimensions are laid out pp, dp_replicate, dp_shard, cp, tp, the last varying fastest, so a
   dimension stays within a host when its stride x size <= 8). A ring moves (n - 1) / n of the buffer over its
-  slowest link.
+  slowest link, and each call pays NCCL's ring latency (ring_latency_seconds: per hop, NVLink or network).
   - FSDP's all-gathers and reduce-scatters are prefetched and overlap the blocks' compute, except the first
     block's all-gather and the last reduce-scatter: exposed are that edge and what exceeds the compute. HSDP's
     replica all-reduce of the gradient shards too. With gradient accumulation, all of it in every micro-step.
@@ -58,6 +58,13 @@ MEMORY_BOUND_BYTES = 1460.0
 COMPILED_FRACTION = 0.7
 
 HOST_SIZE = 8
+
+# Latency of one ring collective (NCCL's own tuning model for the ring algorithm and its Simple protocol, which it
+# uses for large buffers): a base cost, plus one per step of the ring, an NVLink hop within a host and a network hop
+# between hosts. Microseconds; from NCCL's published tables, not fitted.
+RING_BASE_LATENCY_S = 8.4e-6
+NVLINK_HOP_LATENCY_S = 3.4e-6
+NETWORK_HOP_LATENCY_S = 14.0e-6
 
 # Per fp32 parameter of the shard and step: fused AdamW reads the parameter, its gradient and both moments and
 # writes back the parameter and the moments (7 x 4 bytes); clipping reads every gradient for the norm, then reads
@@ -125,8 +132,19 @@ def _link_bandwidth(gpu: GPU, stride: int, size: int) -> float:
     return gpu.nvlink_bytes_per_s if stride * size <= gpu.gpus_per_host else gpu.rdma_bytes_per_s
 
 
-def _ring_seconds(buffer_bytes: float, size: int, bandwidth: float) -> float:
-    return 0.0 if size <= 1 else buffer_bytes * (size - 1) / size / bandwidth
+def ring_latency_seconds(gpu: GPU, stride: int, size: int) -> float:
+    """Latency of one collective over a ring of `size` ranks `stride` apart: its hops within hosts over NVLink,
+    those between hosts over the network."""
+    if size <= 1:
+        return 0.0
+    hosts = max(1, stride * size // gpu.gpus_per_host)
+    return RING_BASE_LATENCY_S + (size - hosts) * NVLINK_HOP_LATENCY_S + (hosts - 1) * NETWORK_HOP_LATENCY_S
+
+
+def _ring_seconds(buffer_bytes: float, size: int, bandwidth: float, calls: float = 0.0,
+                  latency_s: float = 0.0) -> float:
+    """Time of `calls` collectives that move `buffer_bytes` in all over a ring of `size` ranks."""
+    return 0.0 if size <= 1 else buffer_bytes * (size - 1) / size / bandwidth + calls * latency_s
 
 
 def block_linear_params(args: TransformerModelArgs) -> int:
@@ -245,12 +263,15 @@ def step_time(args: TransformerModelArgs, layout: Layout, seq_len: int, gpu: GPU
     gathers = 2 if p == 1 else 1  # parameters are gathered again for backward unless PP keeps them
     fsdp_bytes_ag = gathers * stage_params * gather_bytes
     fsdp_bytes_rs = stage_params * 4
-    fsdp_bw = _link_bandwidth(gpu, t, shard)
-    gather_s = _ring_seconds(fsdp_bytes_ag, shard, fsdp_bw)
-    reduce_s = _ring_seconds(fsdp_bytes_rs, shard, fsdp_bw)
+    fsdp_bw, fsdp_latency = _link_bandwidth(gpu, t, shard), ring_latency_seconds(gpu, t, shard)
+    # One all-gather and one reduce-scatter per block (FSDP groups the parameters by block) and pass.
+    gather_s = _ring_seconds(fsdp_bytes_ag, shard, fsdp_bw, gathers * layers, fsdp_latency)
+    reduce_s = _ring_seconds(fsdp_bytes_rs, shard, fsdp_bw, layers, fsdp_latency)
     if layout.dp_replicate > 1:
         replica_bw = _link_bandwidth(gpu, t * shard, layout.dp_replicate)
-        reduce_s += 2 * _ring_seconds(stage_params * 4 / shard, layout.dp_replicate, replica_bw)
+        # An all-reduce is a reduce-scatter and an all-gather: twice the ring's traffic and steps.
+        reduce_s += 2 * _ring_seconds(stage_params * 4 / shard, layout.dp_replicate, replica_bw, layers,
+                                      ring_latency_seconds(gpu, t * shard, layout.dp_replicate))
     fsdp_s = gather_s + reduce_s
 
     microbatches = layout.local_batch // layout.microbatch
@@ -259,7 +280,8 @@ def step_time(args: TransformerModelArgs, layout: Layout, seq_len: int, gpu: GPU
     if t > 1:
         gather_calls, gathered = sequence[("all_gather", "tp")]
         reduce_calls, reduced = sequence[("reduce_scatter", "tp")]
-        tp_s = _ring_seconds(gathered + reduced, t, _link_bandwidth(gpu, 1, t))
+        tp_s = _ring_seconds(gathered + reduced, t, _link_bandwidth(gpu, 1, t), gather_calls + reduce_calls,
+                             ring_latency_seconds(gpu, 1, t))
         tp_exposed = tp_s
         if layout.async_tp:
             # Async TP (inductor's micro-pipelining) splits each all-gather feeding a matmul into chunks that
@@ -271,9 +293,11 @@ def step_time(args: TransformerModelArgs, layout: Layout, seq_len: int, gpu: GPU
     # its whole buffer to the next rank.
     cp_s = 0.0
     if c > 1:
-        cp_bw = _link_bandwidth(gpu, t, c)
-        cp_s = (_ring_seconds(sequence[("all_gather", "cp")][1], c, cp_bw)
-                + sequence[("all_to_all", "cp")][1] / cp_bw)
+        cp_bw, cp_latency = _link_bandwidth(gpu, t, c), ring_latency_seconds(gpu, t, c)
+        gather_calls, gathered = sequence[("all_gather", "cp")]
+        exchange_calls, exchanged = sequence[("all_to_all", "cp")]
+        cp_s = (_ring_seconds(gathered, c, cp_bw, gather_calls, cp_latency)
+                + exchanged / cp_bw + exchange_calls * cp_latency)
     # torch's ring attention all-gathers the keys and values once per call ("allgather" rotation) and waits for
     # them after the local chunk: only that chunk's attention (1/c of it) hides the exchange.
     attention_s = attention / (gpu.bf16_flops * efficiency)
