@@ -164,3 +164,36 @@ def test_analytic_estimate_within_5_percent_of_the_trace(layout):
     traced = estimate_memory.traced_peak(argv, 4)
     predicted = estimate(parse_args(argv), 4).total
     assert abs(predicted / traced - 1) <= 0.05, f"analytic {predicted / 2**20:.1f} MiB, traced {traced / 2**20:.1f} MiB"
+
+
+def test_compiled_float8_block_saves_what_the_model_says():
+    """Inductor recomputes torchao's Float8 casts, and with them the norms' outputs, instead of saving them: one
+    compiled block with bf16 parameters (as under FSDP), counted with saved-tensor hooks."""
+    import torch
+    from torchao.float8 import Float8LinearConfig, convert_to_float8_training
+
+    from torchtitan.models.llama3.args import TransformerModelArgs
+    from torchtitan.models.llama3.model import TransformerBlock, rope_table
+    from torchtitan.planner.memory import _block_activations, _Shapes
+
+    args = TransformerModelArgs(dim=256, n_layers=1, n_heads=4, n_kv_heads=2, vocab_size=64, max_seq_len=256)
+    block = TransformerBlock(0, args).to(torch.bfloat16)
+    convert_to_float8_training(block, config=Float8LinearConfig())
+    compiled = torch.compile(block, fullgraph=True)
+    x = torch.randn(2, 256, 256, dtype=torch.bfloat16, requires_grad=True)
+    parameters = {p.untyped_storage().data_ptr() for p in block.parameters()}
+    saved = {}
+
+    def pack(tensor):
+        storage = tensor.untyped_storage()
+        if storage.data_ptr() not in parameters:
+            saved[storage.data_ptr()] = storage.nbytes()
+        return tensor
+
+    compiled(x, rope_table(args)).sum().backward()
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
+        compiled(x, rope_table(args))
+    rope = rope_table(args).untyped_storage().nbytes()
+    predicted = _block_activations(_Shapes.of(args), 512, 256, 1, 2, 2, False, "none", "cpu", compiled=True,
+                                   float8=True)
+    assert sum(saved.values()) - rope == pytest.approx(predicted, rel=0.01)

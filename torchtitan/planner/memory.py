@@ -38,6 +38,11 @@ with saved-tensor hooks):
   compiled  + T x d x a x 2            the attention's sum, one linear input per norm, attention as above,
             + T x A + T x heads/t x 4  three of SwiGLU's four tensors (measured on this CPU with saved-tensor
             + T x f/t x 3 x a          hooks, eager against inductor, under autocast and bf16 parameters)
+  no AC,      T/t x d x r + T x A + T x heads/t x 4 + T x f/t x 2 x a [+ T x q/t x a]
+  compiled,                          the partitioner recomputes torchao's casts, and with them the norms'
+  Float8                             outputs and SwiGLU's product: no linear input but a 2-D copy of wo's
+                                     (unless attention ran in fp32, whose cast is that copy), two of SwiGLU's
+                                     tensors (same measurement)
   full        T/t x d x r            only the block input (r: bytes of the residual stream: 4 under autocast
                                      or fp32, a when FSDP casts the parameters)
   op          T/t x d x r + a x T x ((q + kv)/t + d + f/t) + T x o [+ 2 x T/t x d x a under TP]
@@ -93,10 +98,13 @@ plus a fixed overhead (--overhead_gib; default 2 GiB on GPUs for the CUDA contex
 not validated here; 0 for the CPU validation, which counts tensors only).
 
 Compiled blocks with AC: per-op AC saves what its policy names (measured within 1% of the eager rule), full AC
-the block input, and the backward rebuilds the compiled `none` set.
+the block input; the backward of a checkpointed block holds what the eager `none` set does (measured, one block
+under full AC, backward peak: compiled bf16 22% below it, compiled Float8 2.5% below). Float8's linear layers cast
+their weights themselves: under autocast no bf16 weight copies.
 
-Not modelled: context parallelism's exchange buffers, allocator fragmentation; Float8 saves the high-precision
-tensors for backward, so its activations are those of bf16. With a fused RMSNorm kernel (CUDA) each norm may keep one fp32 [T, d] tensor fewer.
+Not modelled: context parallelism's exchange buffers, allocator fragmentation; eager Float8 saves the
+high-precision tensors for backward, so its activations are those of bf16. With a fused RMSNorm kernel (CUDA) each
+norm may keep one fp32 [T, d] tensor fewer.
 """
 
 from __future__ import annotations
@@ -237,15 +245,20 @@ def _attention_bytes(s: _Shapes, seq_len: float, t: int, a: int, device: str) ->
     chooses the path from the local sequence length; see the module docstring)."""
     if device != "cpu":
         return 4 * s.q / t * a, s.q / t * a
-    if a == 2 and cpu_attention_in_fp32(s.head_dim, int(seq_len)):
+    if _attention_in_fp32(s, seq_len, a, device):
         return (2 * s.q + 2 * s.kv) / t * 4 + s.q / t * a, s.q / t * 4
     return (2 * s.q + 2 * s.kv) / t * a, s.q / t * a
 
 
+def _attention_in_fp32(s: _Shapes, seq_len: float, a: int, device: str) -> bool:
+    return device == "cpu" and a == 2 and cpu_attention_in_fp32(s.head_dim, int(seq_len))
+
+
 def _block_activations(s: _Shapes, tokens: float, seq_len: float, t: int, a: int, r: int, autocast: bool,
-                       mode: str, device: str, compiled: bool = False) -> float:
+                       mode: str, device: str, compiled: bool = False, float8: bool = False) -> float:
     """Bytes one block saves for backward for one micro-batch of `tokens` tokens in sequences of `seq_len` (see the
-    module docstring); `compiled`: what inductor's partitioner saves of a compiled block without AC."""
+    module docstring); `compiled`: what inductor's partitioner saves of a compiled block without AC, which with
+    Float8 (`float8`) recomputes the casts and so the linear inputs too."""
     sp = tokens / t
     attention, sdpa_output = _attention_bytes(s, seq_len, t, a, device)
     if mode == "full":
@@ -255,6 +268,11 @@ def _block_activations(s: _Shapes, tokens: float, seq_len: float, t: int, a: int
         saved = (a * tokens * ((s.q + s.kv) / t + s.d + s.f / t) + tokens * sdpa_output
                  + tokens * s.n_heads / t * 4)
         return sp * s.d * r + saved + (2 * sp * s.d * a if t > 1 else 0)
+    if compiled and float8:
+        # The float8 matmul of wo takes its input as a 2-D copy, which the fp32 attention path's cast already is.
+        wo_input = 0.0 if _attention_in_fp32(s, seq_len, a, device) else s.q / t * a
+        return (sp * s.d * r + tokens * wo_input + tokens * attention + tokens * s.f / t * 2 * a
+                + tokens * s.n_heads / t * 4)
     if compiled:
         return (sp * s.d * (r + a) + tokens * s.d * a * 2 + tokens * attention + tokens * s.f / t * 3 * a
                 + tokens * s.n_heads / t * 4)
@@ -291,9 +309,14 @@ def _estimate_rank(config: JobConfig, args: TransformerModelArgs, dims: Parallel
 
     block_params = s.block_matmul_params() / t + 2 * s.d
     head_params = s.vocab * s.d / t + s.d
-    block_copies = s.block_matmul_params() / t * 2 if autocast else 0.0
+    # Float8's linear layers cast their weights themselves, from the fp32 parameters: no autocast copy.
+    float8 = float8_enabled(config)
+    block_copies = s.block_matmul_params() / t * 2 if autocast and not float8 else 0.0
     compiled_blocks = config.compile.enable and "model" in config.compile.components
-    none = _block_activations(s, tokens, seq_len, t, a, residual, autocast, "none", device, compiled_blocks)
+    # What a checkpointed block's backward holds while it recomputes: the eager `none` set, compiled or not
+    # (measured on this CPU, one block under full AC, backward peak: compiled bf16 22% below it, compiled Float8
+    # 2.5%).
+    none = _block_activations(s, tokens, seq_len, t, a, residual, autocast, "none", device)
     # Per block of the rank, in forward order: (saved bytes for its in-flight micro-batches, bytes rebuilt and
     # alive during its backward, autocast copies it keeps for backward, micro-batches in flight, which of the
     # rank's stages holds it).
@@ -309,7 +332,7 @@ def _estimate_rank(config: JobConfig, args: TransformerModelArgs, dims: Parallel
             optimizer += _optimizer_state(config, [("embeddings", (s.vocab, s.d), 0)], t, fsdp)
         for mode in _ac_modes(config, n_blocks):
             saved = mbs * _block_activations(s, tokens, seq_len, t, a, residual, autocast, mode, device,
-                                             compiled_blocks)
+                                             compiled_blocks, float8)
             rebuilt = none + block_copies if mode != "none" else 0.0
             # Autocast's cache hands every micro-batch the same copy of a weight.
             blocks.append((saved, rebuilt, block_copies if mode == "none" else 0.0, mbs, stage_index))
