@@ -8,6 +8,8 @@ From the repository root:
         --parallelism.tensor_parallel_degree 8                                 # one configuration, as the trainer
     python scripts/plan.py --validate                                          # against TorchTitan's published runs
     python scripts/plan.py --validate --fit                                    # refit the three constants
+    python scripts/plan.py --calibrate outputs/run1 outputs/run2 --gpu h100    # the model against your own runs
+    python scripts/plan.py --flavor 70B --gpus 256 --efficiency 0.6            # plan with constants of your own
 
 The model (torchtitan/planner/cost.py, docs/scaling.md): compute from FLOPs over the GPU's peak, communication
 from the bytes of each collective over the link it crosses, the pipeline bubble; memory from the analytic model
@@ -26,7 +28,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from torchtitan.config import parse_args  # noqa: E402
 from torchtitan.errors import UserError  # noqa: E402
 from torchtitan.planner.cost import Layout  # noqa: E402
-from torchtitan.planner.hardware import GPUS, gpu_named  # noqa: E402
+from torchtitan.planner.calibration import MODEL_CONSTANTS  # noqa: E402
+from torchtitan.planner.hardware import GPU, GPUS, gpu_named  # noqa: E402
 from torchtitan.planner.search import Prediction, layout_from_config, plan, predict  # noqa: E402
 
 
@@ -82,6 +85,28 @@ def validation_markdown(refit: bool) -> str:
     return "\n".join(lines)
 
 
+def calibration_markdown(folders: list[str], gpu: GPU, refit_all: bool) -> str:
+    from torchtitan.planner.calibration import calibrate, read_run
+
+    fitted, entries = calibrate([read_run(folder) for folder in folders], gpu, refit_all)
+    lines = ["| run | GPUs | tokens/s/GPU measured | model | error | refitted | error | peak GiB measured | "
+             "predicted | error |", "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    for e in entries:
+        lines.append(f"| {e['run']} | {e['gpus']} | {e['tps_measured']:,.0f} | {e['tps_model']:,.0f} | "
+                     f"{100 * (e['tps_model'] / e['tps_measured'] - 1):+.1f}% | {e['tps_fitted']:,.0f} | "
+                     f"{100 * (e['tps_fitted'] / e['tps_measured'] - 1):+.1f}% | {e['memory_measured_gib']:.1f} | "
+                     f"{e['memory_predicted_gib']:.1f} | "
+                     f"{100 * (e['memory_predicted_gib'] / e['memory_measured_gib'] - 1):+.1f}% |")
+    refitted = [name for name in fitted if fitted[name] != MODEL_CONSTANTS[name]] or ["none changed"]
+    options = " ".join(f"--{name} {value:g}" for name, value in fitted.items())
+    lines += ["", f"Model constants: {', '.join(f'{n} {v:g}' for n, v in MODEL_CONSTANTS.items())}; refitted to these "
+              f"runs on {gpu.name}: {', '.join(f'{n} {v:g}' for n, v in fitted.items())} "
+              f"({'all three' if refit_all else 'the efficiency only; --refit_all for all three'}; "
+              f"moved: {', '.join(refitted)}).",
+              f"Plan with them: python scripts/plan.py ... {options}"]
+    return "\n".join(lines)
+
+
 def traced_markdown() -> str:
     from torchtitan.planner import validation
 
@@ -110,6 +135,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--fit", action="store_true", help="with --validate: refit the three constants")
     parser.add_argument("--traced", action="store_true",
                         help="with --validate: the dry run's peak memory of each row instead (about 20 minutes)")
+    parser.add_argument("--calibrate", nargs="+", metavar="RUN_FOLDER", default=None,
+                        help="the model against your own GPU runs (trainer dump folders), its efficiency refitted")
+    parser.add_argument("--refit_all", action="store_true",
+                        help="with --calibrate: refit all three constants (three runs or more)")
+    for name, value in MODEL_CONSTANTS.items():
+        parser.add_argument(f"--{name}", type=float, default=value,
+                            help=f"a constant of the performance model (default {value:g}, fitted on TorchTitan's "
+                                 f"runs; --calibrate fits it to yours)")
     parser.add_argument("--plan-help", action="help", help="this help")
     args, trainer_argv = parser.parse_known_args(sys.argv[1:] if argv is None else argv)
     try:
@@ -117,10 +150,20 @@ def main(argv: list[str] | None = None) -> int:
             print(traced_markdown() if args.traced else validation_markdown(args.fit))
             return 0
         gpu = gpu_named(args.gpu, "--gpu")
+        if args.calibrate:
+            print(calibration_markdown(args.calibrate, gpu, args.refit_all))
+            return 0
+        constants = {name: getattr(args, name) for name in MODEL_CONSTANTS}
+        if not 0 < constants["efficiency"] <= 1 or constants["memory_bound_bytes"] < 0 or \
+                constants["compiled_fraction"] < 0:
+            raise UserError(f"options --efficiency (0 to 1), --memory_bound_bytes and --compiled_fraction (0 or "
+                            f"more): got {constants['efficiency']:g}, {constants['memory_bound_bytes']:g}, "
+                            f"{constants['compiled_fraction']:g}")
         if args.predict:
             config = parse_args(trainer_argv)
             layout = layout_from_config(config, args.gpus)
-            results = [predict(config.model.flavor, layout, config.training.seq_len, gpu, config=config)]
+            results = [predict(config.model.flavor, layout, config.training.seq_len, gpu, config=config,
+                               **constants)]
         else:
             if trainer_argv:
                 raise UserError(f"unknown arguments {' '.join(trainer_argv)} (trainer options need --predict)")
@@ -132,7 +175,7 @@ def main(argv: list[str] | None = None) -> int:
                 raise UserError(f"option --global_batch: {global_batch} must be a positive integer")
             fixed = {name: getattr(args, name) == "on" for name in ("float8", "compile", "async_tp")
                      if getattr(args, name) is not None}
-            results = plan(args.flavor, args.gpus, gpu, args.seq_len, global_batch, fixed)[:args.top]
+            results = plan(args.flavor, args.gpus, gpu, args.seq_len, global_batch, fixed, constants)[:args.top]
     except UserError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

@@ -26,7 +26,7 @@ from torchtitan.components.datasets.text import StreamRetry
 from torchtitan.components.float8 import apply_float8, precompute_float8_scales
 from torchtitan.components.loss import count_valid_tokens, cross_entropy_sum
 from torchtitan.components.lr_scheduler import build_lr_schedulers
-from torchtitan.components.metrics import MetricsLogger
+from torchtitan.components.metrics import MetricsLogger, save_run_info
 from torchtitan.components.optimizer import build_optimizers
 from torchtitan.components.profiling import maybe_enable_memory_snapshot, maybe_enable_profiling
 from torchtitan.components.tokenizer import build_model_tokenizer
@@ -44,7 +44,7 @@ from torchtitan.models.llama3.args import describe_model, model_args_for, shape_
 from torchtitan.models.llama3.model import (Transformer, count_parameters, document_ids, document_positions,
                                             flops_per_token)
 from torchtitan.models.llama3.parallelize import parallelize_llama, validate_parallelism
-from torchtitan.tools.device_info import memory_stats, peak_flops, reset_peak_memory
+from torchtitan.tools.device_info import device_name, memory_stats, peak_flops, reset_peak_memory
 from torchtitan.tools.logging import init_logger, logger
 
 
@@ -70,6 +70,8 @@ class Trainer:
                     f"{self.parallel_dims.describe()}")
         if self.rank == 0:
             save_config(config, config.job.dump_folder)
+            if not self.dry_run:
+                save_run_info(config.job.dump_folder, world_size, self.device.type, device_name(self.device))
         if config.job.print_config and self.rank == 0:
             logger.info("Config:\n" + to_toml(config))
         self.seed = dist_utils.set_determinism(config.debug.seed, config.debug.deterministic,

@@ -4,6 +4,7 @@ Bad inputs mostly run in this process through `torchtitan.train.main` (no interp
 as `python -m torchtitan.train` to prove the exit status itself.
 """
 
+import json
 import math
 import os
 import re
@@ -45,6 +46,8 @@ def test_run_train_sh_trains_the_debug_model(tmp_path):
     saved = parse_args(["--job.config_file", str(dump / "config.toml")])
     assert (saved.model.flavor, saved.training.steps, saved.training.seq_len) == ("debugmodel", 30, 128)
     assert saved.job.dump_folder == str(dump)
+    run_info = json.loads((dump / "run.json").read_text())
+    assert (run_info["world_size"], run_info["device_type"]) == (1, "cpu") and run_info["device_name"]
 
     rows = read_metrics(dump)
     train_rows = [row for row in rows if "loss" in row]

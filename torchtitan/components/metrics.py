@@ -37,6 +37,20 @@ _STEP_COLOR = "\033[31m"
 _OTHER_COLOR = "\033[37m"
 
 
+RUN_INFO_FILE = "run.json"
+
+
+def save_run_info(dump_folder: str, world_size: int, device_type: str, device: str) -> None:
+    """`<dump_folder>/run.json`: what the per-device figures of metrics.jsonl were measured on (read by
+    `scripts/plan.py --calibrate`)."""
+    import torch
+
+    info = {"world_size": world_size, "device_type": device_type, "device_name": device,
+            "torch_version": torch.__version__}
+    with open(os.path.join(dump_folder, RUN_INFO_FILE), "w") as f:
+        f.write(json.dumps(info, indent=2) + "\n")
+
+
 class MetricsLogger:
     """Sends each step's metrics to every enabled sink; create one per rank and close() it at the end.
 

@@ -14,7 +14,7 @@ class Job:
     """TOML file to read options from; command-line flags override it."""
 
     dump_folder: str = "./outputs"
-    """Folder for everything the run writes: config.toml, metrics.jsonl, checkpoints, TensorBoard logs, traces."""
+    """Folder for all the run writes: config.toml, run.json, metrics.jsonl, checkpoints, TensorBoard logs, traces."""
 
     description: str = "default job"
     """Free-text description of the job, logged at start."""

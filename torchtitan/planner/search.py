@@ -194,9 +194,9 @@ def candidate_layouts(flavor: str, gpus: int, seq_len: int, global_batch: int, g
 
 
 def plan(flavor: str, gpus: int, gpu: GPU, seq_len: int, global_batch: int,
-         fixed: dict[str, bool] | None = None) -> list[Prediction]:
+         fixed: dict[str, bool] | None = None, constants: dict[str, float] | None = None) -> list[Prediction]:
     """The layouts that fit, fastest first, each with its fastest micro-batch; `fixed` pins techniques (float8,
-    compile, async_tp) on or off."""
+    compile, async_tp) on or off; `constants` replace the model's fitted ones (cost.step_time's keywords)."""
     if flavor not in llama3_flavors:
         raise UserError(f"option --flavor: unknown flavor {flavor!r}; valid: {', '.join(llama3_flavors)}")
     candidates = [layout for layout in candidate_layouts(flavor, gpus, seq_len, global_batch, gpu)
@@ -207,7 +207,7 @@ def plan(flavor: str, gpus: int, gpu: GPU, seq_len: int, global_batch: int,
                         f"multiple of the data-parallel degree, or another GPU count")
     fitting = []
     for layout in candidates:
-        prediction = predict(flavor, layout, seq_len, gpu)
+        prediction = predict(flavor, layout, seq_len, gpu, **(constants or {}))
         if prediction.peak_memory_gib <= gpu.memory_gib:
             fitting.append(prediction)
     if not fitting:

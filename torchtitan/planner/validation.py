@@ -18,10 +18,10 @@ import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
-from torchtitan.models.llama3.args import model_args_for
+from torchtitan.models.llama3.args import TransformerModelArgs, model_args_for
 from torchtitan.planner.cost import (COMPILED_FRACTION, EFFICIENCY, MEMORY_BOUND_BYTES, Layout,
                                      tokens_per_second_per_gpu)
-from torchtitan.planner.hardware import GPUS
+from torchtitan.planner.hardware import GPU as GPUSpec, GPUS
 from torchtitan.planner.search import Prediction, predict
 
 PUBLISHED = Path(__file__).resolve().parent / "data" / "torchtitan_llama3_h100.csv"
@@ -78,17 +78,36 @@ def predictions(rows: list[Row], **constants) -> list[Prediction]:
 
 
 def fit_constants(rows: list[Row]) -> dict[str, float]:
-    """The constants that minimise the largest relative tokens/s error on FIT_ROWS (a grid search)."""
-    fit = [(row, model_args_for(row.flavor, row.seq_len)) for row in rows if row.index in FIT_ROWS]
-    best, best_error = {}, float("inf")
-    for efficiency, bytes_, fraction in itertools.product([x / 100 for x in range(30, 96)], range(0, 3001, 20),
-                                                          [x / 40 for x in range(0, 41)]):
-        constants = {"efficiency": efficiency, "memory_bound_bytes": float(bytes_), "compiled_fraction": fraction}
-        error = max(abs(tokens_per_second_per_gpu(args, row.layout, row.seq_len, GPU, **constants)
-                        / row.tps_per_gpu - 1) for row, args in fit)
-        if error < best_error:
-            best, best_error = constants, error
-    return best
+    """The constants that minimise the largest relative tokens/s error on FIT_ROWS."""
+    return fit([(model_args_for(row.flavor, row.seq_len), row.layout, row.seq_len, row.tps_per_gpu)
+                for row in rows if row.index in FIT_ROWS], GPU)
+
+
+def fit(points: list[tuple[TransformerModelArgs, Layout, int, float]], gpu: GPUSpec,
+        only_efficiency: bool = False) -> dict[str, float]:
+    """The constants that minimise the largest relative error over `points` (model shape, layout, sequence length,
+    measured tokens/s per GPU), by a grid search, coarse then fine around the coarse optimum: efficiency 0.30-1.00
+    by 0.01, memory-bound bytes 0-3,000 by 20, compiled fraction 0-1 by 0.025; `only_efficiency` keeps the other
+    two at the model's values."""
+    def error(constants: dict[str, float]) -> float:
+        return max(abs(tokens_per_second_per_gpu(args, layout, seq_len, gpu, **constants) / measured - 1)
+                   for args, layout, seq_len, measured in points)
+
+    def best(efficiencies, bytes_, fractions) -> dict[str, float]:
+        grid = ({"efficiency": e, "memory_bound_bytes": b, "compiled_fraction": f}
+                for e, b, f in itertools.product(efficiencies, bytes_, fractions))
+        return min(grid, key=error)
+
+    def around(value: float, step: float, low: float, high: float, fine: float) -> list[float]:
+        count = round(2 * step / fine)
+        return sorted({round(min(high, max(low, value - step + i * fine)), 4) for i in range(count + 1)})
+
+    if only_efficiency:
+        return best([x / 100 for x in range(30, 101)], [MEMORY_BOUND_BYTES], [COMPILED_FRACTION])
+    coarse = best([x / 20 for x in range(6, 21)], [float(b) for b in range(0, 3001, 100)], [x / 10 for x in range(11)])
+    return best(around(coarse["efficiency"], 0.05, 0.3, 1.0, 0.01),
+                around(coarse["memory_bound_bytes"], 100, 0, 3000, 20),
+                around(coarse["compiled_fraction"], 0.1, 0, 1, 0.025))
 
 
 def validation_table(rows: list[Row] | None = None, constants: dict[str, float] | None = None) -> list[dict]:

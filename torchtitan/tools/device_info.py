@@ -129,6 +129,13 @@ def reset_peak_memory(device: torch.device) -> None:
             warn_once(f"Cannot reset the peak RSS ({exc}); max_rss_gib counts from process start.")
 
 
+def device_name(device: torch.device) -> str:
+    """The accelerator's name (e.g. "NVIDIA H100 80GB HBM3"), or the CPU's model."""
+    if device.type == "cuda":
+        return torch.cuda.get_device_name(device)
+    return _cpu_model_name()
+
+
 def _datasheet(device_name: str) -> _Datasheet | None:
     for name_part, datasheet in _DATASHEETS:
         if name_part in device_name:

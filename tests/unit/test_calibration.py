@@ -1,0 +1,91 @@
+"""scripts/plan.py --calibrate: the performance model against a user's own GPU runs, its constants refitted.
+
+The runs are the six measured on one H100 (docs/scaling.md, "Checked on one H100"), written as the trainer writes a
+dump folder: the resolved config.toml, run.json and metrics.jsonl.
+"""
+
+import json
+
+import pytest
+
+from scripts import plan as plan_script
+from torchtitan.config import parse_args, save_config
+from torchtitan.planner.calibration import MODEL_CONSTANTS, calibrate, read_run
+from torchtitan.planner.hardware import GPUS
+
+SHAPE = ["--job.config_file", "train_configs/llama3_8b.toml", "--model.n_layers", "4", "--model.vocab_size", "128256",
+         "--training.seq_len", "8192", "--parallelism.data_parallel_shard_degree", "1"]
+H100_RUNS = {  # options, tokens/s per GPU, peak reserved GiB
+    "noac_b1_eager": (["--activation_checkpoint.mode", "none", "--training.local_batch_size", "1"], 43273, 46.3),
+    "noac_b1_compile": (["--activation_checkpoint.mode", "none", "--training.local_batch_size", "1",
+                         "--compile.enable"], 49361, 35.3),
+    "noac_b1_compile_float8": (["--activation_checkpoint.mode", "none", "--training.local_batch_size", "1",
+                                "--compile.enable", "--model.converters", "quantize.linear.float8"], 52585, 31.9),
+    "op_b2_compile": (["--activation_checkpoint.mode", "selective", "--activation_checkpoint.selective_ac_option",
+                       "op", "--training.local_batch_size", "2", "--compile.enable"], 51237, 36.9),
+    "full_b4_compile": (["--activation_checkpoint.mode", "full", "--training.local_batch_size", "4",
+                         "--compile.enable"], 50291, 45.3),
+    "full_b2_eager": (["--activation_checkpoint.mode", "full", "--training.local_batch_size", "2"], 41228, 56.1),
+}
+
+
+def write_run(folder, options, tps, memory_gib, device_type="cuda", windows=2):
+    folder.mkdir(parents=True)
+    save_config(parse_args([*SHAPE, *options]), str(folder))
+    (folder / "run.json").write_text(json.dumps({"world_size": 1, "device_type": device_type,
+                                                 "device_name": "NVIDIA H100 80GB HBM3", "torch_version": "2.11"}))
+    # The first window holds compilation and warm-up: slower, and left out.
+    records = [{"step": 1, "tps": tps / 3, "memory_gib": memory_gib}]
+    records += [{"step": 5 * i, "tps": tps, "memory_gib": memory_gib} for i in range(1, windows)]
+    (folder / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+    return folder
+
+
+@pytest.fixture(scope="module")
+def h100_runs(tmp_path_factory):
+    root = tmp_path_factory.mktemp("h100")
+    return {name: write_run(root / name, *spec) for name, spec in H100_RUNS.items()}
+
+
+def test_efficiency_refitted_to_the_measured_h100_runs(h100_runs):
+    runs = [read_run(folder) for folder in h100_runs.values()]
+    assert [run.tps_per_gpu for run in runs] == [spec[1] for spec in H100_RUNS.values()]
+    fitted, table = calibrate(runs, GPUS["h100"])
+    assert fitted["efficiency"] == pytest.approx(0.79)
+    assert {k: fitted[k] for k in ("memory_bound_bytes", "compiled_fraction")} == \
+        {k: MODEL_CONSTANTS[k] for k in ("memory_bound_bytes", "compiled_fraction")}
+    before = max(abs(e["tps_model"] / e["tps_measured"] - 1) for e in table)
+    after = max(abs(e["tps_fitted"] / e["tps_measured"] - 1) for e in table)
+    assert before > 0.2 and after < 0.1, (before, after)
+    assert all(abs(e["memory_predicted_gib"] / e["memory_measured_gib"] - 1) < 0.1 for e in table)
+
+
+def test_refit_all_moves_every_constant_and_needs_three_runs(h100_runs):
+    runs = [read_run(h100_runs[name]) for name in ("noac_b1_eager", "noac_b1_compile", "noac_b1_compile_float8")]
+    fitted, table = calibrate(runs, GPUS["h100"], refit_all=True)
+    assert all(fitted[name] != MODEL_CONSTANTS[name] for name in MODEL_CONSTANTS)
+    assert max(abs(e["tps_fitted"] / e["tps_measured"] - 1) for e in table) < 0.03
+    with pytest.raises(Exception, match="three constants need three runs or more, got 2"):
+        calibrate(runs[:2], GPUS["h100"], refit_all=True)
+
+
+def test_calibrated_constants_reach_the_planner(h100_runs, capsys):
+    assert plan_script.main(["--calibrate", *map(str, h100_runs.values()), "--gpu", "h100"]) == 0
+    out = capsys.readouterr().out
+    assert "--efficiency 0.79 --memory_bound_bytes 1460 --compiled_fraction 0.7" in out
+    argv = ["--predict", "--gpus", "1", "--gpu", "h100", "--json", *SHAPE, *H100_RUNS["noac_b1_eager"][0]]
+    assert plan_script.main(argv) == 0
+    model = json.loads(capsys.readouterr().out)[0]["tps_per_gpu"]
+    assert plan_script.main([*argv, "--efficiency", "0.79"]) == 0
+    assert json.loads(capsys.readouterr().out)[0]["tps_per_gpu"] > model
+
+
+@pytest.mark.parametrize("make, message", [
+    (lambda root: root, "is not a finished trainer run: it has no config.toml, run.json, metrics.jsonl"),
+    (lambda root: write_run(root / "cpu", [], 1000, 1.0, device_type="cpu"), "ran on cpu"),
+    (lambda root: write_run(root / "short", [], 1000, 1.0, windows=1), "fewer than two windows"),
+])
+def test_runs_that_cannot_calibrate_are_one_line_errors(tmp_path, capsys, make, message):
+    assert plan_script.main(["--calibrate", str(make(tmp_path)), "--gpu", "h100"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: option --calibrate:") and message in err and len(err.splitlines()) == 1, err

@@ -1,0 +1,90 @@
+"""The performance model against your own GPU runs, and its three constants refitted to them
+(`scripts/plan.py --calibrate RUN_FOLDER ... --gpu h100`).
+
+The constants were fitted on TorchTitan's published runs, on H100s capped at 500 W; another cluster (other clocks,
+power limits, network, software) runs at its own level. A run is a trainer dump folder of a GPU run: its resolved
+`config.toml`, its `run.json` (world size and device, written at start) and its `metrics.jsonl` (tokens/s per
+device and the peak reserved memory of each logging window). The first logged window holds compilation and
+warm-up and is left out: a run needs at least two logged windows (training.steps and metrics.log_freq).
+
+By default only the efficiency is refitted: the level of your GPUs and software, the other two constants kept.
+With `refit_all` (three runs or more, varied in what the constants tell apart: eager and compiled, Float8, AC
+modes) all three are: on the one-H100 runs of docs/scaling.md that gives efficiency 1.0, the end of its range, where
+the efficiency alone gives a plausible 0.79 and errors within 9.3% (from -21%): the model's structure, not only
+its level, differs there.
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+from dataclasses import dataclass
+from pathlib import Path
+
+from torchtitan.components.metrics import RUN_INFO_FILE
+from torchtitan.config import JobConfig, parse_args
+from torchtitan.errors import UserError
+from torchtitan.models.llama3.args import model_args_for, shape_overrides
+from torchtitan.planner.cost import COMPILED_FRACTION, EFFICIENCY, MEMORY_BOUND_BYTES, Layout
+from torchtitan.planner.hardware import GPU
+from torchtitan.planner.search import layout_from_config, predict
+from torchtitan.planner.validation import fit
+
+MODEL_CONSTANTS = {"efficiency": EFFICIENCY, "memory_bound_bytes": MEMORY_BOUND_BYTES,
+                   "compiled_fraction": COMPILED_FRACTION}
+
+
+@dataclass(frozen=True)
+class MeasuredRun:
+    folder: Path
+    config: JobConfig
+    world_size: int
+    layout: Layout
+    tps_per_gpu: float
+    """Median over the logged windows after the first."""
+    peak_memory_gib: float
+    """Largest reserved peak over the logged windows."""
+
+
+def read_run(folder: str | Path) -> MeasuredRun:
+    folder = Path(folder)
+    files = {name: folder / name for name in ("config.toml", RUN_INFO_FILE, "metrics.jsonl")}
+    missing = [name for name, path in files.items() if not path.is_file()]
+    if missing:
+        raise UserError(f"option --calibrate: {folder} is not a finished trainer run: it has no "
+                        f"{', '.join(missing)} (run.json is written by this version's trainer at start)")
+    info = json.loads(files[RUN_INFO_FILE].read_text())
+    if info["device_type"] != "cuda":
+        raise UserError(f"option --calibrate: {folder} ran on {info['device_type']} ({info['device_name']}); the "
+                        f"model describes GPUs: give runs on the GPU named by --gpu")
+    config = parse_args(["--job.config_file", str(files["config.toml"])])
+    records = [json.loads(line) for line in files["metrics.jsonl"].read_text().splitlines() if line.strip()]
+    windows = [record for record in records if "tps" in record][1:]
+    if not windows:
+        raise UserError(f"option --calibrate: {folder} logged fewer than two windows of training metrics (the "
+                        f"first holds compilation and warm-up); train for more steps than metrics.log_freq")
+    return MeasuredRun(folder=folder, config=config, world_size=info["world_size"],
+                       layout=layout_from_config(config, info["world_size"]),
+                       tps_per_gpu=statistics.median(record["tps"] for record in windows),
+                       peak_memory_gib=max(record["memory_gib"] for record in windows))
+
+
+def calibrate(runs: list[MeasuredRun], gpu: GPU, refit_all: bool = False) -> tuple[dict[str, float], list[dict]]:
+    """The refitted constants, and per run its measured and predicted figures (with the model's constants and with
+    the refitted ones)."""
+    if refit_all and len(runs) < 3:
+        raise UserError(f"option --refit_all: three constants need three runs or more, got {len(runs)}")
+    points = []
+    for run in runs:
+        args = model_args_for(run.config.model.flavor, run.config.training.seq_len,
+                              overrides=shape_overrides(run.config.model))
+        points.append((args, run.layout, run.config.training.seq_len, run.tps_per_gpu))
+    fitted = fit(points, gpu, only_efficiency=not refit_all)
+    table = []
+    for run in runs:
+        before, after = (predict(run.config.model.flavor, run.layout, run.config.training.seq_len, gpu,
+                                 config=run.config, **constants) for constants in (MODEL_CONSTANTS, fitted))
+        table.append({"run": str(run.folder), "gpus": run.world_size, "tps_measured": run.tps_per_gpu,
+                      "tps_model": before.tps_per_gpu, "tps_fitted": after.tps_per_gpu,
+                      "memory_measured_gib": run.peak_memory_gib, "memory_predicted_gib": after.peak_memory_gib})
+    return fitted, table
