@@ -84,8 +84,14 @@ def test_calibrated_constants_reach_the_planner(h100_runs, capsys):
     (lambda root: root, "is not a finished trainer run: it has no config.toml, run.json, metrics.jsonl"),
     (lambda root: write_run(root / "cpu", [], 1000, 1.0, device_type="cpu"), "ran on cpu"),
     (lambda root: write_run(root / "short", [], 1000, 1.0, windows=1), "fewer than two windows"),
+    (lambda root: _without_world_size(write_run(root / "old", [], 1000, 1.0)), "is not the trainer's run record"),
 ])
 def test_runs_that_cannot_calibrate_are_one_line_errors(tmp_path, capsys, make, message):
     assert plan_script.main(["--calibrate", str(make(tmp_path)), "--gpu", "h100"]) == 2
     err = capsys.readouterr().err
     assert err.startswith("error: option --calibrate:") and message in err and len(err.splitlines()) == 1, err
+
+
+def _without_world_size(folder):
+    (folder / "run.json").write_text(json.dumps({"device_type": "cuda"}))
+    return folder

@@ -194,3 +194,4 @@ def test_ring_latency_counts_nvlink_and_network_hops():
     assert ring_latency_seconds(gpu, 1, 8) == pytest.approx(8.4e-6 + 7 * 3.4e-6)
     assert ring_latency_seconds(gpu, 1, 128) == pytest.approx(8.4e-6 + 112 * 3.4e-6 + 15 * 14e-6)
     assert ring_latency_seconds(gpu, 8, 16) == pytest.approx(8.4e-6 + 15 * 14e-6)  # one rank per host
+    assert ring_latency_seconds(gpu, 32, 4) == pytest.approx(8.4e-6 + 3 * 14e-6)

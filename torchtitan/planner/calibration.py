@@ -53,7 +53,13 @@ def read_run(folder: str | Path) -> MeasuredRun:
     if missing:
         raise UserError(f"option --calibrate: {folder} is not a finished trainer run: it has no "
                         f"{', '.join(missing)} (run.json is written by this version's trainer at start)")
-    info = json.loads(files[RUN_INFO_FILE].read_text())
+    try:
+        info = json.loads(files[RUN_INFO_FILE].read_text())
+    except ValueError as e:
+        raise UserError(f"option --calibrate: {files[RUN_INFO_FILE]} is not JSON ({e})") from None
+    if not isinstance(info, dict) or not {"world_size", "device_type", "device_name"} <= info.keys():
+        raise UserError(f"option --calibrate: {files[RUN_INFO_FILE]} is not the trainer's run record (it needs "
+                        f"world_size, device_type and device_name)")
     if info["device_type"] != "cuda":
         raise UserError(f"option --calibrate: {folder} ran on {info['device_type']} ({info['device_name']}); the "
                         f"model describes GPUs: give runs on the GPU named by --gpu")

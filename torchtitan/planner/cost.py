@@ -137,7 +137,7 @@ def ring_latency_seconds(gpu: GPU, stride: int, size: int) -> float:
     those between hosts over the network."""
     if size <= 1:
         return 0.0
-    hosts = max(1, stride * size // gpu.gpus_per_host)
+    hosts = min(size, max(1, stride * size // gpu.gpus_per_host))
     return RING_BASE_LATENCY_S + (size - hosts) * NVLINK_HOP_LATENCY_S + (hosts - 1) * NETWORK_HOP_LATENCY_S
 
 
