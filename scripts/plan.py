@@ -85,10 +85,13 @@ def validation_markdown(refit: bool) -> str:
     return "\n".join(lines)
 
 
-def calibration_markdown(folders: list[str], gpu: GPU, refit_all: bool) -> str:
+def calibration_report(folders: list[str], gpu: GPU, refit_all: bool, as_json: bool) -> str:
     from torchtitan.planner.calibration import calibrate, read_run
 
     fitted, entries = calibrate([read_run(folder) for folder in folders], gpu, refit_all)
+    if as_json:
+        return json.dumps({"gpu": gpu.name, "model_constants": MODEL_CONSTANTS, "fitted_constants": fitted,
+                           "runs": entries}, indent=2)
     lines = ["| run | GPUs | tokens/s/GPU measured | model | error | refitted | error | peak GiB measured | "
              "predicted | error |", "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for e in entries:
@@ -151,7 +154,7 @@ def main(argv: list[str] | None = None) -> int:
             return 0
         gpu = gpu_named(args.gpu, "--gpu")
         if args.calibrate:
-            print(calibration_markdown(args.calibrate, gpu, args.refit_all))
+            print(calibration_report(args.calibrate, gpu, args.refit_all, args.json))
             return 0
         constants = {name: getattr(args, name) for name in MODEL_CONSTANTS}
         if not 0 < constants["efficiency"] <= 1 or constants["memory_bound_bytes"] < 0 or \

@@ -73,6 +73,11 @@ def test_calibrated_constants_reach_the_planner(h100_runs, capsys):
     assert plan_script.main(["--calibrate", *map(str, h100_runs.values()), "--gpu", "h100"]) == 0
     out = capsys.readouterr().out
     assert "--efficiency 0.79 --memory_bound_bytes 1460 --compiled_fraction 0.7" in out
+    assert plan_script.main(["--calibrate", *map(str, h100_runs.values()), "--gpu", "h100", "--json"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert report["fitted_constants"]["efficiency"] == pytest.approx(0.79) and len(report["runs"]) == 6
+    assert plan_script.main(["--calibrate", str(h100_runs["noac_b1_eager"]), "--gpu", "a100"]) == 2
+    assert "ran on NVIDIA H100 80GB HBM3: name the GPU the runs ran on" in capsys.readouterr().err
     argv = ["--predict", "--gpus", "1", "--gpu", "h100", "--json", *SHAPE, *H100_RUNS["noac_b1_eager"][0]]
     assert plan_script.main(argv) == 0
     model = json.loads(capsys.readouterr().out)[0]["tps_per_gpu"]

@@ -39,6 +39,7 @@ class MeasuredRun:
     folder: Path
     config: JobConfig
     world_size: int
+    device_name: str
     layout: Layout
     tps_per_gpu: float
     """Median over the logged windows after the first."""
@@ -69,7 +70,7 @@ def read_run(folder: str | Path) -> MeasuredRun:
     if not windows:
         raise UserError(f"option --calibrate: {folder} logged fewer than two windows of training metrics (the "
                         f"first holds compilation and warm-up); train for more steps than metrics.log_freq")
-    return MeasuredRun(folder=folder, config=config, world_size=info["world_size"],
+    return MeasuredRun(folder=folder, config=config, world_size=info["world_size"], device_name=info["device_name"],
                        layout=layout_from_config(config, info["world_size"]),
                        tps_per_gpu=statistics.median(record["tps"] for record in windows),
                        peak_memory_gib=max(record["memory_gib"] for record in windows))
@@ -80,6 +81,11 @@ def calibrate(runs: list[MeasuredRun], gpu: GPU, refit_all: bool = False) -> tup
     the refitted ones)."""
     if refit_all and len(runs) < 3:
         raise UserError(f"option --refit_all: three constants need three runs or more, got {len(runs)}")
+    family = gpu.name.split("_")[0].upper()
+    for run in runs:
+        if family not in run.device_name.upper():
+            raise UserError(f"option --gpu: {gpu.name} ({gpu.description}), but {run.folder} ran on "
+                            f"{run.device_name}: name the GPU the runs ran on")
     points = []
     for run in runs:
         args = model_args_for(run.config.model.flavor, run.config.training.seq_len,
