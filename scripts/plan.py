@@ -54,10 +54,11 @@ def describe(layout: Layout) -> str:
 
 
 def table(predictions: list[Prediction]) -> str:
-    lines = [f"{'#':>3} {'tokens/s/GPU':>12} {'peak GiB':>9}  layout"]
+    lines = [f"{'#':>3} {'tokens/s/GPU':>12} {'no overlap':>10} {'peak GiB':>9}  layout"]
     for rank, p in enumerate(predictions, 1):
-        lines.append(f"{rank:>3} {p.tps_per_gpu:12.0f} {p.peak_memory_gib:9.1f}  {describe(p.layout)}")
-        lines.append(f"{'':>27}{' '.join(p.overrides)}")
+        lines.append(f"{rank:>3} {p.tps_per_gpu:12.0f} {p.tps_without_overlap:10.0f} {p.peak_memory_gib:9.1f}  "
+                     f"{describe(p.layout)}")
+        lines.append(f"{'':>38}{' '.join(p.overrides)}")
     return "\n".join(lines)
 
 
@@ -132,6 +133,9 @@ def main(argv: list[str] | None = None) -> int:
         parser.add_argument(f"--{technique}", choices=("on", "off"), default=None,
                             help=f"only layouts with {technique} on (or off); default: either")
     parser.add_argument("--json", action="store_true", help="print JSON instead of a table")
+    parser.add_argument("--rank_by", choices=("predicted", "without_overlap"), default="predicted",
+                        help="rank by the predicted tokens/s, or by what a layout keeps if no communication overlaps "
+                             "compute (the cautious choice where the overlap is unproven)")
     parser.add_argument("--predict", action="store_true",
                         help="predict the one configuration given by trainer options (--job.config_file ...)")
     parser.add_argument("--validate", action="store_true", help="the model against the published H100 runs")
@@ -178,7 +182,8 @@ def main(argv: list[str] | None = None) -> int:
                 raise UserError(f"option --global_batch: {global_batch} must be a positive integer")
             fixed = {name: getattr(args, name) == "on" for name in ("float8", "compile", "async_tp")
                      if getattr(args, name) is not None}
-            results = plan(args.flavor, args.gpus, gpu, args.seq_len, global_batch, fixed, constants)[:args.top]
+            results = plan(args.flavor, args.gpus, gpu, args.seq_len, global_batch, fixed, constants,
+                           without_overlap=args.rank_by == "without_overlap")[:args.top]
     except UserError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

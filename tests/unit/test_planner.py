@@ -88,7 +88,7 @@ def test_json_lists_every_field(capsys):
     layouts = json.loads(capsys.readouterr().out)
     assert len(layouts) == 3
     for field in ("dp_shard", "dp_replicate", "tp", "pp", "cp", "schedule", "ac", "float8", "compile", "async_tp",
-                  "local_batch", "tps_per_gpu", "peak_memory_gib", "overrides"):
+                  "local_batch", "tps_per_gpu", "tps_per_gpu_without_overlap", "peak_memory_gib", "overrides"):
         assert field in layouts[0]
     assert layouts[0]["tps_per_gpu"] >= layouts[1]["tps_per_gpu"] >= layouts[2]["tps_per_gpu"]
 
@@ -195,3 +195,22 @@ def test_ring_latency_counts_nvlink_and_network_hops():
     assert ring_latency_seconds(gpu, 1, 128) == pytest.approx(8.4e-6 + 112 * 3.4e-6 + 15 * 14e-6)
     assert ring_latency_seconds(gpu, 8, 16) == pytest.approx(8.4e-6 + 15 * 14e-6)  # one rank per host
     assert ring_latency_seconds(gpu, 32, 4) == pytest.approx(8.4e-6 + 3 * 14e-6)
+
+
+def test_without_overlap_bounds_each_layout_and_can_rank():
+    """Every layout's speed if no communication overlapped compute is at most its prediction, equal without
+    communication; ranked by it, 405B on 512 prefers another first choice than by the prediction: FSDP over 128
+    ranks leans on overlap more than any layout."""
+    from torchtitan.planner.cost import Layout
+
+    one_gpu = predict("8B", Layout(
+        dp_replicate=1, dp_shard=1, tp=1, pp=1, cp=1, schedule=None, stages_per_rank=1, local_batch=1, microbatch=1,
+        ac="full", float8=False, compile=False, async_tp=False), 8192, GPUS["h100"])
+    assert one_gpu.tps_without_overlap == pytest.approx(one_gpu.tps_per_gpu)
+    techniques = {"float8": True, "compile": True, "async_tp": True}
+    predicted = plan("405B", 512, validation.GPU, 8192, 256, techniques)
+    cautious = plan("405B", 512, validation.GPU, 8192, 256, techniques, without_overlap=True)
+    assert all(p.tps_without_overlap <= p.tps_per_gpu * (1 + 1e-9) for p in predicted)
+    assert cautious[0].tps_without_overlap >= max(p.tps_without_overlap for p in predicted) * (1 - 1e-9)
+    assert cautious[0].layout != predicted[0].layout
+    assert predicted[0].tps_without_overlap < 0.7 * predicted[0].tps_per_gpu

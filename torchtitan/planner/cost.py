@@ -126,6 +126,13 @@ class StepTime:
     def seconds(self) -> float:
         return (self.compute_s + self.exposed_comm_s) * self.bubble + self.drained_comm_s + self.parameter_s
 
+    @property
+    def seconds_without_overlap(self) -> float:
+        """The step if no communication overlapped compute: the bound for a layout whose overlap fails (a network
+        slower than its datasheet, NCCL and compute kernels contending for the GPU)."""
+        communication = self.fsdp_comm_s + self.tp_comm_s + self.cp_comm_s
+        return (self.compute_s + communication) * self.bubble + self.drained_comm_s + self.parameter_s
+
 
 def _link_bandwidth(gpu: GPU, stride: int, size: int) -> float:
     """Bytes/s of a ring over `size` ranks `stride` apart: NVLink when the whole group sits in one host."""

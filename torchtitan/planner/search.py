@@ -37,6 +37,8 @@ ALLOCATOR_FRAGMENTATION = 0.05
 class Prediction:
     layout: Layout
     tps_per_gpu: float
+    tps_without_overlap: float
+    """Tokens/s per GPU if no communication overlapped compute (StepTime.seconds_without_overlap)."""
     peak_memory_gib: float
     tensor_peak_gib: float
     step_seconds: float
@@ -46,7 +48,9 @@ class Prediction:
         layout = asdict(self.layout)
         for name in ("row_split_embedding", "compiled_loss"):  # properties of the published runs, not choices
             del layout[name]
-        return {**layout, "tps_per_gpu": round(self.tps_per_gpu, 1), "peak_memory_gib": round(self.peak_memory_gib, 2),
+        return {**layout, "tps_per_gpu": round(self.tps_per_gpu, 1),
+                "tps_per_gpu_without_overlap": round(self.tps_without_overlap, 1),
+                "peak_memory_gib": round(self.peak_memory_gib, 2),
                 "step_seconds": round(self.step_seconds, 3), "overrides": self.overrides}
 
 
@@ -106,8 +110,9 @@ def predict(flavor: str, layout: Layout, seq_len: int, gpu: GPU, config: JobConf
     else:
         tensors = estimate(config, layout.world_size).total
     step = step_time(args, layout, seq_len, gpu, **constants)
-    tps = layout.local_batch * seq_len / (layout.tp * layout.cp * layout.pp) / step.seconds
-    return Prediction(layout=layout, tps_per_gpu=tps, peak_memory_gib=reserved_gib(tensors),
+    tokens = layout.local_batch * seq_len / (layout.tp * layout.cp * layout.pp)
+    return Prediction(layout=layout, tps_per_gpu=tokens / step.seconds,
+                      tps_without_overlap=tokens / step.seconds_without_overlap, peak_memory_gib=reserved_gib(tensors),
                       tensor_peak_gib=tensors / GIB, step_seconds=step.seconds,
                       overrides=layout_overrides(layout, seq_len, args.n_layers))
 
@@ -194,9 +199,11 @@ def candidate_layouts(flavor: str, gpus: int, seq_len: int, global_batch: int, g
 
 
 def plan(flavor: str, gpus: int, gpu: GPU, seq_len: int, global_batch: int,
-         fixed: dict[str, bool] | None = None, constants: dict[str, float] | None = None) -> list[Prediction]:
+         fixed: dict[str, bool] | None = None, constants: dict[str, float] | None = None,
+         without_overlap: bool = False) -> list[Prediction]:
     """The layouts that fit, fastest first, each with its fastest micro-batch; `fixed` pins techniques (float8,
-    compile, async_tp) on or off; `constants` replace the model's fitted ones (cost.step_time's keywords)."""
+    compile, async_tp) on or off; `constants` replace the model's fitted ones (cost.step_time's keywords);
+    `without_overlap` ranks by the speed each layout keeps if no communication overlaps compute."""
     if flavor not in llama3_flavors:
         raise UserError(f"option --flavor: unknown flavor {flavor!r}; valid: {', '.join(llama3_flavors)}")
     candidates = [layout for layout in candidate_layouts(flavor, gpus, seq_len, global_batch, gpu)
@@ -216,7 +223,8 @@ def plan(flavor: str, gpus: int, gpu: GPU, seq_len: int, global_batch: int,
                         f"GPUs, a GPU with more memory, or a smaller batch")
     # Among equally fast layouts, the simplest first: fewer parallel dimensions, then fewer techniques, then fewer
     # micro-batches. The micro-batch size is tuned per layout: each layout is listed once, with its fastest one.
-    ranked = sorted(fitting, key=lambda p: (-round(p.tps_per_gpu, 1), _complexity(p.layout), -p.layout.microbatch))
+    ranked = sorted(fitting, key=lambda p: (-round(p.tps_without_overlap if without_overlap else p.tps_per_gpu, 1),
+                                            _complexity(p.layout), -p.layout.microbatch))
     listed = {}
     for prediction in ranked:
         listed.setdefault(dataclasses.replace(prediction.layout, microbatch=0), prediction)
