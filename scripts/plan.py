@@ -27,8 +27,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from torchtitan.config import parse_args  # noqa: E402
 from torchtitan.errors import UserError  # noqa: E402
-from torchtitan.planner.cost import Layout  # noqa: E402
-from torchtitan.planner.calibration import MODEL_CONSTANTS  # noqa: E402
+from torchtitan.planner.cost import MODEL_CONSTANTS, Layout  # noqa: E402
 from torchtitan.planner.hardware import GPU, GPUS, gpu_named  # noqa: E402
 from torchtitan.planner.search import Prediction, layout_from_config, plan, predict  # noqa: E402
 

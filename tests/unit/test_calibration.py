@@ -10,7 +10,8 @@ import pytest
 
 from scripts import plan as plan_script
 from torchtitan.config import parse_args, save_config
-from torchtitan.planner.calibration import MODEL_CONSTANTS, calibrate, read_run
+from torchtitan.planner.calibration import calibrate, read_run
+from torchtitan.planner.cost import MODEL_CONSTANTS
 from torchtitan.planner.hardware import GPUS
 
 SHAPE = ["--job.config_file", "train_configs/llama3_8b.toml", "--model.n_layers", "4", "--model.vocab_size", "128256",

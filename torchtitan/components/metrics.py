@@ -9,6 +9,7 @@ from dataclasses import dataclass
 
 from torchtitan.config.job_config import Metrics
 from torchtitan.errors import UserError
+from torchtitan.tools.files import atomic_write
 from torchtitan.tools.logging import console_has_color, logger
 
 _JSONL_FILE_NAME = "metrics.jsonl"
@@ -47,7 +48,7 @@ def save_run_info(dump_folder: str, world_size: int, device_type: str, device: s
 
     info = {"world_size": world_size, "device_type": device_type, "device_name": device,
             "torch_version": torch.__version__}
-    with open(os.path.join(dump_folder, RUN_INFO_FILE), "w") as f:
+    with atomic_write(os.path.join(dump_folder, RUN_INFO_FILE)) as f:
         f.write(json.dumps(info, indent=2) + "\n")
 
 

@@ -25,14 +25,10 @@ from torchtitan.components.metrics import RUN_INFO_FILE
 from torchtitan.config import JobConfig, parse_args
 from torchtitan.errors import UserError
 from torchtitan.models.llama3.args import model_args_for, shape_overrides
-from torchtitan.planner.cost import COMPILED_FRACTION, EFFICIENCY, MEMORY_BOUND_BYTES, Layout
+from torchtitan.planner.cost import MODEL_CONSTANTS, Layout
 from torchtitan.planner.hardware import GPU
 from torchtitan.planner.search import layout_from_config, predict
 from torchtitan.planner.validation import fit
-
-MODEL_CONSTANTS = {"efficiency": EFFICIENCY, "memory_bound_bytes": MEMORY_BOUND_BYTES,
-                   "compiled_fraction": COMPILED_FRACTION}
-
 
 @dataclass(frozen=True)
 class MeasuredRun:

@@ -56,6 +56,8 @@ from torchtitan.planner.hardware import GPU
 EFFICIENCY = 0.64
 MEMORY_BOUND_BYTES = 1460.0
 COMPILED_FRACTION = 0.7
+MODEL_CONSTANTS = {"efficiency": EFFICIENCY, "memory_bound_bytes": MEMORY_BOUND_BYTES,
+                   "compiled_fraction": COMPILED_FRACTION}
 
 HOST_SIZE = 8
 
@@ -148,8 +150,7 @@ def ring_latency_seconds(gpu: GPU, stride: int, size: int) -> float:
     return RING_BASE_LATENCY_S + (size - hosts) * NVLINK_HOP_LATENCY_S + (hosts - 1) * NETWORK_HOP_LATENCY_S
 
 
-def _ring_seconds(buffer_bytes: float, size: int, bandwidth: float, calls: float = 0.0,
-                  latency_s: float = 0.0) -> float:
+def _ring_seconds(buffer_bytes: float, size: int, bandwidth: float, calls: float, latency_s: float) -> float:
     """Time of `calls` collectives that move `buffer_bytes` in all over a ring of `size` ranks."""
     return 0.0 if size <= 1 else buffer_bytes * (size - 1) / size / bandwidth + calls * latency_s
 

@@ -19,8 +19,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from torchtitan.models.llama3.args import TransformerModelArgs, model_args_for
-from torchtitan.planner.cost import (COMPILED_FRACTION, EFFICIENCY, MEMORY_BOUND_BYTES, Layout,
-                                     tokens_per_second_per_gpu)
+from torchtitan.planner.cost import MODEL_CONSTANTS, Layout, tokens_per_second_per_gpu
 from torchtitan.planner.hardware import GPU as GPUSpec, GPUS
 from torchtitan.planner.search import Prediction, predict
 
@@ -103,7 +102,8 @@ def fit(points: list[tuple[TransformerModelArgs, Layout, int, float]], gpu: GPUS
         return sorted({round(min(high, max(low, value - step + i * fine)), 4) for i in range(count + 1)})
 
     if only_efficiency:
-        return best([x / 100 for x in range(30, 101)], [MEMORY_BOUND_BYTES], [COMPILED_FRACTION])
+        return best([x / 100 for x in range(30, 101)], [MODEL_CONSTANTS["memory_bound_bytes"]],
+                    [MODEL_CONSTANTS["compiled_fraction"]])
     coarse = best([x / 20 for x in range(6, 21)], [float(b) for b in range(0, 3001, 100)], [x / 10 for x in range(11)])
     return best(around(coarse["efficiency"], 0.05, 0.3, 1.0, 0.01),
                 around(coarse["memory_bound_bytes"], 100, 0, 3000, 20),
@@ -114,8 +114,7 @@ def validation_table(rows: list[Row] | None = None, constants: dict[str, float] 
     """Published vs predicted tokens/s per GPU and peak memory for every row (with the model's constants unless
     others are given)."""
     rows = rows or published_rows()
-    constants = constants or {"efficiency": EFFICIENCY, "memory_bound_bytes": MEMORY_BOUND_BYTES,
-                              "compiled_fraction": COMPILED_FRACTION}
+    constants = constants or MODEL_CONSTANTS
     table = []
     for row, prediction in zip(rows, predictions(rows, **constants)):
         table.append({"row": row.index, "name": row.name, "fitted": row.index in FIT_ROWS, "constants": constants,

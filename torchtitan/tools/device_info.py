@@ -76,7 +76,7 @@ def peak_flops(device: torch.device, dtype: torch.dtype, configured: float = 0.0
     if device.type == "cpu":
         return _cpu_peak_flops(dtype, torch.get_num_threads())
     if device.type == "cuda":
-        name = torch.cuda.get_device_name(device)
+        name = device_name(device)
         datasheet = _datasheet(name)
         if datasheet is not None and dtype in (torch.bfloat16, torch.float16, torch.float32):
             figure, precision = _datasheet_figure(datasheet, dtype)
