@@ -8,6 +8,7 @@ From the repository root:
         --parallelism.tensor_parallel_degree 8                                 # one configuration, as the trainer
     python scripts/plan.py --validate                                          # against TorchTitan's published runs
     python scripts/plan.py --validate --fit                                    # refit the three constants
+    python scripts/plan.py --validate --measured --gpu h200 --rows 0,6         # one rank of each row on this GPU
     python scripts/plan.py --calibrate outputs/run1 outputs/run2 --gpu h100    # the model against your own runs
     python scripts/plan.py --flavor 70B --gpus 256 --efficiency 0.6            # plan with constants of your own
 
@@ -110,6 +111,46 @@ def calibration_report(folders: list[str], gpu: GPU, refit_all: bool, as_json: b
     return "\n".join(lines)
 
 
+def measured_markdown(gpu: GPU, rows: str | None, steps: int, as_json: bool) -> str:
+    from torchtitan.planner import validation
+    from torchtitan.tools.device_info import device_name
+
+    import torch
+
+    if not torch.cuda.is_available():
+        raise UserError("option --measured: runs each row's rank on this machine's GPU, and it has none (CUDA is not "
+                        "available); without a GPU, --validate --traced gives the dry run's memory")
+    family = gpu.name.split("_")[0].upper()
+    if family not in device_name(torch.device("cuda")).upper():
+        raise UserError(f"option --gpu: {gpu.name} ({gpu.description}), but this machine's GPU is "
+                        f"{device_name(torch.device('cuda'))}: name the GPU it has")
+    published = validation.published_rows()
+    wanted = [published[index] for index in _row_indices(rows, len(published))]
+    entries = validation.measured_table(wanted, gpu, steps)
+    if as_json:
+        return json.dumps(entries, indent=2)
+    lines = [f"One rank of each row alone on {entries[0]['device']} (real tensors, fake collectives), against the "
+             f"model's compute + parameter traffic on {gpu.name} (no communication, no bubble).", "",
+             "| row | run | ranks | tokens/s/GPU measured | model | error | MFU | reserved GiB measured | model | "
+             "error |", "|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    lines += [f"| {e['row']} | {e['name']} | {', '.join(map(str, e['ranks']))} | {e['tps_measured']:,.0f} | {e['tps_predicted']:,.0f} | "
+              f"{100 * e['tps_error']:+.1f}% | {e['mfu_pct']:.1f}% | {e['memory_measured_gib']:.1f} | "
+              f"{e['memory_predicted_gib']:.1f} | {100 * e['memory_error']:+.1f}% |" for e in entries]
+    return "\n".join(lines)
+
+
+def _row_indices(rows: str | None, count: int) -> list[int]:
+    if rows is None:
+        return list(range(count))
+    try:
+        indices = [int(part) for part in rows.split(",")]
+    except ValueError:
+        indices = [-1]
+    if not all(0 <= index < count for index in indices):
+        raise UserError(f"option --rows: {rows!r} is not a comma-separated list of row numbers 0 to {count - 1}")
+    return indices
+
+
 def traced_markdown() -> str:
     from torchtitan.planner import validation
 
@@ -141,6 +182,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--fit", action="store_true", help="with --validate: refit the three constants")
     parser.add_argument("--traced", action="store_true",
                         help="with --validate: the dry run's peak memory of each row instead (about 20 minutes)")
+    parser.add_argument("--measured", action="store_true",
+                        help="with --validate, on a GPU machine: each row's rank alone on this GPU (real tensors, "
+                             "fake collectives), its time without communication and its reserved memory against the "
+                             "model's (name the GPU with --gpu)")
+    parser.add_argument("--rows", default=None, help="with --measured: the rows to run, e.g. 0,1,2 (default all)")
+    parser.add_argument("--steps", type=int, default=5, help="with --measured: steps per row (the first two are "
+                                                               "not timed)")
     parser.add_argument("--calibrate", nargs="+", metavar="RUN_FOLDER", default=None,
                         help="the model against your own GPU runs (trainer dump folders), its efficiency refitted")
     parser.add_argument("--refit_all", action="store_true",
@@ -152,10 +200,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--plan-help", action="help", help="this help")
     args, trainer_argv = parser.parse_known_args(sys.argv[1:] if argv is None else argv)
     try:
+        gpu = gpu_named(args.gpu, "--gpu")
+        if args.validate and args.measured:
+            print(measured_markdown(gpu, args.rows, args.steps, args.json))
+            return 0
         if args.validate:
             print(traced_markdown() if args.traced else validation_markdown(args.fit))
             return 0
-        gpu = gpu_named(args.gpu, "--gpu")
         if args.calibrate:
             print(calibration_report(args.calibrate, gpu, args.refit_all, args.json))
             return 0

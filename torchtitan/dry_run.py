@@ -19,6 +19,7 @@ loss and gradient norm read as zero).
 import dataclasses
 import json
 import os
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -35,6 +36,7 @@ from torchtitan.models.llama3.args import model_args_for, shape_overrides
 from torchtitan.models.llama3.parallelize import validate_parallelism
 from torchtitan.planner.hardware import gpu_named
 from torchtitan.planner.memory import estimate
+from torchtitan.tools.device_info import device_name, memory_stats
 from torchtitan.tools.logging import logger
 
 REPORT_FILE = "dry_run.json"
@@ -58,27 +60,33 @@ def resolve_world(config: JobConfig) -> tuple[int, int]:
     return rank, world_size
 
 
+def _without_files(config: JobConfig, world_size: int) -> JobConfig:
+    """The run's config with what a rank alone cannot do turned off: everything that reads or writes files, and
+    async TP (its symmetric memory needs the peers' GPUs; the collectives it decomposes are the same)."""
+    return dataclasses.replace(
+        config,
+        comm=dataclasses.replace(config.comm, fake_world_size=world_size),
+        parallelism=dataclasses.replace(config.parallelism, enable_async_tensor_parallel=False),
+        checkpoint=dataclasses.replace(config.checkpoint, enable=False),
+        validation=dataclasses.replace(config.validation, enable=False),
+        profiling=dataclasses.replace(config.profiling, enable_profiling=False, enable_memory_snapshot=False),
+        metrics=dataclasses.replace(config.metrics, enable_tensorboard=False, enable_wandb=False),
+    )
+
+
 def dry_run_config(config: JobConfig, world_size: int) -> JobConfig:
-    """The run's config, checked as the real run would check it, then with what a dry run does not execute turned
-    off: everything that reads or writes files, torch.compile and async TP (compiler passes: the blocks run
-    eagerly, whose memory bounds the compiled blocks' from above; the collectives are the same)."""
+    """The run's config, checked as the real run would check it, then with what a dry run on fake tensors does not
+    execute turned off: files, async TP and torch.compile (the blocks run eagerly, whose memory bounds the compiled
+    blocks' from above; the collectives are the same)."""
     validate_parallelism(model_args_for(config.model.flavor, config.training.seq_len,
                                         overrides=shape_overrides(config.model)),
                          ParallelDims.from_config(config.parallelism, world_size), config, config.comm.fake_device)
     peak_flops = config.metrics.peak_flops
     if config.comm.fake_device == "cuda" and not peak_flops:
         peak_flops = gpu_named(config.comm.fake_gpu, "comm.fake_gpu").bf16_flops
-    return dataclasses.replace(
-        config,
-        comm=dataclasses.replace(config.comm, fake_world_size=world_size),
-        compile=dataclasses.replace(config.compile, enable=False),
-        parallelism=dataclasses.replace(config.parallelism, enable_async_tensor_parallel=False),
-        checkpoint=dataclasses.replace(config.checkpoint, enable=False),
-        validation=dataclasses.replace(config.validation, enable=False),
-        profiling=dataclasses.replace(config.profiling, enable_profiling=False, enable_memory_snapshot=False),
-        metrics=dataclasses.replace(config.metrics, enable_tensorboard=False, enable_wandb=False,
-                                    peak_flops=peak_flops or 1.0),
-    )
+    config = _without_files(config, world_size)
+    return dataclasses.replace(config, compile=dataclasses.replace(config.compile, enable=False),
+                               metrics=dataclasses.replace(config.metrics, peak_flops=peak_flops or 1.0))
 
 
 def fake_batches(trainer) -> list[tuple[torch.Tensor, torch.Tensor]]:
@@ -86,7 +94,7 @@ def fake_batches(trainer) -> list[tuple[torch.Tensor, torch.Tensor]]:
     training = trainer.config.training
     shape = (training.local_batch_size, training.seq_len)
     vocab = trainer.model_args.vocab_size
-    return [(torch.randint(0, vocab, shape), torch.randint(0, vocab, shape))
+    return [(torch.randint(0, vocab, shape, device=trainer.device), torch.randint(0, vocab, shape, device=trainer.device))
             for _ in range(trainer.grad_accumulation_steps)]
 
 
@@ -100,6 +108,8 @@ def run(config: JobConfig, trainer_class: type) -> dict:
     """
     start = time.perf_counter()
     rank, world_size = resolve_world(config)
+    if not config.comm.fake_tensors:
+        return _measure_rank(_without_files(config, world_size), trainer_class, rank, world_size, start)
     traced_config = dry_run_config(config, world_size)
     gpu = gpu_named(config.comm.fake_gpu, "comm.fake_gpu") if config.comm.fake_device == "cuda" else None
     logger.info(f"Dry run: rank {rank} of {world_size} on the fake backend, fake tensors, "
@@ -122,10 +132,7 @@ def run(config: JobConfig, trainer_class: type) -> dict:
         report["max_peak_memory_gib"] = max(stage_peaks.values())
     else:
         report["max_peak_memory_gib"] = report["peak_memory_gib"]
-    report["seconds"] = time.perf_counter() - start
-    path = Path(config.job.dump_folder) / REPORT_FILE
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(report, indent=2) + "\n")
+    path = _write_report(report, config, start)
     _log_summary(report, path)
     needed, compiled_peak = report["max_peak_memory_gib"], report.get("compiled_estimate_gib")
     if gpu is not None and needed > gpu.memory_gib:
@@ -140,6 +147,62 @@ def run(config: JobConfig, trainer_class: type) -> dict:
                             f"would fail with CUDA out of memory. Shard more (FSDP/TP/PP), checkpoint activations "
                             f"(activation_checkpoint.mode), or lower training.local_batch_size")
     return report
+
+
+def _write_report(report: dict, config: JobConfig, start: float) -> Path:
+    report["seconds"] = time.perf_counter() - start
+    path = Path(config.job.dump_folder) / REPORT_FILE
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(report, indent=2) + "\n")
+    return path
+
+
+def _measure_rank(config: JobConfig, trainer_class: type, rank: int, world_size: int, start: float) -> dict:
+    """The rank on real tensors on this machine's device: training.steps steps on random batches, each timed (the
+    device synchronised around it), and the allocator's peak over the run. The collectives return at once, so the
+    time is the rank's compute and memory traffic alone: what the performance model calls compute plus parameter
+    traffic, with no communication and no pipeline bubble (a stage's receives return at once)."""
+    with dry_run_patches(config.comm.fake_device, fake_tensors=False):
+        trainer = trainer_class(config)
+        try:
+            logger.info(f"Dry run: rank {rank} of {world_size} on the fake backend, real tensors on "
+                        f"{device_name(trainer.device)}, {config.training.steps} timed steps")
+            step_seconds = []
+            for _ in range(config.training.steps):
+                batches = fake_batches(trainer)
+                _synchronize(trainer.device)
+                step_start = time.perf_counter()
+                trainer.train_step(batches)
+                _synchronize(trainer.device)
+                step_seconds.append(time.perf_counter() - step_start)
+            report = _rank_fields(trainer, rank, world_size)
+        finally:
+            trainer.close()
+    # The first steps compile, build the optimizer state and (pipelines) settle their buffers.
+    steady = step_seconds[2:] or step_seconds[-1:]
+    median = statistics.median(steady)
+    tokens_per_gpu = (config.training.local_batch_size * config.training.seq_len * trainer.grad_accumulation_steps
+                      / (report["layout"]["tp"] * report["layout"]["cp"] * report["layout"]["pp"]))
+    report.update(
+        device=device_name(trainer.device),
+        compile=config.compile.enable,
+        step_seconds=step_seconds,
+        median_step_seconds=median,
+        tokens_per_second_per_gpu=tokens_per_gpu / median,
+        mfu_pct=100 * trainer.flops_per_token * tokens_per_gpu / median / trainer.peak_flops,
+        memory=memory_stats(trainer.device),
+    )
+    path = _write_report(report, config, start)
+    memory = ", ".join(f"{name} {value:.2f}" for name, value in report["memory"].items() if name.endswith("gib"))
+    logger.info(f"Dry run of rank {rank} of {world_size} on {report['device']} (real tensors, no communication): "
+                f"median step {median:.3f} s over {len(steady)} step(s), {report['tokens_per_second_per_gpu']:,.0f} "
+                f"tokens/s per GPU, MFU {report['mfu_pct']:.1f}%; peak memory: {memory}\nWritten to {path}")
+    return report
+
+
+def _synchronize(device: torch.device) -> None:
+    if device.type != "cpu":
+        torch.accelerator.synchronize(device)
 
 
 def _other_end_of_pipeline(rank: int, world_size: int, report: dict) -> int | None:
@@ -196,8 +259,23 @@ def _run_steps(trainer, rank: int, world_size: int, gpu) -> dict:
 
 def _report(trainer, rank: int, world_size: int, by_category: dict[str, int], counter: CollectiveCounter,
             gpu) -> dict:
-    config, dims = trainer.config, trainer.parallel_dims
     peak = sum(by_category.values())
+    return _rank_fields(trainer, rank, world_size) | {
+        "target_device": trainer.config.comm.fake_device,
+        # Under CPU offload these live in host memory; the other categories on the device.
+        "offloaded_to_host": ["parameters", "gradients", "optimizer_state"]
+        if trainer.config.training.enable_cpu_offload else [],
+        "gpu": gpu.name if gpu else None,
+        "gpu_memory_gib": gpu.memory_gib if gpu else None,
+        "peak_memory_gib": peak / GIB,
+        "memory_gib_by_category": {name: value / GIB for name, value in sorted(by_category.items())},
+        "collectives": counter.summary(),
+    }
+
+
+def _rank_fields(trainer, rank: int, world_size: int) -> dict:
+    """What the run is: the rank, the layout and the model."""
+    config, dims = trainer.config, trainer.parallel_dims
     pp_rank = dims.get_mesh("pp").get_local_rank()
     return {
         "world_size": world_size,
@@ -215,17 +293,8 @@ def _report(trainer, rank: int, world_size: int, by_category: dict[str, int], co
         "seq_len": config.training.seq_len,
         "activation_checkpoint": config.activation_checkpoint.mode,
         "float8": bool(trainer.float8_layers),
-        "target_device": config.comm.fake_device,
-        # Under CPU offload these live in host memory; the other categories on the device.
-        "offloaded_to_host": ["parameters", "gradients", "optimizer_state"] if config.training.enable_cpu_offload
-        else [],
-        "gpu": gpu.name if gpu else None,
-        "gpu_memory_gib": gpu.memory_gib if gpu else None,
         "parameters": trainer.num_params,
         "flops_per_token": trainer.flops_per_token,
-        "peak_memory_gib": peak / GIB,
-        "memory_gib_by_category": {name: value / GIB for name, value in sorted(by_category.items())},
-        "collectives": counter.summary(),
     }
 
 

@@ -55,14 +55,16 @@ class NonFiniteError(UserError):
 class Trainer:
     def __init__(self, config: JobConfig):
         self.config = config
-        # A dry run (comm.mode = fake_backend, torchtitan/dry_run.py) plays one rank of a large world on fake
-        # tensors: no tokenizer or data, and the code paths of the device it stands in for.
+        # A dry run (comm.mode = fake_backend, torchtitan/dry_run.py) plays one rank of a large world: no tokenizer
+        # or data. On fake tensors it takes the code paths of the device it stands in for; on real ones (measured
+        # on this machine's device) that device's.
         self.dry_run = config.comm.mode == "fake_backend"
+        self.fake_tensors = self.dry_run and config.comm.fake_tensors
         self.device = dist_utils.init_distributed(config.comm.init_timeout_seconds, config.comm.trace_buf_size,
                                                   config.job.dump_folder,
                                                   fake_rank=(config.comm.fake_rank, config.comm.fake_world_size)
-                                                  if self.dry_run else None)
-        self.target_device_type = config.comm.fake_device if self.dry_run else self.device.type
+                                                  if self.dry_run else None, fake_on_device=not self.fake_tensors)
+        self.target_device_type = config.comm.fake_device if self.fake_tensors else self.device.type
         self.rank, world_size = dist.get_rank(), dist.get_world_size()
         self.parallel_dims = ParallelDims.from_config(config.parallelism, world_size)
         self.world_mesh = self.parallel_dims.build_mesh(self.device.type)
@@ -110,11 +112,11 @@ class Trainer:
             self.model_parts = [parallelize_llama(model, self.world_mesh, self.parallel_dims, config)]
             self.has_first_stage = self.has_last_stage = True
         # A dry run materialises the model as fake tensors (shapes, no storage); its steps run in the same mode.
-        self.fake_mode = FakeTensorMode(allow_non_fake_inputs=True) if self.dry_run else None
+        self.fake_mode = FakeTensorMode(allow_non_fake_inputs=True) if self.fake_tensors else None
         with self.fake_mode or contextlib.nullcontext():
             for part in self.model_parts:
                 dist_utils.materialize_model(part, self.device, config.training.enable_cpu_offload)
-                if not self.dry_run:  # fake weights have no values to initialise
+                if not self.fake_tensors:  # fake weights have no values to initialise
                     dist_utils.init_model_weights(part, self.seed, self.device)
                 part.train()
 
@@ -266,7 +268,9 @@ class Trainer:
             global_loss, any_nonfinite, any_preempted = host_values(summary)
         self.preempted = any_preempted > 0
         step = self.train_state.step + 1
-        if any_nonfinite:
+        # A dry run's values are no training run's (fake collectives leave their outputs unwritten): every step
+        # takes the update, whose time and memory it measures.
+        if any_nonfinite and not self.dry_run:
             if self.config.debug.on_nonfinite == "stop":
                 raise NonFiniteError(f"step {step}: non-finite loss ({global_loss}) or gradient norm "
                                      f"({grad_norm_value.item()}); stopping before the update (debug.on_nonfinite = "

@@ -135,21 +135,24 @@ def _replaced(owner: Any, name: str, replacement: Any) -> Iterator[None]:
         setattr(owner, name, original)
 
 
-def dry_run_patches(target_device: str) -> contextlib.ExitStack:
+def dry_run_patches(target_device: str, fake_tensors: bool = True) -> contextlib.ExitStack:
     """What a dry run changes in torch and torchao while it runs, each because fake tensors, the fake backend or
     the CPU mesh standing in for the target's cannot do what the original does; the accounting is unchanged (see
-    each replacement)."""
+    each replacement). On real tensors only the fake backend's part applies."""
     from torch.distributed.pipelining.schedules import _PipelineSchedule
     from torch.distributed.tensor import placement_types
     from torch.distributed.tensor._sharding_prop import ShardingPropagator
 
     stack = contextlib.ExitStack()
+    if hasattr(_PipelineSchedule, "_warmup_p2p"):  # torch 2.13's vote on static shapes; older torch has none
+        stack.enter_context(_replaced(_PipelineSchedule, "_warmup_p2p", _static_pipeline_warmup))
+    if not fake_tensors:
+        return stack
     if target_device != "cpu":
         stack.enter_context(_replaced(placement_types, "shard_dim_alltoall", _shard_dim_alltoall_as_on_gpus))
     propagate = ShardingPropagator._propagate_tensor_meta_non_cached
     stack.enter_context(_replaced(ShardingPropagator, "_propagate_tensor_meta_non_cached",
                                   _separate_propagation(propagate)))
-    stack.enter_context(_replaced(_PipelineSchedule, "_warmup_p2p", _static_pipeline_warmup))
     stack.enter_context(_replaced(torch.Tensor, "pin_memory", _pinning_without_storage(torch.Tensor.pin_memory)))
     # torch.compile that components call themselves (FlexDeMo's selection) runs eagerly, as the model does: a compiled
     # kernel would read the storage fake tensors do not have.

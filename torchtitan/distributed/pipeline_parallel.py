@@ -14,6 +14,7 @@ states between stages: (micro-batch, seq / cp / tp, dim) plain tensors under seq
 return local shards, and a different dtype under mixed precision or a different length in validation.
 """
 
+import inspect
 import math
 import os
 from collections.abc import Callable
@@ -192,6 +193,8 @@ def pipeline_llama(model: nn.Module, world_mesh: DeviceMesh, parallel_dims: Para
                                  parallel_dims, config)
         shapes = (static_stage_shapes(part, config, parallel_dims, world_mesh)
                   if config.comm.mode == "fake_backend" else {})
+        # torch before 2.13 takes no gradient shapes (it derives them from the outputs).
+        shapes = {name: value for name, value in shapes.items() if name in _STAGE_PARAMETERS}
         stages.append(PipelineStage(part, stage_id, plan.num_stages, device, group=pp_mesh.get_group(), **shapes))
         parts.append(part)
         logger.info(f"pipeline stage {stage_id} of {plan.num_stages} on pp rank {pp_rank}: "
@@ -200,6 +203,9 @@ def pipeline_llama(model: nn.Module, world_mesh: DeviceMesh, parallel_dims: Para
     logger.info(f"pipeline schedule {plan.schedule_name}: {plan.num_stages} stages on {pp_degree} ranks, "
                 f"{plan.n_microbatches} micro-batches of {config.parallelism.pipeline_parallel_microbatch_size}")
     return schedule, parts, any(stage.is_first for stage in stages), any(stage.is_last for stage in stages)
+
+
+_STAGE_PARAMETERS = inspect.signature(PipelineStage.__init__).parameters
 
 
 def static_stage_shapes(stage: nn.Module, config: JobConfig, parallel_dims: ParallelDims,

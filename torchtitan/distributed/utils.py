@@ -59,24 +59,21 @@ def nccl_environment(trace_buf_size: int, trace_folder: str | None) -> dict[str,
 
 
 def init_distributed(init_timeout_seconds: int, trace_buf_size: int = 0, trace_folder: str | None = None,
-                     fake_rank: tuple[int, int] | None = None) -> torch.device:
+                     fake_rank: tuple[int, int] | None = None, fake_on_device: bool = False) -> torch.device:
     """Join the process group that torchrun set up (or a one-process group without torchrun).
 
     The store is prefixed with torchrun's restart count: after an elastic restart, the agent's store still holds
     the previous attempt's addresses, and gloo would otherwise try to connect to the dead processes.
-    `fake_rank = (rank, world_size)`: a dry run's process plays that rank on the fake backend, on the CPU.
+    `fake_rank = (rank, world_size)`: a dry run's process plays that rank on the fake backend, on the CPU (fake
+    tensors), or on this machine's device when `fake_on_device` (real tensors).
     """
+    kind = device_type()
     if fake_rank is not None:
         init_fake_process_group(*fake_rank)
         _timeout_in_force["joining"] = False
-        return torch.device("cpu")
-    kind = device_type()
-    device = torch.device("cpu")
+        return _local_device(kind) if fake_on_device else torch.device("cpu")
+    device = _local_device(kind)
     if kind == "cuda":
-        device = torch.device(kind, cuda_device_index(int(os.environ.get("LOCAL_RANK", "0")),
-                                                      int(os.environ.get("LOCAL_WORLD_SIZE", "1")),
-                                                      torch.cuda.device_count()))
-        torch.cuda.set_device(device)
         for name, value in nccl_environment(trace_buf_size, trace_folder).items():
             os.environ.setdefault(name, value)
     timeout = datetime.timedelta(seconds=init_timeout_seconds)
@@ -90,6 +87,17 @@ def init_distributed(init_timeout_seconds: int, trace_buf_size: int = 0, trace_f
     dist.init_process_group(backend_for(kind), store=store, rank=rank, world_size=world_size, timeout=timeout,
                             device_id=device if kind == "cuda" else None)
     _timeout_in_force["joining"] = False
+    return device
+
+
+def _local_device(kind: str) -> torch.device:
+    """This process's device: its GPU (made current) under CUDA, else the CPU."""
+    if kind != "cuda":
+        return torch.device("cpu")
+    device = torch.device(kind, cuda_device_index(int(os.environ.get("LOCAL_RANK", "0")),
+                                                  int(os.environ.get("LOCAL_WORLD_SIZE", "1")),
+                                                  torch.cuda.device_count()))
+    torch.cuda.set_device(device)
     return device
 
 

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from torchtitan.models.llama3.args import TransformerModelArgs, model_args_for
-from torchtitan.planner.cost import MODEL_CONSTANTS, Layout, tokens_per_second_per_gpu
+from torchtitan.planner.cost import MODEL_CONSTANTS, Layout, step_time, tokens_per_second_per_gpu
 from torchtitan.planner.hardware import GPU as GPUSpec, GPUS
 from torchtitan.planner.search import Prediction, predict
 
@@ -125,8 +125,8 @@ def validation_table(rows: list[Row] | None = None, constants: dict[str, float] 
     return table
 
 
-def traced_peak_gib(row: Row) -> float:
-    """The dry run's tensor peak (largest over the ranks it runs) for a published row's layout, in a new process."""
+def _run_rank(row: Row, *options: str) -> dict:
+    """The dry run of one rank of a published row's layout (a new process); returns its report."""
     from torchtitan.planner.search import CONFIGS, PRESET_TOML, layout_overrides
 
     args = model_args_for(row.flavor, row.seq_len)
@@ -134,12 +134,51 @@ def traced_peak_gib(row: Row) -> float:
         proc = subprocess.run(
             [sys.executable, "-m", "torchtitan.train", "--job.config_file", str(CONFIGS / PRESET_TOML[row.flavor]),
              *layout_overrides(row.layout, row.seq_len, args.n_layers), "--comm.mode", "fake_backend",
-             "--comm.fake_world_size", str(row.gpus), "--comm.fake_gpu", "h100_96gb", "--job.dump_folder",
-             dump_folder, "--job.no_print_config"], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+             "--comm.fake_world_size", str(row.gpus), *options, "--job.dump_folder", dump_folder,
+             "--job.no_print_config"], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
         report = Path(dump_folder) / "dry_run.json"
         if not report.exists():
             raise RuntimeError(f"the dry run of row {row.index} failed:\n{proc.stdout[-4000:]}")
-        return json.loads(report.read_text())["max_peak_memory_gib"]
+        return json.loads(report.read_text())
+
+
+def traced_peak_gib(row: Row) -> float:
+    """The dry run's tensor peak (largest over the ranks it runs) for a published row's layout."""
+    return _run_rank(row, "--comm.fake_gpu", "h100_96gb")["max_peak_memory_gib"]
+
+
+def measured_table(rows: list[Row], gpu: GPUSpec, steps: int) -> list[dict]:
+    """Each row's rank alone on this machine's GPU (real tensors, fake collectives: `--comm.no_fake_tensors`), its
+    time without communication and the allocator's peak, against what the model predicts for the same: compute and
+    parameter traffic, no communication, no bubble (planner/cost.py), on `gpu`. Under PP both ends of the pipeline
+    run: the first stage's rank, which holds the most micro-batches in flight, and the last stage's, which holds
+    the output layer and the loss; the slower sets the pace and the larger peak is the row's, as in the published
+    figures. The run is this framework's, so its layout is predicted as this framework runs it (column-split
+    embedding; async TP off, which a rank alone cannot run)."""
+    from torchtitan.planner.search import _layout_memory, reserved_gib
+
+    table = []
+    for row in rows:
+        layout = dataclasses.replace(row.layout, row_split_embedding=False, async_tp=False)
+        ranks = sorted({0, (layout.pp - 1) * (row.gpus // layout.pp)})
+        reports = [_run_rank(dataclasses.replace(row, layout=layout), "--comm.no_fake_tensors", "--comm.fake_rank",
+                             str(rank), "--training.steps", str(steps)) for rank in ranks]
+        slowest = min(reports, key=lambda report: report["tokens_per_second_per_gpu"])
+        step = step_time(model_args_for(row.flavor, row.seq_len), layout, row.seq_len, gpu)
+        tokens = layout.local_batch * row.seq_len / (layout.tp * layout.cp * layout.pp)
+        predicted_tps = tokens / (step.compute_s + step.parameter_s)
+        predicted_gib = reserved_gib(_layout_memory(row.flavor, layout, row.seq_len))
+        measured_gib = max(report["memory"]["max_reserved_gib"] for report in reports)
+        table.append({"row": row.index, "name": row.name, "ranks": ranks, "device": slowest["device"],
+                      "step_seconds": {report["rank"]: report["step_seconds"] for report in reports},
+                      "memory_by_rank": {report["rank"]: report["memory"] for report in reports},
+                      "tps_measured": slowest["tokens_per_second_per_gpu"], "tps_predicted": predicted_tps,
+                      "tps_error": predicted_tps / slowest["tokens_per_second_per_gpu"] - 1,
+                      "tps_published": row.tps_per_gpu, "mfu_pct": slowest["mfu_pct"],
+                      "memory_measured_gib": measured_gib,
+                      "memory_allocated_gib": max(report["memory"]["max_allocated_gib"] for report in reports),
+                      "memory_predicted_gib": predicted_gib, "memory_error": predicted_gib / measured_gib - 1})
+    return table
 
 
 def traced_table(rows: list[Row] | None = None) -> list[dict]:

@@ -74,12 +74,14 @@ def apply_compression(model: nn.Module, config: JobConfig) -> None:
     residual). Tensor, pipeline and context parallelism compose as with plain FSDP: the hooks see this rank's
     local shards and the data-parallel group only."""
     comm = config.comm
+    if comm.gradient_compression == "none" and comm.weight_quantization == "none":
+        return
     rotate = comm.quantization_rotation == "hadamard"
     for module in model.modules():
-        if not isinstance(module, FSDPModule) or not module._get_fsdp_state()._fsdp_param_groups:
+        if not isinstance(module, FSDPModule) or not fsdp_param_groups(module):
             continue
         # FSDP's flat buffers concatenate the module's parameters, each padded to an equal shard per rank.
-        group, = module._get_fsdp_state()._fsdp_param_groups
+        group, = fsdp_param_groups(module)
         segments = [p.padded_sharded_param_size.numel() for p in group.fsdp_params]
         if comm.gradient_compression != "none":
             loco = comm.gradient_compression == "loco"
@@ -90,11 +92,19 @@ def apply_compression(model: nn.Module, config: JobConfig) -> None:
                                                             fsdp_params=group.fsdp_params))
 
 
+def fsdp_param_groups(module: FSDPModule) -> list:
+    """The parameter groups of one FSDP module (torch 2.13 holds a list; earlier torch one group or None)."""
+    state = module._get_fsdp_state()
+    if hasattr(state, "_fsdp_param_groups"):
+        return state._fsdp_param_groups
+    return [state._fsdp_param_group] if state._fsdp_param_group is not None else []
+
+
 def _param_groups(model_parts: list[nn.Module]):
     for part in model_parts:
         for module in part.modules():
             if isinstance(module, FSDPModule):
-                yield from module._get_fsdp_state()._fsdp_param_groups
+                yield from fsdp_param_groups(module)
 
 
 def compression_stats(model_parts: list[nn.Module]) -> dict[str, int]:
