@@ -170,7 +170,7 @@ def fake_process_group(world_size: int):
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
     def init(init_timeout_seconds: int, trace_buf_size: int = 0, trace_folder: str | None = None,
-             fake_rank: tuple[int, int] | None = None) -> torch.device:
+             fake_rank: tuple[int, int] | None = None, fake_on_device: bool = False) -> torch.device:
         dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=world_size)
         return torch.device("cpu")
 

@@ -64,6 +64,22 @@ def test_debug_model_world_64_pp_fsdp_tp(tmp_path):
     assert "Other end of the pipeline, rank 35" in report["_log"]
 
 
+def test_real_tensors_time_one_rank_of_a_large_world(tmp_path):
+    """--comm.no_fake_tensors: the last stage's rank of PP 2 x FSDP 8 x TP 4 on 64 ranks runs on real tensors on this
+    machine's device (the CPU here), collectives still fake: every step is timed and takes its update, and tokens/s
+    per GPU is the rank's share of the tokens over the median step."""
+    report = dry_run(tmp_path, 64, "--comm.no_fake_tensors", "--comm.fake_rank", "32",
+                     "--parallelism.pipeline_parallel_degree", "2", "--parallelism.tensor_parallel_degree", "4",
+                     "--training.seq_len", "128", "--training.local_batch_size", "4", "--training.steps", "3")
+    assert (report["rank"], report["pipeline_rank"], report["first_stage"], report["last_stage"]) == (32, 1, False,
+                                                                                                       True)
+    assert len(report["step_seconds"]) == 3 and min(report["step_seconds"]) > 0
+    assert report["median_step_seconds"] == report["step_seconds"][2]
+    assert report["tokens_per_second_per_gpu"] == pytest.approx(4 * 128 / (4 * 2) / report["median_step_seconds"])
+    assert report["memory"]["max_rss_gib"] > 0
+    assert "real tensors" in report["_log"] and "update skipped" not in report["_log"]
+
+
 def test_8b_on_8_gpus(tmp_path):
     """The shipped 8B preset at its published layout (FSDP 8): fp32 parameters and Adam state are exactly an
     eighth of 8.03B parameters'; the all-gathers move the whole bf16 model (forward, and backward's re-gather)."""

@@ -346,3 +346,18 @@ def test_saved_residuals_keep_what_is_owed_and_restore_bitwise(results):
             assert torch.equal(now, back)
             others = [r for r in range(WORLD) if r != rank]
             assert not now[others].any()  # each rank owes only its own shard after saving
+
+
+def test_parameter_groups_of_torch_before_2_13():
+    """torch 2.13's FSDP state holds a list of parameter groups; earlier torch (the GPU hosts' 2.11) one or None."""
+    from types import SimpleNamespace
+
+    from torchtitan.distributed.compression import fsdp_param_groups
+
+    def module(**state):
+        return SimpleNamespace(_get_fsdp_state=lambda: SimpleNamespace(**state))
+
+    group = object()
+    assert fsdp_param_groups(module(_fsdp_param_groups=[group])) == [group]
+    assert fsdp_param_groups(module(_fsdp_param_group=group)) == [group]
+    assert fsdp_param_groups(module(_fsdp_param_group=None)) == []

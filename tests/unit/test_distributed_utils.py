@@ -117,3 +117,25 @@ def test_a_checkpoint_collective_timeout_names_the_checkpoint_timeout(monkeypatc
     outside = dist_utils.describe_comm_failure(timeout, "step 3")
     assert "checkpoint.timeout_seconds = 1800 s" in inside
     assert "comm.train_timeout_seconds = 100 s" in outside
+
+
+def test_a_dry_run_on_real_tensors_takes_this_machines_gpu(stubbed_cuda):
+    """comm.no_fake_tensors: the process plays a rank of the fake world on its own GPU; on fake tensors, the CPU."""
+    device = dist_utils.init_distributed(60, fake_rank=(5, 64), fake_on_device=True)
+    assert device == torch.device("cuda", 0) and stubbed_cuda == {"device": device, "backend": "fake"}
+    stubbed_cuda.clear()
+    assert dist_utils.init_distributed(60, fake_rank=(5, 64)) == torch.device("cpu")
+    assert stubbed_cuda == {"backend": "fake"}
+
+
+@pytest.mark.parametrize("user_value", [None, "", "max_split_size_mb:512"])
+def test_training_asks_for_expandable_segments_unless_the_user_chose(monkeypatch, user_value):
+    from torchtitan import train
+
+    # Set first, so that the test's end restores the variable whatever main() does to it.
+    monkeypatch.setenv("PYTORCH_CUDA_ALLOC_CONF", user_value or "")
+    if user_value is None:
+        monkeypatch.delenv("PYTORCH_CUDA_ALLOC_CONF")
+    assert train.main(["--no_such.option", "1"]) == train.EXIT_USER_ERROR
+    expected = "expandable_segments:True" if user_value is None else user_value
+    assert os.environ["PYTORCH_CUDA_ALLOC_CONF"] == expected

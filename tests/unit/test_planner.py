@@ -214,3 +214,39 @@ def test_without_overlap_bounds_each_layout_and_can_rank():
     assert cautious[0].tps_without_overlap >= max(p.tps_without_overlap for p in predicted) * (1 - 1e-9)
     assert cautious[0].layout != predicted[0].layout
     assert predicted[0].tps_without_overlap < 0.7 * predicted[0].tps_per_gpu
+
+
+def test_measured_rows_run_both_ends_of_a_pipeline_against_the_compute_model(monkeypatch):
+    """plan.py --validate --measured: under PP the first and the last stage's ranks run; the slower sets the row's
+    tokens/s and the larger its memory; the model's figure is compute plus parameter traffic, no communication."""
+    import dataclasses
+
+    from torchtitan.models.llama3.args import model_args_for
+    from torchtitan.planner.cost import step_time
+
+    runs = []
+
+    def run_rank(row, *options):
+        rank = int(options[options.index("--comm.fake_rank") + 1])
+        runs.append((row.index, rank, row.layout.async_tp, row.layout.row_split_embedding))
+        tps, reserved = (300.0, 70.0) if rank == 0 else (250.0, 60.0)
+        return {"rank": rank, "device": "NVIDIA H200", "step_seconds": [9.0, 8.0, 8.0],
+                "tokens_per_second_per_gpu": tps, "mfu_pct": 90.0,
+                "memory": {"max_reserved_gib": reserved, "max_allocated_gib": reserved - 10}}
+
+    monkeypatch.setattr(validation, "_run_rank", run_rank)
+    row = validation.published_rows()[8]
+    (entry,) = validation.measured_table([row], GPUS["h200"], steps=3)
+    # This framework's run of the row: async TP off (a rank alone has no peers), column-split embedding.
+    assert runs == [(8, 0, False, False), (8, 448, False, False)]
+    assert (entry["tps_measured"], entry["memory_measured_gib"], entry["memory_allocated_gib"]) == (250.0, 70.0, 60.0)
+    layout = dataclasses.replace(row.layout, async_tp=False, row_split_embedding=False)
+    step = step_time(model_args_for("405B", 8192), layout, 8192, GPUS["h200"])
+    tokens = layout.local_batch * 8192 / (layout.tp * layout.pp)
+    assert entry["tps_predicted"] == pytest.approx(tokens / (step.compute_s + step.parameter_s))
+    assert entry["tps_predicted"] > tokens / step.seconds  # no communication, no bubble
+
+
+def test_measured_rows_need_a_gpu(capsys):
+    assert plan_script.main(["--validate", "--measured", "--gpu", "h200"]) == 2
+    assert "has none (CUDA is not available)" in capsys.readouterr().err
