@@ -166,12 +166,16 @@ def test_analytic_estimate_within_5_percent_of_the_trace(layout):
     assert abs(predicted / traced - 1) <= 0.05, f"analytic {predicted / 2**20:.1f} MiB, traced {traced / 2**20:.1f} MiB"
 
 
-def test_compiled_float8_block_saves_what_the_model_says():
-    """Inductor recomputes torchao's Float8 casts, and with them the norms' outputs, instead of saving them: one
-    compiled block with bf16 parameters (as under FSDP), counted with saved-tensor hooks."""
+@pytest.mark.parametrize("ac", ["none", "op"])
+def test_compiled_float8_block_saves_what_the_model_says(ac):
+    """Inductor recomputes torchao's Float8 casts, and with them the norms' outputs, instead of saving them; under
+    per-op AC it saves only the policy's tensors that backward reads (not w2's output). One compiled block with bf16
+    parameters (as under FSDP), counted with saved-tensor hooks."""
     import torch
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
     from torchao.float8 import Float8LinearConfig, convert_to_float8_training
 
+    from torchtitan.distributed.activation_checkpoint import _per_op_contexts
     from torchtitan.models.llama3.args import TransformerModelArgs
     from torchtitan.models.llama3.model import TransformerBlock, rope_table
     from torchtitan.planner.memory import _block_activations, _Shapes
@@ -179,9 +183,11 @@ def test_compiled_float8_block_saves_what_the_model_says():
     args = TransformerModelArgs(dim=256, n_layers=1, n_heads=4, n_kv_heads=2, vocab_size=64, max_seq_len=256)
     block = TransformerBlock(0, args).to(torch.bfloat16)
     convert_to_float8_training(block, config=Float8LinearConfig())
+    parameters = {p.untyped_storage().data_ptr() for p in block.parameters()}
+    if ac == "op":
+        block = checkpoint_wrapper(block, context_fn=_per_op_contexts, preserve_rng_state=False)
     compiled = torch.compile(block, fullgraph=True)
     x = torch.randn(2, 256, 256, dtype=torch.bfloat16, requires_grad=True)
-    parameters = {p.untyped_storage().data_ptr() for p in block.parameters()}
     saved = {}
 
     def pack(tensor):
@@ -194,6 +200,6 @@ def test_compiled_float8_block_saves_what_the_model_says():
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
         compiled(x, rope_table(args))
     rope = rope_table(args).untyped_storage().nbytes()
-    predicted = _block_activations(_Shapes.of(args), 512, 256, 1, 2, 2, False, "none", "cpu", compiled=True,
+    predicted = _block_activations(_Shapes.of(args), 512, 256, 1, 2, 2, False, ac, "cpu", compiled=True,
                                    float8=True)
     assert sum(saved.values()) - rope == pytest.approx(predicted, rel=0.01)

@@ -48,7 +48,11 @@ with saved-tensor hooks):
   op          T/t x d x r + a x T x ((q + kv)/t + d + f/t) + T x o [+ 2 x T/t x d x a under TP]
                                      block input + outputs of every other matmul (wq, wv, w1, w2) and of SDPA
                                      (what the policy saves; SDPA's output o = q/t x a, or q/t x 4 where attention
-                                     runs in fp32)
+                                     runs in fp32), and under TP the two reduce-scattered outputs
+  op,         the same without T x d x a and the TP term: inductor's partitioner saves only what backward reads,
+  compiled                           and neither w2's output nor a reduce-scatter's is read (w2's measured on this
+                                     CPU with saved-tensor hooks, bf16 and Float8; the reduce-scatters' by the same
+                                     rule, torch cannot compile TP on the CPU)
   every N     every N-th block as `full`, the others as `none`
 A pipeline rank holds the activations of its in-flight micro-batches: 1F1B min(n_mb, p - rank), interleaved
 schedules (v stages per rank) a warm-up of (v - 1) x p + 2 x (p - 1 - rank) + 1 stage-micro-batches dealt p at a
@@ -97,8 +101,7 @@ Peak = parameters + optimizer + max over the phases of the step:
 plus a fixed overhead (--overhead_gib; default 2 GiB on GPUs for the CUDA context, NCCL and cuBLAS workspaces,
 not validated here; 0 for the CPU validation, which counts tensors only).
 
-Compiled blocks with AC: per-op AC saves what its policy names (measured within 1% of the eager rule), full AC
-the block input; the backward of a checkpointed block holds what the eager `none` set does (measured, one block
+Compiled blocks with AC: per-op AC saves what its policy names and backward reads (above), full AC the block input; the backward of a checkpointed block holds what the eager `none` set does (measured, one block
 under full AC, backward peak: compiled bf16 22% below it, compiled Float8 2.5% below). Float8's linear layers cast
 their weights themselves: under autocast no bf16 weight copies.
 
@@ -264,10 +267,13 @@ def _block_activations(s: _Shapes, tokens: float, seq_len: float, t: int, a: int
     if mode == "full":
         return sp * s.d * r
     if mode == "op":
-        # Every other matmul's output: wq, wv, w1 and w2 (the activation-checkpoint policy).
-        saved = (a * tokens * ((s.q + s.kv) / t + s.d + s.f / t) + tokens * sdpa_output
+        # Every other matmul's output: wq, wv, w1 and w2 (the activation-checkpoint policy), and under TP the two
+        # reduce-scattered outputs. Compiled, the partitioner keeps of these only what backward reads: not w2's
+        # output, nor the reduce-scatters'.
+        kept_unread = 0.0 if compiled else tokens * s.d * a + (2 * sp * s.d * a if t > 1 else 0)
+        saved = (a * tokens * ((s.q + s.kv) / t + s.f / t) + tokens * sdpa_output
                  + tokens * s.n_heads / t * 4)
-        return sp * s.d * r + saved + (2 * sp * s.d * a if t > 1 else 0)
+        return sp * s.d * r + saved + kept_unread
     if compiled and float8:
         # The float8 matmul of wo takes its input as a 2-D copy, which the fp32 attention path's cast already is.
         wo_input = 0.0 if _attention_in_fp32(s, seq_len, a, device) else s.q / t * a
