@@ -10,7 +10,12 @@ training steps run on fake batches of the configured shape; the second one is me
 optimizer state): this rank's peak memory by category from torch's own trackers, and every collective of the step.
 The report goes to `<dump_folder>/dry_run.json` and the log. No tokenizer, data or checkpoint is read or written.
 
-What a dry run does not execute: `torch.compile` (the blocks and the loss run eagerly: the traced memory is
+With `--comm.no_fake_tensors` the same rank runs on real tensors on this machine's device instead (its GPU if it has
+one), the collectives still fake: comm.fake_steps steps, compile included, each timed, and the allocator's peak
+memory. That is the rank's compute without communication, at full size on one GPU; the rank's share of the model
+must fit it.
+
+What a dry run on fake tensors does not execute: `torch.compile` (the blocks and the loss run eagerly: the traced memory is
 eager's, an upper bound for compile; with compile on, the report adds the analytic model's compiled peak,
 `compiled_estimate_gib`, which decides whether the run fits), and the numerics (fake tensors have no values: the
 loss and gradient norm read as zero).
@@ -158,23 +163,28 @@ def _write_report(report: dict, config: JobConfig, start: float) -> Path:
 
 
 def _measure_rank(config: JobConfig, trainer_class: type, rank: int, world_size: int, start: float) -> dict:
-    """The rank on real tensors on this machine's device: training.steps steps on random batches, each timed (the
+    """The rank on real tensors on this machine's device: comm.fake_steps steps on random batches, each timed (the
     device synchronised around it), and the allocator's peak over the run. The collectives return at once, so the
     time is the rank's compute and memory traffic alone: what the performance model calls compute plus parameter
     traffic, with no communication and no pipeline bubble (a stage's receives return at once)."""
+    steps = config.comm.fake_steps
+    if steps < 1:
+        raise UserError(f"option comm.fake_steps: {steps} must be a positive integer (the steps the dry run on real "
+                        f"tensors times; 3 or more give a median past compilation)")
     with dry_run_patches(config.comm.fake_device, fake_tensors=False):
         trainer = trainer_class(config)
         try:
             logger.info(f"Dry run: rank {rank} of {world_size} on the fake backend, real tensors on "
-                        f"{device_name(trainer.device)}, {config.training.steps} timed steps")
+                        f"{device_name(trainer.device)}, {steps} timed steps")
             step_seconds = []
-            for _ in range(config.training.steps):
+            for step in range(1, steps + 1):
                 batches = fake_batches(trainer)
                 _synchronize(trainer.device)
                 step_start = time.perf_counter()
                 trainer.train_step(batches)
                 _synchronize(trainer.device)
                 step_seconds.append(time.perf_counter() - step_start)
+                logger.info(f"step {step}: {step_seconds[-1]:.3f} s")
             report = _rank_fields(trainer, rank, world_size)
         finally:
             trainer.close()

@@ -70,7 +70,7 @@ def test_real_tensors_time_one_rank_of_a_large_world(tmp_path):
     per GPU is the rank's share of the tokens over the median step."""
     report = dry_run(tmp_path, 64, "--comm.no_fake_tensors", "--comm.fake_rank", "32",
                      "--parallelism.pipeline_parallel_degree", "2", "--parallelism.tensor_parallel_degree", "4",
-                     "--training.seq_len", "128", "--training.local_batch_size", "4", "--training.steps", "3")
+                     "--training.seq_len", "128", "--training.local_batch_size", "4", "--comm.fake_steps", "3")
     assert (report["rank"], report["pipeline_rank"], report["first_stage"], report["last_stage"]) == (32, 1, False,
                                                                                                        True)
     assert len(report["step_seconds"]) == 3 and min(report["step_seconds"]) > 0
@@ -103,6 +103,7 @@ def test_8b_on_8_gpus(tmp_path):
     (["--parallelism.tensor_parallel_degree", "8", "--parallelism.enable_async_tensor_parallel"],
      "option parallelism.enable_async_tensor_parallel"),
     (["--comm.fake_gpu", "h900"], "option comm.fake_gpu: unknown GPU 'h900'"),
+    (["--comm.no_fake_tensors", "--comm.fake_steps", "0"], "option comm.fake_steps: 0 must be a positive integer"),
 ])
 def test_bad_layouts_are_one_line_errors(tmp_path, args, message):
     report = dry_run(tmp_path, 8, *args, expect_exit=2)

@@ -462,7 +462,10 @@ class Comm:
     """Dry run: the rank this process plays."""
 
     fake_tensors: bool = True
-    """Dry run: fake tensors (no storage, so any rank of any model fits; memory from torch's trackers). With --comm.no_fake_tensors the rank runs on real tensors on this machine's device (its GPU if it has one; the collectives stay fake and leave their outputs unwritten): training.steps steps as configured, compile included, timed, with the allocator's peak memory; the rank's share of the model must fit the device (docs/scaling.md)."""
+    """Dry run: fake tensors (no storage, so any rank of any model fits; memory from torch's trackers). With --comm.no_fake_tensors the rank runs on real tensors on this machine's device (its GPU if it has one; the collectives stay fake and leave their outputs unwritten): comm.fake_steps timed steps, compile included, with the allocator's peak memory; the rank's share of the model must fit the device (docs/scaling.md)."""
+
+    fake_steps: int = 5
+    """Dry run on real tensors: the steps to run; the first two (compilation, the optimizer state) are not counted in the median step time."""
 
     fake_world_size: int = 0
     """Dry run: the number of ranks (GPUs) of the world; 0 = the NGPU environment variable."""

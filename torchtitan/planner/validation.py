@@ -162,7 +162,7 @@ def measured_table(rows: list[Row], gpu: GPUSpec, steps: int) -> list[dict]:
         layout = dataclasses.replace(row.layout, row_split_embedding=False, async_tp=False)
         ranks = sorted({0, (layout.pp - 1) * (row.gpus // layout.pp)})
         reports = [_run_rank(dataclasses.replace(row, layout=layout), "--comm.no_fake_tensors", "--comm.fake_rank",
-                             str(rank), "--training.steps", str(steps)) for rank in ranks]
+                             str(rank), "--comm.fake_steps", str(steps)) for rank in ranks]
         slowest = min(reports, key=lambda report: report["tokens_per_second_per_gpu"])
         step = step_time(model_args_for(row.flavor, row.seq_len), layout, row.seq_len, gpu)
         tokens = layout.local_batch * row.seq_len / (layout.tp * layout.cp * layout.pp)
