@@ -96,7 +96,7 @@ def calibration_report(folders: list[str], gpu: GPU, refit_all: bool, as_json: b
     lines = ["| run | GPUs | tokens/s/GPU measured | model | error | refitted | error | peak GiB measured | "
              "predicted | error |", "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for e in entries:
-        lines.append(f"| {e['run']} | {e['gpus']} | {e['tps_measured']:,.0f} | {e['tps_model']:,.0f} | "
+        lines.append(f"| {e['run']}{' (one rank alone)' if e['alone'] else ''} | {e['gpus']} | {e['tps_measured']:,.0f} | {e['tps_model']:,.0f} | "
                      f"{100 * (e['tps_model'] / e['tps_measured'] - 1):+.1f}% | {e['tps_fitted']:,.0f} | "
                      f"{100 * (e['tps_fitted'] / e['tps_measured'] - 1):+.1f}% | {e['memory_measured_gib']:.1f} | "
                      f"{e['memory_predicted_gib']:.1f} | "
@@ -190,7 +190,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--steps", type=int, default=5, help="with --measured: steps per row (the first two are "
                                                                "not timed)")
     parser.add_argument("--calibrate", nargs="+", metavar="RUN_FOLDER", default=None,
-                        help="the model against your own GPU runs (trainer dump folders), its efficiency refitted")
+                        help="the model against your own GPU runs (trainer dump folders, or those of a dry run on real "
+                             "tensors: one rank of the target layout on one GPU), its efficiency refitted")
     parser.add_argument("--refit_all", action="store_true",
                         help="with --calibrate: refit all three constants (three runs or more)")
     for name, value in MODEL_CONSTANTS.items():

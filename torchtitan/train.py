@@ -70,7 +70,7 @@ class Trainer:
         self.world_mesh = self.parallel_dims.build_mesh(self.device.type)
         logger.info(f"{config.job.description}: {world_size} process(es) on {self.device.type}, mesh "
                     f"{self.parallel_dims.describe()}")
-        if self.rank == 0:
+        if self.rank == 0 or self.dry_run:  # a dry run is one process, whichever rank it plays
             save_config(config, config.job.dump_folder)
             if not self.dry_run:
                 save_run_info(config.job.dump_folder, world_size, self.device.type, device_name(self.device))

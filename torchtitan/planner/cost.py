@@ -129,6 +129,12 @@ class StepTime:
         return (self.compute_s + self.exposed_comm_s) * self.bubble + self.drained_comm_s + self.parameter_s
 
     @property
+    def seconds_alone(self) -> float:
+        """The step of one rank alone: no communication and no bubble, what a dry run on real tensors measures
+        (`--comm.no_fake_tensors`)."""
+        return self.compute_s + self.parameter_s
+
+    @property
     def seconds_without_overlap(self) -> float:
         """The step if no communication overlapped compute: the bound for a layout whose overlap fails (a network
         slower than its datasheet, NCCL and compute kernels contending for the GPU)."""
@@ -336,6 +342,9 @@ def step_time(args: TransformerModelArgs, layout: Layout, seq_len: int, gpu: GPU
                     cp_comm_s=cp_s, drained_comm_s=drained_s, parameter_s=parameter_s)
 
 
-def tokens_per_second_per_gpu(args: TransformerModelArgs, layout: Layout, seq_len: int, gpu: GPU, **constants) -> float:
+def tokens_per_second_per_gpu(args: TransformerModelArgs, layout: Layout, seq_len: int, gpu: GPU, alone: bool = False,
+                              **constants) -> float:
+    """Tokens/s per GPU of the layout; `alone`: of one of its ranks with no communication (StepTime.seconds_alone)."""
     step = step_time(args, layout, seq_len, gpu, **constants)
-    return layout.local_batch * seq_len / (layout.tp * layout.cp * layout.pp) / step.seconds
+    return layout.local_batch * seq_len / (layout.tp * layout.cp * layout.pp) / (
+        step.seconds_alone if alone else step.seconds)

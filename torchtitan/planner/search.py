@@ -40,6 +40,9 @@ class Prediction:
     tps_per_gpu: float
     tps_without_overlap: float
     """Tokens/s per GPU if no communication overlapped compute (StepTime.seconds_without_overlap)."""
+    tps_alone: float
+    """Tokens/s of one rank with no communication at all (StepTime.seconds_alone): what a dry run on real tensors
+    measures on one GPU."""
     peak_memory_gib: float
     tensor_peak_gib: float
     step_seconds: float
@@ -51,6 +54,7 @@ class Prediction:
             del layout[name]
         return {**layout, "tps_per_gpu": round(self.tps_per_gpu, 1),
                 "tps_per_gpu_without_overlap": round(self.tps_without_overlap, 1),
+                "tps_per_gpu_alone": round(self.tps_alone, 1),
                 "peak_memory_gib": round(self.peak_memory_gib, 2),
                 "step_seconds": round(self.step_seconds, 3), "overrides": self.overrides}
 
@@ -113,7 +117,8 @@ def predict(flavor: str, layout: Layout, seq_len: int, gpu: GPU, config: JobConf
     step = step_time(args, layout, seq_len, gpu, **constants)
     tokens = layout.local_batch * seq_len / (layout.tp * layout.cp * layout.pp)
     return Prediction(layout=layout, tps_per_gpu=tokens / step.seconds,
-                      tps_without_overlap=tokens / step.seconds_without_overlap, peak_memory_gib=reserved_gib(tensors),
+                      tps_without_overlap=tokens / step.seconds_without_overlap, tps_alone=tokens / step.seconds_alone,
+                      peak_memory_gib=reserved_gib(tensors),
                       tensor_peak_gib=tensors / GIB, step_seconds=step.seconds,
                       overrides=layout_overrides(layout, seq_len, args.n_layers))
 

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from torchtitan.models.llama3.args import TransformerModelArgs, model_args_for
-from torchtitan.planner.cost import MODEL_CONSTANTS, Layout, step_time, tokens_per_second_per_gpu
+from torchtitan.planner.cost import MODEL_CONSTANTS, Layout, tokens_per_second_per_gpu
 from torchtitan.planner.hardware import GPU as GPUSpec, GPUS
 from torchtitan.planner.search import Prediction, predict
 
@@ -78,19 +78,19 @@ def predictions(rows: list[Row], **constants) -> list[Prediction]:
 
 def fit_constants(rows: list[Row]) -> dict[str, float]:
     """The constants that minimise the largest relative tokens/s error on FIT_ROWS."""
-    return fit([(model_args_for(row.flavor, row.seq_len), row.layout, row.seq_len, row.tps_per_gpu)
+    return fit([(model_args_for(row.flavor, row.seq_len), row.layout, row.seq_len, row.tps_per_gpu, False)
                 for row in rows if row.index in FIT_ROWS], GPU)
 
 
-def fit(points: list[tuple[TransformerModelArgs, Layout, int, float]], gpu: GPUSpec,
+def fit(points: list[tuple[TransformerModelArgs, Layout, int, float, bool]], gpu: GPUSpec,
         only_efficiency: bool = False) -> dict[str, float]:
     """The constants that minimise the largest relative error over `points` (model shape, layout, sequence length,
-    measured tokens/s per GPU), by a grid search, coarse then fine around the coarse optimum: efficiency 0.30-1.00
+    measured tokens/s per GPU, and whether one rank ran alone: a dry run on real tensors), by a grid search, coarse then fine around the coarse optimum: efficiency 0.30-1.00
     by 0.01, memory-bound bytes 0-3,000 by 20, compiled fraction 0-1 by 0.025; `only_efficiency` keeps the other
     two at the model's values."""
     def error(constants: dict[str, float]) -> float:
-        return max(abs(tokens_per_second_per_gpu(args, layout, seq_len, gpu, **constants) / measured - 1)
-                   for args, layout, seq_len, measured in points)
+        return max(abs(tokens_per_second_per_gpu(args, layout, seq_len, gpu, alone, **constants) / measured - 1)
+                   for args, layout, seq_len, measured, alone in points)
 
     def best(efficiencies, bytes_, fractions) -> dict[str, float]:
         grid = ({"efficiency": e, "memory_bound_bytes": b, "compiled_fraction": f}
@@ -155,8 +155,6 @@ def measured_table(rows: list[Row], gpu: GPUSpec, steps: int) -> list[dict]:
     the output layer and the loss; the slower sets the pace and the larger peak is the row's, as in the published
     figures. The run is this framework's, so its layout is predicted as this framework runs it (column-split
     embedding; async TP off, which a rank alone cannot run)."""
-    from torchtitan.planner.search import _layout_memory, reserved_gib
-
     table = []
     for row in rows:
         layout = dataclasses.replace(row.layout, row_split_embedding=False, async_tp=False)
@@ -164,20 +162,18 @@ def measured_table(rows: list[Row], gpu: GPUSpec, steps: int) -> list[dict]:
         reports = [_run_rank(dataclasses.replace(row, layout=layout), "--comm.no_fake_tensors", "--comm.fake_rank",
                              str(rank), "--comm.fake_steps", str(steps)) for rank in ranks]
         slowest = min(reports, key=lambda report: report["tokens_per_second_per_gpu"])
-        step = step_time(model_args_for(row.flavor, row.seq_len), layout, row.seq_len, gpu)
-        tokens = layout.local_batch * row.seq_len / (layout.tp * layout.cp * layout.pp)
-        predicted_tps = tokens / (step.compute_s + step.parameter_s)
-        predicted_gib = reserved_gib(_layout_memory(row.flavor, layout, row.seq_len))
+        prediction = predict(row.flavor, layout, row.seq_len, gpu)
         measured_gib = max(report["memory"]["max_reserved_gib"] for report in reports)
         table.append({"row": row.index, "name": row.name, "ranks": ranks, "device": slowest["device"],
                       "step_seconds": {report["rank"]: report["step_seconds"] for report in reports},
                       "memory_by_rank": {report["rank"]: report["memory"] for report in reports},
-                      "tps_measured": slowest["tokens_per_second_per_gpu"], "tps_predicted": predicted_tps,
-                      "tps_error": predicted_tps / slowest["tokens_per_second_per_gpu"] - 1,
+                      "tps_measured": slowest["tokens_per_second_per_gpu"], "tps_predicted": prediction.tps_alone,
+                      "tps_error": prediction.tps_alone / slowest["tokens_per_second_per_gpu"] - 1,
                       "tps_published": row.tps_per_gpu, "mfu_pct": slowest["mfu_pct"],
                       "memory_measured_gib": measured_gib,
                       "memory_allocated_gib": max(report["memory"]["max_allocated_gib"] for report in reports),
-                      "memory_predicted_gib": predicted_gib, "memory_error": predicted_gib / measured_gib - 1})
+                      "memory_predicted_gib": prediction.peak_memory_gib,
+                      "memory_error": prediction.peak_memory_gib / measured_gib - 1})
     return table
 
 
