@@ -96,7 +96,8 @@ def calibration_report(folders: list[str], gpu: GPU, refit_all: bool, as_json: b
     lines = ["| run | GPUs | tokens/s/GPU measured | model | error | refitted | error | peak GiB measured | "
              "predicted | error |", "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for e in entries:
-        lines.append(f"| {e['run']}{' (one rank alone)' if e['alone'] else ''} | {e['gpus']} | {e['tps_measured']:,.0f} | {e['tps_model']:,.0f} | "
+        run = f"{e['run']} (one rank alone)" if e["alone"] else e["run"]
+        lines.append(f"| {run} | {e['gpus']} | {e['tps_measured']:,.0f} | {e['tps_model']:,.0f} | "
                      f"{100 * (e['tps_model'] / e['tps_measured'] - 1):+.1f}% | {e['tps_fitted']:,.0f} | "
                      f"{100 * (e['tps_fitted'] / e['tps_measured'] - 1):+.1f}% | {e['memory_measured_gib']:.1f} | "
                      f"{e['memory_predicted_gib']:.1f} | "
@@ -133,7 +134,8 @@ def measured_markdown(gpu: GPU, rows: str | None, steps: int, as_json: bool) -> 
              f"model's compute + parameter traffic on {gpu.name} (no communication, no bubble).", "",
              "| row | run | ranks | tokens/s/GPU measured | model | error | MFU | reserved GiB measured | model | "
              "error |", "|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
-    lines += [f"| {e['row']} | {e['name']} | {', '.join(map(str, e['ranks']))} | {e['tps_measured']:,.0f} | {e['tps_predicted']:,.0f} | "
+    lines += [f"| {e['row']} | {e['name']} | {', '.join(map(str, e['ranks']))} | {e['tps_measured']:,.0f} | "
+              f"{e['tps_predicted']:,.0f} | "
               f"{100 * e['tps_error']:+.1f}% | {e['mfu_pct']:.1f}% | {e['memory_measured_gib']:.1f} | "
               f"{e['memory_predicted_gib']:.1f} | {100 * e['memory_error']:+.1f}% |" for e in entries]
     return "\n".join(lines)

@@ -15,8 +15,8 @@ one), the collectives still fake: comm.fake_steps steps, compile included, each 
 memory. That is the rank's compute without communication, at full size on one GPU; the rank's share of the model
 must fit it.
 
-What a dry run on fake tensors does not execute: `torch.compile` (the blocks and the loss run eagerly: the traced memory is
-eager's, an upper bound for compile; with compile on, the report adds the analytic model's compiled peak,
+What a dry run on fake tensors does not execute: `torch.compile` (the blocks and the loss run eagerly: the traced
+memory is eager's, an upper bound for compile; with compile on, the report adds the analytic model's compiled peak,
 `compiled_estimate_gib`, which decides whether the run fits), and the numerics (fake tensors have no values: the
 loss and gradient norm read as zero).
 """
@@ -99,7 +99,8 @@ def fake_batches(trainer) -> list[tuple[torch.Tensor, torch.Tensor]]:
     training = trainer.config.training
     shape = (training.local_batch_size, training.seq_len)
     vocab = trainer.model_args.vocab_size
-    return [(torch.randint(0, vocab, shape, device=trainer.device), torch.randint(0, vocab, shape, device=trainer.device))
+    device = trainer.device
+    return [(torch.randint(0, vocab, shape, device=device), torch.randint(0, vocab, shape, device=device))
             for _ in range(trainer.grad_accumulation_steps)]
 
 

@@ -102,7 +102,8 @@ Peak = parameters + optimizer + max over the phases of the step:
 plus a fixed overhead (--overhead_gib; default 2 GiB on GPUs for the CUDA context, NCCL and cuBLAS workspaces,
 not validated here; 0 for the CPU validation, which counts tensors only).
 
-Compiled blocks with AC: per-op AC saves what its policy names and backward reads (above), full AC the block input; the backward of a checkpointed block holds what the eager `none` set does (measured, one block
+Compiled blocks with AC: per-op AC saves what its policy names and backward reads (above), full AC the block
+input; the backward of a checkpointed block holds what the eager `none` set does (measured, one block
 under full AC, backward peak: compiled bf16 22% below it, compiled Float8 2.5% below). Float8's linear layers cast
 their weights themselves: under autocast no bf16 weight copies.
 

@@ -85,9 +85,9 @@ def fit_constants(rows: list[Row]) -> dict[str, float]:
 def fit(points: list[tuple[TransformerModelArgs, Layout, int, float, bool]], gpu: GPUSpec,
         only_efficiency: bool = False) -> dict[str, float]:
     """The constants that minimise the largest relative error over `points` (model shape, layout, sequence length,
-    measured tokens/s per GPU, and whether one rank ran alone: a dry run on real tensors), by a grid search, coarse then fine around the coarse optimum: efficiency 0.30-1.00
-    by 0.01, memory-bound bytes 0-3,000 by 20, compiled fraction 0-1 by 0.025; `only_efficiency` keeps the other
-    two at the model's values."""
+    measured tokens/s per GPU, and whether one rank ran alone: a dry run on real tensors), by a grid search, coarse
+    then fine around the coarse optimum: efficiency 0.30-1.00 by 0.01, memory-bound bytes 0-3,000 by 20, compiled
+    fraction 0-1 by 0.025; `only_efficiency` keeps the other two at the model's values."""
     def error(constants: dict[str, float]) -> float:
         return max(abs(tokens_per_second_per_gpu(args, layout, seq_len, gpu, alone, **constants) / measured - 1)
                    for args, layout, seq_len, measured, alone in points)
