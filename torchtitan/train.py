@@ -466,6 +466,17 @@ EXIT_COMM_FAILURE = 4
 EXIT_PREEMPTED = 128 + signal.SIGTERM
 
 
+def out_of_memory_message(error: torch.OutOfMemoryError, during: str) -> str:
+    """One line for a device out of memory: torch's own account of it (what was asked, what is free) and the options
+    that lower the peak. It fails the same way on a rerun, as a configuration mistake does."""
+    sentences = str(error).strip().split(". ")
+    account = ". ".join(sentences[:3]).rstrip(".")
+    return (f"{during}: {account}. The layout does not fit this device: lower training.local_batch_size, checkpoint "
+            f"activations (activation_checkpoint.mode), or shard more (parallelism.data_parallel_shard_degree, "
+            f"tensor_parallel_degree, pipeline_parallel_degree); a dry run (COMM_MODE=fake_backend) or scripts/plan.py "
+            f"gives a layout's peak before the run (docs/scaling.md)")
+
+
 def main(argv: list[str] | None = None) -> int:
     # Before the first CUDA allocation: segments that grow in place instead of one cudaMalloc per block size. With
     # torch's default, blocks of every size FSDP, activations and the optimizer ask for fragment the reserved
@@ -490,6 +501,10 @@ def main(argv: list[str] | None = None) -> int:
         return EXIT_NONFINITE
     except UserError as e:
         logger.error(f"error: {e}")
+        return EXIT_USER_ERROR
+    except torch.OutOfMemoryError as e:
+        during = f"step {trainer.train_state.step + 1}" if trainer is not None else "start-up"
+        logger.error(f"error: {out_of_memory_message(e, during)}")
         return EXIT_USER_ERROR
     except RuntimeError as e:
         during = f"step {trainer.train_state.step + 1}" if trainer is not None else "start-up"

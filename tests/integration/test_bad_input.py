@@ -506,3 +506,19 @@ def test_config_is_replaced_atomically(tmp_path, monkeypatch):
         save_config(changed, str(tmp_path))
     assert path.read_bytes() == before
     assert list(tmp_path.iterdir()) == [path], "the temporary file is removed"
+
+
+def test_out_of_memory_is_one_error_line(tmp_path, capsys, monkeypatch):
+    """A layout too large for the device fails the same way on every rerun: one line with torch's account of it and
+    the options that lower the peak, exit code 2, not a traceback."""
+    def out_of_memory(self, batches):
+        raise torch.OutOfMemoryError(
+            "CUDA out of memory. Tried to allocate 2.00 GiB. GPU 0 has a total capacity of 79.19 GiB of which 1.25 GiB "
+            "is free. Including non-PyTorch memory, this process has 77.93 GiB memory in use. Of the allocated memory "
+            "70.1 GiB is allocated by PyTorch")
+
+    monkeypatch.setattr(train.Trainer, "train_step", out_of_memory)
+    code, output = run_main([*BASE, "--job.dump_folder", str(tmp_path / "dump")], capsys)
+    line = assert_one_error(code, output, "step 1: CUDA out of memory. Tried to allocate 2.00 GiB. GPU 0 has a total "
+                                          "capacity of 79.19 GiB of which 1.25 GiB is free. The layout does not fit")
+    assert "training.local_batch_size" in line and "activation_checkpoint.mode" in line
