@@ -567,11 +567,13 @@ def validate(config: JobConfig) -> None:
     if config.model.document_positions and config.model.attention_mask != "block_causal":
         raise UserError("option model.document_positions: true needs model.attention_mask = 'block_causal' (with "
                         "causal attention a document sees the ones before it, so its positions continue)")
-    if config.comm.mode == "fake_backend" and config.optimizer.name in ("AdamW-8bit", "AdamW-4bit"):
-        raise UserError(f"option optimizer.name: {config.optimizer.name} cannot run in a dry run (comm.mode = "
-                        f"'fake_backend'): torchao compiles its step on real tensors; the dry run's fake ones crash "
-                        f"it. Dry-run with AdamW-bf16 and scale its optimizer state by the memory planner's ratio "
-                        f"(docs/recipes.md, Optimizers), or run on real devices")
+    if config.comm.mode == "fake_backend" and config.comm.fake_tensors and \
+            config.optimizer.name in ("AdamW-8bit", "AdamW-4bit"):
+        raise UserError(f"option optimizer.name: {config.optimizer.name} cannot run in a dry run on fake tensors "
+                        f"(comm.mode = 'fake_backend'): torchao compiles its step on real tensors; the dry run's fake "
+                        f"ones crash it. Dry-run with AdamW-bf16 and scale its optimizer state by the memory planner's "
+                        f"ratio (docs/recipes.md, Optimizers), run the rank on real tensors (--comm.no_fake_tensors), "
+                        f"or run on real devices")
     if config.checkpoint.keep_latest_k < 0:
         raise UserError(f"option checkpoint.keep_latest_k: {config.checkpoint.keep_latest_k} must be 0 (keep all) "
                         f"or positive")
