@@ -4,7 +4,8 @@
 #   CONFIG_FILE  TOML config (default: the debug model)
 #   LOG_RANK     comma-separated ranks whose output is shown (default: 0)
 #   COMM_MODE    fake_backend: a dry run. ONE process plays rank 0 of NGPU ranks on fake tensors, with no GPU, data
-#                or checkpoint, and reports memory and communication (docs/scaling.md); torchrun is not used
+#                or checkpoint, and reports memory and communication (docs/scaling.md); torchrun is not used. With
+#                --comm.no_fake_tensors the rank runs on real tensors on this machine's GPU, its steps timed
 # Extra arguments go to the trainer, e.g.  ./run_train.sh --training.steps 20 --parallelism.tensor_parallel_degree 2
 set -euo pipefail
 
