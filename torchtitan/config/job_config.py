@@ -456,7 +456,7 @@ class Comm:
     """Entries of the NCCL flight recorder (GPU runs)."""
 
     mode: Literal["default", "fake_backend"] = "default"
-    """fake_backend: a dry run. One process plays rank comm.fake_rank of a world of comm.fake_world_size ranks on torch's fake process group with fake tensors (no GPU, data, tokenizer or checkpoint needed), runs two training steps of the configured layout, and reports that rank's peak memory by category and every collective of one step in dump_folder/dry_run.json (docs/scaling.md)."""
+    """fake_backend: a dry run. One process plays rank comm.fake_rank of a world of comm.fake_world_size ranks on torch's fake process group. On fake tensors (the default; no GPU, data, tokenizer or checkpoint needed) it runs two training steps of the configured layout and reports that rank's peak memory by category and every collective of one step in dump_folder/dry_run.json; on real tensors (--comm.no_fake_tensors) it times the rank's steps on this machine's GPU (docs/scaling.md)."""
 
     fake_rank: int = 0
     """Dry run: the rank this process plays."""
