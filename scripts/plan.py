@@ -29,7 +29,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from torchtitan.config import parse_args  # noqa: E402
 from torchtitan.errors import UserError  # noqa: E402
 from torchtitan.planner.cost import MODEL_CONSTANTS, Layout  # noqa: E402
-from torchtitan.planner.hardware import GPU, GPUS, gpu_named  # noqa: E402
+from torchtitan.planner.hardware import GPU, GPUS, gpu_named, require_same_gpu  # noqa: E402
 from torchtitan.planner.search import Prediction, layout_from_config, plan, predict  # noqa: E402
 
 
@@ -121,10 +121,10 @@ def measured_markdown(gpu: GPU, rows: str | None, steps: int, as_json: bool) -> 
     if not torch.cuda.is_available():
         raise UserError("option --measured: runs each row's rank on this machine's GPU, and it has none (CUDA is not "
                         "available); without a GPU, --validate --traced gives the dry run's memory")
-    family = gpu.name.split("_")[0].upper()
-    if family not in device_name(torch.device("cuda")).upper():
-        raise UserError(f"option --gpu: {gpu.name} ({gpu.description}), but this machine's GPU is "
-                        f"{device_name(torch.device('cuda'))}: name the GPU it has")
+    require_same_gpu(gpu, device_name(torch.device("cuda")), "the rows' runs on this machine")
+    if steps < 1:
+        raise UserError(f"option --steps: {steps} must be a positive integer (3 or more give a median past "
+                        f"compilation)")
     published = validation.published_rows()
     wanted = [published[index] for index in _row_indices(rows, len(published))]
     entries = validation.measured_table(wanted, gpu, steps)
@@ -190,7 +190,7 @@ def main(argv: list[str] | None = None) -> int:
                              "model's (name the GPU with --gpu)")
     parser.add_argument("--rows", default=None, help="with --measured: the rows to run, e.g. 0,1,2 (default all)")
     parser.add_argument("--steps", type=int, default=5, help="with --measured: steps per row (the first two are "
-                                                               "not timed)")
+                                                               "left out of the median)")
     parser.add_argument("--calibrate", nargs="+", metavar="RUN_FOLDER", default=None,
                         help="the model against your own GPU runs (trainer dump folders, or those of a dry run on real "
                              "tensors: one rank of the target layout on one GPU), its efficiency refitted")

@@ -466,6 +466,10 @@ EXIT_COMM_FAILURE = 4
 EXIT_PREEMPTED = 128 + signal.SIGTERM
 
 
+def _failed_during(trainer: Trainer | None) -> str:
+    return f"step {trainer.train_state.step + 1}" if trainer is not None else "start-up"
+
+
 def out_of_memory_message(error: torch.OutOfMemoryError, during: str) -> str:
     """One line for a device out of memory: torch's own account of it (what was asked, what is free) and the options
     that lower the peak. It fails the same way on a rerun, as a configuration mistake does."""
@@ -503,12 +507,10 @@ def main(argv: list[str] | None = None) -> int:
         logger.error(f"error: {e}")
         return EXIT_USER_ERROR
     except torch.OutOfMemoryError as e:
-        during = f"step {trainer.train_state.step + 1}" if trainer is not None else "start-up"
-        logger.error(f"error: {out_of_memory_message(e, during)}")
+        logger.error(f"error: {out_of_memory_message(e, _failed_during(trainer))}")
         return EXIT_USER_ERROR
     except RuntimeError as e:
-        during = f"step {trainer.train_state.step + 1}" if trainer is not None else "start-up"
-        message = dist_utils.describe_comm_failure(e, during)
+        message = dist_utils.describe_comm_failure(e, _failed_during(trainer))
         if message is None:
             raise
         logger.error(f"error: {message}")

@@ -31,9 +31,10 @@ from torchtitan.dry_run import REPORT_FILE as DRY_RUN_REPORT
 from torchtitan.errors import UserError
 from torchtitan.models.llama3.args import model_args_for, shape_overrides
 from torchtitan.planner.cost import MODEL_CONSTANTS, Layout
-from torchtitan.planner.hardware import GPU
+from torchtitan.planner.hardware import GPU, require_same_gpu
 from torchtitan.planner.search import layout_from_config, predict
 from torchtitan.planner.validation import fit
+
 
 @dataclass(frozen=True)
 class MeasuredRun:
@@ -106,11 +107,8 @@ def calibrate(runs: list[MeasuredRun], gpu: GPU, refit_all: bool = False) -> tup
     the refitted ones)."""
     if refit_all and len(runs) < 3:
         raise UserError(f"option --refit_all: three constants need three runs or more, got {len(runs)}")
-    family = gpu.name.split("_")[0].upper()
     for run in runs:
-        if family not in run.device_name.upper():
-            raise UserError(f"option --gpu: {gpu.name} ({gpu.description}), but {run.folder} ran on "
-                            f"{run.device_name}: name the GPU the runs ran on")
+        require_same_gpu(gpu, run.device_name, str(run.folder))
     points = []
     for run in runs:
         args = model_args_for(run.config.model.flavor, run.config.training.seq_len,

@@ -44,3 +44,10 @@ def gpu_named(name: str, option: str) -> GPU:
     if gpu is None:
         raise UserError(f"option {option}: unknown GPU {name!r}; valid: {', '.join(GPUS)}")
     return gpu
+
+
+def require_same_gpu(gpu: GPU, device_name: str, measured: str) -> None:
+    """Refuse figures `measured` on a device other than the named GPU's family (an H100 96 GB is an H100)."""
+    if gpu.name.split("_")[0].upper() not in device_name.upper():
+        raise UserError(f"option --gpu: {gpu.name} ({gpu.description}), but {measured} ran on {device_name}: name "
+                        f"the GPU the runs ran on")

@@ -127,6 +127,7 @@ def validation_table(rows: list[Row] | None = None, constants: dict[str, float] 
 
 def _run_rank(row: Row, *options: str) -> dict:
     """The dry run of one rank of a published row's layout (a new process); returns its report."""
+    from torchtitan.dry_run import REPORT_FILE
     from torchtitan.planner.search import CONFIGS, PRESET_TOML, layout_overrides
 
     args = model_args_for(row.flavor, row.seq_len)
@@ -136,7 +137,7 @@ def _run_rank(row: Row, *options: str) -> dict:
              *layout_overrides(row.layout, row.seq_len, args.n_layers), "--comm.mode", "fake_backend",
              "--comm.fake_world_size", str(row.gpus), *options, "--job.dump_folder", dump_folder,
              "--job.no_print_config"], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-        report = Path(dump_folder) / "dry_run.json"
+        report = Path(dump_folder) / REPORT_FILE
         if not report.exists():
             raise RuntimeError(f"the dry run of row {row.index} failed:\n{proc.stdout[-4000:]}")
         return json.loads(report.read_text())
