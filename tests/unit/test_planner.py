@@ -88,9 +88,12 @@ def test_json_lists_every_field(capsys):
     layouts = json.loads(capsys.readouterr().out)
     assert len(layouts) == 3
     for field in ("dp_shard", "dp_replicate", "tp", "pp", "cp", "schedule", "ac", "float8", "compile", "async_tp",
-                  "local_batch", "tps_per_gpu", "tps_per_gpu_without_overlap", "peak_memory_gib", "overrides"):
+                  "local_batch", "tps_per_gpu", "tps_per_gpu_without_overlap", "tps_per_gpu_alone", "peak_memory_gib",
+                  "overrides"):
         assert field in layouts[0]
     assert layouts[0]["tps_per_gpu"] >= layouts[1]["tps_per_gpu"] >= layouts[2]["tps_per_gpu"]
+    # A rank alone pays no communication and no bubble.
+    assert all(layout["tps_per_gpu_alone"] >= layout["tps_per_gpu"] for layout in layouts)
 
 
 def test_predict_takes_trainer_options(capsys):
