@@ -1,4 +1,5 @@
 import inspect
+import json
 
 import pytest
 
@@ -34,12 +35,27 @@ def test_callers_cannot_corrupt_the_cache():
     assert embedded_corpus("train")
 
 
-def test_deterministic_whatever_this_process_patched(monkeypatch):
+def test_deterministic_whatever_this_process_patched(monkeypatch, tmp_path):
     before = {split: embedded_corpus(split) for split in corpus.SPLITS}
-    # torch replaces inspect.getfile on import; such patches must not leak into the text.
+    # torch replaces inspect.getfile on import; such patches must not leak into the text. (An empty cache
+    # directory, so that the documents are built again.)
     monkeypatch.setattr(inspect, "getfile", lambda obj: "patched")
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
     corpus._splits.cache_clear()
     assert {split: embedded_corpus(split) for split in corpus.SPLITS} == before
+
+
+def test_built_once_then_read_from_the_cache(monkeypatch, tmp_path):
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    built = corpus._cached_documents()
+    (cache_file,) = (tmp_path / "torchtitan").glob("embedded_corpus-*.json")
+    monkeypatch.setattr(corpus, "_documents_from_pristine_interpreter", lambda: pytest.fail("built again"))
+    assert corpus._cached_documents() == built
+    # An unreadable cache is built again and replaced.
+    cache_file.write_text('["truncated')
+    monkeypatch.setattr(corpus, "_documents_from_pristine_interpreter", lambda: built[:3])
+    assert corpus._cached_documents() == built[:3]
+    assert json.loads(cache_file.read_text()) == built[:3]
 
 
 def test_unknown_split():

@@ -92,3 +92,15 @@ def test_saving_averages_the_momenta(results):
 def test_bytes_sent_per_step(results):
     # 600 values: 10 chunks of 64 (padded), 8 coefficients each, 3 bytes per coefficient, 3 steps.
     assert results[0]["sent_bytes"] == 3 * payload_bytes(600, CHUNK, TOPK) == 3 * 10 * 8 * 3
+
+
+def test_importing_the_trainer_loads_no_compiler():
+    """FlexDeMo's selection is compiled on first use, not when the optimizer registry imports it: inductor's code
+    generator takes most of a second of every trainer process's start-up, runs without compile included."""
+    import subprocess
+    import sys
+
+    check = "import sys, torchtitan.train; print('torch._inductor.compile_fx' in sys.modules)"
+    result = subprocess.run([sys.executable, "-c", check], capture_output=True, text=True, check=True,
+                            cwd=Path(__file__).resolve().parents[2])
+    assert result.stdout.strip() == "False"

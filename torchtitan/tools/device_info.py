@@ -14,7 +14,7 @@ from pathlib import Path
 
 import torch
 
-from torchtitan.tools.files import atomic_write
+from torchtitan.tools.files import atomic_write, cache_dir
 from torchtitan.tools.logging import logger, warn_once
 
 _GIB = 1024**3
@@ -170,7 +170,7 @@ class _Measurement:
 def _cpu_peak_flops(dtype: torch.dtype, num_threads: int) -> tuple[float, str]:
     cpu = _cpu_model_name()
     dtype_name = str(dtype).removeprefix("torch.")
-    cache_file = _cache_dir() / _safe_file_name(f"cpu_peak_flops-{cpu}-{dtype_name}-{num_threads}threads.json")
+    cache_file = cache_dir() / _safe_file_name(f"cpu_peak_flops-{cpu}-{dtype_name}-{num_threads}threads.json")
     cached = _read_cached_flops(cache_file)
     if cached is not None:
         return cached, f"measured earlier on {cpu} ({dtype_name}, {num_threads} threads), cached in {cache_file}"
@@ -301,10 +301,6 @@ def _thread_state(stat_file: Path) -> str:
         return stat_file.read_text().rsplit(")", 1)[1].split()[0]
     except (OSError, IndexError):
         return ""  # the thread has exited
-
-
-def _cache_dir() -> Path:
-    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "torchtitan"
 
 
 def _safe_file_name(name: str) -> str:

@@ -1,4 +1,4 @@
-"""Writing a file whole or not at all."""
+"""Writing a file whole or not at all, and where this project caches what it measured or built once."""
 
 import contextlib
 import os
@@ -26,3 +26,8 @@ def atomic_write(path: str | os.PathLike, mode: str = "w", **open_args) -> Itera
         with contextlib.suppress(FileNotFoundError):
             os.unlink(temp)
         raise
+
+
+def cache_dir() -> Path:
+    """`$XDG_CACHE_HOME/torchtitan` (default `~/.cache/torchtitan`)."""
+    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "torchtitan"

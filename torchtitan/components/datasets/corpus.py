@@ -26,6 +26,7 @@ from collections.abc import Iterable, Iterator
 from pathlib import Path
 
 from torchtitan.errors import UserError
+from torchtitan.tools.files import atomic_write, cache_dir
 from torchtitan.tools.logging import logger
 
 SPLITS = ("train", "validation")
@@ -317,13 +318,34 @@ def is_validation(document: str) -> bool:
 @functools.lru_cache(maxsize=1)
 def _splits() -> dict[str, tuple[str, ...]]:
     begin = time.perf_counter()
-    logger.info("embedded corpus: collecting Python's own documentation (a few seconds, once per process)")
-    documents = list(dict.fromkeys(_documents_from_pristine_interpreter()))
+    documents = list(dict.fromkeys(_cached_documents()))
     logger.info(f"embedded corpus: {len(documents):,} documents in {time.perf_counter() - begin:.1f} s")
     return {
         "train": tuple(d for d in documents if not is_validation(d)),
         "validation": tuple(d for d in documents if is_validation(d)),
     }
+
+
+def _cached_documents() -> list[str]:
+    """The documents, built once per interpreter and corpus definition and then read from the cache directory: the
+    build takes half a second of every process's start-up, every rank's and every test's. The file's name holds a
+    hash of what the text depends on: the Python version and standard library, and this module's source."""
+    key = hashlib.sha256(f"{sys.version}\0{sys.base_prefix}\0".encode() + Path(__file__).read_bytes())
+    cache_file = cache_dir() / f"embedded_corpus-{key.hexdigest()[:16]}.json"
+    try:
+        return json.loads(cache_file.read_text())
+    except FileNotFoundError:
+        pass
+    except (OSError, ValueError) as exc:
+        logger.warning(f"embedded corpus: ignoring the unreadable cache {cache_file} ({exc}); building it again")
+    logger.info("embedded corpus: collecting Python's own documentation (about a second, once per Python version)")
+    documents = _documents_from_pristine_interpreter()
+    try:
+        with atomic_write(cache_file) as f:
+            json.dump(documents, f)
+    except OSError as exc:
+        logger.warning(f"embedded corpus: cannot cache it in {cache_file} ({exc}); every process will build it")
+    return documents
 
 
 def _documents_from_pristine_interpreter() -> list[str]:

@@ -14,7 +14,9 @@ runs a handful of large kernels instead of a dozen small ones per tensor, while 
 bucket's size rather than the model's.
 """
 
+import functools
 import math
+from collections.abc import Callable
 
 import torch
 import torch.distributed as dist
@@ -59,8 +61,12 @@ def _running_maxima(keys: torch.Tensor, k: int) -> torch.Tensor:
     return torch.cat(found, dim=1)
 
 
-# TORCHDYNAMO_DISABLE=1 (or a platform without a compiler) runs it eagerly: the same result, slower.
-_compiled_running_maxima = torch.compile(_running_maxima, dynamic=True)
+@functools.cache
+def _compiled_running_maxima() -> Callable[[torch.Tensor, int], torch.Tensor]:
+    """Compiled on first use, not at import: `torch.compile` loads inductor, most of a second of every trainer
+    process's start-up. TORCHDYNAMO_DISABLE=1 (or a platform without a compiler) runs it eagerly: the same result,
+    slower."""
+    return torch.compile(_running_maxima, dynamic=True)
 
 
 def top_k_indices(coefficients: torch.Tensor, k: int) -> torch.Tensor:
@@ -73,7 +79,7 @@ def top_k_indices(coefficients: torch.Tensor, k: int) -> torch.Tensor:
     positions = torch.arange(width, dtype=torch.int32, device=coefficients.device)
     keys = coefficients.abs().view(torch.int32).clamp_min_(_SMALLEST_NORMAL_BITS)
     keys.bitwise_and_(~low_bits).bitwise_or_(low_bits - positions)
-    top = _compiled_running_maxima(keys.view(torch.float32), k)
+    top = _compiled_running_maxima()(keys.view(torch.float32), k)
     return (low_bits - (top.view(torch.int32) & low_bits)).long()
 
 
