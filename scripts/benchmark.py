@@ -32,6 +32,16 @@ further steps of ours, one each in turn, so that load from other processes falls
 `plain.ratio` say how many times faster ours is (the peer's median step time over ours, from those alternating
 steps), `ratio_cpu_time` the same from CPU times. All run with the same torch thread count (--threads).
 
+--vs_eager (with --compile.enable, one process) then times compile against eager in this one process: pairs of
+steps of the compiled trainer alternate with pairs of steps of the same trainer under
+`torch.compiler.set_stance("force_eager")`, which runs the compiled blocks and loss as plain eager code; the second
+step of each pair is timed, so that every timed step follows one of its own kind, as in training (an eager step
+right after a compiled one measured up to 6% slower: the allocator holds the other mode's blocks). `eager.ratio` is
+the eager median step time over the compiled one (above 1: compile is faster), `ratio_cpu_time` the same from CPU
+times. Two invocations, one eager and one compiled, cannot resolve this: on a 2-vCPU cloud machine the speed moves
+between levels up to 20% apart, for tens of seconds at a time (the compiled step of one process went from 601 to
+493 ms), which alternating steps of one process share.
+
 --turns MINE:THEIRS (two FIFOs, `scripts/turns.py`) makes every step, warm-up included, wait for its turn and then
 give the other process its own: how `scripts/benchmark_torchtitan.py` times TorchTitan, which cannot share this
 process, step by step against ours.
@@ -74,11 +84,13 @@ Batch = tuple[torch.Tensor, torch.Tensor]
 def parse_benchmark_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], add_help=False,
                                      usage="benchmark.py [trainer options...] [--warmup N] [--steps N] [--hf] "
-                                           "[--plain] [--threads N] [--turns MINE:THEIRS]")
+                                           "[--plain] [--vs_eager] [--threads N] [--turns MINE:THEIRS]")
     parser.add_argument("--warmup", type=int, default=3, help="untimed steps first (compile happens here)")
     parser.add_argument("--steps", type=int, default=10, help="timed steps")
     parser.add_argument("--hf", action="store_true", help="also train transformers' LlamaForCausalLM, same recipe")
     parser.add_argument("--plain", action="store_true", help="also train a plain PyTorch Llama, same recipe")
+    parser.add_argument("--vs_eager", action="store_true",
+                        help="with --compile.enable: also time the same trainer run eagerly, steps alternating")
     parser.add_argument("--threads", type=int, default=None,
                         help="torch threads per process (default: the usable cores / processes on this node)")
     parser.add_argument("--turns", metavar="MINE:THEIRS",
@@ -87,8 +99,8 @@ def parse_benchmark_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]
     args, trainer_argv = parser.parse_known_args(argv)
     if args.warmup < 1 or args.steps < 1:
         raise UserError("--warmup and --steps must be at least 1 (the first step compiles and allocates)")
-    if args.turns and (args.hf or args.plain):
-        raise UserError("--turns times ours against another process: run it without --hf/--plain")
+    if args.turns and (args.hf or args.plain or args.vs_eager):
+        raise UserError("--turns times ours against another process: run it without --hf/--plain/--vs_eager")
     return args, trainer_argv
 
 
@@ -171,8 +183,9 @@ def peak_memory(device: torch.device, baseline_rss_gib: float) -> dict:
 def run(argv: list[str]) -> dict:
     args, trainer_argv = parse_benchmark_args(argv)
     peers = peer_names(args)
-    if (peers or args.turns) and int(os.environ.get("WORLD_SIZE", "1")) > 1:
-        raise UserError("--hf/--plain/--turns compare one process with one process: run them without torchrun")
+    if (peers or args.turns or args.vs_eager) and int(os.environ.get("WORLD_SIZE", "1")) > 1:
+        raise UserError("--hf/--plain/--vs_eager/--turns compare one process with one process: run them without "
+                        "torchrun")
     parent = os.getppid()
     try:
         turns = Turns(args.turns, other_alive=lambda: os.getppid() == parent)
@@ -181,9 +194,12 @@ def run(argv: list[str]) -> dict:
     threads = args.threads or default_threads()
     torch.set_num_threads(threads)
     baseline_rss_gib = memory_stats(torch.device("cpu")).get("rss_gib", 0.0)
-    total_steps = args.warmup + args.steps + (args.steps if peers else 0)
+    total_steps = args.warmup + args.steps + (args.steps if peers else 0) + \
+        (4 * args.steps + args.warmup if args.vs_eager else 0)
     with tempfile.TemporaryDirectory(prefix="benchmark-") as dump_folder:
         config = benchmark_config(trainer_argv, total_steps, dump_folder)
+        if args.vs_eager and not config.compile.enable:
+            raise UserError("--vs_eager times compile against eager, but compile.enable is off: add --compile.enable")
         trainer = Trainer(config)
         try:
             return measure(trainer, args, threads, baseline_rss_gib, turns)
@@ -238,6 +254,8 @@ def measure(trainer: Trainer, args: argparse.Namespace, threads: int, baseline_r
     }
     if initial_state is not None:
         result.update(compare_with_peers(trainer, initial_state, batches, ours, args, tokens_per_step))
+    if args.vs_eager:
+        result["eager"] = compare_with_eager(trainer, ours, args, tokens_per_step)
     gc.enable()
     return result
 
@@ -277,6 +295,31 @@ def compare_with_peers(trainer: Trainer, state_dict: dict, batches: list[list[Ba
             "first_loss": first_loss,
         }
     return results
+
+
+def compare_with_eager(trainer: Trainer, ours, args: argparse.Namespace, tokens_per_step: int) -> dict:
+    """Pairs of the compiled trainer's steps alternating with pairs of its own steps run eagerly, the second of each
+    pair timed: the eager figures and their ratio to the compiled ones."""
+    def eager() -> float:
+        with torch.compiler.set_stance("force_eager"):
+            return ours()
+
+    for _ in range(args.warmup):
+        eager()
+    gc.collect()
+    compiled_timing, eager_timing = Timing(), Timing()
+    for _ in range(args.steps):
+        for step, timing in ((ours, compiled_timing), (eager, eager_timing)):
+            step()
+            timing.run(step)
+    return {
+        "tokens_per_s_per_device": tokens_per_step / eager_timing.step_s, "step_time_s": eager_timing.step_s,
+        "step_cpu_time_s": eager_timing.step_cpu_s,
+        "compiled_step_time_s_alternating": compiled_timing.step_s,
+        "compiled_step_cpu_time_s_alternating": compiled_timing.step_cpu_s,
+        "ratio": eager_timing.step_s / compiled_timing.step_s,
+        "ratio_cpu_time": eager_timing.step_cpu_s / compiled_timing.step_cpu_s,
+    }
 
 
 def json_main(run_benchmark: Callable[[list[str]], dict], argv: list[str] | None) -> int:

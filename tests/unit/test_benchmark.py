@@ -68,9 +68,33 @@ def test_peers_follow_a_bf16_recipe(tmp_path):
         trainer.close()
 
 
+def test_vs_eager_alternates_compiled_steps_with_eager_ones(capsys):
+    """--vs_eager: the compiled trainer's steps alternate with its own steps under the force_eager stance, which
+    must run no compiled code. A backend that counts its calls: each compiled step calls the 4 tiny blocks and the
+    loss once."""
+    calls = []
+
+    @torch._dynamo.register_backend(name="count_calls_for_vs_eager_test")
+    def counting(graph, example_inputs):
+        def run(*args):
+            calls.append(1)
+            return graph(*args)
+        return run
+
+    result = run_benchmark(capsys, "--warmup", "1", "--steps", "2", "--compile.enable", "--compile.backend",
+                           "count_calls_for_vs_eager_test", "--vs_eager")
+    compiled_steps = 1 + 2 + 2 * 2  # warm-up and timed steps, then the compiled pairs of the alternating ones
+    assert len(calls) == 5 * compiled_steps
+    eager = result["eager"]
+    assert eager["step_time_s"] > 0 and eager["ratio_cpu_time"] > 0
+    assert math.isclose(eager["ratio"], eager["step_time_s"] / eager["compiled_step_time_s_alternating"])
+
+
 def test_bad_arguments_are_one_error(capsys):
     assert benchmark.main([*TINY, "--steps", "0"]) == 2
     assert "--warmup and --steps must be at least 1" in capsys.readouterr().err
+    assert benchmark.main([*TINY, "--vs_eager"]) == 2
+    assert "--vs_eager times compile against eager, but compile.enable is off" in capsys.readouterr().err
 
 
 def test_step_breakdown_sorts_the_step_into_categories(capsys):
