@@ -1,5 +1,6 @@
 import inspect
 import json
+import sys
 
 import pytest
 
@@ -56,6 +57,11 @@ def test_built_once_then_read_from_the_cache(monkeypatch, tmp_path):
     monkeypatch.setattr(corpus, "_documents_from_pristine_interpreter", lambda: built[:3])
     assert corpus._cached_documents() == built[:3]
     assert json.loads(cache_file.read_text()) == built[:3]
+    # Another virtual environment's interpreter writes its path into the text: it gets a corpus of its own.
+    monkeypatch.setattr(sys, "executable", "/another/venv/bin/python")
+    monkeypatch.setattr(corpus, "_documents_from_pristine_interpreter", lambda: ["built for the other interpreter"])
+    assert corpus._cached_documents() == ["built for the other interpreter"]
+    assert len(list((tmp_path / "torchtitan").glob("embedded_corpus-*.json"))) == 2
 
 
 def test_unknown_split():

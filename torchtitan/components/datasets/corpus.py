@@ -329,8 +329,11 @@ def _splits() -> dict[str, tuple[str, ...]]:
 def _cached_documents() -> list[str]:
     """The documents, built once per interpreter and corpus definition and then read from the cache directory: the
     build takes half a second of every process's start-up, every rank's and every test's. The file's name holds a
-    hash of what the text depends on: the Python version and standard library, and this module's source."""
-    key = hashlib.sha256(f"{sys.version}\0{sys.base_prefix}\0".encode() + Path(__file__).read_bytes())
+    hash of what the text depends on: the Python version and standard library, the interpreter's path (a default
+    value in `platform.architecture`'s signature, so each virtual environment has a corpus of its own), and this
+    module's source."""
+    depends_on = f"{sys.version}\0{sys.base_prefix}\0{sys.executable}\0".encode() + Path(__file__).read_bytes()
+    key = hashlib.sha256(depends_on)
     cache_file = cache_dir() / f"embedded_corpus-{key.hexdigest()[:16]}.json"
     try:
         return json.loads(cache_file.read_text())
@@ -338,7 +341,7 @@ def _cached_documents() -> list[str]:
         pass
     except (OSError, ValueError) as exc:
         logger.warning(f"embedded corpus: ignoring the unreadable cache {cache_file} ({exc}); building it again")
-    logger.info("embedded corpus: collecting Python's own documentation (about a second, once per Python version)")
+    logger.info("embedded corpus: collecting Python's own documentation (about a second, once per interpreter)")
     documents = _documents_from_pristine_interpreter()
     try:
         with atomic_write(cache_file) as f:
