@@ -36,7 +36,7 @@ steps), `ratio_cpu_time` the same from CPU times. All run with the same torch th
 steps of the compiled trainer alternate with pairs of steps of the same trainer under
 `torch.compiler.set_stance("force_eager")`, which runs the compiled blocks and loss as plain eager code; the second
 step of each pair is timed, so that every timed step follows one of its own kind, as in training (an eager step
-right after a compiled one measured up to 6% slower: the allocator holds the other mode's blocks). `eager.ratio` is
+right after a compiled one measured 4-6% slower than after an eager one, for reasons not found). `eager.ratio` is
 the eager median step time over the compiled one (above 1: compile is faster), `ratio_cpu_time` the same from CPU
 times. Two invocations, one eager and one compiled, cannot resolve this: on a 2-vCPU cloud machine the speed moves
 between levels up to 20% apart, for tens of seconds at a time (the compiled step of one process went from 601 to
