@@ -21,7 +21,7 @@ from pathlib import Path
 from torchtitan.models.llama3.args import TransformerModelArgs, model_args_for
 from torchtitan.planner.cost import MODEL_CONSTANTS, Layout, tokens_per_second_per_gpu
 from torchtitan.planner.hardware import GPU as GPUSpec, GPUS
-from torchtitan.planner.search import Prediction, predict
+from torchtitan.planner.search import CONFIGS, PRESET_TOML, Prediction, layout_overrides, predict, reserved_gib
 
 PUBLISHED = Path(__file__).resolve().parent / "data" / "torchtitan_llama3_h100.csv"
 GPU = GPUS["h100_96gb"]
@@ -127,8 +127,8 @@ def validation_table(rows: list[Row] | None = None, constants: dict[str, float] 
 
 def _run_rank(row: Row, *options: str) -> dict:
     """The dry run of one rank of a published row's layout (a new process); returns its report."""
+    # Imported here: the dry run loads the trainer's distributed stack, which the tables without it do not need.
     from torchtitan.dry_run import REPORT_FILE
-    from torchtitan.planner.search import CONFIGS, PRESET_TOML, layout_overrides
 
     args = model_args_for(row.flavor, row.seq_len)
     with tempfile.TemporaryDirectory(prefix="plan-validate-") as dump_folder:
@@ -181,8 +181,6 @@ def measured_table(rows: list[Row], gpu: GPUSpec, steps: int) -> list[dict]:
 def traced_table(rows: list[Row] | None = None) -> list[dict]:
     """Published peak memory against the dry run's (plus the allocator model), one dry run per distinct layout
     (compile and async TP do not change what is traced)."""
-    from torchtitan.planner.search import reserved_gib
-
     rows = rows or published_rows()
     traced: dict = {}
     table = []
