@@ -274,6 +274,8 @@ def test_unknown_section_on_the_command_line():
     (["--optimizer.lr", "fast"], r"option optimizer\.lr: 'fast' is not a valid value; expected float"),
     (["--compile.enable=maybe"], r"option compile\.enable: 'maybe' is not a valid value; expected bool"),
     (["--debug.seed", "x"], r"option debug\.seed: 'x' is not a valid value; expected int \| none"),
+    (["--optimizer.lr", "nan"], r"option optimizer\.lr: 'nan' is not a finite number"),
+    (["--model.rope_theta", "-inf"], r"option model\.rope_theta: '-inf' is not a finite number"),
 ])
 def test_wrong_type_on_the_command_line_names_key_value_and_type(argv, pattern):
     with raises(pattern):
@@ -287,6 +289,7 @@ def test_wrong_type_on_the_command_line_names_key_value_and_type(argv, pattern):
     ('dataset_loop = "false"', r"option training\.dataset_loop: 'false' is not a valid value; expected bool"),
     ("dataset = 3", r"option training\.dataset: 3 is not a valid value; expected str"),
     ("max_norm = [1.0]", r"option training\.max_norm: \[1\.0\] is not a valid value; expected float"),
+    ("max_norm = inf", r"option training\.max_norm: inf is not a finite number"),
 ])
 def test_wrong_type_in_toml_names_key_value_and_type(tmp_path, line, pattern):
     path = write_toml(tmp_path, f"[training]\n{line}\n")

@@ -11,6 +11,7 @@ import dataclasses
 import difflib
 import functools
 import inspect
+import math
 import os
 import sys
 import types
@@ -192,6 +193,10 @@ def type_name(tp: Any) -> str:
     return getattr(tp, "__name__", str(tp))
 
 
+class _NotFinite(UserError):
+    """nan or inf for a float option: the right type, so a union's other members are not tried."""
+
+
 def _convert(key: str, value: Any, tp: Any, from_cli: bool) -> Any:
     """Check (and, for command-line strings, parse) one value against the option's type."""
 
@@ -206,6 +211,8 @@ def _convert(key: str, value: Any, tp: Any, from_cli: bool) -> Any:
         for arg in (a for a in args if a is not type(None)):
             try:
                 return _convert(key, value, arg, from_cli)
+            except _NotFinite:
+                raise
             except UserError:
                 continue
         raise bad()
@@ -239,14 +246,20 @@ def _convert(key: str, value: Any, tp: Any, from_cli: bool) -> Any:
                 pass
         raise bad()
     if tp is float:
+        number = None
         if isinstance(value, (int, float)) and not isinstance(value, bool):
-            return float(value)
-        if from_cli:
+            number = float(value)
+        elif from_cli:
             try:
-                return float(str(value))
+                number = float(str(value))
             except ValueError:
                 pass
-        raise bad()
+        if number is None:
+            raise bad()
+        if not math.isfinite(number):
+            # No option gives nan or inf a meaning (0 disables clipping), and they would fail far from the flag.
+            raise _NotFinite(f"option {key}: {value!r} is not a finite number")
+        return number
     if tp is str:
         if isinstance(value, str):
             return value
