@@ -69,7 +69,7 @@ import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
 from torchtitan.components.float8 import float8_enabled  # noqa: E402
-from torchtitan.config import JobConfig, parse_args  # noqa: E402
+from torchtitan.config import JobConfig, parse_args, parse_script_args  # noqa: E402
 from torchtitan.distributed.fsdp import TORCH_DTYPES  # noqa: E402
 from torchtitan.errors import UserError  # noqa: E402
 from torchtitan.tools.device_info import memory_stats, peak_flops, reset_peak_memory  # noqa: E402
@@ -81,10 +81,12 @@ from scripts.turns import Turns  # noqa: E402
 Batch = tuple[torch.Tensor, torch.Tensor]
 
 
-def parse_benchmark_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], add_help=False,
-                                     usage="benchmark.py [trainer options...] [--warmup N] [--steps N] [--hf] "
-                                           "[--plain] [--vs_eager] [--threads N] [--turns MINE:THEIRS]")
+def parse_benchmark_args(argv: list[str], script: str = "benchmark.py", doc: str = __doc__,
+                         ) -> tuple[argparse.Namespace, list[str]]:
+    """This script's options, which `scripts/step_breakdown.py` (`script`, `doc`) shares, and the trainer's."""
+    parser = argparse.ArgumentParser(description=doc.split("\n\n")[0], add_help=False,
+                                     usage=f"{script} [trainer options...] [--warmup N] [--steps N] [--hf] "
+                                           f"[--plain] [--vs_eager] [--threads N] [--turns MINE:THEIRS]")
     parser.add_argument("--warmup", type=int, default=3, help="untimed steps first (compile happens here)")
     parser.add_argument("--steps", type=int, default=10, help="timed steps")
     parser.add_argument("--hf", action="store_true", help="also train transformers' LlamaForCausalLM, same recipe")
@@ -95,8 +97,7 @@ def parse_benchmark_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]
                         help="torch threads per process (default: the usable cores / processes on this node)")
     parser.add_argument("--turns", metavar="MINE:THEIRS",
                         help="take turns with another process, one step each, over two FIFOs (scripts/turns.py)")
-    parser.add_argument("--benchmark-help", action="help", help="this help (--help lists the trainer's options)")
-    args, trainer_argv = parser.parse_known_args(argv)
+    args, trainer_argv = parse_script_args(parser, argv)
     if args.warmup < 1 or args.steps < 1:
         raise UserError("--warmup and --steps must be at least 1 (the first step compiles and allocates)")
     if args.turns and (args.hf or args.plain or args.vs_eager):

@@ -66,7 +66,7 @@ import torch.multiprocessing as mp  # noqa: E402
 
 from scripts.benchmark import default_threads, describe_config, json_main  # noqa: E402
 from torchtitan.components.checkpoint import ASYNC_MODES, complete_steps  # noqa: E402
-from torchtitan.config import JobConfig, parse_args  # noqa: E402
+from torchtitan.config import JobConfig, parse_args, parse_script_args  # noqa: E402
 from torchtitan.errors import UserError  # noqa: E402
 from torchtitan.tools.logging import logger  # noqa: E402
 from torchtitan.train import Trainer  # noqa: E402
@@ -87,8 +87,7 @@ def parse_stall_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
     parser.add_argument("--processes", type=int, default=1,
                         help="training processes on this machine (gloo; the default layout shards the model over "
                              "them); the figures are rank 0's")
-    parser.add_argument("--stall-help", action="help", help="this help (--help lists the trainer's options)")
-    args, trainer_argv = parser.parse_known_args(argv)
+    args, trainer_argv = parse_script_args(parser, argv)
     for flag in ("steps", "interval", "repeats", "processes"):
         if getattr(args, flag) < 1:
             raise UserError(f"--{flag}: {getattr(args, flag)} must be at least 1")

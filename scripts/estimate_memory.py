@@ -39,7 +39,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import torch  # noqa: E402
 from torch.distributed.tensor import DTensor  # noqa: E402
 
-from torchtitan.config import parse_args  # noqa: E402
+from torchtitan.config import parse_args, parse_script_args  # noqa: E402
 from torchtitan.errors import UserError  # noqa: E402
 from torchtitan.planner.memory import Estimate, estimate  # noqa: E402
 
@@ -261,7 +261,7 @@ def _measure_in_new_processes(trainer_argv: list[str], nproc: int) -> dict[str, 
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], add_help=False)
+    parser = argparse.ArgumentParser(prog=Path(__file__).name, description=__doc__.split("\n\n")[0], add_help=False)
     parser.add_argument("--ngpu", type=int, default=None, help="devices (world size); default: the presets table")
     parser.add_argument("--device_memory_gib", type=float, default=80.0, help="memory of one device (H100: 80)")
     parser.add_argument("--overhead_gib", type=float, default=None,
@@ -277,8 +277,7 @@ def main(argv: list[str] | None = None) -> int:
     for name in _SHORTHANDS:
         parser.add_argument(f"--{name}", default=None)
     parser.add_argument("--ac", default=None, help="activation checkpointing: none, full, op or N")
-    parser.add_argument("--estimate-help", action="help", help="this help (--help lists the trainer's options)")
-    args, rest = parser.parse_known_args(sys.argv[1:] if argv is None else argv)
+    args, rest = parse_script_args(parser, sys.argv[1:] if argv is None else argv)
     overhead_gib = args.overhead_gib if args.overhead_gib is not None else (0.0 if args.cpu else GPU_OVERHEAD_GIB)
     try:
         if args.validate:

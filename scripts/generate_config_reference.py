@@ -9,6 +9,7 @@ tests/unit/test_docs.py fails while the committed file differs from what this sc
 
 from __future__ import annotations
 
+import argparse
 import sys
 from pathlib import Path
 
@@ -56,6 +57,7 @@ def render() -> str:
 
 
 def main() -> int:
+    argparse.ArgumentParser(description=__doc__.split("\n\n")[0]).parse_args()
     OUTPUT.parent.mkdir(parents=True, exist_ok=True)
     OUTPUT.write_text(render())
     print(f"wrote {OUTPUT.relative_to(REPO)}")

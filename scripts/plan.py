@@ -26,7 +26,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from torchtitan.config import parse_args  # noqa: E402
+from torchtitan.config import parse_args, parse_script_args  # noqa: E402
 from torchtitan.errors import UserError  # noqa: E402
 from torchtitan.planner.cost import MODEL_CONSTANTS, Layout  # noqa: E402
 from torchtitan.planner.hardware import GPU, GPUS, gpu_named, require_same_gpu  # noqa: E402
@@ -164,7 +164,7 @@ def traced_markdown() -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], add_help=False)
+    parser = argparse.ArgumentParser(prog=Path(__file__).name, description=__doc__.split("\n\n")[0], add_help=False)
     parser.add_argument("--flavor", default="8B")
     parser.add_argument("--gpus", type=int, default=8)
     parser.add_argument("--gpu", default="h100", help=f"one of {', '.join(GPUS)}")
@@ -200,8 +200,7 @@ def main(argv: list[str] | None = None) -> int:
         parser.add_argument(f"--{name}", type=float, default=value,
                             help=f"a constant of the performance model (default {value:g}, fitted on TorchTitan's "
                                  f"runs; --calibrate fits it to yours)")
-    parser.add_argument("--plan-help", action="help", help="this help")
-    args, trainer_argv = parser.parse_known_args(sys.argv[1:] if argv is None else argv)
+    args, trainer_argv = parse_script_args(parser, sys.argv[1:] if argv is None else argv)
     try:
         gpu = gpu_named(args.gpu, "--gpu")
         if args.validate and args.measured:

@@ -28,6 +28,7 @@ import torch  # noqa: E402
 from scripts.benchmark import (benchmark_config, default_threads, json_main, parse_benchmark_args,  # noqa: E402
                                peer_names)
 from scripts.benchmark_peers import PeerTraining, initial_state_dict  # noqa: E402
+from torchtitan.errors import UserError  # noqa: E402
 from torchtitan.tools.logging import logger  # noqa: E402
 from torchtitan.tools.step_breakdown import CATEGORIES, breakdown, format_breakdown  # noqa: E402
 from torchtitan.train import Trainer  # noqa: E402
@@ -62,7 +63,10 @@ def ours_loop(trainer: Trainer, batches: list):
 
 
 def run(argv: list[str]) -> dict:
-    args, trainer_argv = parse_benchmark_args(argv)
+    args, trainer_argv = parse_benchmark_args(argv, "step_breakdown.py", __doc__)
+    if args.vs_eager or args.turns:
+        raise UserError("--vs_eager and --turns time steps in scripts/benchmark.py; step_breakdown.py profiles ours "
+                        "and the peers of --hf/--plain")
     torch.set_num_threads(args.threads or default_threads())
     peers = peer_names(args)
     with tempfile.TemporaryDirectory(prefix="step-breakdown-") as dump_folder:

@@ -6,6 +6,7 @@ misspelt option, a value of the wrong type, a TorchTitan option this project doe
 `UserError` that names the option, the value and what would be valid.
 """
 
+import argparse
 import ast
 import dataclasses
 import difflib
@@ -590,6 +591,16 @@ def validate(config: JobConfig) -> None:
     if config.checkpoint.keep_latest_k < 0:
         raise UserError(f"option checkpoint.keep_latest_k: {config.checkpoint.keep_latest_k} must be 0 (keep all) "
                         f"or positive")
+
+
+def parse_script_args(parser: argparse.ArgumentParser, argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
+    """A script's own options (`parser`, built with `add_help=False`), and the rest of `argv`: the trainer options it
+    passes on. `-h`/`--help` prints the script's options and where the trainer's are listed, then exits."""
+    if "-h" in argv or "--help" in argv:
+        print(parser.format_help().rstrip())
+        print("\nEvery other --section.option is the trainer's: `python -m torchtitan.train --help` lists them.")
+        raise SystemExit(0)
+    return parser.parse_known_args(argv)
 
 
 def help_text(specs: dict[str, OptionSpec] | None = None) -> str:
