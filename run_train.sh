@@ -21,6 +21,10 @@ if [ -n "${COMM_MODE:-}" ]; then
     --comm.fake_world_size "$NGPU" "$@"
 fi
 
+if ! [[ "$NGPU" =~ ^[1-9][0-9]*$ ]]; then
+  echo "error: NGPU='$NGPU' is not a positive integer: the number of training processes to start on this machine" >&2
+  exit 2
+fi
 exec python -m torchtitan.launch --nproc_per_node="$NGPU" --rdzv_backend c10d --rdzv_endpoint="localhost:0" \
   --local-ranks-filter "$LOG_RANK" --role rank --tee 3 \
   -m torchtitan.train --job.config_file "$CONFIG_FILE" "$@"

@@ -24,6 +24,15 @@ pytestmark = pytest.mark.integration
 STEP_KEYS = {"step", "loss", "grad_norm", "lr", "tps", "tflops", "mfu", "memory_gib"}
 
 
+@pytest.mark.parametrize("ngpu", ["0", "-1", "abc", "2x"])
+def test_run_train_sh_refuses_a_bad_process_count(ngpu):
+    result = subprocess.run(["./run_train.sh"], cwd=REPO, env={**os.environ, "NGPU": ngpu}, capture_output=True,
+                            text=True, timeout=60)
+    assert result.returncode == 2
+    assert result.stderr == f"error: NGPU='{ngpu}' is not a positive integer: the number of training processes to " \
+                            f"start on this machine\n"
+
+
 def test_run_train_sh_trains_the_debug_model(tmp_path):
     dump = tmp_path / "debug"
     env = {**os.environ, "NGPU": "1", "CONFIG_FILE": "train_configs/debug_model.toml", "OMP_NUM_THREADS": "1",
