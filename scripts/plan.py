@@ -21,6 +21,7 @@ checked against the dry run, plus what the CUDA caching allocator reserves. Conf
 import argparse
 import contextlib
 import json
+import shlex
 import sys
 from pathlib import Path
 
@@ -58,7 +59,7 @@ def table(predictions: list[Prediction]) -> str:
     for rank, p in enumerate(predictions, 1):
         lines.append(f"{rank:>3} {p.tps_per_gpu:12.0f} {p.tps_without_overlap:10.0f} {p.peak_memory_gib:9.1f}  "
                      f"{describe(p.layout)}")
-        lines.append(f"{'':>38}{' '.join(p.overrides)}")
+        lines.append(f"{'':>38}{shlex.join(p.overrides)}")
     return "\n".join(lines)
 
 

@@ -83,6 +83,21 @@ def test_micro_batches_are_searched_and_accumulation_regathers_the_weights():
     assert split.exposed_comm_s == pytest.approx(2 * whole.exposed_comm_s)
 
 
+def test_printed_overrides_paste_into_a_shell(capsys):
+    """Each table row's overrides, split as a shell splits them, give the trainer the row's layout (an empty
+    model.converters must survive as '')."""
+    import shlex
+
+    assert plan_script.main(["--flavor", "8B", "--gpus", "8", "--gpu", "h100", "--float8", "off", "--top", "2"]) == 0
+    printed = [line for line in capsys.readouterr().out.splitlines() if line.lstrip().startswith("--")]
+    ranked = plan("8B", 8, GPUS["h100"], 8192, 16, {"float8": False})[:2]
+    assert len(printed) == len(ranked) == 2
+    for line, prediction in zip(printed, ranked):
+        config = parse_args(["--job.config_file", "train_configs/llama3_8b.toml", *shlex.split(line)])
+        assert config.model.converters == []
+        assert layout_from_config(config, 8) == prediction.layout
+
+
 def test_json_lists_every_field(capsys):
     assert plan_script.main(["--flavor", "8B", "--gpus", "16", "--gpu", "h100", "--json", "--top", "3"]) == 0
     layouts = json.loads(capsys.readouterr().out)
