@@ -23,7 +23,8 @@ from tqdm import tqdm  # noqa: E402
 
 from torchtitan.components.datasets.shards import (MANIFEST, shard_name, token_dtype, write_manifest,  # noqa: E402
                                                    write_shard)
-from torchtitan.components.datasets.text import document_texts, worker_pool  # noqa: E402
+from torchtitan.components.datasets.documents import document_texts  # noqa: E402
+from torchtitan.components.datasets.text import worker_pool  # noqa: E402
 from torchtitan.components.tokenizer import build_tokenizer  # noqa: E402
 from torchtitan.errors import UserError  # noqa: E402
 

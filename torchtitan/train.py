@@ -22,7 +22,7 @@ from torch.profiler import record_function
 
 from torchtitan.components.checkpoint import CheckpointManager, TrainState
 from torchtitan.components.datasets import build_dataloader
-from torchtitan.components.datasets.text import StreamRetry
+from torchtitan.components.datasets.documents import StreamRetry
 from torchtitan.components.float8 import apply_float8, precompute_float8_scales
 from torchtitan.components.loss import count_valid_tokens, cross_entropy_sum
 from torchtitan.components.lr_scheduler import build_lr_schedulers

@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from torchtitan.components.datasets import TextDataset, build_dataloader
+from torchtitan.components.datasets import documents as documents_module
 from torchtitan.components.datasets import text as text_module
 from torchtitan.components.datasets.records import first_malformed_record
 from torchtitan.errors import UserError
@@ -54,7 +55,7 @@ def windows_of(docs, seq_len, epochs=1):
 def corpus(monkeypatch):
     """Replace the embedded corpus with `DOCS` (train) and a short validation split."""
     splits = {"train": DOCS, "validation": DOCS[:3]}
-    monkeypatch.setattr(text_module, "embedded_corpus", lambda split: list(splits[split]))
+    monkeypatch.setattr(documents_module, "embedded_corpus", lambda split: list(splits[split]))
 
 
 def loader(*, seq_len=16, batch=2, rank=0, degree=1, infinite=True, dataset="embedded", path=None,
@@ -235,7 +236,7 @@ def test_resume_rejects_changed_data(corpus, monkeypatch):
     while state is None or state["dataset_state"]["anchor_token"] == 0:
         next(it)
         state = dl.state_dict()
-    monkeypatch.setattr(text_module, "embedded_corpus", lambda split: ["a", "b"] * 20)
+    monkeypatch.setattr(documents_module, "embedded_corpus", lambda split: ["a", "b"] * 20)
     other = loader(seq_len=16)
     other.load_state_dict(state)
     with pytest.raises(UserError, match="training.dataset='embedded'"):
@@ -357,7 +358,7 @@ def test_tokenizer_workers_are_idle_when_their_pool_stops(monkeypatch):
     # Stopping the pool while a worker encodes can hang the training process (a worker sending a large result holds
     # the lock that the pool's termination waits for): the iteration finishes the tasks it sent first.
     big = [f"document {i} " + "many words in a long document " * 100 for i in range(200)]
-    monkeypatch.setattr(text_module, "embedded_corpus", lambda split: big)
+    monkeypatch.setattr(documents_module, "embedded_corpus", lambda split: big)
     unfinished = []
     real_pool = text_module.worker_pool
 

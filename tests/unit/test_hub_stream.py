@@ -9,7 +9,7 @@ import pyarrow.parquet as pq
 import pytest
 
 from tests.unit.hub_server import HubServer
-from torchtitan.components.datasets.text import StreamRetry, _load_documents, _Source
+from torchtitan.components.datasets.documents import Source, StreamRetry, load_documents
 from torchtitan.errors import UserError
 
 RECORDS_PER_SHARD = 100
@@ -56,9 +56,9 @@ def hub_client(tmp_path, monkeypatch):
 
 
 def stream(max_attempts: int = 4) -> list[str]:
-    source = _Source(dataset="x", dataset_path="org/data", text_field="text", section="training",
-                     retry=StreamRetry(max_attempts=max_attempts, backoff_seconds=0.001))
-    return list(_load_documents(source).read_from(0))
+    source = Source(dataset="x", dataset_path="org/data", text_field="text", section="training",
+                    retry=StreamRetry(max_attempts=max_attempts, backoff_seconds=0.001))
+    return list(load_documents(source).read_from(0))
 
 
 EXPECTED = [f"shard {s} record {i}" for s in range(2) for i in range(RECORDS_PER_SHARD)]
