@@ -1108,7 +1108,10 @@ def save_with_pinned_memory(root: Path) -> None:
         expected = snapshot(saved)
         manager.wait_for_staging()
         train_step(saved, 2)  # while the checkpoint process writes what save() staged
+        assert multiprocessing.active_children(), "DCP started no checkpoint process"
         manager.close()
+        # Stopped by close(): left to interpreter exit, it printed an EOFError traceback as its pipe closed.
+        assert not multiprocessing.active_children()
         assert_manifest_matches(root / "ckpt" / "step-1")
         # The checkpoint process writes the files; this process still reports their size.
         (data_file,) = (root / "ckpt" / "step-1").glob("__0_*.distcp")

@@ -9,6 +9,7 @@ import pickle
 import random
 import re
 import shutil
+import sys
 import time
 from collections.abc import Callable
 from concurrent.futures import Future
@@ -213,6 +214,16 @@ def validate_config(config: CheckpointConfig) -> None:
         raise UserError(f"option checkpoint.timeout_seconds: {config.timeout_seconds} must be at least 1")
     if config.create_seed_checkpoint and not config.enable:
         raise UserError("option checkpoint.create_seed_checkpoint: it needs checkpoint.enable = true")
+
+
+def _stop_checkpoint_process() -> None:
+    """Stop the background process of DCP's process-based async saves, which serves every save of this process.
+    torch stops it (a terminate request, then a join) only when it collects the process's handle, a module global;
+    left to interpreter exit, the pipe closes first and the process prints an EOFError traceback. Dropping the handle
+    runs that shutdown now; a later save starts a new process."""
+    executor = sys.modules.get("torch.distributed.checkpoint._async_process_executor")
+    if executor is not None and getattr(executor, "_CHECKPOINT_PROCESS", None) is not None:
+        executor._CHECKPOINT_PROCESS = None
 
 
 @dataclass
@@ -567,6 +578,8 @@ class CheckpointManager:
         if self._stager is not None:
             self._stager.close()
             self._stager = None
+        if self.config.async_mode == "async_with_pinned_mem":
+            _stop_checkpoint_process()
 
     def _is_saving(self) -> bool:
         return self.config.enable and not self.config.load_only
