@@ -11,6 +11,7 @@
 import contextlib
 import os
 import pickle
+import warnings
 from collections.abc import Iterator
 
 import torch
@@ -66,6 +67,8 @@ def maybe_enable_profiling(config: JobConfig, rank: int, start_step: int,
     activities = [torch.profiler.ProfilerActivity.CPU]
     if torch.cuda.is_available():
         activities.append(torch.profiler.ProfilerActivity.CUDA)
+    # Each profiled step is written on its own; torch warns, at the second, that a cycle's events replace the last's.
+    warnings.filterwarnings("ignore", message=".*Profiler clears events at the end of each cycle", category=UserWarning)
     with torch.profiler.profile(activities=activities, schedule=_schedule(profiling.profile_freq),
                                 on_trace_ready=save, record_shapes=True, profile_memory=cpu_memory) as profiler:
         profiler.step_num = start_step

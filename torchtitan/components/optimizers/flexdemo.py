@@ -135,7 +135,7 @@ class FlexDeMo(torch.optim.Optimizer):
                    else torch.zeros(0, dtype=torch.uint8))
         replicas = dist.get_world_size(self.replicate_group)
         gathered = torch.empty(replicas * payload.numel(), dtype=torch.uint8, device=payload.device)
-        dist.all_gather_into_tensor(gathered, payload, group=self.replicate_group)
+        dist.all_gather_single(gathered, payload, group=self.replicate_group)
         self.sent_bytes += (replicas - 1) * payload.numel()
         offset = 0
         for bucket in buckets:

@@ -154,7 +154,7 @@ class CompressionState(Stateful):
             row = sum(size.numel() for _, _, size in self._layout(group))
             residual = comm.residual if comm.residual is not None else torch.zeros(world, row, device=group.device)
             owed = torch.empty(row, dtype=residual.dtype, device=residual.device)
-            dist.reduce_scatter_tensor(owed, residual.reshape(-1), group=process_group)
+            dist.reduce_scatter_single(owed, residual.reshape(-1), group=process_group)
             for fqn, (fsdp_param, offset, size) in zip(fqns, self._layout(group)):
                 local = owed[offset:offset + size.numel()].view(size)[:fsdp_param.sharded_size[0]]
                 param = fsdp_param.sharded_param

@@ -72,7 +72,7 @@ class QuantizedAllGather(AllGather):
                              segments=self.segments)
             self.encoded = (version, payload) if version is not None else None
         gathered = torch.empty(world, payload.shape[1], dtype=torch.uint8, device=payload.device)
-        dist.all_gather_into_tensor(gathered, payload, group=group)
+        dist.all_gather_single(gathered, payload, group=group)
         decode(gathered, n, self.bits, self.rotate, self.segments, out=output_tensor.view(world, n))
         self.sent_bytes += (world - 1) * payload.shape[1]
         self.uncompressed_bytes += (world - 1) * n * input_tensor.element_size()
