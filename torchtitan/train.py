@@ -464,6 +464,7 @@ EXIT_USER_ERROR = 2
 EXIT_NONFINITE = 3
 EXIT_COMM_FAILURE = 4
 EXIT_PREEMPTED = 128 + signal.SIGTERM
+EXIT_INTERRUPTED = 128 + signal.SIGINT
 
 
 def _failed_during(trainer: Trainer | None) -> str:
@@ -509,6 +510,10 @@ def main(argv: list[str] | None = None) -> int:
     except torch.OutOfMemoryError as e:
         logger.error(f"error: {out_of_memory_message(e, _failed_during(trainer))}")
         return EXIT_USER_ERROR
+    except KeyboardInterrupt:
+        # Ctrl-C reaches every process of the terminal's process group: one line each, not a traceback each.
+        logger.warning(f"interrupted (SIGINT) during {_failed_during(trainer)}; stopped without saving a checkpoint")
+        return EXIT_INTERRUPTED
     except RuntimeError as e:
         message = dist_utils.describe_comm_failure(e, _failed_during(trainer))
         if message is None:

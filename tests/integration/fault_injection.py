@@ -14,6 +14,7 @@ Environment:
                         sleep         the rank stalls for FAULT_SLEEP_SECONDS
                         sigkill       the rank SIGKILLs itself (a crashed process, a lost node)
                         sigterm       the rank SIGTERMs itself (a scheduler signalling the workers)
+                        sigint        the rank SIGINTs itself (Ctrl-C in the terminal)
                         sigterm_agent the rank SIGTERMs its parent, the torchrun agent (a scheduler signalling
                                       the launcher, which forwards the signal to every worker)
                       and one in that step's checkpoint save:
@@ -41,7 +42,7 @@ from torchtitan import train
 
 RANK = int(os.environ.get("RANK", "0"))
 ATTEMPT = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
-STEP_KINDS = ("nan", "inf", "inf_grad", "sleep", "sigkill", "sigterm", "sigterm_agent")
+STEP_KINDS = ("nan", "inf", "inf_grad", "sleep", "sigkill", "sigterm", "sigint", "sigterm_agent")
 KINDS = (*STEP_KINDS, "sigkill_in_save")
 
 
@@ -99,6 +100,8 @@ def install(faults: dict[int, str]) -> None:
             os.kill(os.getpid(), signal.SIGKILL)
         elif kind == "sigterm":
             os.kill(os.getpid(), signal.SIGTERM)
+        elif kind == "sigint":
+            os.kill(os.getpid(), signal.SIGINT)
         elif kind == "sigterm_agent":
             os.kill(os.getppid(), signal.SIGTERM)
         elif kind == "sleep":

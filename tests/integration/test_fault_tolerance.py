@@ -7,6 +7,7 @@ All runs: the tiny model, 2 processes with FSDP, 8 steps, fixed seed and data, s
 """
 
 import json
+import signal
 import socket
 import time
 from pathlib import Path
@@ -101,6 +102,16 @@ def test_elastic_restart_after_sigkill_resumes_exactly(tmp_path, uninterrupted):
     assert len(rank_lines(proc.stdout, 0, "checkpoint/step-4 in")) == 1
     assert_same_losses(final_losses(tmp_path), uninterrupted)
     report_faults("elastic restart", injected, survived=1)
+
+
+def test_ctrl_c_stops_with_one_line_and_exit_130(tmp_path):
+    """Ctrl-C (SIGINT) mid-run: a warning naming the step instead of a KeyboardInterrupt traceback, exit 130."""
+    proc = launch(tmp_path, 1, [*BASE, "--checkpoint.enable", "--checkpoint.interval", "2"], timeout=120,
+                  module=INJECTOR, env={"FAULT_PLAN": "sigint@3:0"})
+    assert proc.returncode == 128 + signal.SIGINT, proc.stdout[-6000:]
+    assert "Traceback" not in proc.stdout, proc.stdout[-6000:]
+    assert "interrupted (SIGINT) during step 3; stopped without saving a checkpoint" in proc.stdout
+    assert sorted(p.name for p in (tmp_path / "checkpoint").iterdir()) == ["step-2"]
 
 
 def test_preemption_saves_and_a_relaunch_continues_exactly(tmp_path, uninterrupted):
