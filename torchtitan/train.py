@@ -44,7 +44,8 @@ from torchtitan.models.llama3.args import describe_model, model_args_for, shape_
 from torchtitan.models.llama3.model import (Transformer, count_parameters, document_ids, document_positions,
                                             flops_per_token)
 from torchtitan.models.llama3.parallelize import parallelize_llama, validate_parallelism
-from torchtitan.tools.device_info import device_name, memory_stats, peak_flops, reset_peak_memory
+from torchtitan.tools.device_info import (device_name, memory_stats, peak_flops, require_host_memory,
+                                          reset_peak_memory)
 from torchtitan.tools.logging import init_logger, logger
 
 
@@ -100,8 +101,8 @@ class Trainer:
         self.num_params = count_parameters(model)
         self.flops_per_token = flops_per_token(self.model_args, count_parameters(model, exclude_embeddings=True),
                                                config.training.seq_len)
-        logger.info(f"Model llama3 {describe_model(config.model.flavor, shape_overrides(config.model))}: "
-                    f"{self.num_params:,} parameters, "
+        model_name = describe_model(config.model.flavor, shape_overrides(config.model))
+        logger.info(f"Model llama3 {model_name}: {self.num_params:,} parameters, "
                     f"{self.flops_per_token / 1e9:.3f} GFLOPs per token")
 
         self.pp_schedule = None
@@ -111,6 +112,8 @@ class Trainer:
         else:
             self.model_parts = [parallelize_llama(model, self.world_mesh, self.parallel_dims, config)]
             self.has_first_stage = self.has_last_stage = True
+        if not self.fake_tensors and (self.device.type == "cpu" or config.training.enable_cpu_offload):
+            require_host_memory(self.model_parts, model_name, int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
         # A dry run materialises the model as fake tensors (shapes, no storage); its steps run in the same mode.
         self.fake_mode = FakeTensorMode(allow_non_fake_inputs=True) if self.fake_tensors else None
         with self.fake_mode or contextlib.nullcontext():

@@ -148,6 +148,18 @@ def test_bad_input_in_process(case, tmp_path, capsys):
     assert fragment in check_one_error_line(captured.out + captured.err, option)
 
 
+def test_a_model_larger_than_host_memory_is_one_error_line(tmp_path, capsys, monkeypatch):
+    """On the CPU the kernel's OOM killer would end the run during allocation, without a word."""
+    from torchtitan.tools import device_info
+
+    monkeypatch.setattr(device_info, "available_host_bytes", lambda: 2**20)
+    code = main([*TINY, "--job.dump_folder", str(tmp_path / "dump")])
+    captured = capsys.readouterr()
+    assert code == 2
+    line = check_one_error_line(captured.out + captured.err, "option model.flavor: tiny does not fit")
+    assert re.search(r"need \d+\.\d GiB per process .* and 0\.0 GiB is available for 1 process", line), line
+
+
 def test_bad_input_exit_status_of_the_module(tmp_path):
     proc = launch(tmp_path / "dump", 1, ["--model.hf_assets_path", "/nonexistent"], timeout=300)
     assert proc.returncode == 2, proc.stdout[-6000:]
