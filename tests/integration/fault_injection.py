@@ -101,6 +101,8 @@ def install(faults: dict[int, str]) -> None:
         elif kind == "sigterm":
             os.kill(os.getpid(), signal.SIGTERM)
         elif kind == "sigint":
+            # As in a terminal: a process started in the background (CI, nohup) inherits SIGINT ignored.
+            signal.signal(signal.SIGINT, signal.default_int_handler)
             os.kill(os.getpid(), signal.SIGINT)
         elif kind == "sigterm_agent":
             os.kill(os.getppid(), signal.SIGTERM)
