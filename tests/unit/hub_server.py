@@ -1,5 +1,6 @@
-"""A local stand-in for the Hugging Face hub that serves a dataset repository of parquet files over real HTTP and
-fails on purpose: `HF_ENDPOINT` pointed at it makes `datasets.load_dataset(repo, streaming=True)` read from it."""
+"""A local stand-in for the Hugging Face hub that serves a repository over real HTTP and fails on purpose:
+`HF_ENDPOINT` pointed at it makes `datasets.load_dataset(repo, streaming=True)` read a dataset of parquet files from
+it, and `huggingface_hub.snapshot_download(repo)` a model's files."""
 
 import hashlib
 import http.server
@@ -13,15 +14,17 @@ COMMIT = "c" * 40
 
 
 class HubServer:
-    """Serves the files under `root` as the main revision of every dataset repository.
+    """Serves the files under `root` as the main revision of every dataset and model repository; with `gated`,
+    every model request is refused as a gated repository's are without an accepted license.
 
     After the first `fail_after` parquet downloads, the next `fail_429` are answered 429 (Too Many Requests), then
     the next `drop` send half the file and close the connection; with `always_503` every parquet download after
     `fail_after` is answered 503."""
 
-    def __init__(self, root: Path, fail_after: int = 0, fail_429: int = 0, drop: int = 0, always_503: bool = False):
+    def __init__(self, root: Path, fail_after: int = 0, fail_429: int = 0, drop: int = 0, always_503: bool = False,
+                 gated: bool = False):
         self.root, self.fail_after, self.fail_429, self.drop = root, fail_after, fail_429, drop
-        self.always_503 = always_503
+        self.always_503, self.gated = always_503, gated
         self.parquet_requests = 0
         server = self
 
@@ -55,21 +58,28 @@ class HubServer:
 
     def handle(self, request, head: bool) -> None:
         path = request.path.split("?")[0]
-        resolve = re.match(r"/datasets/[^/]+/[^/]+/resolve/[^/]+/(.+)", path)
+        if self.gated and not path.startswith(("/datasets/", "/api/datasets/")):
+            return send(request, 401, json.dumps({"error": "Access to this model is restricted."}),
+                        {"X-Error-Code": "GatedRepo"})
+        resolve = re.match(r"(/datasets)?/[^/]+/[^/]+/resolve/[^/]+/(.+)", path)
         if resolve:
-            return self.serve_file(request, self.root / resolve.group(1), head)
-        if re.match(r"/api/datasets/[^/]+/[^/]+(/revision/[^/]+)?$", path):
+            return self.serve_file(request, self.root / resolve.group(2), head)
+        if re.match(r"/api/(datasets|models)/[^/]+/[^/]+(/revision/[^/]+)?$", path):
             return send(request, 200, json.dumps({"id": "org/data", "sha": COMMIT, "private": False,
                                                   "siblings": [{"rfilename": f["path"]} for f in self.files()]}))
-        tree = re.match(r"/api/datasets/[^/]+/[^/]+/tree/[^/]+/?(.*)", path)
+        tree = re.match(r"/api/(datasets|models)/[^/]+/[^/]+/tree/[^/]+/?(.*)", path)
         if tree:
-            folder = tree.group(1).rstrip("/")
+            folder = tree.group(2).rstrip("/")
+            recursive = "recursive=true" in request.path
             entries, folders = [], set()
             for f in self.files():
                 if folder and not f["path"].startswith(folder + "/"):
                     continue
                 rest = f["path"][len(folder) + 1 if folder else 0:]
-                if "/" in rest:
+                if "/" in rest and recursive:
+                    entries.append(f)
+                    folders.add((folder + "/" if folder else "") + rest.split("/")[0])
+                elif "/" in rest:
                     folders.add((folder + "/" if folder else "") + rest.split("/")[0])
                 else:
                     entries.append(f)

@@ -2,8 +2,6 @@
 serves a repository of parquet files, failing on purpose (429s, dropped connections, persistent 503s). The
 libraries' own retries are cut to one attempt without waits, so that the failures reach the loader's retry layer."""
 
-import types
-
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
@@ -23,36 +21,6 @@ def repository(tmp_path):
         table = pa.table({"text": [f"shard {shard} record {i}" for i in range(RECORDS_PER_SHARD)]})
         pq.write_table(table, root / "data" / f"train-0000{shard}-of-00002.parquet", row_group_size=10)
     return root
-
-
-@pytest.fixture
-def hub_client(tmp_path, monkeypatch):
-    """Points the hub client at HF_ENDPOINT (set per test) with a fresh cache and no waits in the libraries."""
-    import datasets.config
-    import huggingface_hub.constants
-    from huggingface_hub import HfFileSystem
-    from huggingface_hub.utils import _http
-
-    monkeypatch.setenv("HF_HOME", str(tmp_path / "hf_home"))
-    monkeypatch.setattr(_http, "time", types.SimpleNamespace(sleep=lambda seconds: None))
-    for name in ("STREAMING_READ_MAX_RETRIES", "STREAMING_OPEN_MAX_RETRIES"):
-        monkeypatch.setattr(datasets.config, name, 1)
-    for name in ("STREAMING_READ_RETRY_INTERVAL", "STREAMING_OPEN_RETRY_INTERVAL",
-                 "STREAMING_READ_RATE_LIMIT_RETRY_INTERVAL", "STREAMING_READ_SERVER_UNAVAILABLE_RETRY_INTERVAL"):
-        monkeypatch.setattr(datasets.config, name, 0)
-
-    def point_at(url: str) -> None:
-        # What HF_ENDPOINT sets when these libraries are imported (they are, by earlier tests, before it could be).
-        monkeypatch.setenv("HF_ENDPOINT", url)
-        monkeypatch.setattr(huggingface_hub.constants, "ENDPOINT", url)
-        monkeypatch.setattr(huggingface_hub.constants, "HUGGINGFACE_CO_URL_TEMPLATE",
-                            url + "/{repo_id}/resolve/{revision}/{filename}")
-        monkeypatch.setattr(datasets.config, "HF_ENDPOINT", url)
-        monkeypatch.setattr(datasets.config, "HUB_DATASETS_URL", url + "/datasets/{repo_id}/resolve/{revision}/{path}")
-        HfFileSystem.clear_instance_cache()
-
-    yield point_at
-    HfFileSystem.clear_instance_cache()
 
 
 def stream(max_attempts: int = 4) -> list[str]:

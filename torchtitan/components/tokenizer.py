@@ -273,5 +273,8 @@ def _locate(path: str, option: str) -> Path:
                 return given / candidate
         raise UserError(f"{option}: folder {path} holds no tokenizer; expected {expected}")
     if not given.is_file():
-        raise UserError(f"{option}: {path} does not exist; expected {expected}")
+        repo = f"meta-llama/{given.name}" if given.name.startswith("Llama-") else "OWNER/NAME"
+        raise UserError(f"{option}: {path} does not exist; expected {expected}. A model's tokenizer on the Hugging "
+                        f"Face hub: python scripts/download_hf_assets.py --repo_id {repo} --assets tokenizer (it "
+                        f"writes assets/hf/{repo.split('/')[1]})")
     return given
