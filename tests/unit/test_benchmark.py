@@ -159,3 +159,20 @@ def test_two_processes_take_turns_step_by_step(tmp_path):
 def test_turns_are_for_one_process_against_one(capsys):
     assert benchmark.main([*TINY, "--turns", "a:b", "--hf"]) == 2
     assert "--turns times ours against another process" in capsys.readouterr().err
+
+
+def test_attention_paths_compute_the_same_attention(capsys):
+    """scripts/attention_paths.py: every path, compiled ones included, gives the flash kernel's output and gradient
+    (to bf16 rounding), and a time."""
+    from scripts import attention_paths
+
+    shape = ["--batch", "1", "--heads", "4", "--kv_heads", "2", "--seq_len", "32", "--head_dim", "8"]
+    assert attention_paths.main([*shape, "--repeats", "1", "--threads", "1"]) == 0
+    result = json.loads(capsys.readouterr().out)
+    assert set(result["paths"]) == {"flash_fp32", "flash_bf16", "math_fp32", "math_bf16", "compiled_math_fp32",
+                                    "compiled_math_bf16"}
+    for name, entry in result["paths"].items():
+        assert entry["max_abs_diff_out"] < 0.05 and entry["max_abs_diff_q_grad"] < 0.05, (name, entry)
+        assert entry["median_ms"] > 0
+    assert attention_paths.main([*shape, "--kv_heads", "3"]) == 2
+    assert "--kv_heads must divide --heads" in capsys.readouterr().err
