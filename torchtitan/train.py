@@ -113,7 +113,9 @@ class Trainer:
             self.model_parts = [parallelize_llama(model, self.world_mesh, self.parallel_dims, config)]
             self.has_first_stage = self.has_last_stage = True
         if not self.fake_tensors and (self.device.type == "cpu" or config.training.enable_cpu_offload):
-            require_host_memory(self.model_parts, model_name, int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
+            # The gradients, not allocated yet, will take as many bytes as the parameters.
+            require_host_memory(2 * self._parameter_and_gradient_bytes(), model_name,
+                                int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
         # A dry run materialises the model as fake tensors (shapes, no storage); its steps run in the same mode.
         self.fake_mode = FakeTensorMode(allow_non_fake_inputs=True) if self.fake_tensors else None
         with self.fake_mode or contextlib.nullcontext():

@@ -13,7 +13,6 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from torch.distributed.tensor import DTensor
 
 from torchtitan.errors import UserError
 from torchtitan.tools.files import atomic_write, cache_dir
@@ -130,27 +129,21 @@ def available_host_bytes() -> int | None:
     return None
 
 
-def require_host_memory(model_parts: list[torch.nn.Module], model: str, processes_on_node: int) -> None:
-    """Before a model that lives in host memory (a CPU run, or FSDP's CPU offload) is allocated: its parameters and
-    their gradients must fit this process's share of the available memory. Otherwise the kernel's OOM killer ends
-    the run during allocation, without a word. Optimizer state and activations come on top: passing promises no
-    fit, failing is certain."""
+def require_host_memory(needed: int, model: str, processes_on_node: int) -> None:
+    """Before a model that lives in host memory (a CPU run, or FSDP's CPU offload) is allocated: `needed`, the bytes
+    of this process's parameters and their gradients, must fit its share of the available memory. Otherwise the
+    kernel's OOM killer ends the run during allocation, without a word. Optimizer state and activations come on top:
+    passing promises no fit, failing is certain."""
     available = available_host_bytes()
     if available is None:
         return
-    parameter_bytes = sum(_local(p).numel() * p.element_size() for part in model_parts for p in part.parameters())
-    needed, share = 2 * parameter_bytes, available / processes_on_node
-    if needed > share:
+    if needed > available / processes_on_node:
         raise UserError(
             f"option model.flavor: {model} does not fit this machine's memory: its parameters and their gradients "
             f"alone need {needed / _GIB:.1f} GiB per process (this process's shard), and {available / _GIB:.1f} GiB "
             f"is available for {processes_on_node} process(es) on this node. Train a smaller model (model.flavor, "
             f"the [model] shape options), shard it over more processes or hosts, or train on GPUs; a dry run "
             f"(COMM_MODE=fake_backend) reports a layout's whole memory without allocating it")
-
-
-def _local(parameter: torch.Tensor) -> torch.Tensor:
-    return parameter.to_local() if isinstance(parameter, DTensor) else parameter
 
 
 def reset_peak_memory(device: torch.device) -> None:
