@@ -26,12 +26,9 @@ import time
 import torch
 import torch.nn.functional as F
 
-_GQA = {"enable_gqa": True}
-
-
 def flash(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     with torch.autocast("cpu", enabled=False):
-        out = F.scaled_dot_product_attention(q.to(dtype), k.to(dtype), v.to(dtype), is_causal=True, **_GQA)
+        out = F.scaled_dot_product_attention(q.to(dtype), k.to(dtype), v.to(dtype), is_causal=True, enable_gqa=True)
     return out.to(q.dtype)
 
 
@@ -39,12 +36,12 @@ def written_out(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dtype: torch.
     """Causal attention as matmuls and a softmax (in fp32), the query heads of each K/V head side by side."""
     batch, heads, seq, head_dim = q.shape
     kv_heads = k.shape[1]
-    q, k, v = q.to(dtype), k.to(dtype), v.to(dtype)
-    grouped = q.reshape(batch, kv_heads, heads // kv_heads * seq, head_dim)
-    scores = (grouped @ k.transpose(-1, -2)).float().view(batch, kv_heads, heads // kv_heads, seq, seq)
+    grouped = q.to(dtype).reshape(batch, kv_heads, heads // kv_heads * seq, head_dim)
+    scores = (grouped @ k.to(dtype).transpose(-1, -2)).float().view(batch, kv_heads, heads // kv_heads, seq, seq)
     causal = torch.ones(seq, seq, dtype=torch.bool, device=q.device).tril()
     weights = (scores * head_dim ** -0.5).masked_fill(~causal, float("-inf")).softmax(-1).to(dtype)
-    return (weights.view(batch, kv_heads, -1, seq) @ v).view(batch, heads, seq, head_dim).to(torch.bfloat16)
+    out = weights.view(batch, kv_heads, -1, seq) @ v.to(dtype)
+    return out.view(batch, heads, seq, head_dim).to(q.dtype)
 
 
 def paths(compiled: bool) -> dict:

@@ -1,6 +1,7 @@
 """The planner: its predictions against TorchTitan's published H100 runs, its ranking, and its command line."""
 
 import json
+import shlex
 
 import pytest
 
@@ -86,8 +87,6 @@ def test_micro_batches_are_searched_and_accumulation_regathers_the_weights():
 def test_printed_overrides_paste_into_a_shell(capsys):
     """Each table row's overrides, split as a shell splits them, give the trainer the row's layout (an empty
     model.converters must survive as '')."""
-    import shlex
-
     assert plan_script.main(["--flavor", "8B", "--gpus", "8", "--gpu", "h100", "--float8", "off", "--top", "2"]) == 0
     printed = [line for line in capsys.readouterr().out.splitlines() if line.lstrip().startswith("--")]
     ranked = plan("8B", 8, GPUS["h100"], 8192, 16, {"float8": False})[:2]
