@@ -81,8 +81,8 @@ from scripts.turns import Turns  # noqa: E402
 Batch = tuple[torch.Tensor, torch.Tensor]
 
 
-def parse_benchmark_args(argv: list[str], script: str = "benchmark.py", doc: str = __doc__,
-                         ) -> tuple[argparse.Namespace, list[str]]:
+def parse_benchmark_args(argv: list[str], script: str = "benchmark.py",
+                         doc: str = __doc__) -> tuple[argparse.Namespace, list[str]]:
     """This script's options, which `scripts/step_breakdown.py` (`script`, `doc`) shares, and the trainer's."""
     parser = argparse.ArgumentParser(description=doc.split("\n\n")[0], add_help=False,
                                      usage=f"{script} [trainer options...] [--warmup N] [--steps N] [--hf] "
