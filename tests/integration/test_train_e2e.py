@@ -85,6 +85,8 @@ def test_run_train_sh_trains_the_debug_model(tmp_path):
     assert "[rank0]:" not in output and "[rank0] [rank0]" not in output, output[:3000]
     assert "\033[" not in output, output[:3000]
     assert "Warning:" not in output, output
+    # The resolved config is in config.toml, not on the console (job.print_config is off by default).
+    assert "Config:" not in output and "[model]" not in output, output[:3000]
     trainer_line = re.compile(r"^\[rank0\] \d\d:\d\d:\d\d (INFO|WARNING|ERROR) ")
     ours = [line for line in output.splitlines() if trainer_line.search(line)]
     step_lines = [line for line in ours if " INFO step: " in line and "validation_loss" not in line]

@@ -490,8 +490,7 @@ num_workers = 0
 [debug]
 moe_force_load_balance = false
 """)
-    expected = dataclasses.replace(JobConfig(), job=dataclasses.replace(JobConfig().job, config_file=path,
-                                                                          print_config=False))
+    expected = dataclasses.replace(JobConfig(), job=dataclasses.replace(JobConfig().job, config_file=path))
     assert parse_args(["--job.config_file", path]) == expected
 
 
@@ -513,9 +512,9 @@ def test_unsupported_torchtitan_options_in_toml_name_the_option_or_section(tmp_p
         parse_args(["--job.config_file", path])
 
 
-def test_print_config_is_on_by_default():
-    assert JobConfig().job.print_config is True
-    assert parse_args(["--job.no_print_config"]).job.print_config is False
+def test_print_config_is_off_by_default():
+    assert JobConfig().job.print_config is False
+    assert parse_args(["--job.print_config"]).job.print_config is True
 
 
 @pytest.mark.parametrize("argv, expected", [

@@ -50,3 +50,33 @@ def test_launcher_owns_the_prefix_only_when_it_tees_stderr(monkeypatch, tee, pre
         assert seen[CONSOLE_IS_TTY_ENV] == ("1" if sys.stderr.isatty() else "0")
     else:
         assert LAUNCHER_PREFIXES_RANK_ENV not in seen and "TORCHELASTIC_LOG_LINE_PREFIX_TEMPLATE" not in seen
+
+
+def _passes(logger_name: str, message: str, *args) -> bool:
+    record = logging.LogRecord(logger_name, logging.WARNING, __file__, 1, message, args or None, None)
+    return bool(logging.getLogger(logger_name).filter(record))
+
+
+def test_known_third_party_import_noise_is_filtered_and_nothing_else(monkeypatch):
+    import enum
+
+    import torch
+
+    class KernelPreference(enum.Enum):
+        AUTO = "auto"
+
+    KernelPreference.__module__ = "torchao.quantization.quantize_.common.kernel_preference"
+
+    class Other(enum.Enum):
+        X = 1
+
+    so_file = "Failed to load /venv/torchao/_C_cutlass_90a.abi3.so: Could not load this library"
+    enum_notice = "%s is an Enum subclass and is now natively supported by torch.compile as an opaque value type."
+    monkeypatch.setattr(torch.version, "cuda", None)
+    assert not _passes("torchao", so_file)
+    assert not _passes("torch.utils._pytree", enum_notice, KernelPreference)
+    assert _passes("torch.utils._pytree", enum_notice, Other)  # someone else's registration: theirs to see
+    assert _passes("torchao", "Skipping import of cpp extensions due to incompatible torch version.")
+    # On a CUDA build of torch the kernels should load: a failure there is real and stays in the log.
+    monkeypatch.setattr(torch.version, "cuda", "12.8")
+    assert _passes("torchao", so_file)

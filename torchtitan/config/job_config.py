@@ -19,8 +19,8 @@ class Job:
     description: str = "default job"
     """Free-text description of the job, logged at start."""
 
-    print_config: bool = True
-    """Log the resolved configuration (as TOML) at start; it is saved to <dump_folder>/config.toml either way. TorchTitan's default is false. job.print_args, the old name, is still accepted."""
+    print_config: bool = False
+    """Log the resolved configuration (as TOML) at start; it is saved to <dump_folder>/config.toml either way (as in TorchTitan, off by default). job.print_args, the old name, is still accepted."""
 
 
 @dataclass

@@ -43,6 +43,33 @@ def init_logger(level: int = logging.INFO) -> None:
     logger.propagate = False
 
 
+class _KnownThirdPartyNoise(logging.Filter):
+    """Drops third-party log lines that are known and harmless here (listed in docs/debugging.md), and nothing else:
+    - torchao's "Failed to load .../_C_cutlass_90a.abi3.so" (and its other CUDA kernel libraries) on a CPU build of
+      torch, where those libraries cannot load; on a CUDA build the same line is a real problem and is kept;
+    - torch's pytree deprecation notice about torchao registering its Enum classes (`KernelPreference`,
+      `ScaleCalculationMode`) as constants, which torchao does at import and no user can act on."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        message = record.getMessage()
+        if record.name.startswith("torchao") and message.startswith("Failed to load "):
+            import torch  # already imported: torchao is logging
+
+            return torch.version.cuda is not None
+        if record.name == "torch.utils._pytree" and "is an Enum subclass" in message and record.args:
+            return not getattr(record.args[0], "__module__", "").startswith("torchao")
+        return True
+
+
+def filter_known_third_party_noise() -> None:
+    """Install the filter on the loggers it concerns (before they are imported: a filter on a logger holds from
+    its first line on)."""
+    for name in ("torchao", "torch.utils._pytree"):
+        logger_ = logging.getLogger(name)
+        if not any(isinstance(existing, _KnownThirdPartyNoise) for existing in logger_.filters):
+            logger_.addFilter(_KnownThirdPartyNoise())
+
+
 def warn_once(message: str) -> None:
     """Log `message` as a warning the first time it is seen in this process, and never again."""
     if message not in _warned:
