@@ -5,7 +5,10 @@ import os
 import signal
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
+
+from tests.integration.preloaded import PreloadedTrainer
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -22,7 +25,9 @@ def launch(dump_folder: Path, nproc: int, args: list[str], timeout: int = 300,
            launcher_args: list[str] | None = None) -> subprocess.CompletedProcess:
     """Start the trainer with `nproc` processes; returns the finished process (stdout and stderr merged).
 
-    `module` replaces the entry point (the fault-injection wrapper); `launcher_args` go to torchrun.
+    `module` replaces the entry point (the fault-injection wrapper); `launcher_args` go to torchrun. Plain launches
+    fork from a process that has the trainer imported already (tests/integration/preloaded.py); the others run the
+    torchrun command itself.
     """
     trainer = ["-m", module, *args, "--job.dump_folder", str(dump_folder)]
     if nproc == 1:
@@ -31,6 +36,10 @@ def launch(dump_folder: Path, nproc: int, args: list[str], timeout: int = 300,
         cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}", "--rdzv-backend=c10d",
                "--rdzv-endpoint=localhost:0", *(launcher_args or []), *trainer]
     full_env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO), **(env or {})}
+    if module == "torchtitan.train" and not launcher_args and env is None:
+        with tempfile.NamedTemporaryFile(prefix="trainer-output-", suffix=".log") as output:
+            returncode = _preloaded_trainer(full_env).launch(nproc, trainer[2:], Path(output.name), timeout)
+            return subprocess.CompletedProcess(cmd, returncode, Path(output.name).read_text(errors="replace"))
     # A session of its own, so that a timeout kills the workers too, not only the launcher (orphaned workers
     # would keep the CPU busy and hold ports).
     with subprocess.Popen(cmd, cwd=REPO, env=full_env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
@@ -42,6 +51,20 @@ def launch(dump_folder: Path, nproc: int, args: list[str], timeout: int = 300,
             proc.communicate()
             raise
     return subprocess.CompletedProcess(cmd, proc.returncode, stdout)
+
+
+_preloaded: PreloadedTrainer | None = None
+
+
+def _preloaded_trainer(env: dict[str, str]) -> PreloadedTrainer:
+    """The session's preloaded trainer, started anew when the environment changed (modules read some variables
+    at import)."""
+    global _preloaded
+    if _preloaded is None or not _preloaded.alive() or _preloaded.env != env:
+        if _preloaded is not None:
+            _preloaded.close()
+        _preloaded = PreloadedTrainer(env)
+    return _preloaded
 
 
 def train(dump_folder: Path, nproc: int, args: list[str], timeout: int = 300, env: dict | None = None,
