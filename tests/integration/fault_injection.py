@@ -8,6 +8,8 @@ Environment:
                       `sigkill@5:1`. Kinds, each at the start of that step's forward-backward:
                         nan           the loss (hence every gradient) of that rank becomes NaN for that step
                         inf           the loss of that rank becomes +Inf for that step
+                        spike         the loss of that rank is multiplied by FAULT_SPIKE_FACTOR for that step (a
+                                      finite loss spike; its gradients, and the gradient norm, grow alike)
                         inf_grad      the loss stays finite, but one gradient (this rank's shard of the first
                                       parameter) becomes +Inf after the backward, so only the gradient norm is
                                       non-finite
@@ -23,6 +25,7 @@ Environment:
                         sigkill_in_save  the rank SIGKILLs itself once DCP has written the checkpoint, before it
                                          is published (renamed from step-N.incomplete to step-N)
     FAULT_ATTEMPT     inject only in this torchrun attempt (TORCHELASTIC_RESTART_COUNT); default: every attempt
+    FAULT_SPIKE_FACTOR   the loss factor of a `spike` (default 100)
     FAULT_SLEEP_SECONDS  length of a `sleep` stall (default 60)
     FAULT_SLOW_SECONDS   extra data-loading time per step of a `slow` rank (default 0.2)
     FAULT_REPORT_DIR  if set, each rank appends JSON lines to events-rank<R>-attempt<A>.jsonl there: every fault
@@ -45,7 +48,7 @@ from torchtitan import train
 
 RANK = int(os.environ.get("RANK", "0"))
 ATTEMPT = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
-STEP_KINDS = ("nan", "inf", "inf_grad", "sleep", "sigkill", "sigterm", "sigint", "sigterm_agent")
+STEP_KINDS = ("nan", "inf", "spike", "inf_grad", "sleep", "sigkill", "sigterm", "sigint", "sigterm_agent")
 KINDS = (*STEP_KINDS, "sigkill_in_save", "slow")
 
 
@@ -111,9 +114,10 @@ def install(faults: dict[int, str]) -> None:
             os.kill(os.getppid(), signal.SIGTERM)
         elif kind == "sleep":
             time.sleep(float(os.environ.get("FAULT_SLEEP_SECONDS", "60")))
-        elif kind in ("nan", "inf"):
+        elif kind in ("nan", "inf", "spike"):
+            factor = float(os.environ.get("FAULT_SPIKE_FACTOR", "100")) if kind == "spike" else float(kind)
             loss_fn = self.loss_fn
-            self.loss_fn = lambda pred, labels: loss_fn(pred, labels) * float(kind)
+            self.loss_fn = lambda pred, labels: loss_fn(pred, labels) * factor
             try:
                 return forward_backward(self, inputs, labels)
             finally:

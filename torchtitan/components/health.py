@@ -22,7 +22,7 @@ import socket
 import statistics
 import time
 from collections import deque
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -146,9 +146,11 @@ class Goodput:
     mark): time a checkpoint kept the loop waiting inside another part (the optimizer step waiting for an async
     save's copy) moves from that part to `checkpoint`."""
 
-    def __init__(self, dump_folder: str, write_records: bool, stalls: list[float], start: float | None = None):
+    def __init__(self, dump_folder: str, write_records: bool, stalls: list[float], start: float | None = None,
+                 clock: Callable[[], float] = time.time):
         self._folder = Path(dump_folder, RECORDS_FOLDER)
         self.writes_records = write_records
+        self._clock = clock
         self._stalls = stalls
         self._stalls_seen = 0.0
         self._saves_seen = 0
@@ -167,10 +169,10 @@ class Goodput:
         self.run.first_step = self.run.last_step = step
         self.add("startup")
 
-    def add(self, category: str, step: int | None = None, now: float | None = None) -> float:
+    def add(self, category: str, step: int | None = None) -> float:
         """Attribute the time since the last mark to `category`; returns the seconds attributed to it. For
         "checkpoint", `step` is the step whose save the time covered, if one was written."""
-        now = time.time() if now is None else now
+        now = self._clock()
         elapsed, self._mark = max(0.0, now - self._mark), now
         stalls = sum(self._stalls)
         stalled, self._stalls_seen = stalls - self._stalls_seen, stalls
@@ -185,10 +187,10 @@ class Goodput:
         self.run.seconds[category] += elapsed - moved
         return elapsed - moved
 
-    def add_step(self, step: int, applied: bool, now: float | None = None) -> None:
+    def add_step(self, step: int, applied: bool) -> None:
         """The step just finished: productive if its update was applied, else skipped. The first step's excess over
         the steady step time (the median of the next steps) is compilation and lazy initialisation: start-up."""
-        seconds = self.add("productive" if applied else "skipped", now=now)
+        seconds = self.add("productive" if applied else "skipped")
         self.run.last_step = step
         if self._first_step_s is None:
             self._first_step_s = seconds if applied else 0.0

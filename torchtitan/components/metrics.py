@@ -102,7 +102,7 @@ class MetricsLogger:
         """Record `metrics` for `step` in every sink this rank writes."""
         # 0-d tensors and numpy scalars become plain numbers, which every sink (json included) accepts.
         metrics = {key: value if isinstance(value, int) else float(value) for key, value in metrics.items()}
-        if self._is_logging_rank:
+        if self._is_logging_rank and any("/" not in key for key in metrics):
             logger.info(self._console_line(step, metrics))
         if self._jsonl_file is not None:
             record = {"step": step, "time": time.time(), **{key: _json_safe(value) for key, value in metrics.items()}}
