@@ -51,6 +51,11 @@ class TrainingDiverged(UserError):
 def process_start_time() -> float:
     """Unix time at which this process started (Linux: from /proc, so the interpreter's and torch's imports count
     as start-up); elsewhere, the time this module was imported."""
+    global _runs_in_process
+    _runs_in_process += 1
+    if _runs_in_process > 1:
+        # A later run in the same process (tests, a notebook) starts now: the process's start was an earlier run's.
+        return time.time()
     try:
         ticks = int(Path("/proc/self/stat").read_text().rsplit(")", 1)[1].split()[19])
         boot = next(float(line.split()[1]) for line in Path("/proc/stat").read_text().splitlines()
@@ -61,6 +66,7 @@ def process_start_time() -> float:
 
 
 _IMPORTED = time.time()
+_runs_in_process = 0
 
 
 # ------------------------------------------------------------------------------------------------------------------
@@ -74,7 +80,8 @@ class RunRecord:
     `seconds` attributes the run's wall time from `start` to `end` (unix times of its process start and of the last
     update of the record); `productive_at` maps each step the run checkpointed to the productive seconds it had
     accumulated by then, so that a later run resuming from one of those steps knows how much work it redoes.
-    `ended`: "finished", "preempted", "failed" (an error), or "" while running (or killed)."""
+    `ended`: "finished", "preempted", or "" while running (or after it crashed, was killed or stopped on an error:
+    the record is then as of its last update)."""
 
     start: float
     end: float
@@ -344,6 +351,9 @@ class StragglerMonitor:
 
     @contextlib.contextmanager
     def waiting_for_peers(self) -> Iterator[None]:
+        if self.config.straggler_interval <= 0:
+            yield
+            return
         entered = time.perf_counter()
         yield
         if self.device.type != "cpu":
