@@ -11,8 +11,8 @@ From the repository root:
 Each RUN is a trainer dump folder: its metrics.jsonl is read, or, without one, the TensorBoard event files under
 it. Its goodput (the share of the wall time that trained the model, and where the rest went) comes from the run
 records in RUN/health/ (every run of that folder: restarts and resumes included), else from the last goodput
-metrics logged. `--launch "LABEL=CONFIG.toml [--section.option value ...]"` first trains that recipe with ./run_train.sh (NGPU
-from --ngpu) into OUT/LABEL (its console output in OUT/LABEL/train.log). Folders come first in the table, then
+metrics logged. `--launch "LABEL=CONFIG.toml [--section.option value ...]"` first trains that recipe with
+./run_train.sh (NGPU from --ngpu) into OUT/LABEL (its console output in OUT/LABEL/train.log). Folders come first in the table, then
 launched runs, in the order given. The first run is the reference of --assert-close.
 
 Writes OUT/comparison.md (also printed), OUT/loss_vs_step.png, OUT/loss_vs_tokens.png and OUT/throughput.png.

@@ -16,7 +16,6 @@ The trainer makes one `Health` per rank and calls it at a few points of its loop
 
 import contextlib
 import json
-import math
 import os
 import socket
 import statistics
