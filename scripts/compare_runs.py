@@ -9,8 +9,10 @@ From the repository root:
     python scripts/compare_runs.py outputs/a outputs/b --out compare --assert-close 1e-5
 
 Each RUN is a trainer dump folder: its metrics.jsonl is read, or, without one, the TensorBoard event files under
-it. `--launch "LABEL=CONFIG.toml [--section.option value ...]"` first trains that recipe with ./run_train.sh (NGPU
-from --ngpu) into OUT/LABEL (its console output in OUT/LABEL/train.log). Folders come first in the table, then
+it. Its goodput (the share of the wall time that trained the model, and where the rest went) comes from the run
+records in RUN/health/ (every run of that folder: restarts and resumes included), else from the last goodput
+metrics logged. `--launch "LABEL=CONFIG.toml [--section.option value ...]"` first trains that recipe with
+./run_train.sh (NGPU from --ngpu) into OUT/LABEL (its console output in OUT/LABEL/train.log). Folders come first in the table, then
 launched runs, in the order given. The first run is the reference of --assert-close.
 
 Writes OUT/comparison.md (also printed), OUT/loss_vs_step.png, OUT/loss_vs_tokens.png and OUT/throughput.png.
@@ -53,6 +55,7 @@ class Run:
     source: Path
     series: dict[str, dict[int, float]] = field(default_factory=dict)
     times: list[float] = field(default_factory=list)
+    goodput: dict[str, float] | None = None
 
     def add(self, step: int, time: float | None, metrics: dict[str, float]) -> None:
         for key, value in metrics.items():
@@ -83,7 +86,24 @@ def read_run(folder: Path, label: str) -> Run:
         run = _read_tensorboard(event_dirs[0], label)
     if "loss" not in run.series:
         raise UserError(f"run {run.source} holds no training loss")
+    run.goodput = _read_goodput(folder, run)
     return run
+
+
+def _read_goodput(folder: Path, run: Run) -> dict[str, float] | None:
+    """The job's goodput account: from the run records (complete: up to each run's end), else the last one logged
+    (up to the last logged step), else None (a trainer from before goodput)."""
+    if (folder / "health").is_dir():
+        # Imported here: torchtitan.components.health imports torch, slow and only needed for these folders.
+        from torchtitan.components.health import job_goodput, read_records
+
+        records = read_records(folder)
+        if records:
+            return job_goodput(records)
+    if "goodput_pct" not in run.series:
+        return None
+    last = {key: _last(run.points(key)) for key in run.series if key.startswith("goodput")}
+    return {key.removeprefix("goodput/"): value for key, value in last.items()}
 
 
 def _read_jsonl(path: Path, label: str) -> Run:
@@ -198,6 +218,7 @@ def summarize(run: Run) -> dict[str, float | None]:
         "peak memory GiB": max(memory) if memory else None,
         "optimizer state MiB": max(optimizer_state) * 1024 if optimizer_state else None,
         "wall time s": max(run.times) - min(run.times) if run.times else None,
+        "goodput %": run.goodput["goodput_pct"] if run.goodput else None,
     }
 
 
@@ -213,7 +234,27 @@ _FORMATS: dict[str, Callable[[float], str]] = {
     "peak memory GiB": lambda v: f"{v:.2f}",
     "optimizer state MiB": lambda v: f"{v:.2f}",
     "wall time s": lambda v: f"{v:.1f}",
+    "goodput %": lambda v: f"{v:.1f}",
 }
+
+# The goodput table's columns: the account's key -> the column's name.
+_GOODPUT_COLUMNS = {"wall_s": "wall s", "productive_s": "productive s", "startup_s": "start-up + compile s",
+                    "checkpoint_s": "checkpoint s", "data_s": "data s", "validation_s": "validation s",
+                    "skipped_s": "skipped steps s", "lost_s": "lost work s", "restart_s": "restart s",
+                    "other_s": "other s", "lost_steps": "steps redone"}
+
+
+def goodput_table(runs: list[Run]) -> list[str]:
+    """Where each run's wall time went (runs without a goodput account show n/a)."""
+    header = ["run", "goodput %", *_GOODPUT_COLUMNS.values()]
+    lines = ["| " + " | ".join(header) + " |", "|" + "|".join(["---"] + ["---:"] * (len(header) - 1)) + "|"]
+    for run in runs:
+        account = run.goodput or {}
+        cells = [f"{account['goodput_pct']:.1f}" if "goodput_pct" in account else "n/a"]
+        cells += [("n/a" if key not in account else f"{int(account[key])}" if key == "lost_steps"
+                   else f"{account[key]:.1f}") for key in _GOODPUT_COLUMNS]
+        lines.append("| " + " | ".join([run.label, *cells]) + " |")
+    return lines
 
 
 def comparison_table(runs: list[Run]) -> str:
@@ -226,10 +267,16 @@ def comparison_table(runs: list[Run]) -> str:
     lines = ["| " + " | ".join(header) + " |", "|" + "|".join(["---"] + ["---:"] * len(_FORMATS)) + "|"]
     lines += ["| " + " | ".join(row) + " |" for row in rows]
     sources = [f"- {run.label}: {run.source}" for run in runs]
+    goodput = []
+    if any(run.goodput for run in runs):
+        goodput = ["", "## Where the time went", "", *goodput_table(runs), "",
+                   "Goodput: the share of the wall time whose steps' updates stand (docs/resilience.md). Lost work: "
+                   "steps redone after a restart; restart: the time from a crashed run's last record to the next "
+                   "run's first step. Over every run of the dump folder."]
     return "\n".join(["# Run comparison", "", *lines, "",
                       "Mean tokens/s (per device) and MFU exclude step 1 (warm-up). Loss change variance: the "
                       "variance of the loss's change between consecutive logged steps (lower: a smoother curve). "
-                      "Optimizer state: the most one rank held. Sources:", *sources, ""])
+                      "Optimizer state: the most one rank held. Sources:", *sources, *goodput, ""])
 
 
 # ------------------------------------------------------------------------------------------------------------------

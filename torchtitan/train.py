@@ -24,6 +24,7 @@ from torchtitan.components.checkpoint import CheckpointManager, TrainState
 from torchtitan.components.datasets import build_dataloader
 from torchtitan.components.datasets.documents import StreamRetry
 from torchtitan.components.float8 import apply_float8, precompute_float8_scales
+from torchtitan.components.health import Health, TrainingDiverged
 from torchtitan.components.loss import count_valid_tokens, cross_entropy_sum
 from torchtitan.components.lr_scheduler import build_lr_schedulers
 from torchtitan.components.metrics import MetricsLogger, save_run_info
@@ -147,6 +148,8 @@ class Trainer:
                                      run_config=dataclasses.asdict(config))
         self.peak_flops, peak_source = peak_flops(self.device, param_dtype, config.metrics.peak_flops)
         logger.info(f"MFU is measured against {self.peak_flops / 1e12:.2f} TFLOP/s per device ({peak_source})")
+        self.health = Health(config.health, config.job.dump_folder, self.rank, self.device,
+                             self.checkpointer.blocked_s)
         self.preempt_requested = False
         self.preempted = False
 
@@ -252,7 +255,9 @@ class Trainer:
         self.optimizers.zero_grad()
         local_tokens = torch.stack([count_valid_tokens(labels) for _, labels in batches]).sum().float()
         # Ranks of one data-parallel group hold the same sequences, so the global count sums over dp only.
-        dist.all_reduce(local_tokens, group=self.parallel_dims.get_mesh("dp").get_group())
+        # The step's first collective: a rank slower in its own work (data, host, step end) is waited for here.
+        with self.health.waiting_for_peers():
+            dist.all_reduce(local_tokens, group=self.parallel_dims.get_mesh("dp").get_group())
         self.global_valid_tokens = local_tokens
         loss = sum(self.forward_backward(inputs, labels) for inputs, labels in batches)
         parameters = [p for part in self.model_parts for p in part.parameters()]
@@ -273,15 +278,15 @@ class Trainer:
             global_loss, any_nonfinite, any_preempted = host_values(summary)
         self.preempted = any_preempted > 0
         step = self.train_state.step + 1
+        grad_norm_host = host_values(grad_norm_value.reshape(1))[0]
         # A dry run's values are no training run's (fake collectives leave their outputs unwritten): every step
         # takes the update, whose time and memory it measures.
-        if any_nonfinite and not self.dry_run:
-            if self.config.debug.on_nonfinite == "stop":
-                raise NonFiniteError(f"step {step}: non-finite loss ({global_loss}) or gradient norm "
-                                     f"({grad_norm_value.item()}); stopping before the update (debug.on_nonfinite = "
-                                     f"stop). Lower optimizer.lr, check the data, or set debug.on_nonfinite = skip")
-            logger.warning(f"step {step}: non-finite loss or gradient norm; update skipped "
-                           f"(debug.on_nonfinite = skip)")
+        if any_nonfinite and not self.dry_run and self.config.debug.on_nonfinite == "stop":
+            raise NonFiniteError(f"step {step}: non-finite loss ({global_loss}) or gradient norm "
+                                 f"({grad_norm_host}); stopping before the update (debug.on_nonfinite = "
+                                 f"stop). Lower optimizer.lr, check the data, or set debug.on_nonfinite = skip")
+        # The loss and gradient norm are global (the same on every rank), so every rank takes the same decision.
+        if not self.dry_run and self.health.skip_update(step, global_loss, grad_norm_host, any_nonfinite > 0):
             self.optimizers.zero_grad()
         else:
             # An async checkpoint of the previous step may still be copying the weights and optimizer state.
@@ -290,7 +295,7 @@ class Trainer:
             precompute_float8_scales(self.model_parts, self.config)
         lr = self.lr_schedulers.last_lr
         self.lr_schedulers.step()
-        return global_loss, host_values(grad_norm_value.reshape(1))[0], lr
+        return global_loss, grad_norm_host, lr
 
     # ----------------------------------------------------------------------------------------------------------
     # Validation
@@ -357,6 +362,7 @@ class Trainer:
             logger.info("Seed checkpoint written; exiting")
             return
         self.checkpointer.load()
+        self.health.begin(self.train_state.step)
         signal.signal(signal.SIGTERM, self._on_sigterm)
         data_iterator = iter(self.dataloader)
         gc.disable()
@@ -377,10 +383,11 @@ class Trainer:
                 if step % config.training.gc_freq == 0 or config.training.gc_debug:
                     gc.collect(1)
                 data_start = time.perf_counter()
-                with record_function("data"):
+                with record_function("data"), self.health.timed("data"):
                     batches = self._next_batches(data_iterator)
                 window["data_time"] += time.perf_counter() - data_start
-                loss, grad_norm, lr = self.train_step(batches)
+                with self.health.timed("step", step):
+                    loss, grad_norm, lr = self.train_step(batches)
                 self.train_state.step = step
                 self.train_state.tokens_seen += batch_tokens
                 window["steps"] += 1
@@ -391,10 +398,14 @@ class Trainer:
                     self._log_step(step, loss, grad_norm, lr, batch_tokens, window)
                 if config.validation.enable and (step % config.validation.freq == 0 or last_step):
                     validation_start = time.perf_counter()
-                    self.metrics.log(step, self.validate(step))
+                    with self.health.timed("validation"):
+                        self.metrics.log(step, self.validate(step))
                     # Validation is not training: keep it out of the next logged tokens/s.
                     window["time"] += time.perf_counter() - validation_start
-                self.checkpointer.save(step, last_step=last_step and not self.preempted, force=self.preempted)
+                with self.health.timed("checkpoint", step):
+                    self.checkpointer.save(step, last_step=last_step and not self.preempted, force=self.preempted)
+                if stragglers := self.health.step_end(step):
+                    self.metrics.log(step, stragglers)
                 if profiler is not None:
                     profiler.step()
                 if memory_profiler is not None:
@@ -405,7 +416,9 @@ class Trainer:
                              else "NO checkpoint written (checkpoint.enable = false): a relaunch starts over")
                     logger.warning(f"SIGTERM received: stopped after step {step}, {saved}; exiting")
                     break
-        self.checkpointer.close()
+        with self.health.timed("checkpoint"):
+            self.checkpointer.close()
+        self.health.finish("preempted" if self.preempted else "finished")
         self.metrics.close()
         if not self.preempted:
             logger.info("Training finished")
@@ -433,7 +446,7 @@ class Trainer:
             "tflops": tflops, "mfu": 100 * tflops * 1e12 / self.peak_flops, "memory_gib": peak_gib,
             **({"memory_allocated_gib": allocated_gib} if cuda else {}),
             "data_pct": 100 * window["data_time"] / elapsed, "tokens_seen": self.train_state.tokens_seen,
-            "model_state_gib": state_gib, "optimizer_state_gib": optimizer_state_gib,
+            "model_state_gib": state_gib, "optimizer_state_gib": optimizer_state_gib, **self.health.metrics(),
         })
         window.update(time=time.perf_counter(), steps=0, data_time=0.0)
         reset_peak_memory(self.device)
@@ -506,7 +519,7 @@ def main(argv: list[str] | None = None) -> int:
             return 0
         trainer = Trainer(config)
         trainer.train()
-    except NonFiniteError as e:
+    except (NonFiniteError, TrainingDiverged) as e:
         logger.error(f"error: {e}")
         return EXIT_NONFINITE
     except UserError as e:

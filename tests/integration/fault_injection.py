@@ -8,10 +8,14 @@ Environment:
                       `sigkill@5:1`. Kinds, each at the start of that step's forward-backward:
                         nan           the loss (hence every gradient) of that rank becomes NaN for that step
                         inf           the loss of that rank becomes +Inf for that step
+                        spike         the loss of that rank is multiplied by FAULT_SPIKE_FACTOR for that step (a
+                                      finite loss spike; its gradients, and the gradient norm, grow alike)
                         inf_grad      the loss stays finite, but one gradient (this rank's shard of the first
                                       parameter) becomes +Inf after the backward, so only the gradient norm is
                                       non-finite
                         sleep         the rank stalls for FAULT_SLEEP_SECONDS
+                        slow          from that step on, the rank's data loading takes FAULT_SLOW_SECONDS longer
+                                      every step (a straggler: a slow host or input pipeline)
                         sigkill       the rank SIGKILLs itself (a crashed process, a lost node)
                         sigterm       the rank SIGTERMs itself (a scheduler signalling the workers)
                         sigint        the rank SIGINTs itself (Ctrl-C in the terminal)
@@ -21,7 +25,9 @@ Environment:
                         sigkill_in_save  the rank SIGKILLs itself once DCP has written the checkpoint, before it
                                          is published (renamed from step-N.incomplete to step-N)
     FAULT_ATTEMPT     inject only in this torchrun attempt (TORCHELASTIC_RESTART_COUNT); default: every attempt
+    FAULT_SPIKE_FACTOR   the loss factor of a `spike` (default 100)
     FAULT_SLEEP_SECONDS  length of a `sleep` stall (default 60)
+    FAULT_SLOW_SECONDS   extra data-loading time per step of a `slow` rank (default 0.2)
     FAULT_REPORT_DIR  if set, each rank appends JSON lines to events-rank<R>-attempt<A>.jsonl there: every fault
                       it injects (written before acting, so a SIGKILL is recorded too), a digest of its local
                       parameter shards after each step, and its exit code
@@ -42,8 +48,8 @@ from torchtitan import train
 
 RANK = int(os.environ.get("RANK", "0"))
 ATTEMPT = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
-STEP_KINDS = ("nan", "inf", "inf_grad", "sleep", "sigkill", "sigterm", "sigint", "sigterm_agent")
-KINDS = (*STEP_KINDS, "sigkill_in_save")
+STEP_KINDS = ("nan", "inf", "spike", "inf_grad", "sleep", "sigkill", "sigterm", "sigint", "sigterm_agent")
+KINDS = (*STEP_KINDS, "sigkill_in_save", "slow")
 
 
 def parse_plan(text: str) -> dict[int, str]:
@@ -108,9 +114,10 @@ def install(faults: dict[int, str]) -> None:
             os.kill(os.getppid(), signal.SIGTERM)
         elif kind == "sleep":
             time.sleep(float(os.environ.get("FAULT_SLEEP_SECONDS", "60")))
-        elif kind in ("nan", "inf"):
+        elif kind in ("nan", "inf", "spike"):
+            factor = float(os.environ.get("FAULT_SPIKE_FACTOR", "100")) if kind == "spike" else float(kind)
             loss_fn = self.loss_fn
-            self.loss_fn = lambda pred, labels: loss_fn(pred, labels) * float(kind)
+            self.loss_fn = lambda pred, labels: loss_fn(pred, labels) * factor
             try:
                 return forward_backward(self, inputs, labels)
             finally:
@@ -135,7 +142,19 @@ def install(faults: dict[int, str]) -> None:
                 "digest": parameter_digest(self)})
         return result
 
+    slow_from = min((step for step, kind in faults.items() if kind == "slow"), default=None)
+    next_batches = train.Trainer._next_batches
+
+    def slow_next_batches(self, data_iterator):
+        step = self.train_state.step + 1
+        if step == slow_from:
+            report({"event": "inject", "kind": "slow", "step": step})
+        if slow_from is not None and step >= slow_from:
+            time.sleep(float(os.environ.get("FAULT_SLOW_SECONDS", "0.2")))
+        return next_batches(self, data_iterator)
+
     train.Trainer.forward_backward = faulty_forward_backward
+    train.Trainer._next_batches = slow_next_batches
     dcp.save = faulty_dcp_save
     if os.environ.get("FAULT_REPORT_DIR"):
         train.Trainer.train_step = reporting_train_step

@@ -16,6 +16,7 @@ import pytest
 
 from tests.integration.harness import TINY, launch, read_metrics
 from torchtitan.components.checkpoint import read_metadata
+from torchtitan.components.health import JOB_CATEGORIES, job_goodput, read_records
 
 pytestmark = pytest.mark.integration
 
@@ -89,18 +90,29 @@ def uninterrupted(tmp_path_factory) -> list[float]:
 
 
 def test_elastic_restart_after_sigkill_resumes_exactly(tmp_path, uninterrupted):
-    """torchrun --max-restarts 2: rank 1 dies by SIGKILL in step 5 of the first attempt; the restarted group resumes
-    from step-4 and ends on the uninterrupted run's losses."""
-    proc = run(tmp_path, [*FSDP2, "--checkpoint.enable", "--checkpoint.interval", "2"], plan="sigkill@5:1",
+    """torchrun --max-restarts 2: rank 1 dies by SIGKILL in step 6 of the first attempt; the restarted group resumes
+    from step-4 and ends on the uninterrupted run's losses. The goodput account of the two runs counts step 5 as
+    redone (lost) and the time from the first run's last record to the second's first step as restart time."""
+    proc = run(tmp_path, [*FSDP2, "--checkpoint.enable", "--checkpoint.interval", "2"], plan="sigkill@6:1",
                launcher_args=["--max-restarts", "2"], FAULT_ATTEMPT="0")
     assert proc.returncode == 0, proc.stdout[-6000:]
     injected = events(tmp_path, "inject")
-    assert [(e["kind"], e["rank"], e["attempt"], e["step"]) for e in injected] == [("sigkill", 1, 0, 5)]
+    assert [(e["kind"], e["rank"], e["attempt"], e["step"]) for e in injected] == [("sigkill", 1, 0, 6)]
     assert exit_codes(tmp_path, attempt=1) == {0: 0, 1: 0}
     resumed = [e["step"] for e in events(tmp_path, "step") if e["attempt"] == 1]
     assert min(resumed) == 5, f"the restarted attempt ran steps {resumed}"
     assert len(rank_lines(proc.stdout, 0, "checkpoint/step-4 in")) == 1
     assert_same_losses(final_losses(tmp_path), uninterrupted)
+    killed, restarted = read_records(tmp_path)
+    assert (killed.first_step, killed.last_step, killed.ended) == (0, 5, "")
+    assert (restarted.first_step, restarted.last_step, restarted.ended) == (4, STEPS, "finished")
+    account = job_goodput([killed, restarted])
+    assert account["lost_steps"] == 1 and account["lost_s"] > 0
+    assert account["restart_s"] >= restarted.start - killed.end > 0
+    assert sum(account[f"{category}_s"] for category in JOB_CATEGORIES) == pytest.approx(account["wall_s"])
+    (summary,) = rank_lines(proc.stdout, 0, "Goodput")
+    assert f"Goodput {account['goodput_pct']:.1f}%" in summary and "(2 runs of this dump folder)" in summary
+    assert "(1 steps redone)" in summary
     report_faults("elastic restart", injected, survived=1)
 
 
@@ -206,6 +218,34 @@ def test_nonfinite_on_one_rank_is_skipped_by_every_rank(tmp_path, layout, kind):
     assert rows[3] == kind
     assert all(isinstance(rows[step], float) for step in range(4, STEPS + 1)), rows
     report_faults(f"non-finite ({kind}), skip ({layout})", events(tmp_path, "inject"), survived=1)
+
+
+def test_spikes_are_skipped_by_every_rank_and_a_straggler_is_named(tmp_path):
+    """One launch, two faults. Rank 0's data loading is 0.4 s slower every step: the straggler check (every 2 steps)
+    names rank 0 and no other. Rank 1's loss is multiplied by 100 in steps 5, 7 and 8: the global loss is a spike
+    (> 5 standard deviations over steps 1-4), so no rank applies those updates; step 6 is applied; the second skip
+    in a row (step 8) stops every rank with one error line and exit code 3, before its update."""
+    health = ["--health.spike_sigma", "5", "--health.spike_warmup", "4", "--health.max_skipped_in_a_row", "2",
+              "--health.straggler_interval", "2", "--health.straggler_patience", "2"]
+    proc = run(tmp_path, [*FSDP2, *health], plan="slow@1:0,spike@5:1,spike@7:1,spike@8:1", FAULT_SLOW_SECONDS="0.4")
+    assert exit_codes(tmp_path) == {0: EXIT_NONFINITE, 1: EXIT_NONFINITE}, proc.stdout[-6000:]
+    digests = {(e["rank"], e["step"]): e["digest"] for e in events(tmp_path, "step")}
+    assert last_steps(tmp_path) == {0: 7, 1: 7}
+    for rank in (0, 1):
+        assert digests[rank, 5] == digests[rank, 4], f"rank {rank} applied the spike of step 5"
+        assert digests[rank, 6] != digests[rank, 5], f"rank {rank} did not apply step 6"
+        assert digests[rank, 7] == digests[rank, 6], f"rank {rank} applied the spike of step 7"
+        assert len(rank_lines(proc.stdout, rank, "step 5: loss")) == 1
+        (error,) = rank_lines(proc.stdout, rank, "error:")
+        assert "step 8: loss" in error and "(health.max_skipped_in_a_row = 2)" in error, error
+    rows = read_metrics(tmp_path)
+    assert [row["health/skipped_steps"] for row in rows if "loss" in row] == [0, 0, 0, 0, 1, 1, 2]
+    checks = [row for row in rows if "stragglers/slowest_rank" in row]
+    assert [row["step"] for row in checks] == [2, 4, 6]
+    assert all(row["stragglers/slowest_rank"] == 0 for row in checks), checks
+    named = rank_lines(proc.stdout, 0, "straggler: rank")
+    assert named and all("straggler: rank 0 on host" in line for line in named), proc.stdout[-6000:]
+    report_faults("loss spikes and a slow rank", events(tmp_path, "inject"), survived=3)
 
 
 def test_stalled_rank_times_out_with_a_clear_error(tmp_path):

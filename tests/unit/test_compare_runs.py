@@ -59,9 +59,11 @@ def tensorboard_run(tmp_path):
     return write_tensorboard(tmp_path / "tb_run", rows)
 
 
-def table_rows(out):
-    """comparison.md's table as {run label: {column: cell}}."""
-    lines = [line for line in (out / "comparison.md").read_text().splitlines() if line.startswith("|")]
+def table_rows(out, table: int = 0):
+    """comparison.md's `table`-th table (0: the summary, 1: the goodput) as {run label: {column: cell}}."""
+    tables = (out / "comparison.md").read_text().split("\n\n")
+    lines = [[line for line in block.splitlines() if line.startswith("|")] for block in tables]
+    lines = [block for block in lines if block][table]
     header = [cell.strip() for cell in lines[0].strip("|").split("|")]
     rows = [[cell.strip() for cell in line.strip("|").split("|")] for line in lines[2:]]
     return {row[0]: dict(zip(header, row)) for row in rows}
@@ -76,13 +78,45 @@ def test_table_from_jsonl_and_tensorboard(tmp_path, jsonl_run, tensorboard_run, 
     assert rows["a"] == {"run": "a", "steps": "5", "final loss": "5.5000", "best loss": "5.5000",
                          "loss change variance": "4.22e-01", "final validation loss": "5.7500",
                          "best validation loss": "5.7500", "mean tokens/s": "1,300", "mean MFU %": "13.00",
-                         "peak memory GiB": "2.50", "optimizer state MiB": "51.20", "wall time s": "41.0"}
+                         "peak memory GiB": "2.50", "optimizer state MiB": "51.20", "wall time s": "41.0",
+                         "goodput %": "n/a"}
     # From TensorBoard: no validation, throughput without step 1, wall time from the events' times.
     assert rows["b"] == {"run": "b", "steps": "5", "final loss": "6.6000", "best loss": "6.6000",
                          "loss change variance": "2.25e-02", "final validation loss": "n/a",
                          "best validation loss": "n/a", "mean tokens/s": "550", "mean MFU %": "13.00",
-                         "peak memory GiB": "2.50", "optimizer state MiB": "51.20", "wall time s": "40.0"}
+                         "peak memory GiB": "2.50", "optimizer state MiB": "51.20", "wall time s": "40.0",
+                         "goodput %": "n/a"}
     assert (out / "comparison.md").read_text() in capsys.readouterr().out
+    assert "Where the time went" not in (out / "comparison.md").read_text()  # no run has a goodput account
+
+
+def test_goodput_from_run_records_or_the_last_logged_metrics(tmp_path):
+    """A folder with run records (a crash at step 7 after a save at step 4, a restart 20 s later) shows the whole
+    job's account; a folder without them, the goodput metrics of its last logged step."""
+    from torchtitan.components.health import RunRecord
+
+    crashed = write_jsonl(tmp_path / "crashed", training_rows(LOSSES))
+    (crashed / "health").mkdir()
+    seconds = {"productive": 7.0, "startup": 10.0, "checkpoint": 0.0, "data": 0.0, "validation": 0.0, "skipped": 0.0,
+               "other": 0.0}
+    runs = [RunRecord(0.0, 17.0, 0, 7, seconds, {4: 4.0}, ""),
+            RunRecord(37.0, 50.0, 4, 10, {**seconds, "productive": 6.0, "startup": 5.0, "other": 2.0}, {}, "finished")]
+    for number, record in enumerate(runs):
+        (crashed / "health" / f"run-{record.start:.3f}-{number}.json").write_text(json.dumps(record.__dict__))
+    logged = training_rows(LOSSES)
+    logged[-1].update({"goodput_pct": 80.0, "goodput/wall_s": 10.0, "goodput/productive_s": 8.0,
+                       "goodput/startup_s": 2.0, "goodput/lost_steps": 0})
+    clean = write_jsonl(tmp_path / "clean", logged)
+    out = tmp_path / "out"
+    assert compare_runs.main([str(crashed), str(clean), "--out", str(out)]) == 0
+    assert table_rows(out)["crashed"]["goodput %"] == "20.0"  # (7 + 6 - 3 lost) of 50 s
+    rows = table_rows(out, table=1)
+    assert rows["crashed"] == {"run": "crashed", "goodput %": "20.0", "wall s": "50.0", "productive s": "10.0",
+                               "start-up + compile s": "10.0", "checkpoint s": "0.0", "data s": "0.0",
+                               "validation s": "0.0", "skipped steps s": "0.0", "lost work s": "3.0",
+                               "restart s": "25.0", "other s": "2.0", "steps redone": "3"}
+    assert (rows["clean"]["goodput %"], rows["clean"]["start-up + compile s"],
+            rows["clean"]["data s"]) == ("80.0", "2.0", "n/a")
 
 
 def test_plots_are_valid_pngs(tmp_path, jsonl_run, tensorboard_run):

@@ -33,6 +33,7 @@ _CONSOLE_FIELDS = {
     "tflops": _ConsoleField("tflops", lambda v: f"{v:.2f}", "\033[34m"),
     "mfu": _ConsoleField("mfu", lambda v: f"{v:.2f}%", "\033[35m"),
     "data_pct": _ConsoleField("data", lambda v: f"{v:.1f}%", "\033[32m"),
+    "goodput_pct": _ConsoleField("goodput", lambda v: f"{v:.1f}%", "\033[32m"),
 }
 _STEP_COLOR = "\033[31m"
 _OTHER_COLOR = "\033[37m"
@@ -57,7 +58,8 @@ class MetricsLogger:
 
     Keys the console line knows (any other key is appended as `key: value`): loss, grad_norm, lr,
     memory_gib (peak), tps (tokens/s per device), tflops (achieved per device), mfu (model FLOPs
-    utilisation in percent, 0-100) and data_pct (percent of the time spent waiting for data).
+    utilisation in percent, 0-100), data_pct (percent of the time spent waiting for data) and goodput_pct
+    (components/health.py). Keys with a '/' (`goodput/lost_s`) are left off the console line.
 
     The console line and `<dump_folder>/metrics.jsonl` are written on the logging rank only;
     TensorBoard and W&B (when enabled) on the logging rank, or on every rank with
@@ -100,7 +102,7 @@ class MetricsLogger:
         """Record `metrics` for `step` in every sink this rank writes."""
         # 0-d tensors and numpy scalars become plain numbers, which every sink (json included) accepts.
         metrics = {key: value if isinstance(value, int) else float(value) for key, value in metrics.items()}
-        if self._is_logging_rank:
+        if self._is_logging_rank and any("/" not in key for key in metrics):
             logger.info(self._console_line(step, metrics))
         if self._jsonl_file is not None:
             record = {"step": step, "time": time.time(), **{key: _json_safe(value) for key, value in metrics.items()}}
@@ -131,7 +133,8 @@ class MetricsLogger:
             if key in metrics:
                 fields.append(self._paint(field.color, f"{field.label}: {field.render(metrics[key])}"))
         for key, value in metrics.items():
-            if key not in _CONSOLE_FIELDS:
+            # A key with a '/' (a group, as TensorBoard shows it: goodput/data_s) is a detail for the other sinks.
+            if key not in _CONSOLE_FIELDS and "/" not in key:
                 rendered = f"{value:.4g}" if isinstance(value, float) else str(value)
                 fields.append(self._paint(_OTHER_COLOR, f"{key}: {rendered}"))
         return "  ".join(fields)

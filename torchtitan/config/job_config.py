@@ -511,6 +511,33 @@ class Debug:
 
 
 @dataclass
+class Health:
+    """Goodput accounting is always on; these set the loss-spike guard and the straggler report
+    (docs/resilience.md)."""
+
+    spike_sigma: float = 0.0
+    """Skip the optimizer update of a step whose loss or gradient norm is more than this many standard deviations above the mean of the last spike_window accepted steps (the same decision on every rank). 0 = off."""
+
+    spike_window: int = 100
+    """Accepted steps whose loss and gradient norm make the running statistics of spike_sigma."""
+
+    spike_warmup: int = 20
+    """Accepted steps before spike_sigma judges any step (the first steps move fast and are few)."""
+
+    max_skipped_in_a_row: int = 5
+    """Stop with an error after this many skipped updates in a row (spikes, or non-finite values with debug.on_nonfinite = skip). 0 = never stop."""
+
+    straggler_interval: int = 100
+    """Every this many steps the ranks share their own step times (one all_gather) and the spread goes to the metrics. 0 = off."""
+
+    straggler_factor: float = 1.5
+    """A rank whose own step time is more than this factor above the median is a straggler."""
+
+    straggler_patience: int = 3
+    """Name a straggler in the log once it has been one at this many checks in a row."""
+
+
+@dataclass
 class Validation:
     enable: bool = False
     """Compute the validation loss and perplexity."""
@@ -550,4 +577,5 @@ class JobConfig:
     quantize: Quantize = field(default_factory=Quantize)
     comm: Comm = field(default_factory=Comm)
     debug: Debug = field(default_factory=Debug)
+    health: Health = field(default_factory=Health)
     validation: Validation = field(default_factory=Validation)

@@ -512,7 +512,8 @@ def validate(config: JobConfig) -> None:
                 "validation.freq", "profiling.profile_freq", "comm.init_timeout_seconds",
                 "comm.train_timeout_seconds", "parallelism.data_parallel_replicate_degree",
                 "parallelism.tensor_parallel_degree", "parallelism.pipeline_parallel_degree",
-                "parallelism.context_parallel_degree", "parallelism.pipeline_parallel_microbatch_size"]
+                "parallelism.context_parallel_degree", "parallelism.pipeline_parallel_microbatch_size",
+                "health.spike_window", "health.straggler_patience"]
     for key in positive:
         value = get_option(config, key)
         if value is not None and value <= 0:
@@ -527,7 +528,9 @@ def validate(config: JobConfig) -> None:
     for key in ("optimizer.lr", "optimizer.eps"):
         if get_option(config, key) <= 0:
             raise UserError(f"option {key}: {get_option(config, key)} must be positive")
-    for key in ("optimizer.weight_decay", "training.max_norm", "lr_scheduler.warmup_steps", "metrics.peak_flops"):
+    for key in ("optimizer.weight_decay", "training.max_norm", "lr_scheduler.warmup_steps", "metrics.peak_flops",
+                "health.spike_sigma", "health.spike_warmup", "health.max_skipped_in_a_row",
+                "health.straggler_interval"):
         if get_option(config, key) < 0:
             raise UserError(f"option {key}: {get_option(config, key)} must not be negative")
     for group in dataclasses.fields(config.optimizer.groups):
@@ -588,6 +591,9 @@ def validate(config: JobConfig) -> None:
                         f"ones crash it. Dry-run with AdamW-bf16 and scale its optimizer state by the memory planner's "
                         f"ratio (docs/recipes.md, Optimizers), run the rank on real tensors (--comm.no_fake_tensors), "
                         f"or run on real devices")
+    if config.health.straggler_factor <= 1:
+        raise UserError(f"option health.straggler_factor: {config.health.straggler_factor} must be above 1 (a "
+                        f"straggler is slower than the median by this factor)")
     if config.checkpoint.keep_latest_k < 0:
         raise UserError(f"option checkpoint.keep_latest_k: {config.checkpoint.keep_latest_k} must be 0 (keep all) "
                         f"or positive")

@@ -1,0 +1,282 @@
+"""Goodput accounting, the spike guard's statistics and decisions, and the straggler rule (components/health.py);
+single process, with a fake clock."""
+
+import json
+import logging
+import math
+import statistics
+
+import pytest
+
+from torchtitan.components.health import (JOB_CATEGORIES, Goodput, RunningStats, RunRecord, SpikeGuard,
+                                          TrainingDiverged, find_stragglers, goodput_summary, job_goodput,
+                                          read_records)
+from torchtitan.components.metrics import MetricsLogger
+from torchtitan.config import parse_args
+from torchtitan.config.job_config import Health, Metrics
+from torchtitan.errors import UserError
+from torchtitan.tools.logging import logger
+
+
+class Clock:
+    def __init__(self, now: float = 1000.0):
+        self.now = now
+
+    def __call__(self) -> float:
+        return self.now
+
+    def advance(self, seconds: float) -> None:
+        self.now += seconds
+
+
+def account_sums_to_wall(account: dict[str, float]) -> None:
+    total = sum(account[f"{category}_s"] for category in JOB_CATEGORIES)
+    assert total == pytest.approx(account["wall_s"], abs=1e-9)
+
+
+# ------------------------------------------------------------------------------------------------------------------
+# Goodput of one run
+
+
+def run_steps(goodput: Goodput, clock: Clock, steps: range, step_s: float, data_s: float = 0.0,
+              stalls: list[float] | None = None, save_every: int = 0, skipped: tuple[int, ...] = ()) -> None:
+    for step in steps:
+        clock.advance(data_s)
+        goodput.add("data")
+        clock.advance(step_s)
+        goodput.add_step(step, applied=step not in skipped)
+        if save_every and step % save_every == 0:
+            clock.advance(0.5)
+            stalls.append(0.5)
+            goodput.add("checkpoint", step)
+
+
+def test_one_run_attributes_every_second(tmp_path):
+    """Start-up 10 s; step 1 takes 4 s (3 s of it compilation), steps 2-10 1 s each plus 0.25 s of data; a save
+    every 5 steps blocks 0.5 s; an async save's copy makes step 7 wait 0.2 s inside the step; step 9 is skipped."""
+    clock, stalls = Clock(), []
+    goodput = Goodput(str(tmp_path), write_records=True, stalls=stalls, start=990.0, clock=clock)
+    goodput.begin(0)
+    clock.advance(0.25)
+    goodput.add("data")
+    clock.advance(4.0)
+    goodput.add_step(1, applied=True)
+    run_steps(goodput, clock, range(2, 7), 1.0, 0.25, stalls, save_every=5)
+    clock.advance(0.25)
+    goodput.add("data")
+    clock.advance(1.2)
+    stalls[-1] += 0.2  # the checkpoint manager adds the optimizer's wait to the last save's blocked time
+    goodput.add_step(7, applied=True)
+    run_steps(goodput, clock, range(8, 11), 1.0, 0.25, stalls, save_every=5, skipped=(9,))
+    clock.advance(0.1)
+    account = goodput.snapshot("finished")
+
+    assert account["wall_s"] == pytest.approx(1000.0 + 10 * 0.25 + 4.0 + 9 * 1.0 + 0.2 + 2 * 0.5 + 0.1 - 990.0)
+    assert account["startup_s"] == pytest.approx(10.0 + 3.0)
+    # Step 1's steady second and steps 2-10 but the skipped step 9 (step 7's wait for the copy is the checkpoint's).
+    assert account["productive_s"] == pytest.approx(1.0 + 8 * 1.0)
+    assert account["skipped_s"] == pytest.approx(1.0)
+    assert account["data_s"] == pytest.approx(10 * 0.25)
+    assert account["checkpoint_s"] == pytest.approx(2 * 0.5 + 0.2)
+    assert account["other_s"] == pytest.approx(0.1)
+    assert account["lost_s"] == account["restart_s"] == 0.0
+    account_sums_to_wall(account)
+    assert account["goodput_pct"] == pytest.approx(100 * 9.0 / account["wall_s"])
+
+    (record,) = read_records(tmp_path)
+    assert (record.first_step, record.last_step, record.ended) == (0, 10, "finished")
+    # Productive seconds by the save of step 5: steps 1-5 (step 1 without its compilation).
+    assert record.productive_at == {5: pytest.approx(5.0), 10: pytest.approx(9.0)}
+    assert "Goodput" in goodput_summary(account, 1) and "startup 13.0 s" in goodput_summary(account, 1)
+
+
+# ------------------------------------------------------------------------------------------------------------------
+# Goodput across runs
+
+
+def record(start: float, end: float, first: int, last: int, productive: float, saves: dict[int, float],
+           ended: str = "", startup: float = 0.0) -> RunRecord:
+    seconds = dict.fromkeys(("productive", "startup", "checkpoint", "data", "validation", "skipped", "other"), 0.0)
+    seconds.update(productive=productive, startup=startup, other=end - start - productive - startup)
+    return RunRecord(start, end, first, last, seconds, saves, ended)
+
+
+def test_a_crash_loses_the_steps_after_the_checkpoint_and_the_gap_is_restart_time():
+    """Run 1: steps 1-7 at 1 s each, saved at step 4, killed; the restart begins 20 s later and resumes from step
+    4: steps 5-7 are redone (3 s lost); the 20 s gap and the second run's start-up (5 s) are restart time."""
+    first = record(0.0, 17.0, 0, 7, 7.0, {4: 4.0}, ended="", startup=10.0)
+    second = record(37.0, 50.0, 4, 10, 6.0, {}, ended="finished", startup=5.0)
+    account = job_goodput([first, second])
+    assert account["lost_steps"] == 3
+    assert account["lost_s"] == pytest.approx(3.0)
+    assert account["productive_s"] == pytest.approx(7.0 + 6.0 - 3.0)
+    assert account["restart_s"] == pytest.approx(20.0 + 5.0)
+    assert account["startup_s"] == pytest.approx(10.0)
+    assert account["wall_s"] == pytest.approx(50.0)
+    account_sums_to_wall(account)
+
+
+def test_after_a_preemption_the_time_off_is_not_the_jobs():
+    """A preempted run saved its last step: nothing is redone, and the hour in the queue is not wall time."""
+    first = record(0.0, 20.0, 0, 10, 10.0, {10: 10.0}, ended="preempted")
+    second = record(3620.0, 3640.0, 10, 20, 10.0, {}, ended="finished", startup=4.0)
+    account = job_goodput([first, second])
+    assert (account["lost_steps"], account["lost_s"]) == (0, 0.0)
+    assert account["restart_s"] == pytest.approx(4.0)
+    assert account["wall_s"] == pytest.approx(40.0)
+    account_sums_to_wall(account)
+
+
+def test_productive_until_interpolates_between_known_points():
+    run = record(0.0, 10.0, 2, 10, 8.0, {6: 3.0})
+    assert [run.productive_until(step) for step in (0, 2, 4, 6, 8, 10, 12)] == \
+        [0.0, 0.0, 1.5, 3.0, 5.5, 8.0, 8.0]
+
+
+def test_a_later_run_reads_the_earlier_records(tmp_path):
+    """The second Goodput of a folder (a restart) counts the first's redone steps as lost, from its file."""
+    clock = Clock(0.0)
+    first = Goodput(str(tmp_path), write_records=True, stalls=(stalls := []), start=0.0, clock=clock)
+    clock.advance(2.0)
+    first.begin(0)
+    run_steps(first, clock, range(1, 7), 1.0, stalls=stalls, save_every=4)
+    first.snapshot()  # the last record before the kill (ended stays "")
+    clock.advance(3.0)
+    second = Goodput(str(tmp_path), write_records=True, stalls=[], start=clock.now, clock=clock)
+    clock.advance(2.0)
+    second.begin(4)
+    run_steps(second, clock, range(5, 9), 1.0)
+    account = second.snapshot("finished")
+    assert second.runs == 2 and len(read_records(tmp_path)) == 2
+    assert account["lost_steps"] == 2 and account["lost_s"] == pytest.approx(2.0)
+    assert account["restart_s"] == pytest.approx(3.0 + 2.0)
+    assert account["productive_s"] == pytest.approx(8.0)
+    account_sums_to_wall(account)
+
+
+def test_an_unreadable_record_is_left_out_with_a_warning(tmp_path):
+    folder = tmp_path / "health"
+    folder.mkdir()
+    (folder / "run-1.000-1.json").write_text("{not json")
+    (folder / "run-2.000-1.json").write_text(json.dumps(record(2.0, 3.0, 0, 1, 1.0, {}).__dict__))
+    messages = []
+    handler = logging.Handler()
+    handler.emit = lambda r: messages.append(r.getMessage())
+    logger.addHandler(handler)
+    try:
+        records = read_records(tmp_path)
+    finally:
+        logger.removeHandler(handler)
+    assert [r.start for r in records] == [2.0]
+    assert any("run-1.000-1.json cannot be read" in m for m in messages)
+
+
+# ------------------------------------------------------------------------------------------------------------------
+# Spike guard
+
+
+def test_running_stats_measure_standard_deviations_above_the_mean():
+    stats = RunningStats(window=4)
+    for value in (1.0, 2.0, 3.0, 4.0, 5.0):  # the window keeps the last four
+        stats.add(value)
+    mean, std = 3.5, statistics.pstdev([2.0, 3.0, 4.0, 5.0])
+    assert stats.sigmas_above(8.0) == pytest.approx((8.0 - mean) / std)
+    assert stats.sigmas_above(2.0) < 0
+    flat = RunningStats(window=3)
+    for _ in range(3):
+        flat.add(1.0)
+    assert flat.sigmas_above(1.5) == 0.0  # no variation: no scale to judge by
+
+
+def guard(**options) -> SpikeGuard:
+    return SpikeGuard(Health(**{"spike_sigma": 4.0, "spike_window": 8, "spike_warmup": 4, **options}))
+
+
+def test_spike_guard_waits_for_warmup_then_skips_spikes_of_loss_or_grad_norm():
+    g = guard()
+    # During warm-up nothing is judged, however large.
+    assert [g.skip_update(s, loss, 1.0, False) for s, loss in enumerate([10.0, 9.0, 50.0, 9.5], 1)] == [False] * 4
+    losses = list(g.loss.values)
+    mean, std = statistics.fmean(losses), statistics.pstdev(losses)
+    just_below, just_above = mean + 3.99 * std, mean + 4.01 * std
+    assert g.skip_update(5, just_above, 1.0, False)
+    assert list(g.loss.values) == losses, "a skipped step must not enter the statistics"
+    assert not g.skip_update(6, just_below, 1.0, False)
+    assert g.in_a_row == 0 and g.skipped == 1
+    # The gradient norm is judged alike (its values were all 1.0 so far: add some spread first).
+    for step, norm in enumerate([1.1, 0.9, 1.0], 7):
+        assert not g.skip_update(step, mean, norm, False)
+    assert g.skip_update(10, mean, 100.0, False)
+
+
+def test_spike_guard_stops_after_max_skipped_in_a_row():
+    g = guard(max_skipped_in_a_row=3)
+    for step, loss in enumerate([2.0, 2.1, 1.9, 2.0], 1):
+        g.skip_update(step, loss, 1.0, False)
+    assert g.skip_update(5, 100.0, 1.0, False)
+    assert not g.skip_update(6, 2.0, 1.0, False)  # resets the count in a row
+    assert g.skip_update(7, 100.0, 1.0, False)
+    assert g.skip_update(8, math.nan, math.nan, True)  # non-finite (debug.on_nonfinite = skip) counts too
+    with pytest.raises(TrainingDiverged, match=r"step 9: loss 100 is .* 3 updates in a row were skipped "
+                                               r"\(health.max_skipped_in_a_row = 3\)"):
+        g.skip_update(9, 100.0, 1.0, False)
+
+
+def test_nonfinite_is_skipped_with_the_guard_off_and_never_stops_with_limit_zero():
+    g = guard(spike_sigma=0.0, max_skipped_in_a_row=0)
+    assert all(g.skip_update(step, math.inf, 1.0, True) for step in range(1, 20))
+    assert g.skipped == 19
+    assert not g.skip_update(20, 1e9, 1e9, False)  # spike_sigma = 0: no spike judged
+
+
+# ------------------------------------------------------------------------------------------------------------------
+# Stragglers
+
+
+def test_straggler_rule_uses_the_lower_median_and_counts_checks_in_a_row():
+    report = find_stragglers([0.10, 0.30], 1.5, {})
+    assert report.median == 0.10 and report.slow == {1: 1}
+    report = find_stragglers([0.10, 0.31], 1.5, report.slow)
+    assert report.slow == {1: 2}
+    assert find_stragglers([0.10, 0.14], 1.5, report.slow).slow == {}  # back under the factor: the count restarts
+    # Eight ranks, one 2x slower: the median is the others' time.
+    times = [0.1] * 7 + [0.2]
+    report = find_stragglers(times, 1.5, {})
+    assert report.slow == {7: 1}
+    assert report.metrics() == {"stragglers/step_time_median_s": 0.1, "stragglers/step_time_max_s": 0.2,
+                                "stragglers/step_time_min_s": 0.1, "stragglers/slowest_rank": 7,
+                                "stragglers/slowest_ratio": 2.0}
+
+
+# ------------------------------------------------------------------------------------------------------------------
+# Options and the console
+
+
+@pytest.mark.parametrize("option,value,message", [
+    ("health.straggler_factor", "1.0", "option health.straggler_factor: 1.0 must be above 1"),
+    ("health.spike_sigma", "-1", "option health.spike_sigma: -1.0 must not be negative"),
+    ("health.spike_window", "0", "option health.spike_window: 0 must be a positive integer"),
+])
+def test_bad_health_options_are_one_error_naming_them(option, value, message):
+    with pytest.raises(UserError, match=message.replace(".", r"\.")):
+        parse_args([f"--{option}", value])
+
+
+def test_console_line_leaves_out_grouped_keys(tmp_path):
+    messages = []
+    handler = logging.Handler()
+    handler.emit = lambda r: messages.append(r.getMessage())
+    logger.addHandler(handler)
+    previous = logger.level
+    logger.setLevel(logging.INFO)
+    metrics = MetricsLogger(Metrics(disable_color_printing=True), str(tmp_path), 0, is_logging_rank=True)
+    try:
+        metrics.log(1, {"loss": 2.0, "goodput_pct": 42.0, "goodput/lost_s": 1.0})
+        metrics.log(2, {"stragglers/slowest_rank": 1})
+    finally:
+        metrics.close()
+        logger.removeHandler(handler)
+        logger.setLevel(previous)
+    assert messages == ["step:   1  loss:  2.0000  goodput: 42.0%"]
+    rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert rows[0]["goodput/lost_s"] == 1.0 and rows[1]["stragglers/slowest_rank"] == 1
