@@ -7,19 +7,23 @@ imports it all once; each launch forks a fresh copy of it that runs torchrun's o
 (`torch.distributed.run.parse_args` and `config_from_args`, then `elastic_launch`, the same rendezvous, environment,
 failure report and shutdown) with the trainer's `main` as the workers' entry point and torchrun's `fork` start method,
 so that the workers inherit the imports instead of repeating them. One process runs `main` in the forked copy itself,
-as `python -m torchtitan.train` would.
+as `python -m torchtitan.train` would. What the imports printed starts every run's output, as in a new process.
 
 What still goes through a real `torchrun` command (harness.launch decides): launches with extra torchrun options, an
 environment of their own or another entry point (the fault-injection tests: restarts and signals are torchrun's).
 The server is started anew when the tests' environment changes, since modules read some variables at import.
 """
 
+import contextlib
 import json
 import logging
 import os
 import select
+import signal
 import subprocess
 import sys
+import tempfile
+import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[2]
@@ -32,6 +36,7 @@ class PreloadedTrainer:
         self.env = env
         self.server = subprocess.Popen([sys.executable, "-m", "tests.integration.preloaded"], cwd=REPO, env=env,
                                        stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+        self._pending = b""
         assert self._reply(timeout=120) == {"ready": True}
 
     def alive(self) -> bool:
@@ -51,16 +56,23 @@ class PreloadedTrainer:
         try:
             return self._reply(timeout)["returncode"]
         except subprocess.TimeoutExpired:
-            os.killpg(launcher, 9)  # the launcher leads its own session: its workers go with it
+            with contextlib.suppress(ProcessLookupError):  # the launcher leads its own session: workers go with it
+                os.killpg(launcher, signal.SIGKILL)
             self._reply(timeout=60)
             raise
 
     def _reply(self, timeout: float) -> dict:
-        ready, _, _ = select.select([self.server.stdout], [], [], timeout)
-        if not ready:
-            raise subprocess.TimeoutExpired("preloaded trainer", timeout)
-        line = self.server.stdout.readline()
-        assert line, f"the preloaded trainer process exited with {self.server.wait()}"
+        """The server's next line. Read from the descriptor, not a buffered file: a buffer could hold the next line
+        already, where select would not see it."""
+        deadline = time.monotonic() + timeout
+        while b"\n" not in self._pending:
+            ready, _, _ = select.select([self.server.stdout], [], [], max(0.0, deadline - time.monotonic()))
+            if not ready:
+                raise subprocess.TimeoutExpired("preloaded trainer", timeout)
+            chunk = os.read(self.server.stdout.fileno(), 4096)
+            assert chunk, f"the preloaded trainer process exited with {self.server.wait()}"
+            self._pending += chunk
+        line, _, self._pending = self._pending.partition(b"\n")
         return json.loads(line)
 
 
@@ -103,9 +115,18 @@ def _launch(nproc: int, trainer_args: list[str]) -> int:
 
 
 def _serve() -> None:
-    import torch.distributed.run  # noqa: F401  (the launcher's imports, once)
+    # What the imports print (a library's warning) belongs to every run's output, as it would in a new process.
+    with tempfile.TemporaryFile() as import_output:
+        stderr = os.dup(2)
+        os.dup2(import_output.fileno(), 2)
+        import torch.distributed.run  # noqa: F401  (the launcher's imports, once)
 
-    import torchtitan.train  # noqa: F401  (the trainer's imports, once)
+        import torchtitan.train  # noqa: F401  (the trainer's imports, once)
+
+        sys.stderr.flush()
+        os.dup2(stderr, 2)
+        import_output.seek(0)
+        printed_at_import = import_output.read()
 
     print(json.dumps({"ready": True}), flush=True)
     for line in sys.stdin:
@@ -114,6 +135,7 @@ def _serve() -> None:
         if pid == 0:
             os.setsid()
             output = os.open(request["output"], os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+            os.write(output, printed_at_import)
             os.dup2(output, 1)
             os.dup2(output, 2)
             exit_code = 1
