@@ -25,9 +25,9 @@ def launch(dump_folder: Path, nproc: int, args: list[str], timeout: int = 300,
            launcher_args: list[str] | None = None) -> subprocess.CompletedProcess:
     """Start the trainer with `nproc` processes; returns the finished process (stdout and stderr merged).
 
-    `module` replaces the entry point (the fault-injection wrapper); `launcher_args` go to torchrun. Plain launches
-    fork from a process that has the trainer imported already (tests/integration/preloaded.py); the others run the
-    torchrun command itself.
+    `module` replaces the entry point (the fault-injection wrapper); `launcher_args` go to torchrun. Launches of the
+    trainer itself fork from a process that has it imported already (tests/integration/preloaded.py); the others
+    run the torchrun command.
     """
     trainer = ["-m", module, *args, "--job.dump_folder", str(dump_folder)]
     if nproc == 1:
@@ -36,7 +36,7 @@ def launch(dump_folder: Path, nproc: int, args: list[str], timeout: int = 300,
         cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}", "--rdzv-backend=c10d",
                "--rdzv-endpoint=localhost:0", *(launcher_args or []), *trainer]
     full_env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO), **(env or {})}
-    if module == "torchtitan.train" and not launcher_args and env is None:
+    if module == "torchtitan.train" and not launcher_args:
         with tempfile.NamedTemporaryFile(prefix="trainer-output-", suffix=".log") as output:
             returncode = _preloaded_trainer(full_env).launch(nproc, trainer[2:], Path(output.name), timeout)
             return subprocess.CompletedProcess(cmd, returncode, Path(output.name).read_text(errors="replace"))
@@ -53,18 +53,21 @@ def launch(dump_folder: Path, nproc: int, args: list[str], timeout: int = 300,
     return subprocess.CompletedProcess(cmd, proc.returncode, stdout)
 
 
-_preloaded: PreloadedTrainer | None = None
+# The preloaded trainers by environment, most recently used last (modules read some variables at import, so a
+# launch with other variables needs a server started with them). Two at most: a server holds a trainer's imports.
+_preloaded: dict[tuple, PreloadedTrainer] = {}
+MAX_PRELOADED = 2
 
 
 def _preloaded_trainer(env: dict[str, str]) -> PreloadedTrainer:
-    """The session's preloaded trainer, started anew when the environment changed (modules read some variables
-    at import)."""
-    global _preloaded
-    if _preloaded is None or not _preloaded.alive() or _preloaded.env != env:
-        if _preloaded is not None:
-            _preloaded.close()
-        _preloaded = PreloadedTrainer(env)
-    return _preloaded
+    key = tuple(sorted(env.items()))
+    server = _preloaded.pop(key, None)
+    if server is None or not server.alive():
+        server = PreloadedTrainer(env)
+    _preloaded[key] = server
+    while len(_preloaded) > MAX_PRELOADED:
+        _preloaded.pop(next(iter(_preloaded))).close()
+    return server
 
 
 def train(dump_folder: Path, nproc: int, args: list[str], timeout: int = 300, env: dict | None = None,

@@ -9,9 +9,9 @@ failure report and shutdown) with the trainer's `main` as the workers' entry poi
 so that the workers inherit the imports instead of repeating them. One process runs `main` in the forked copy itself,
 as `python -m torchtitan.train` would. What the imports printed starts every run's output, as in a new process.
 
-What still goes through a real `torchrun` command (harness.launch decides): launches with extra torchrun options, an
-environment of their own or another entry point (the fault-injection tests: restarts and signals are torchrun's).
-The server is started anew when the tests' environment changes, since modules read some variables at import.
+What still goes through a real `torchrun` command (harness.launch decides): launches with extra torchrun options or
+another entry point (the fault-injection tests: restarts and signals are torchrun's). A server serves one
+environment, the one it was started with, since modules read some variables at import.
 """
 
 import contextlib
