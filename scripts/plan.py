@@ -31,7 +31,7 @@ from torchtitan.config import parse_args, parse_script_args  # noqa: E402
 from torchtitan.errors import UserError  # noqa: E402
 from torchtitan.planner.cost import MODEL_CONSTANTS, Layout  # noqa: E402
 from torchtitan.planner.hardware import GPU, GPUS, gpu_named, require_same_gpu  # noqa: E402
-from torchtitan.planner.search import Prediction, layout_from_config, plan, predict  # noqa: E402
+from torchtitan.planner.search import Prediction, exclusions, layout_from_config, plan, predict  # noqa: E402
 
 
 def describe(layout: Layout) -> str:
@@ -240,7 +240,10 @@ def main(argv: list[str] | None = None) -> int:
     except UserError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    print(json.dumps([p.as_json() for p in results], indent=2) if args.json else table(results))
+    if args.json:
+        print(json.dumps([p.as_json() for p in results], indent=2))
+    else:
+        print("\n".join([*(f"note: {reason}" for reason in exclusions(gpu)), table(results)]))
     return 0
 
 

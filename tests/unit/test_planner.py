@@ -9,7 +9,7 @@ from scripts import plan as plan_script
 from torchtitan.config import parse_args
 from torchtitan.planner import validation
 from torchtitan.planner.hardware import GPUS
-from torchtitan.planner.search import layout_from_config, plan, predict
+from torchtitan.planner.search import layout_from_config, plan, predict, trainer_config
 
 BOUND = 0.15
 
@@ -137,6 +137,10 @@ def test_predict_times_the_shape_the_options_give(capsys):
     (["--flavor", "9B"], "unknown flavor '9B'"),
     (["--predict", "--gpus", "8", "--job.config_file", "train_configs/llama3_8b.toml",
       "--parallelism.tensor_parallel_degree", "3"], "option parallelism"),
+    (["--gpu", "a100", "--float8", "on"], "option --float8: on, but a100 has no float8 tensor cores"),
+    (["--predict", "--gpus", "8", "--gpu", "a100", "--job.config_file", "train_configs/llama3_8b.toml",
+      "--model.converters", "quantize.linear.float8"], "option model.converters: float8 needs a GPU with float8"),
+    (["--flavor", "8B", "--gpus", "8", "--seq_len", "1048576", "--global_batch", "8"], "does not fit 8 x h100"),
 ])
 def test_bad_input_is_one_error_line(capsys, argv, message):
     assert plan_script.main(argv) == 2
@@ -267,3 +271,25 @@ def test_measured_rows_run_both_ends_of_a_pipeline_against_the_compute_model(mon
 def test_measured_rows_need_a_gpu(capsys):
     assert plan_script.main(["--validate", "--measured", "--gpu", "h200"]) == 2
     assert "has none (CUDA is not available)" in capsys.readouterr().err
+
+
+def test_a_gpu_without_float8_is_planned_without_it(capsys):
+    """A100 has no float8 peak: every layout once divided by it (0.0 / 0.0 raised for the bf16 ones too); now the
+    float8 layouts are left out, with the reason printed above the table, and the rest planned."""
+    assert plan_script.main(["--gpu", "a100", "--gpus", "8", "--top", "3"]) == 0
+    out = capsys.readouterr().out.splitlines()
+    assert out[0] == "note: float8 layouts left out: a100 has no float8 tensor cores"
+    ranked = plan("8B", 8, GPUS["a100"], 8192, 16)
+    assert ranked and not any(p.layout.float8 for p in ranked)
+    assert all(p.tps_per_gpu > 0 for p in ranked)
+
+
+def test_sequences_beyond_the_flavors_context_are_planned():
+    """The published long-context rows (8B at 256k on CP 8 x TP 8) were refused at 131,072 tokens."""
+    from torchtitan.planner.cost import Layout
+
+    layout = Layout(dp_replicate=1, dp_shard=1, tp=8, pp=1, cp=8, schedule=None, stages_per_rank=1, local_batch=1,
+                    microbatch=1, ac="full", float8=False, compile=True, async_tp=False)
+    prediction = predict("8B", layout, 262144, GPUS["h100"])
+    assert prediction.tps_per_gpu > 0 and 0 < prediction.peak_memory_gib < GPUS["h100"].memory_gib
+    assert trainer_config("8B", layout, 262144).training.seq_len == 262144

@@ -49,6 +49,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from torchtitan.errors import UserError
 from torchtitan.models.llama3.args import TransformerModelArgs
 from torchtitan.planner.hardware import GPU
 
@@ -260,9 +261,13 @@ def step_time(args: TransformerModelArgs, layout: Layout, seq_len: int, gpu: GPU
         linear += 2 * recomputed_op_weights(args) * layers * tokens
     # The output layer sits on the last pipeline stage only: that rank is the slowest.
     output = 6 * args.dim * args.vocab_size * tokens
+    if layout.float8 and not gpu.fp8_flops:
+        raise UserError(f"option model.converters: float8 needs a GPU with float8 tensor cores, and {gpu.name} "
+                        f"has none: leave quantize.linear.float8 out of model.converters")
     bf16 = attention + output + (0 if layout.float8 else linear)
-    fp8 = linear if layout.float8 else 0.0
-    matmul_s = bf16 / (gpu.bf16_flops * efficiency) + fp8 / (gpu.fp8_flops * efficiency)
+    matmul_s = bf16 / (gpu.bf16_flops * efficiency)
+    if layout.float8:
+        matmul_s += linear / (gpu.fp8_flops * efficiency)
     hidden_elements = tokens * args.dim * layers * (4 / 3 if recompute else 1.0)
     memory_bound = memory_bound_bytes * hidden_elements
     if layout.float8:

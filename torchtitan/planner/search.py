@@ -204,6 +204,12 @@ def candidate_layouts(flavor: str, gpus: int, seq_len: int, global_batch: int, g
     return candidates
 
 
+def exclusions(gpu: GPU) -> list[str]:
+    """The techniques the search leaves out on `gpu`, each with its reason (plan.py prints them with the table)."""
+    return [] if gpu.fp8_flops else [f"float8 layouts left out: {gpu.name} has no float8 "
+                                      f"tensor cores"]
+
+
 def plan(flavor: str, gpus: int, gpu: GPU, seq_len: int, global_batch: int,
          fixed: dict[str, bool] | None = None, constants: dict[str, float] | None = None,
          without_overlap: bool = False) -> list[Prediction]:
@@ -212,6 +218,9 @@ def plan(flavor: str, gpus: int, gpu: GPU, seq_len: int, global_batch: int,
     `without_overlap` ranks by the speed each layout keeps if no communication overlaps compute."""
     if flavor not in llama3_flavors:
         raise UserError(f"option --flavor: unknown flavor {flavor!r}; valid: {', '.join(llama3_flavors)}")
+    if (fixed or {}).get("float8") and not gpu.fp8_flops:
+        raise UserError(f"option --float8: on, but {gpu.name} has no float8 tensor cores; use "
+                        f"--float8 off, or a GPU with them")
     candidates = [layout for layout in candidate_layouts(flavor, gpus, seq_len, global_batch, gpu)
                   if all(getattr(layout, name) == value for name, value in (fixed or {}).items())]
     if not candidates:
