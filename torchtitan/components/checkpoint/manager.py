@@ -605,7 +605,7 @@ class CheckpointManager:
         staging = _incomplete(self._step_path(step))
         full = self._is_saved("train_state", state_dict)
         self._remove_leftovers(step)
-        writer = ChecksummedFileWriter(staging)
+        writer = ChecksummedFileWriter(staging, collective_timeout_s=self.config.timeout_seconds)
         started = time.perf_counter()
         if self.config.async_mode == "disabled":
             try:
