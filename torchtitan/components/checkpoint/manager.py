@@ -523,7 +523,8 @@ class CheckpointManager:
                                 f"model.flavor")
 
     def _load_hf_model(self, folder: Path) -> list[str]:
-        load_hf_model(self.model.model_parts, folder, self.model_args)
+        read = load_hf_model(self.model.model_parts, folder, self.model_args)
+        logger.info(f"Hugging Face import from {folder}: this rank read {read / 2**30:.2f} GiB of its weights")
         return ["model"]
 
     # ------------------------------------------------------------------------------------------------------------
