@@ -1,4 +1,5 @@
-"""Which layout to run on N GPUs, before renting them: every layout that fits, ranked by predicted tokens/s per GPU.
+"""Which layout to run on N GPUs, before renting them: every layout that fits, with a predicted range of tokens/s
+per GPU, ranked by the range's conservative end; layouts outside what published runs validated are marked.
 
 From the repository root:
 
@@ -31,7 +32,7 @@ from torchtitan.config import parse_args, parse_script_args  # noqa: E402
 from torchtitan.errors import UserError  # noqa: E402
 from torchtitan.planner.cost import MODEL_CONSTANTS, Layout  # noqa: E402
 from torchtitan.planner.hardware import GPU, GPUS, gpu_named, require_same_gpu  # noqa: E402
-from torchtitan.planner.search import Prediction, exclusions, layout_from_config, plan, predict  # noqa: E402
+from torchtitan.planner.search import RANKINGS, Prediction, exclusions, layout_from_config, plan, predict  # noqa: E402
 
 
 def describe(layout: Layout) -> str:
@@ -55,11 +56,17 @@ def describe(layout: Layout) -> str:
 
 
 def table(predictions: list[Prediction]) -> str:
-    lines = [f"{'#':>3} {'tokens/s/GPU':>12} {'no overlap':>10} {'peak GiB':>9}  layout"]
+    """Each layout's predicted range of tokens/s per GPU (conservative to optimistic: Prediction's), its speed
+    without overlap,
+    its memory; `*` marks a layout outside the validated envelope, with what lies outside on the line below."""
+    lines = [f"{'#':>3} {'tokens/s/GPU range':>19} {'no overlap':>10} {'peak GiB':>9}  layout"]
     for rank, p in enumerate(predictions, 1):
-        lines.append(f"{rank:>3} {p.tps_per_gpu:12.0f} {p.tps_without_overlap:10.0f} {p.peak_memory_gib:9.1f}  "
-                     f"{describe(p.layout)}")
-        lines.append(f"{'':>38}{shlex.join(p.overrides)}")
+        mark = "*" if p.outside_envelope else " "
+        lines.append(f"{rank:>3} {p.tps_conservative:9.0f}-{p.tps_optimistic:<8.0f}{mark}{p.tps_without_overlap:10.0f} "
+                     f"{p.peak_memory_gib:9.1f}  {describe(p.layout)}")
+        if p.outside_envelope:
+            lines.append(f"{'':>45}* outside the validated envelope: {'; '.join(p.outside_envelope)}")
+        lines.append(f"{'':>45}{shlex.join(p.overrides)}")
     return "\n".join(lines)
 
 
@@ -176,9 +183,10 @@ def main(argv: list[str] | None = None) -> int:
         parser.add_argument(f"--{technique}", choices=("on", "off"), default=None,
                             help=f"only layouts with {technique} on (or off); default: either")
     parser.add_argument("--json", action="store_true", help="print JSON instead of a table")
-    parser.add_argument("--rank_by", choices=("predicted", "without_overlap"), default="predicted",
-                        help="rank by the predicted tokens/s, or by what a layout keeps if no communication overlaps "
-                             "compute (the cautious choice where the overlap is unproven)")
+    parser.add_argument("--rank_by", choices=tuple(RANKINGS), default="conservative",
+                        help="rank by the conservative end of each layout's range (no more communication hidden "
+                             "behind compute than in the validated rows), by the prediction (the optimistic end), or "
+                             "by what a layout keeps if no communication overlaps compute")
     parser.add_argument("--predict", action="store_true",
                         help="predict the one configuration given by trainer options (--job.config_file ...)")
     parser.add_argument("--validate", action="store_true", help="the model against the published H100 runs")
@@ -236,7 +244,7 @@ def main(argv: list[str] | None = None) -> int:
             fixed = {name: getattr(args, name) == "on" for name in ("float8", "compile", "async_tp")
                      if getattr(args, name) is not None}
             results = plan(args.flavor, args.gpus, gpu, args.seq_len, global_batch, fixed, constants,
-                           without_overlap=args.rank_by == "without_overlap")[:args.top]
+                           rank_by=args.rank_by)[:args.top]
     except UserError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

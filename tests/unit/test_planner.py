@@ -33,24 +33,53 @@ def test_constants_are_those_fitted_on_the_named_rows():
     assert fitted == pytest.approx(used)
 
 
-# The planner ranks layouts the published runs did not try above the published 70B and 405B layouts (70B: FSDP 64
-# x TP 4, per-op AC, accumulation; predicted 1.34x, its compute measured 1.24x on one H200. 405B: FSDP 64 x TP 8, no
-# pipeline). Their communication at 256-512 GPUs is unverified, so not counted as met (docs/scaling.md).
-OTHER_CHOICE = pytest.mark.xfail(strict=True, reason="published 70B/405B layouts outside the top 5 (docs/scaling.md)")
-
-
-@pytest.mark.parametrize("row", [0, 2, 3, pytest.param(6, marks=OTHER_CHOICE), pytest.param(9, marks=OTHER_CHOICE)])
-def test_published_layout_in_top_5_and_first_choice_as_fast(row):
+@pytest.mark.parametrize("row", [0, 2, 3])
+def test_published_layout_in_top_5_of_the_conservative_ranking(row):
     """The row's setting: its flavor, GPUs, sequence length and global batch, and its techniques (float8, compile,
-    async TP) as published; the planner chooses the degrees, the schedule and the activation checkpointing."""
+    async TP) as published; the planner chooses the degrees, the schedule and the activation checkpointing, and
+    ranks by the conservative end of each range. The published 70B and 405B layouts (rows 6-9) rank below layouts
+    no published run tried (pipelines with context parallelism, per-op AC); which is right is not verified, so no
+    test asserts either (docs/scaling.md names the terms)."""
     published = validation.published_rows()[row]
     global_batch = published.layout.local_batch * published.layout.dp
     techniques = {name: getattr(published.layout, name) for name in ("float8", "compile", "async_tp")}
     ranked = plan(published.flavor, published.gpus, validation.GPU, published.seq_len, global_batch, techniques)
     mine = predict(published.flavor, published.layout, published.seq_len, validation.GPU)
-    top5 = [p.tps_per_gpu for p in ranked[:5]]
-    assert ranked[0].tps_per_gpu >= mine.tps_per_gpu * (1 - 1e-9)
-    assert mine.tps_per_gpu >= top5[-1] * (1 - 1e-9), (mine.tps_per_gpu, top5)
+    top5 = [p.tps_conservative for p in ranked[:5]]
+    assert top5 == sorted(top5, reverse=True)
+    assert mine.tps_conservative >= top5[-1] * (1 - 1e-9), (mine.tps_conservative, top5)
+    assert not mine.outside_envelope
+
+
+def test_each_layout_has_a_range_and_the_envelope_marks_what_no_row_validated():
+    """The range: the conservative end hides no more communication per second of compute than the most any
+    published row hides (then less the largest held-out overprediction), the optimistic end is the prediction plus
+    the largest held-out underprediction. A layout on another GPU, sequence length or degree than the rows is
+    marked, each reason with its validated range."""
+    from dataclasses import replace
+
+    rows = validation.published_rows()
+    validated = validation.envelope()
+    assert validated.max_overlap_ratio == pytest.approx(max(
+        predict(row.flavor, row.layout, row.seq_len, validation.GPU).overlap_ratio for row in rows))
+    low, high = validated.tps_error_range
+    for row in rows:
+        p = predict(row.flavor, row.layout, row.seq_len, validation.GPU)
+        assert p.tps_conservative <= p.tps_per_gpu / (1 + max(0.0, high)) * (1 + 1e-9)
+        assert p.tps_optimistic == pytest.approx(p.tps_per_gpu / (1 + min(0.0, low)))
+        assert p.outside_envelope == ()
+        # The published figure lies in the range of every held-out row (it is how the band is made).
+        if row.index not in validation.FIT_ROWS:
+            assert p.tps_conservative <= row.tps_per_gpu * (1 + 1e-9) <= p.tps_optimistic * (1 + 2e-9)
+    # 8B on 128 GPUs leans most on overlap (FSDP over the network): hiding more than that is outside.
+    flat = rows[3].layout
+    leaning = predict("8B", replace(flat, local_batch=1, microbatch=1), 8192, validation.GPU)
+    assert leaning.overlap_ratio > validated.max_overlap_ratio
+    assert leaning.tps_conservative < leaning.tps_per_gpu / (1 + high) * (1 - 1e-6)
+    assert any(reason.startswith("hides ") for reason in leaning.outside_envelope)
+    long_context = predict("8B", replace(flat, dp_shard=32, cp=4), 131072, GPUS["h200"])
+    assert long_context.outside_envelope == ("GPU h200 (validated: h100)", "seq_len 131072 (validated: 8192)",
+                                             "cp 4 (validated up to 1)") + long_context.outside_envelope[3:]
 
 
 def test_overrides_round_trip_through_the_trainer_config():
@@ -108,10 +137,12 @@ def test_json_lists_every_field(capsys):
     layouts = json.loads(capsys.readouterr().out)
     assert len(layouts) == 3
     for field in ("dp_shard", "dp_replicate", "tp", "pp", "cp", "schedule", "ac", "float8", "compile", "async_tp",
-                  "local_batch", "tps_per_gpu", "tps_per_gpu_without_overlap", "tps_per_gpu_alone", "peak_memory_gib",
-                  "overrides"):
+                  "local_batch", "tps_per_gpu", "tps_per_gpu_conservative", "tps_per_gpu_optimistic",
+                  "tps_per_gpu_without_overlap", "tps_per_gpu_alone", "overlap_ratio", "outside_validated_envelope",
+                  "peak_memory_gib", "overrides"):
         assert field in layouts[0]
-    assert layouts[0]["tps_per_gpu"] >= layouts[1]["tps_per_gpu"] >= layouts[2]["tps_per_gpu"]
+    assert layouts[0]["tps_per_gpu_conservative"] >= layouts[1]["tps_per_gpu_conservative"] >= \
+        layouts[2]["tps_per_gpu_conservative"]
     # A rank alone pays no communication and no bubble.
     assert all(layout["tps_per_gpu_alone"] >= layout["tps_per_gpu"] for layout in layouts)
 
@@ -146,7 +177,7 @@ def test_predict_times_the_shape_the_options_give(capsys):
     (["--gpu", "a100", "--float8", "on"], "option --float8: on, but a100 has no float8 tensor cores"),
     (["--predict", "--gpus", "8", "--gpu", "a100", "--job.config_file", "train_configs/llama3_8b.toml",
       "--model.converters", "quantize.linear.float8"], "option model.converters: float8 needs a GPU with float8"),
-    (["--flavor", "8B", "--gpus", "8", "--seq_len", "1048576", "--global_batch", "8"], "does not fit 8 x h100"),
+    (["--flavor", "8B", "--gpus", "2", "--seq_len", "1048576", "--global_batch", "2"], "does not fit 2 x h100"),
 ])
 def test_bad_input_is_one_error_line(capsys, argv, message):
     assert plan_script.main(argv) == 2
@@ -235,8 +266,8 @@ def test_without_overlap_bounds_each_layout_and_can_rank():
         ac="full", float8=False, compile=False, async_tp=False), 8192, GPUS["h100"])
     assert one_gpu.tps_without_overlap == pytest.approx(one_gpu.tps_per_gpu)
     techniques = {"float8": True, "compile": True, "async_tp": True}
-    predicted = plan("405B", 512, validation.GPU, 8192, 256, techniques)
-    cautious = plan("405B", 512, validation.GPU, 8192, 256, techniques, without_overlap=True)
+    predicted = plan("405B", 512, validation.GPU, 8192, 256, techniques, rank_by="predicted")
+    cautious = plan("405B", 512, validation.GPU, 8192, 256, techniques, rank_by="without_overlap")
     assert all(p.tps_without_overlap <= p.tps_per_gpu * (1 + 1e-9) for p in predicted)
     assert cautious[0].tps_without_overlap >= max(p.tps_without_overlap for p in predicted) * (1 - 1e-9)
     assert cautious[0].layout != predicted[0].layout

@@ -134,6 +134,8 @@ class StepTime:
     """Communication after the pipeline has drained (PP's gradient reduction): not stretched by the bubble."""
     parameter_s: float = 0.0
     """Parameter traffic: the optimizer step and clipping, and the precision casts of parameters and gradients."""
+    hidden_comm_s: float = 0.0
+    """Communication the model hides behind compute (the rest of fsdp/tp/cp_comm_s is exposed or drained)."""
 
     @property
     def seconds(self) -> float:
@@ -144,6 +146,17 @@ class StepTime:
         """The step of one rank alone: no communication and no bubble, what a dry run on real tensors measures
         (`--comm.no_fake_tensors`)."""
         return self.compute_s + self.parameter_s
+
+    @property
+    def overlap_ratio(self) -> float:
+        """Seconds of communication hidden per second of compute: how far the prediction leans on overlap."""
+        return self.hidden_comm_s / self.compute_s
+
+    def seconds_hiding_at_most(self, ratio: float) -> float:
+        """The step if at most `ratio` x compute of communication hides (what validated layouts hid), the rest
+        exposed."""
+        over = max(0.0, self.hidden_comm_s - ratio * self.compute_s)
+        return (self.compute_s + self.exposed_comm_s + over) * self.bubble + self.drained_comm_s + self.parameter_s
 
     @property
     def seconds_without_overlap(self) -> float:
@@ -368,11 +381,12 @@ def step_time(args: TransformerModelArgs, layout: Layout, seq_len: int, gpu: GPU
                           (cp_link, cp_s - cp_exposed)):
         hidden[link] = hidden.get(link, 0.0) + seconds
     exposed = fsdp_exposed + tp_exposed + cp_exposed + sum(max(0.0, h - compute_s) for h in hidden.values())
+    hidden_s = sum(min(h, compute_s) for h in hidden.values())
     # Under PP with FSDP the parameters are gathered and reduced once per step; otherwise once per pass.
     passes = 1 if p > 1 and shard > 1 else microbatches
     parameter_s = parameter_traffic_bytes(stage_params, shard, gather_bytes, gathers, passes) / gpu.hbm_bytes_per_s
     return StepTime(compute_s=compute_s, exposed_comm_s=exposed, bubble=bubble, fsdp_comm_s=fsdp_s, tp_comm_s=tp_s,
-                    cp_comm_s=cp_s, drained_comm_s=drained_s, parameter_s=parameter_s)
+                    cp_comm_s=cp_s, drained_comm_s=drained_s, parameter_s=parameter_s, hidden_comm_s=hidden_s)
 
 
 def tokens_per_second_per_gpu(args: TransformerModelArgs, layout: Layout, seq_len: int, gpu: GPU, alone: bool = False,

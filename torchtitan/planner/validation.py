@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import csv
 import dataclasses
+import functools
 import itertools
 import json
 import subprocess
@@ -19,7 +20,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from torchtitan.models.llama3.args import TransformerModelArgs, model_args_for
-from torchtitan.planner.cost import MODEL_CONSTANTS, Layout, tokens_per_second_per_gpu
+from torchtitan.planner.cost import MODEL_CONSTANTS, Layout, step_time, tokens_per_second_per_gpu
 from torchtitan.planner.hardware import GPU as GPUSpec, GPUS
 from torchtitan.planner.search import CONFIGS, PRESET_TOML, Prediction, layout_overrides, predict, reserved_gib
 
@@ -70,6 +71,53 @@ def published_rows() -> list[Row]:
                         layout=layout, tps_per_gpu=float(record["tps_per_gpu"]),
                         peak_memory_gib=float(record["peak_mem_gib"])))
     return rows
+
+
+@dataclass(frozen=True)
+class Envelope:
+    """What the validated rows cover: the GPU families, sequence lengths, degrees and world sizes they ran, and how
+    much communication the model hides behind compute in them. A layout outside it is predicted by terms no
+    published figure has checked."""
+
+    gpus: frozenset[str]
+    seq_lens: frozenset[int]
+    max_degrees: dict[str, int]
+    max_world: int
+    max_overlap_ratio: float
+    tps_error_range: tuple[float, float]
+    """The least and the largest relative error in tokens/s per GPU over the held-out rows (negative: the model
+    predicted less than published)."""
+
+    def outside(self, layout: Layout, seq_len: int, gpu: GPUSpec, overlap_ratio: float) -> tuple[str, ...]:
+        reasons = []
+        if gpu.name.split("_")[0] not in self.gpus:
+            reasons.append(f"GPU {gpu.name} (validated: {', '.join(sorted(self.gpus))})")
+        if seq_len not in self.seq_lens:
+            reasons.append(f"seq_len {seq_len} (validated: {', '.join(map(str, sorted(self.seq_lens)))})")
+        for name, most in self.max_degrees.items():
+            if getattr(layout, name) > most:
+                reasons.append(f"{name} {getattr(layout, name)} (validated up to {most})")
+        if layout.world_size > self.max_world:
+            reasons.append(f"{layout.world_size} GPUs (validated up to {self.max_world})")
+        if overlap_ratio > self.max_overlap_ratio * (1 + 1e-9):
+            reasons.append(f"hides {overlap_ratio:.2f}x its compute in communication (validated up to "
+                           f"{self.max_overlap_ratio:.2f}x)")
+        return tuple(reasons)
+
+
+@functools.lru_cache(maxsize=1)
+def envelope() -> Envelope:
+    """The envelope of the published rows (all of them: fitted and held out), with the model's constants."""
+    rows = published_rows()
+    ratios = [step_time(model_args_for(row.flavor, row.seq_len), row.layout, row.seq_len, GPU).overlap_ratio
+              for row in rows]
+    errors = [tokens_per_second_per_gpu(model_args_for(row.flavor, row.seq_len), row.layout, row.seq_len, GPU)
+              / row.tps_per_gpu - 1 for row in rows if row.index not in FIT_ROWS]
+    return Envelope(gpus=frozenset({GPU.name.split("_")[0]}), seq_lens=frozenset(row.seq_len for row in rows),
+                    max_degrees={name: max(getattr(row.layout, name) for row in rows)
+                                 for name in ("tp", "pp", "cp", "dp_replicate")},
+                    max_world=max(row.gpus for row in rows), max_overlap_ratio=max(ratios),
+                    tps_error_range=(min(errors), max(errors)))
 
 
 def predictions(rows: list[Row], **constants) -> list[Prediction]:
