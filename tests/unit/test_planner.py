@@ -353,3 +353,11 @@ def test_communication_beyond_compute_is_never_hidden():
             if gpus <= gpu.gpus_per_host:
                 # Within one host FSDP, TP and CP share NVLink: together they hide behind the compute once.
                 assert busy >= (step.fsdp_comm_s + step.tp_comm_s + step.cp_comm_s) * (1 - 1e-9), layout
+
+
+def test_docs_validation_table_is_the_generated_one():
+    """docs/scaling.md's validation table is what `plan.py --validate --write_docs` writes with the model as it is."""
+    text = plan_script.DOCS.read_text()
+    begin = text.index(plan_script.DOCS_BEGIN) + len(plan_script.DOCS_BEGIN)
+    assert text[begin:text.index(plan_script.DOCS_END)].strip() == plan_script.validation_markdown(refit=False), \
+        "docs/scaling.md is stale: run python scripts/plan.py --validate --write_docs"

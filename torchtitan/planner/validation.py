@@ -168,6 +168,7 @@ def validation_table(rows: list[Row] | None = None, constants: dict[str, float] 
         table.append({"row": row.index, "name": row.name, "fitted": row.index in FIT_ROWS, "constants": constants,
                       "tps_published": row.tps_per_gpu, "tps_predicted": prediction.tps_per_gpu,
                       "tps_error": prediction.tps_per_gpu / row.tps_per_gpu - 1,
+                      "tps_conservative": prediction.tps_conservative, "tps_optimistic": prediction.tps_optimistic,
                       "memory_published_gib": row.peak_memory_gib, "memory_predicted_gib": prediction.peak_memory_gib,
                       "memory_error": prediction.peak_memory_gib / row.peak_memory_gib - 1})
     return table
