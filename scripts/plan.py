@@ -103,6 +103,15 @@ def validation_markdown(refit: bool) -> str:
         lines += ["", f"Largest error, {title.split(' (')[0].lower()}: tokens/s "
                   f"{100 * max(abs(e['tps_error']) for e in group):.1f}%, peak memory "
                   f"{100 * max(abs(e['memory_error']) for e in group):.1f}%."]
+    if not refit:
+        long_context = validation.validation_table(validation.published_rows(validation.LONG_CONTEXT))
+        lines += ["", "Long-context rows (held out, outside the envelope: the planner marks such layouts; "
+                  f"{validation.LONG_CONTEXT.name}):", "",
+                  "| run | tokens/s/GPU published | predicted | error | peak GiB published | predicted | error |",
+                  "|---|---:|---:|---:|---:|---:|---:|"]
+        lines += [f"| {e['name']} | {e['tps_published']:,.0f} | {e['tps_predicted']:,.0f} | "
+                  f"{100 * e['tps_error']:+.1f}% | {e['memory_published_gib']:.1f} | "
+                  f"{e['memory_predicted_gib']:.1f} | {100 * e['memory_error']:+.1f}% |" for e in long_context]
     return "\n".join(lines)
 
 
