@@ -333,6 +333,11 @@ def test_sequences_beyond_the_flavors_context_are_planned():
     prediction = predict("8B", layout, 262144, GPUS["h100"])
     assert prediction.tps_per_gpu > 0 and 0 < prediction.peak_memory_gib < GPUS["h100"].memory_gib
     assert trainer_config("8B", layout, 262144).training.seq_len == 262144
+    # The search tries CP up to one 8,192-token shard per rank for long sequences, up to 4 otherwise.
+    from torchtitan.planner.search import candidate_layouts
+
+    assert {c.cp for c in candidate_layouts("8B", 64, 262144, 8, GPUS["h100"])} == {1, 2, 4, 8, 16, 32}
+    assert {c.cp for c in candidate_layouts("8B", 64, 8192, 64, GPUS["h100"])} == {1, 2, 4}
 
 
 def test_communication_beyond_compute_is_never_hidden():

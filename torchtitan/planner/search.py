@@ -196,7 +196,10 @@ def candidate_layouts(flavor: str, gpus: int, seq_len: int, global_batch: int, g
     """Every layout of `gpus` GPUs that the model's shapes and the global batch allow."""
     args = model_args_for(flavor, seq_len)
     candidates = []
-    for tp, pp, cp in itertools.product((1, 2, 4, 8), (1, 2, 4, 8, 16), (1, 2, 4)):
+    # CP up to 4, and for long sequences up to one 8,192-token shard per rank (at most 32): a 256k sequence is what
+    # context parallelism is for.
+    cp_degrees = [2**i for i in range(6) if 2**i <= max(4, seq_len // 8192)]
+    for tp, pp, cp in itertools.product((1, 2, 4, 8), (1, 2, 4, 8, 16), cp_degrees):
         if gpus % (tp * pp * cp) or tp > gpu.gpus_per_host:
             continue
         if args.n_heads % tp or args.kv_heads % tp or args.vocab_size % tp or seq_len % (tp * 2 * cp if cp > 1
