@@ -67,7 +67,8 @@ class Prediction:
                 "tps_per_gpu_conservative": round(self.tps_conservative, 1),
                 "tps_per_gpu_optimistic": round(self.tps_optimistic, 1),
                 "tps_per_gpu_without_overlap": round(self.tps_without_overlap, 1),
-                "overlap_ratio": round(self.overlap_ratio, 3), "outside_validated_envelope": list(self.outside_envelope),
+                "overlap_ratio": round(self.overlap_ratio, 3),
+                "outside_validated_envelope": list(self.outside_envelope),
                 "tps_per_gpu_alone": round(self.tps_alone, 1),
                 "peak_memory_gib": round(self.peak_memory_gib, 2),
                 "step_seconds": round(self.step_seconds, 3), "overrides": self.overrides}
