@@ -31,9 +31,6 @@ def describe(flavor: str, seq_len: int) -> str:
         raise UserError(f"--flavor: unknown flavor {flavor!r}; valid: {', '.join(llama3_flavors)}")
     if seq_len <= 0:
         raise UserError(f"--seq_len: {seq_len} must be a positive integer")
-    max_seq_len = llama3_flavors[flavor].max_seq_len
-    if seq_len > max_seq_len:
-        raise UserError(f"--seq_len: {seq_len} exceeds the {max_seq_len:,} tokens that flavor {flavor} supports")
     args = model_args_for(flavor, seq_len)
     with torch.device("meta"):
         model = Transformer(args)

@@ -124,7 +124,10 @@ def run(config: JobConfig, trainer_class: type) -> dict:
     report.update(compile=config.compile.enable, async_tp=config.parallelism.enable_async_tensor_parallel)
     if config.compile.enable:
         # Compiled blocks and loss save less than the eager ones traced here (planner/memory.py, measured on CPU).
-        report["compiled_estimate_gib"] = estimate(config, world_size, device=config.comm.fake_device).total / GIB
+        compiled = estimate(config, world_size, device=config.comm.fake_device)
+        on_host = compiled.parameters + compiled.optimizer + compiled.gradients \
+            if config.training.enable_cpu_offload else 0
+        report["compiled_estimate_gib"] = (compiled.total - on_host) / GIB
     if report["layout"]["pp"] > 1:
         stage_peaks = {report["pipeline_rank"]: report["peak_memory_gib"]}
         other = _other_end_of_pipeline(rank, world_size, report) if config.comm.fake_other_end else None
@@ -132,27 +135,38 @@ def run(config: JobConfig, trainer_class: type) -> dict:
             other_report = _dry_run_rank_in_new_process(traced_config, other)
             stage_peaks[other_report["pipeline_rank"]] = other_report["peak_memory_gib"]
             report["other_end_of_pipeline"] = {key: other_report[key] for key in (
-                "rank", "pipeline_rank", "pipeline_stages", "peak_memory_gib", "memory_gib_by_category")}
+                "rank", "pipeline_rank", "pipeline_stages", "peak_memory_gib", "device_peak_memory_gib",
+                "memory_gib_by_category")}
         first, last = stage_peaks.get(0, report["peak_memory_gib"]), stage_peaks.get(max(stage_peaks))
         report["pipeline_stage_memory_gib"] = {"first": first, "last": last}
         report["max_peak_memory_gib"] = max(stage_peaks.values())
+        report["max_device_peak_memory_gib"] = max(
+            report["device_peak_memory_gib"], report.get("other_end_of_pipeline", {}).get("device_peak_memory_gib", 0))
     else:
         report["max_peak_memory_gib"] = report["peak_memory_gib"]
+        report["max_device_peak_memory_gib"] = report["device_peak_memory_gib"]
     path = _write_report(report, config, start)
     _log_summary(report, path)
-    needed, compiled_peak = report["max_peak_memory_gib"], report.get("compiled_estimate_gib")
+    check_fits(report, gpu)
+    return report
+
+
+def check_fits(report: dict, gpu) -> None:
+    """The out-of-memory verdict on a dry run's report for `gpu` (none: no verdict): what the GPU holds at the
+    peak of the fullest pipeline end, the categories in host memory under CPU offload (the parameter and gradient
+    shards, the optimizer state) left out."""
+    needed, compiled_peak = report["max_device_peak_memory_gib"], report.get("compiled_estimate_gib")
     if gpu is not None and needed > gpu.memory_gib:
         if compiled_peak is not None and compiled_peak <= gpu.memory_gib:
             logger.warning(f"dry run: eager blocks need {needed:.1f} GiB, more than the {gpu.memory_gib} GiB of one "
                            f"{gpu.name}; compiled, the analytic model gives {compiled_peak:.1f} GiB, which fits")
         else:
-            raise UserError(f"dry run: a rank needs {needed:.1f} GiB at its peak (tensors only, before the "
-                            f"allocator's overhead"
+            raise UserError(f"dry run: a rank needs {needed:.1f} GiB of GPU memory at its peak (tensors only, "
+                            f"before the allocator's overhead"
                             + (f"; {compiled_peak:.1f} GiB compiled, by the analytic model" if compiled_peak else "")
                             + f"), more than the {gpu.memory_gib} GiB of one {gpu.name} (comm.fake_gpu): the run "
                             f"would fail with CUDA out of memory. Shard more (FSDP/TP/PP), checkpoint activations "
                             f"(activation_checkpoint.mode), or lower training.local_batch_size")
-    return report
 
 
 def _write_report(report: dict, config: JobConfig, start: float) -> Path:
@@ -263,23 +277,31 @@ def _run_steps(trainer, rank: int, world_size: int, gpu) -> dict:
     with trainer.fake_mode:
         trainer.train_step(fake_batches(trainer))
         counter = CollectiveCounter(trainer.parallel_dims)
-        with StepMemoryTracker(trainer.model_parts, trainer.optimizers.optimizers) as memory, counter:
+        with StepMemoryTracker(trainer.model_parts, trainer.optimizers.optimizers,
+                               host_categories=_offloaded(trainer.config)) as memory, counter:
             trainer.train_step(fake_batches(trainer))
-    return _report(trainer, rank, world_size, memory.peak_by_category(), counter, gpu)
+    return _report(trainer, rank, world_size, memory.peak_by_category(), memory.device_peak_by_category(), counter,
+                   gpu)
 
 
-def _report(trainer, rank: int, world_size: int, by_category: dict[str, int], counter: CollectiveCounter,
-            gpu) -> dict:
+def _offloaded(config: JobConfig) -> tuple[str, ...]:
+    """The memory categories FSDP's CPU offload keeps in host memory (the shards, and the optimizer state of them)."""
+    return ("parameters", "gradients", "optimizer_state") if config.training.enable_cpu_offload else ()
+
+
+def _report(trainer, rank: int, world_size: int, by_category: dict[str, int], device_by_category: dict[str, int],
+            counter: CollectiveCounter, gpu) -> dict:
     peak = sum(by_category.values())
     return _rank_fields(trainer, rank, world_size) | {
         "target_device": trainer.config.comm.fake_device,
         # Under CPU offload these live in host memory; the other categories on the device.
-        "offloaded_to_host": ["parameters", "gradients", "optimizer_state"]
-        if trainer.config.training.enable_cpu_offload else [],
+        "offloaded_to_host": list(_offloaded(trainer.config)),
         "gpu": gpu.name if gpu else None,
         "gpu_memory_gib": gpu.memory_gib if gpu else None,
         "peak_memory_gib": peak / GIB,
         "memory_gib_by_category": {name: value / GIB for name, value in sorted(by_category.items())},
+        # The device's own peak: the host categories left out, at the moment the rest peaked.
+        "device_peak_memory_gib": sum(device_by_category.values()) / GIB,
         "collectives": counter.summary(),
     }
 
@@ -325,6 +347,8 @@ def _num_stages(trainer) -> int:
 def _log_summary(report: dict, path: Path) -> None:
     lines = [f"Dry run of rank {report['rank']} of {report['world_size']} (pipeline rank {report['pipeline_rank']}, "
              f"stages {report['pipeline_stages']}): peak {report['peak_memory_gib']:.2f} GiB"
+             + (f", {report['device_peak_memory_gib']:.2f} GiB on the device (host memory holds the "
+                f"{', '.join(report['offloaded_to_host'])})" if report["offloaded_to_host"] else "")
              + (f" of {report['gpu_memory_gib']} GiB ({report['gpu']})" if report["gpu"] else "")]
     lines += [f"  {name:<24} {gib:9.3f} GiB" for name, gib in report["memory_gib_by_category"].items() if gib]
     if "other_end_of_pipeline" in report:

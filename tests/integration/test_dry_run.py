@@ -142,7 +142,29 @@ def test_cpu_offload_on_the_gpu_target(tmp_path):
     """FSDP's CPU offload takes the GPU's path (parameters materialised in host memory, pinned) at world 8."""
     report = dry_run(tmp_path, 8, "--training.enable_cpu_offload")
     assert report["offloaded_to_host"] == ["parameters", "gradients", "optimizer_state"]
-    assert report["memory_gib_by_category"]["parameters"] > 0
+    by_category = report["memory_gib_by_category"]
+    assert by_category["parameters"] > 0
+    # The device's own peak leaves out what the host holds: the parameter shards and the optimizer state are held
+    # through the whole measured step, so at the device's peak the total was at least the device's share plus them,
+    # and the total never exceeds its own peak. And at the total's peak the device held what was not on the host.
+    held = by_category["parameters"] + by_category["optimizer_state"]
+    device = report["device_peak_memory_gib"]
+    assert device <= report["peak_memory_gib"] - held + 1e-9
+    assert device >= report["peak_memory_gib"] - sum(by_category[name] for name in report["offloaded_to_host"]) - 1e-9
+    assert report["max_device_peak_memory_gib"] == device
+
+
+def test_out_of_memory_verdict_counts_the_gpus_memory_only():
+    """Under CPU offload the host holds the shards and the optimizer state: a rank whose total peak exceeds the GPU
+    but whose device peak does not fits (the verdict compared the total with the GPU)."""
+    from torchtitan.dry_run import check_fits
+    from torchtitan.errors import UserError
+    from torchtitan.planner.hardware import GPUS
+
+    gpu = GPUS["h100"]
+    check_fits({"max_peak_memory_gib": 120.0, "max_device_peak_memory_gib": 70.0}, gpu)
+    with pytest.raises(UserError, match=r"a rank needs 80.0 GiB of GPU memory at its peak .* more than the 79.6 GiB"):
+        check_fits({"max_peak_memory_gib": 80.0, "max_device_peak_memory_gib": 80.0}, gpu)
 
 
 def test_flexdemo_exchanges_its_components_once_per_step(tmp_path):

@@ -33,6 +33,30 @@ def test_run_train_sh_refuses_a_bad_process_count(ngpu):
                             f"start on this machine\n"
 
 
+@pytest.mark.parametrize("comm_mode, launched", [
+    ("default", "-m torchtitan.launch --nproc_per_node=8"),
+    ("fake_backend", "-m torchtitan.train --job.config_file train_configs/debug_model.toml --comm.mode fake_backend "
+                     "--comm.fake_world_size 8"),
+])
+def test_run_train_sh_comm_mode(tmp_path, comm_mode, launched):
+    """COMM_MODE=default starts NGPU processes (it used to start the one process of a dry run, which then trained
+    alone); fake_backend starts the one dry-run process. A `python` of the test's own on PATH prints what would run."""
+    (tmp_path / "python").write_text('#!/bin/sh\necho "$@"\n')
+    (tmp_path / "python").chmod(0o755)
+    env = {**os.environ, "NGPU": "8", "COMM_MODE": comm_mode, "CONFIG_FILE": "train_configs/debug_model.toml",
+           "PATH": f"{tmp_path}{os.pathsep}{os.environ.get('PATH', '')}"}
+    result = subprocess.run(["./run_train.sh"], cwd=REPO, env=env, capture_output=True, text=True, timeout=60)
+    assert result.returncode == 0 and result.stdout.startswith(launched), result
+
+
+def test_run_train_sh_refuses_an_unknown_comm_mode():
+    result = subprocess.run(["./run_train.sh"], cwd=REPO, env={**os.environ, "NGPU": "8", "COMM_MODE": "fake"},
+                            capture_output=True, text=True, timeout=60)
+    assert (result.returncode, result.stderr) == (2, "error: COMM_MODE='fake' is not a comm.mode: default (NGPU "
+                                                     "training processes) or fake_backend (a dry run of NGPU ranks "
+                                                     "in one process)\n")
+
+
 def test_run_train_sh_trains_the_debug_model(tmp_path):
     dump = tmp_path / "debug"
     env = {**os.environ, "NGPU": "1", "CONFIG_FILE": "train_configs/debug_model.toml", "OMP_NUM_THREADS": "1",

@@ -1121,6 +1121,23 @@ def save_with_pinned_memory(root: Path) -> None:
         assert_same(snapshot(fresh), expected)
 
 
+def test_checkpoint_process_bounds_its_collectives_by_the_checkpoint_timeout(pg, tmp_path, monkeypatch):
+    """async_with_pinned_mem: DCP's checkpoint process runs a pickled copy of the writer, and the save's collectives
+    on a gloo group that torch starts there with its 30-minute default. The copy sets checkpoint.timeout_seconds on
+    that group before the save's first collective (DCP's reset); in the process that made the writer, whose DCP call
+    gets the manager's own group, it changes no group."""
+    backend = dist.distributed_c10d._get_default_group()._get_backend(torch.device("cpu"))
+    before = backend.options._timeout
+    writer = checkpoint_integrity.ChecksummedFileWriter(tmp_path / "step-1", collective_timeout_s=42)
+    writer.reset(tmp_path / "step-1")
+    assert backend.options._timeout == before
+    in_checkpoint_process = pickle.loads(pickle.dumps(writer))
+    pid = os.getpid()
+    monkeypatch.setattr(checkpoint_integrity.os, "getpid", lambda: pid + 1)
+    in_checkpoint_process.reset(tmp_path / "step-1")
+    assert backend.options._timeout.total_seconds() == 42 != before.total_seconds()
+
+
 def test_async_with_pinned_mem_process_save(tmp_path):
     """In a child process: the checkpoint process that DCP starts lives as long as its parent and must not outlive
     the test. DCP spawns it, so it imports the parent's `__main__` module: a training script must guard its entry

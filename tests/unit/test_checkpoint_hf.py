@@ -135,6 +135,49 @@ def import_worker(rank: int, world_size: int, tmp: str, layout: str) -> None:
         dist.destroy_process_group()
 
 
+# Small: the bytes read are counted, not measured in the process's memory.
+SMALL_ARGS = dataclasses.replace(MODEL_ARGS, dim=256, n_layers=2, vocab_size=1024)
+
+
+def fsdp_tp_import_worker(rank: int, world_size: int, tmp: str) -> None:
+    """FSDP 2 x TP 2, as the trainer applies them: FSDP gives the row-split matrices (wq, wk, wv, w1, w3, output)
+    a _StridedShard placement, whose local part is still one block of rows."""
+    from torchtitan.distributed.fsdp import apply_fsdp
+    from torchtitan.distributed.tensor_parallel import apply_tp
+
+    init_group(rank, world_size, tmp)
+    try:
+        mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp_shard", "tp"))
+        with torch.device("meta"):
+            model = Transformer(SMALL_ARGS)
+        apply_tp(model, mesh["tp"], loss_parallel=True, async_tp=False)
+        apply_fsdp(model, mesh["dp_shard"], param_dtype="float32", reduce_dtype="float32", pp_enabled=False,
+                   cpu_offload=False, reshard_policy="default")
+        model.to_empty(device="cpu")
+        state = get_model_state_dict(model)
+        assert any("_StridedShard" in str(value.placements) for value in state.values())
+        read = load_hf_model([model], Path(tmp) / "hf", SMALL_ARGS)
+        # Every block is whole query/key heads here (a TP rank's heads, split in two by FSDP: 2 of 8 query heads,
+        # 1 of 4 key heads), so the rank reads exactly its blocks: a quarter of each matrix, half of each norm
+        # (FSDP splits the norms, TP replicates them). The whole model is 4x that and more.
+        local_bytes = tensor_bytes(value.to_local() for value in state.values())
+        assert read == local_bytes, (read, local_bytes)
+        assert read < tensor_bytes(Transformer(SMALL_ARGS).parameters()) / 3
+        expected = load_hf(Path(tmp) / "hf", SMALL_ARGS)
+        loaded = full_tensors(model)
+        assert loaded.keys() == expected.keys()
+        assert all(torch.equal(tensor, expected[name]) for name, tensor in loaded.items())
+    finally:
+        dist.destroy_process_group()
+
+
+def test_hf_import_under_fsdp_and_tp_reads_only_this_ranks_blocks(tmp_path):
+    small = Transformer(SMALL_ARGS)
+    small.init_weights(seed=0)
+    save_hf(tmp_path / "hf", small.state_dict(), SMALL_ARGS, max_shard_bytes=MIB)
+    run_forked(fsdp_tp_import_worker, 4, str(tmp_path))
+
+
 @pytest.mark.parametrize("layout, world_size", [("fsdp", 4), ("pipeline", 2)])
 def test_hf_import_reads_only_this_ranks_share(tmp_path, layout, world_size):
     save_hf(tmp_path / "hf", reference_model().state_dict(), MODEL_ARGS, max_shard_bytes=8 * MIB)

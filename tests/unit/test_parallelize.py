@@ -31,6 +31,20 @@ def test_cpu_offload_needs_gpus_and_fsdp():
     validate_parallelism(args, ParallelDims.from_config(config.parallelism, 2), config, "cuda")
 
 
+def test_cpu_offload_refuses_precomputed_float8_scales():
+    """torchao all-reduces the amax of the weight shards where they are: in host memory under offload, over an
+    NCCL-only group (the 405B preset precomputes its scales)."""
+    config = parse_args(["--job.config_file", "train_configs/llama3_405b.toml", "--training.enable_cpu_offload"])
+    assert config.quantize.linear.float8.precompute_float8_dynamic_scale_for_fsdp
+    dims = ParallelDims.from_config(config.parallelism, 512)
+    args = model_args_for("405B", config.training.seq_len)
+    with pytest.raises(UserError, match=r"^option quantize.linear.float8.precompute_float8_dynamic_scale_for_fsdp: "
+                                        r".*training.enable_cpu_offload.*turn one of the two off$"):
+        validate_parallelism(args, dims, config, "cuda")
+    config.quantize.linear.float8.precompute_float8_dynamic_scale_for_fsdp = False
+    validate_parallelism(args, dims, config, "cuda")
+
+
 def test_tensor_parallel_embedding_gradient_is_the_ranks_slice():
     """A row-split embedding's gradient comes out of DTensor's backward whole (vocabulary x dim on every rank); the
     column split keeps it to the rank's slice."""

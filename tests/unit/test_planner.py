@@ -9,7 +9,7 @@ from scripts import plan as plan_script
 from torchtitan.config import parse_args
 from torchtitan.planner import validation
 from torchtitan.planner.hardware import GPUS
-from torchtitan.planner.search import layout_from_config, plan, predict
+from torchtitan.planner.search import layout_from_config, plan, predict, trainer_config
 
 BOUND = 0.15
 
@@ -33,24 +33,56 @@ def test_constants_are_those_fitted_on_the_named_rows():
     assert fitted == pytest.approx(used)
 
 
-# The planner ranks layouts the published runs did not try above the published 70B and 405B layouts (70B: FSDP 64
-# x TP 4, per-op AC, accumulation; predicted 1.34x, its compute measured 1.24x on one H200. 405B: FSDP 64 x TP 8, no
-# pipeline). Their communication at 256-512 GPUs is unverified, so not counted as met (docs/scaling.md).
-OTHER_CHOICE = pytest.mark.xfail(strict=True, reason="published 70B/405B layouts outside the top 5 (docs/scaling.md)")
-
-
-@pytest.mark.parametrize("row", [0, 2, 3, pytest.param(6, marks=OTHER_CHOICE), pytest.param(9, marks=OTHER_CHOICE)])
-def test_published_layout_in_top_5_and_first_choice_as_fast(row):
+@pytest.mark.parametrize("row", [0, 2, 3])
+def test_published_layout_in_top_5_of_the_conservative_ranking(row):
     """The row's setting: its flavor, GPUs, sequence length and global batch, and its techniques (float8, compile,
-    async TP) as published; the planner chooses the degrees, the schedule and the activation checkpointing."""
+    async TP) as published; the planner chooses the degrees, the schedule and the activation checkpointing, and
+    ranks by the conservative end of each range. The published 70B and 405B layouts (rows 6-9) rank below layouts
+    no published run tried (pipelines with context parallelism, per-op AC); which is right is not verified, so no
+    test asserts either (docs/scaling.md names the terms)."""
     published = validation.published_rows()[row]
     global_batch = published.layout.local_batch * published.layout.dp
     techniques = {name: getattr(published.layout, name) for name in ("float8", "compile", "async_tp")}
     ranked = plan(published.flavor, published.gpus, validation.GPU, published.seq_len, global_batch, techniques)
     mine = predict(published.flavor, published.layout, published.seq_len, validation.GPU)
-    top5 = [p.tps_per_gpu for p in ranked[:5]]
-    assert ranked[0].tps_per_gpu >= mine.tps_per_gpu * (1 - 1e-9)
-    assert mine.tps_per_gpu >= top5[-1] * (1 - 1e-9), (mine.tps_per_gpu, top5)
+    top5 = [p.tps_conservative for p in ranked[:5]]
+    assert top5 == sorted(top5, reverse=True)
+    assert mine.tps_conservative >= top5[-1] * (1 - 1e-9), (mine.tps_conservative, top5)
+    assert not mine.outside_envelope
+
+
+def test_each_layout_has_a_range_and_the_envelope_marks_what_no_row_validated():
+    """The range: the conservative end hides no more communication per second of compute than the most any
+    published row hides (then less the largest held-out overprediction), the optimistic end is the prediction plus
+    the largest held-out underprediction. A layout on another GPU, sequence length or degree than the rows is
+    marked, each reason with its validated range."""
+    from dataclasses import replace
+
+    rows = validation.published_rows()
+    validated = validation.envelope()
+    assert validated.max_overlap_ratio == pytest.approx(max(
+        predict(row.flavor, row.layout, row.seq_len, validation.GPU).overlap_ratio for row in rows))
+    low, high = validated.tps_error_range
+    for row in rows:
+        p = predict(row.flavor, row.layout, row.seq_len, validation.GPU)
+        assert p.tps_conservative <= p.tps_per_gpu / (1 + max(0.0, high)) * (1 + 1e-9)
+        assert p.tps_optimistic == pytest.approx(p.tps_per_gpu / (1 + min(0.0, low)))
+        assert p.outside_envelope == ()
+        # The published figure lies in the range of every held-out row (it is how the band is made).
+        if not row.fitted:
+            assert p.tps_conservative <= row.tps_per_gpu * (1 + 1e-9) <= p.tps_optimistic * (1 + 2e-9)
+    # 8B on 128 GPUs leans most on overlap (FSDP over the network): hiding more than that is outside.
+    flat = rows[3].layout
+    leaning = predict("8B", replace(flat, local_batch=1, microbatch=1), 8192, validation.GPU)
+    assert leaning.overlap_ratio > validated.max_overlap_ratio
+    assert leaning.tps_conservative < leaning.tps_per_gpu / (1 + high) * (1 - 1e-6)
+    assert any(reason.startswith("hides ") for reason in leaning.outside_envelope)
+    long_context = predict("8B", replace(flat, dp_shard=32, cp=4), 131072, GPUS["h200"])
+    assert long_context.outside_envelope == ("GPU h200 (validated: h100)", "seq_len 131072 (validated: 8192)",
+                                             "cp 4 (validated up to 1)") + long_context.outside_envelope[3:]
+    # TorchTitan's long-context rows are held out of the envelope, and their error is stated with such a layout.
+    assert f"up to {100 * validated.long_context_error:+.0f}% off" in long_context.outside_envelope[-1]
+    assert validated.long_context_error > BOUND
 
 
 def test_overrides_round_trip_through_the_trainer_config():
@@ -81,7 +113,13 @@ def test_micro_batches_are_searched_and_accumulation_regathers_the_weights():
     split = step_time(args, dataclasses.replace(flat.layout, microbatch=1), flat.seq_len, validation.GPU)
     assert split.fsdp_comm_s == pytest.approx(2 * whole.fsdp_comm_s)
     assert split.compute_s == pytest.approx(whole.compute_s)
-    assert split.exposed_comm_s == pytest.approx(2 * whole.exposed_comm_s)
+    # Each micro-step gathers and reduces everything again behind half the compute: exposed are its edges (the
+    # first block's all-gather, the last reduce-scatter) and, here, what exceeds that half (8B over 128 GPUs at
+    # NCCL's network bandwidth: 1.44 s of traffic per pass against 1.39 s of compute).
+    edge = whole.fsdp_comm_s / args.n_layers
+    assert whole.exposed_comm_s == pytest.approx(edge)
+    assert split.exposed_comm_s == pytest.approx(2 * (edge + max(0.0, whole.fsdp_comm_s - edge - whole.compute_s / 2)))
+    assert split.exposed_comm_s > 2 * whole.exposed_comm_s
 
 
 def test_printed_overrides_paste_into_a_shell(capsys):
@@ -102,10 +140,12 @@ def test_json_lists_every_field(capsys):
     layouts = json.loads(capsys.readouterr().out)
     assert len(layouts) == 3
     for field in ("dp_shard", "dp_replicate", "tp", "pp", "cp", "schedule", "ac", "float8", "compile", "async_tp",
-                  "local_batch", "tps_per_gpu", "tps_per_gpu_without_overlap", "tps_per_gpu_alone", "peak_memory_gib",
-                  "overrides"):
+                  "local_batch", "tps_per_gpu", "tps_per_gpu_conservative", "tps_per_gpu_optimistic",
+                  "tps_per_gpu_without_overlap", "tps_per_gpu_alone", "overlap_ratio", "outside_validated_envelope",
+                  "peak_memory_gib", "overrides"):
         assert field in layouts[0]
-    assert layouts[0]["tps_per_gpu"] >= layouts[1]["tps_per_gpu"] >= layouts[2]["tps_per_gpu"]
+    assert layouts[0]["tps_per_gpu_conservative"] >= layouts[1]["tps_per_gpu_conservative"] >= \
+        layouts[2]["tps_per_gpu_conservative"]
     # A rank alone pays no communication and no bubble.
     assert all(layout["tps_per_gpu_alone"] >= layout["tps_per_gpu"] for layout in layouts)
 
@@ -137,6 +177,10 @@ def test_predict_times_the_shape_the_options_give(capsys):
     (["--flavor", "9B"], "unknown flavor '9B'"),
     (["--predict", "--gpus", "8", "--job.config_file", "train_configs/llama3_8b.toml",
       "--parallelism.tensor_parallel_degree", "3"], "option parallelism"),
+    (["--gpu", "a100", "--float8", "on"], "option --float8: on, but a100 has no float8 tensor cores"),
+    (["--predict", "--gpus", "8", "--gpu", "a100", "--job.config_file", "train_configs/llama3_8b.toml",
+      "--model.converters", "quantize.linear.float8"], "option model.converters: float8 needs a GPU with float8"),
+    (["--flavor", "8B", "--gpus", "2", "--seq_len", "1048576", "--global_batch", "2"], "does not fit 2 x h100"),
 ])
 def test_bad_input_is_one_error_line(capsys, argv, message):
     assert plan_script.main(argv) == 2
@@ -225,8 +269,8 @@ def test_without_overlap_bounds_each_layout_and_can_rank():
         ac="full", float8=False, compile=False, async_tp=False), 8192, GPUS["h100"])
     assert one_gpu.tps_without_overlap == pytest.approx(one_gpu.tps_per_gpu)
     techniques = {"float8": True, "compile": True, "async_tp": True}
-    predicted = plan("405B", 512, validation.GPU, 8192, 256, techniques)
-    cautious = plan("405B", 512, validation.GPU, 8192, 256, techniques, without_overlap=True)
+    predicted = plan("405B", 512, validation.GPU, 8192, 256, techniques, rank_by="predicted")
+    cautious = plan("405B", 512, validation.GPU, 8192, 256, techniques, rank_by="without_overlap")
     assert all(p.tps_without_overlap <= p.tps_per_gpu * (1 + 1e-9) for p in predicted)
     assert cautious[0].tps_without_overlap >= max(p.tps_without_overlap for p in predicted) * (1 - 1e-9)
     assert cautious[0].layout != predicted[0].layout
@@ -267,3 +311,61 @@ def test_measured_rows_run_both_ends_of_a_pipeline_against_the_compute_model(mon
 def test_measured_rows_need_a_gpu(capsys):
     assert plan_script.main(["--validate", "--measured", "--gpu", "h200"]) == 2
     assert "has none (CUDA is not available)" in capsys.readouterr().err
+
+
+def test_a_gpu_without_float8_is_planned_without_it(capsys):
+    """A100 has no float8 peak: every layout once divided by it (0.0 / 0.0 raised for the bf16 ones too); now the
+    float8 layouts are left out, with the reason printed above the table, and the rest planned."""
+    assert plan_script.main(["--gpu", "a100", "--gpus", "8", "--top", "3"]) == 0
+    out = capsys.readouterr().out.splitlines()
+    assert out[0] == "note: float8 layouts left out: a100 has no float8 tensor cores"
+    ranked = plan("8B", 8, GPUS["a100"], 8192, 16)
+    assert ranked and not any(p.layout.float8 for p in ranked)
+    assert all(p.tps_per_gpu > 0 for p in ranked)
+
+
+def test_sequences_beyond_the_flavors_context_are_planned():
+    """The published long-context rows (8B at 256k on CP 8 x TP 8) were refused at 131,072 tokens."""
+    from torchtitan.planner.cost import Layout
+
+    layout = Layout(dp_replicate=1, dp_shard=1, tp=8, pp=1, cp=8, schedule=None, stages_per_rank=1, local_batch=1,
+                    microbatch=1, ac="full", float8=False, compile=True, async_tp=False)
+    prediction = predict("8B", layout, 262144, GPUS["h100"])
+    assert prediction.tps_per_gpu > 0 and 0 < prediction.peak_memory_gib < GPUS["h100"].memory_gib
+    assert trainer_config("8B", layout, 262144).training.seq_len == 262144
+    # The search tries CP up to one 8,192-token shard per rank for long sequences, up to 4 otherwise.
+    from torchtitan.planner.search import candidate_layouts
+
+    assert {c.cp for c in candidate_layouts("8B", 64, 262144, 8, GPUS["h100"])} == {1, 2, 4, 8, 16, 32}
+    assert {c.cp for c in candidate_layouts("8B", 64, 8192, 64, GPUS["h100"])} == {1, 2, 4}
+
+
+def test_communication_beyond_compute_is_never_hidden():
+    """Overlap is bounded by what there is to overlap with: on every candidate layout (8B on 16 GPUs, and at a
+    batch of one sequence, where communication weighs most), the step outside the bubble lasts at least its
+    compute and at least each kind of communication: what one link carries cannot hide behind less compute."""
+    from torchtitan.models.llama3.args import model_args_for
+    from torchtitan.planner.cost import step_time
+    from torchtitan.planner.search import candidate_layouts
+
+    gpu = GPUS["h100"]
+    for gpus, seq_len in ((16, 8192), (16, 2048), (8, 2048)):
+        args = model_args_for("8B", seq_len)
+        layouts = [layout for layout in candidate_layouts("8B", gpus, seq_len, 16, gpu) if layout.pp == 1]
+        assert len(layouts) > 100
+        for layout in layouts:
+            step = step_time(args, layout, seq_len, gpu)
+            busy = step.compute_s + step.exposed_comm_s
+            assert busy >= step.compute_s
+            assert busy >= max(step.fsdp_comm_s, step.tp_comm_s, step.cp_comm_s) * (1 - 1e-9), layout
+            if gpus <= gpu.gpus_per_host:
+                # Within one host FSDP, TP and CP share NVLink: together they hide behind the compute once.
+                assert busy >= (step.fsdp_comm_s + step.tp_comm_s + step.cp_comm_s) * (1 - 1e-9), layout
+
+
+def test_docs_validation_table_is_the_generated_one():
+    """docs/scaling.md's validation table is what `plan.py --validate --write_docs` writes with the model as it is."""
+    text = plan_script.DOCS.read_text()
+    begin = text.index(plan_script.DOCS_BEGIN) + len(plan_script.DOCS_BEGIN)
+    assert text[begin:text.index(plan_script.DOCS_END)].strip() == plan_script.validation_markdown(refit=False), \
+        "docs/scaling.md is stale: run python scripts/plan.py --validate --write_docs"

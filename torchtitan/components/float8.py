@@ -70,11 +70,15 @@ def apply_float8(model: nn.Module, config: JobConfig) -> list[str]:
     return converted
 
 
+def precomputes_fsdp_scales(config: JobConfig) -> bool:
+    """Whether the trainer all-reduces the float8 all-gathered weights' scales after each optimizer step."""
+    cfg = config.quantize.linear.float8
+    return float8_enabled(config) and cfg.enable_fsdp_float8_all_gather and cfg.precompute_float8_dynamic_scale_for_fsdp
+
+
 def precompute_float8_scales(model_parts: list[nn.Module], config: JobConfig) -> None:
     """After the optimizer step: one all-reduce computes the scales of every float8 all-gathered weight."""
-    cfg = config.quantize.linear.float8
-    if not (float8_enabled(config) and cfg.enable_fsdp_float8_all_gather and
-            cfg.precompute_float8_dynamic_scale_for_fsdp):
+    if not precomputes_fsdp_scales(config):
         return
     from torchao.float8 import precompute_float8_dynamic_scale_for_fsdp
 

@@ -222,13 +222,34 @@ class _RootsPerMicroBatch:
     """A pipeline stage's module is entered once per micro-batch, from the schedule rather than from a parent
     module; torch's trackers take a second root-level forward for the next iteration and refuse it. Forget the
     root's per-module statistics at each entry (the tracker's global peak, which is what the dry run reads, is kept).
+
+    It also keeps a second peak, of the device alone: without the categories that live in host memory (FSDP's CPU
+    offload keeps the shards of parameters and gradients and the optimizer state there). A dry run's tensors all
+    sit on one device, so the tracker's per-device peak cannot tell them apart; the categories can.
     """
 
     _roots: set[nn.Module]
+    _host_categories: frozenset[str] = frozenset()
+    _device_peak: int = 0
+    _device_peak_snap: dict[str, int] | None = None
 
     def _forget_root(self, module: nn.Module) -> None:
         if module in self._roots and not self._mod_tracker.is_bw:
             self.memory_tracking.pop(module, None)
+
+    def _update_peak_stats(self, peak_state) -> None:
+        super()._update_peak_stats(peak_state)
+        if not self._host_categories:
+            return
+        snap: dict[str, int] = defaultdict(int)
+        for device_snap in self._curr_mem_snap.values():
+            for key, value in device_snap.items():
+                raw = getattr(key, "value", key)
+                name = _CATEGORY.get(raw, str(raw))
+                if raw != "Total" and name not in self._host_categories:
+                    snap[name] += value
+        if sum(snap.values()) > self._device_peak:
+            self._device_peak, self._device_peak_snap = sum(snap.values()), dict(snap)
 
 
 class _FSDPStageMemTracker(_RootsPerMicroBatch, FSDPMemTracker):
@@ -279,11 +300,14 @@ _CATEGORY = {
 
 class StepMemoryTracker:
     """The peak memory of this rank's model parts and optimizers over what runs inside the `with` block, by
-    category, from `FSDPMemTracker` when the parts are FSDP modules, else from the generic `MemTracker`."""
+    category, from `FSDPMemTracker` when the parts are FSDP modules, else from the generic `MemTracker`;
+    `host_categories` (report categories held in host memory) also give the device's own peak."""
 
-    def __init__(self, parts: list[nn.Module], optimizers: list[torch.optim.Optimizer]):
+    def __init__(self, parts: list[nn.Module], optimizers: list[torch.optim.Optimizer],
+                 host_categories: tuple[str, ...] = ()):
         tracker_class = _FSDPStageMemTracker if isinstance(parts[0], FSDPModule) else _PlainStageMemTracker
         self._tracker = tracker_class(parts, optimizers)
+        self._tracker._host_categories = frozenset(host_categories)
 
     def __enter__(self) -> "StepMemoryTracker":
         self._tracker.__enter__()
@@ -302,3 +326,10 @@ class StepMemoryTracker:
                     continue
                 by_category[_CATEGORY.get(name, str(name))] += value
         return dict(by_category)
+
+    def device_peak_by_category(self) -> dict[str, int]:
+        """Bytes per category, host categories left out, at the moment their sum peaked: the device's own peak
+        (the whole peak_by_category when no category lives in host memory)."""
+        if not self._tracker._host_categories:
+            return self.peak_by_category()
+        return dict(self._tracker._device_peak_snap or {})

@@ -18,7 +18,11 @@ Per GPU and step (all stages of one pipeline rank together; the slowest pipeline
 - communication, each collective's bytes over the link it crosses (NVLink within a host of 8, the RDMA network
   between hosts; mesh dimensions are laid out pp, dp_replicate, dp_shard, cp, tp, the last varying fastest, so a
   dimension stays within a host when its stride x size <= 8). A ring moves (n - 1) / n of the buffer over its
-  slowest link, and each call pays NCCL's ring latency (ring_latency_seconds: per hop, NVLink or network).
+  slowest link at the bus bandwidth NCCL reaches there (NCCL_BUS_FRACTION of the datasheet's, published), and each
+  call pays NCCL's ring latency (ring_latency_seconds: per hop, NVLink or network).
+- overlap is bounded by what there is to overlap with: each kind hides behind compute only (async TP behind the
+  forward matmuls), and the kinds that share a link hide behind the step's compute once, so a layout whose
+  communication exceeds its compute is never predicted compute-bound.
   - FSDP's all-gathers and reduce-scatters are prefetched and overlap the blocks' compute, except the first
     block's all-gather and the last reduce-scatter: exposed are that edge and what exceeds the compute. HSDP's
     replica all-reduce of the gradient shards too. With gradient accumulation, all of it in every micro-step.
@@ -49,6 +53,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from torchtitan.errors import UserError
 from torchtitan.models.llama3.args import TransformerModelArgs
 from torchtitan.planner.hardware import GPU
 
@@ -67,6 +72,12 @@ HOST_SIZE = 8
 RING_BASE_LATENCY_S = 8.4e-6
 NVLINK_HOP_LATENCY_S = 3.4e-6
 NETWORK_HOP_LATENCY_S = 14.0e-6
+
+# The bus bandwidth NCCL reaches on each link, as a fraction of the datasheet's (per direction), for large buffers;
+# published, not fitted. NVLink 4 (H100 SXM): about 783 of 900 GB/s both directions together
+# (github.com/NVIDIA/nccl/issues/1264, nccl-tests on an 8 x H100 SXM host without NVLink SHARP). The network: 46-48
+# GB/s per 400 Gb/s NIC, NVIDIA's expected range for NDR (github.com/NVIDIA/nccl-tests/issues/290), its low end.
+NCCL_BUS_FRACTION = {"nvlink": 783 / 900, "network": 46 / 50}
 
 # Per fp32 parameter of the shard and step: fused AdamW reads the parameter, its gradient and both moments and
 # writes back the parameter and the moments (7 x 4 bytes); clipping reads every gradient for the norm, then reads
@@ -123,6 +134,8 @@ class StepTime:
     """Communication after the pipeline has drained (PP's gradient reduction): not stretched by the bubble."""
     parameter_s: float = 0.0
     """Parameter traffic: the optimizer step and clipping, and the precision casts of parameters and gradients."""
+    hidden_comm_s: float = 0.0
+    """Communication the model hides behind compute (the rest of fsdp/tp/cp_comm_s is exposed or drained)."""
 
     @property
     def seconds(self) -> float:
@@ -135,6 +148,17 @@ class StepTime:
         return self.compute_s + self.parameter_s
 
     @property
+    def overlap_ratio(self) -> float:
+        """Seconds of communication hidden per second of compute: how far the prediction leans on overlap."""
+        return self.hidden_comm_s / self.compute_s
+
+    def seconds_hiding_at_most(self, ratio: float) -> float:
+        """The step if at most `ratio` x compute of communication hides (what validated layouts hid), the rest
+        exposed."""
+        over = max(0.0, self.hidden_comm_s - ratio * self.compute_s)
+        return (self.compute_s + self.exposed_comm_s + over) * self.bubble + self.drained_comm_s + self.parameter_s
+
+    @property
     def seconds_without_overlap(self) -> float:
         """The step if no communication overlapped compute: the bound for a layout whose overlap fails (a network
         slower than its datasheet, NCCL and compute kernels contending for the GPU)."""
@@ -142,9 +166,17 @@ class StepTime:
         return (self.compute_s + communication) * self.bubble + self.drained_comm_s + self.parameter_s
 
 
+def _link(gpu: GPU, stride: int, size: int) -> str:
+    """The link a ring over `size` ranks `stride` apart crosses: NVLink when the whole group sits in one host."""
+    return "nvlink" if stride * size <= gpu.gpus_per_host else "network"
+
+
 def _link_bandwidth(gpu: GPU, stride: int, size: int) -> float:
-    """Bytes/s of a ring over `size` ranks `stride` apart: NVLink when the whole group sits in one host."""
-    return gpu.nvlink_bytes_per_s if stride * size <= gpu.gpus_per_host else gpu.rdma_bytes_per_s
+    """Bytes/s a ring over `size` ranks `stride` apart gets: NCCL's bus bandwidth on its link
+    (NCCL_BUS_FRACTION of the datasheet's)."""
+    link = _link(gpu, stride, size)
+    datasheet = gpu.nvlink_bytes_per_s if link == "nvlink" else gpu.rdma_bytes_per_s
+    return datasheet * NCCL_BUS_FRACTION[link]
 
 
 def ring_latency_seconds(gpu: GPU, stride: int, size: int) -> float:
@@ -260,9 +292,13 @@ def step_time(args: TransformerModelArgs, layout: Layout, seq_len: int, gpu: GPU
         linear += 2 * recomputed_op_weights(args) * layers * tokens
     # The output layer sits on the last pipeline stage only: that rank is the slowest.
     output = 6 * args.dim * args.vocab_size * tokens
+    if layout.float8 and not gpu.fp8_flops:
+        raise UserError(f"option model.converters: float8 needs a GPU with float8 tensor cores, and {gpu.name} "
+                        f"has none: leave quantize.linear.float8 out of model.converters")
     bf16 = attention + output + (0 if layout.float8 else linear)
-    fp8 = linear if layout.float8 else 0.0
-    matmul_s = bf16 / (gpu.bf16_flops * efficiency) + fp8 / (gpu.fp8_flops * efficiency)
+    matmul_s = bf16 / (gpu.bf16_flops * efficiency)
+    if layout.float8:
+        matmul_s += linear / (gpu.fp8_flops * efficiency)
     hidden_elements = tokens * args.dim * layers * (4 / 3 if recompute else 1.0)
     memory_bound = memory_bound_bytes * hidden_elements
     if layout.float8:
@@ -299,13 +335,15 @@ def step_time(args: TransformerModelArgs, layout: Layout, seq_len: int, gpu: GPU
         tp_exposed = tp_s
         if layout.async_tp:
             # Async TP (inductor's micro-pipelining) splits each all-gather feeding a matmul into chunks that
-            # overlap it: the two such all-gathers of every forward (and recomputed forward) hide; backward's stay
-            # exposed.
+            # overlap it: the two such all-gathers of every forward (and recomputed forward) hide, as far as the
+            # forward matmuls last; backward's stay exposed.
             hidden_calls = (2 + (2 if recompute else 0)) * layers * microbatches
-            tp_exposed = tp_s * (1 - hidden_calls / (gather_calls + reduce_calls))
+            forward_matmul_s = linear_forward * (2 if recompute else 1) / (
+                (gpu.fp8_flops if layout.float8 else gpu.bf16_flops) * efficiency)
+            tp_exposed = tp_s - min(tp_s * hidden_calls / (gather_calls + reduce_calls), forward_matmul_s)
     # Context parallelism: a ring all-gather moves (c - 1) / c of its gathered keys and values, a gradient exchange
     # its whole buffer to the next rank.
-    cp_s = 0.0
+    cp_s, cp_link = 0.0, _link(gpu, t, c)
     if c > 1:
         cp_bw, cp_latency = _link_bandwidth(gpu, t, c), ring_latency_seconds(gpu, t, c)
         gather_calls, gathered = sequence[("all_gather", "cp")]
@@ -326,6 +364,7 @@ def step_time(args: TransformerModelArgs, layout: Layout, seq_len: int, gpu: GPU
         # overlaps compute.
         first_forward_s = compute_s / (microbatches * layout.stages_per_rank) * (1 / 4 if recompute else 1 / 3)
         fsdp_exposed = max(0.0, gather_s - first_forward_s)
+        fsdp_hidden = gather_s - fsdp_exposed
         drained_s = reduce_s
     else:
         # Prefetching hides each block's all-gather behind the previous block's compute and its reduce-scatter
@@ -334,12 +373,20 @@ def step_time(args: TransformerModelArgs, layout: Layout, seq_len: int, gpu: GPU
         edge_s = fsdp_s / layers
         fsdp_exposed = microbatches * (edge_s + max(0.0, fsdp_s - edge_s - compute_s / microbatches))
         fsdp_s *= microbatches
-    exposed = fsdp_exposed + tp_exposed + cp_exposed
+        fsdp_hidden = fsdp_s - fsdp_exposed
+    # Each kind hides behind compute only, and the kinds that share a link share it: what a link hides in a step is
+    # at most the step's compute. A layout whose communication exceeds its compute is never compute-bound.
+    hidden: dict[str, float] = {}
+    for link, seconds in ((_link(gpu, t, shard), fsdp_hidden), (_link(gpu, 1, t), tp_s - tp_exposed),
+                          (cp_link, cp_s - cp_exposed)):
+        hidden[link] = hidden.get(link, 0.0) + seconds
+    exposed = fsdp_exposed + tp_exposed + cp_exposed + sum(max(0.0, h - compute_s) for h in hidden.values())
+    hidden_s = sum(min(h, compute_s) for h in hidden.values())
     # Under PP with FSDP the parameters are gathered and reduced once per step; otherwise once per pass.
     passes = 1 if p > 1 and shard > 1 else microbatches
     parameter_s = parameter_traffic_bytes(stage_params, shard, gather_bytes, gathers, passes) / gpu.hbm_bytes_per_s
     return StepTime(compute_s=compute_s, exposed_comm_s=exposed, bubble=bubble, fsdp_comm_s=fsdp_s, tp_comm_s=tp_s,
-                    cp_comm_s=cp_s, drained_comm_s=drained_s, parameter_s=parameter_s)
+                    cp_comm_s=cp_s, drained_comm_s=drained_s, parameter_s=parameter_s, hidden_comm_s=hidden_s)
 
 
 def tokens_per_second_per_gpu(args: TransformerModelArgs, layout: Layout, seq_len: int, gpu: GPU, alone: bool = False,

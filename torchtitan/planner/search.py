@@ -47,13 +47,28 @@ class Prediction:
     tensor_peak_gib: float
     step_seconds: float
     overrides: list[str]
+    tps_conservative: float = 0.0
+    """The conservative end of the predicted range: tokens/s per GPU if no more communication hides behind compute
+    than the validated rows hid (Envelope.max_overlap_ratio), the rest exposed, less the model's largest
+    overprediction on the held-out rows."""
+    tps_optimistic: float = 0.0
+    """The optimistic end: the prediction plus the model's largest underprediction on the held-out rows."""
+    overlap_ratio: float = 0.0
+    """Seconds of communication the prediction hides per second of compute."""
+    outside_envelope: tuple[str, ...] = ()
+    """What about the layout lies outside what the validated rows covered (validation.Envelope), each with its
+    validated range; empty inside."""
 
     def as_json(self) -> dict:
         layout = asdict(self.layout)
         for name in ("row_split_embedding", "compiled_loss"):  # properties of the published runs, not choices
             del layout[name]
         return {**layout, "tps_per_gpu": round(self.tps_per_gpu, 1),
+                "tps_per_gpu_conservative": round(self.tps_conservative, 1),
+                "tps_per_gpu_optimistic": round(self.tps_optimistic, 1),
                 "tps_per_gpu_without_overlap": round(self.tps_without_overlap, 1),
+                "overlap_ratio": round(self.overlap_ratio, 3),
+                "outside_validated_envelope": list(self.outside_envelope),
                 "tps_per_gpu_alone": round(self.tps_alone, 1),
                 "peak_memory_gib": round(self.peak_memory_gib, 2),
                 "step_seconds": round(self.step_seconds, 3), "overrides": self.overrides}
@@ -116,11 +131,20 @@ def predict(flavor: str, layout: Layout, seq_len: int, gpu: GPU, config: JobConf
         tensors = estimate(config, layout.world_size).total
     step = step_time(args, layout, seq_len, gpu, **constants)
     tokens = layout.local_batch * seq_len / (layout.tp * layout.cp * layout.pp)
+    # The validated rows are predicted here too (planner/validation.py imports this module).
+    from torchtitan.planner.validation import envelope
+
+    validated = envelope()
     return Prediction(layout=layout, tps_per_gpu=tokens / step.seconds,
                       tps_without_overlap=tokens / step.seconds_without_overlap, tps_alone=tokens / step.seconds_alone,
                       peak_memory_gib=reserved_gib(tensors),
                       tensor_peak_gib=tensors / GIB, step_seconds=step.seconds,
-                      overrides=layout_overrides(layout, seq_len, args.n_layers))
+                      overrides=layout_overrides(layout, seq_len, args.n_layers),
+                      tps_conservative=tokens / step.seconds_hiding_at_most(validated.max_overlap_ratio)
+                      / (1 + max(0.0, validated.tps_error_range[1])),
+                      tps_optimistic=tokens / step.seconds / (1 + min(0.0, validated.tps_error_range[0])),
+                      overlap_ratio=step.overlap_ratio,
+                      outside_envelope=validated.outside(layout, seq_len, gpu, step.overlap_ratio))
 
 
 @functools.lru_cache(maxsize=4096)
@@ -173,7 +197,10 @@ def candidate_layouts(flavor: str, gpus: int, seq_len: int, global_batch: int, g
     """Every layout of `gpus` GPUs that the model's shapes and the global batch allow."""
     args = model_args_for(flavor, seq_len)
     candidates = []
-    for tp, pp, cp in itertools.product((1, 2, 4, 8), (1, 2, 4, 8, 16), (1, 2, 4)):
+    # CP up to 4, and for long sequences up to one 8,192-token shard per rank (at most 32): a 256k sequence is what
+    # context parallelism is for.
+    cp_degrees = [2**i for i in range(6) if 2**i <= max(4, seq_len // 8192)]
+    for tp, pp, cp in itertools.product((1, 2, 4, 8), (1, 2, 4, 8, 16), cp_degrees):
         if gpus % (tp * pp * cp) or tp > gpu.gpus_per_host:
             continue
         if args.n_heads % tp or args.kv_heads % tp or args.vocab_size % tp or seq_len % (tp * 2 * cp if cp > 1
@@ -204,14 +231,27 @@ def candidate_layouts(flavor: str, gpus: int, seq_len: int, global_batch: int, g
     return candidates
 
 
+def exclusions(gpu: GPU) -> list[str]:
+    """The techniques the search leaves out on `gpu`, each with its reason (plan.py prints them with the table)."""
+    return [] if gpu.fp8_flops else [f"float8 layouts left out: {gpu.name} has no float8 "
+                                      f"tensor cores"]
+
+
+RANKINGS = {"conservative": "tps_conservative", "predicted": "tps_per_gpu", "without_overlap": "tps_without_overlap"}
+
+
 def plan(flavor: str, gpus: int, gpu: GPU, seq_len: int, global_batch: int,
          fixed: dict[str, bool] | None = None, constants: dict[str, float] | None = None,
-         without_overlap: bool = False) -> list[Prediction]:
+         rank_by: str = "conservative") -> list[Prediction]:
     """The layouts that fit, fastest first, each with its fastest micro-batch; `fixed` pins techniques (float8,
     compile, async_tp) on or off; `constants` replace the model's fitted ones (cost.step_time's keywords);
-    `without_overlap` ranks by the speed each layout keeps if no communication overlaps compute."""
+    `rank_by` (RANKINGS): the conservative end of each layout's range (default: no more overlap than the validated
+    rows had), the prediction (the optimistic end), or the speed it keeps if no communication overlaps compute."""
     if flavor not in llama3_flavors:
         raise UserError(f"option --flavor: unknown flavor {flavor!r}; valid: {', '.join(llama3_flavors)}")
+    if (fixed or {}).get("float8") and not gpu.fp8_flops:
+        raise UserError(f"option --float8: on, but {gpu.name} has no float8 tensor cores; use "
+                        f"--float8 off, or a GPU with them")
     candidates = [layout for layout in candidate_layouts(flavor, gpus, seq_len, global_batch, gpu)
                   if all(getattr(layout, name) == value for name, value in (fixed or {}).items())]
     if not candidates:
@@ -229,8 +269,9 @@ def plan(flavor: str, gpus: int, gpu: GPU, seq_len: int, global_batch: int,
                         f"GPUs, a GPU with more memory, or a smaller batch")
     # Among equally fast layouts, the simplest first: fewer parallel dimensions, then fewer techniques, then fewer
     # micro-batches. The micro-batch size is tuned per layout: each layout is listed once, with its fastest one.
-    ranked = sorted(fitting, key=lambda p: (-round(p.tps_without_overlap if without_overlap else p.tps_per_gpu, 1),
-                                            _complexity(p.layout), -p.layout.microbatch))
+    figure = RANKINGS[rank_by]
+    ranked = sorted(fitting, key=lambda p: (-round(getattr(p, figure), 1), _complexity(p.layout),
+                                            -p.layout.microbatch))
     listed = {}
     for prediction in ranked:
         listed.setdefault(dataclasses.replace(prediction.layout, microbatch=0), prediction)

@@ -23,7 +23,8 @@ from safetensors.torch import save_file
 from torch import nn
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 from torch.distributed.checkpoint.state_dict import get_model_state_dict
-from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
+from torch.distributed.tensor import DTensor, Replicate, Shard
+from torch.distributed.tensor.placement_types import _StridedShard
 from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
 from torchtitan.components.checkpoint.safe_io import dcp_load, read_metadata, without_collectives
@@ -55,6 +56,8 @@ class LazyHFWeights:
         ours = {hf_name(name): name for name in self._shapes}
         # Our name -> (file, HF name). Each file's header is read here; its tensors only in read().
         self._where: dict[str, tuple[str, str]] = {}
+        # Bytes of the stored tensors read so far (whole query/key heads where a block cuts one).
+        self.bytes_read = 0
         for filename in self._files():
             path = folder / filename
             try:
@@ -99,46 +102,56 @@ class LazyHFWeights:
         stored = self._handles[filename].get_slice(hf)
         heads = _rope_heads(name.split(".", 2)[-1], self.model_args)
         if len(shape) == 1:
-            return stored[offset[0]:offset[0] + shape[0]]
+            return self._counted(stored[offset[0]:offset[0] + shape[0]])
         (row, col), (rows, cols) = offset, shape
         if heads is None or rows == 0:
-            return stored[row:row + rows, col:col + cols]
+            return self._counted(stored[row:row + rows, col:col + cols])
         # Our rows of a query/key head are a permutation of the head's rows in HF's layout: read the whole heads
         # that the block touches, permute them, keep the block's rows.
         head_dim = self.shape(name)[0] // heads
         first, last = row // head_dim, math.ceil((row + rows) / head_dim)
-        block = _hf_to_meta_rows(stored[first * head_dim:last * head_dim, col:col + cols], last - first)
+        block = _hf_to_meta_rows(self._counted(stored[first * head_dim:last * head_dim, col:col + cols]),
+                                 last - first)
         return block[row - first * head_dim:row - first * head_dim + rows]
 
+    def _counted(self, tensor: torch.Tensor) -> torch.Tensor:
+        self.bytes_read += tensor.numel() * tensor.element_size()
+        return tensor
 
-def _local_block(value: torch.Tensor) -> tuple[tuple[int, ...], tuple[int, ...]] | None:
-    """(offset, shape) of this rank's block of `value` in the full tensor, or None when its local tensor is not
-    one block of it (placements other than Shard and Replicate)."""
+
+def _local_block(name: str, value: torch.Tensor) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """(offset, shape) of this rank's block of `value` in the full tensor.
+
+    FSDP over TP shards a tensor TP already split by rows (wq, wk, wv, w1, w3, output) along the same dimension:
+    its placement on the FSDP mesh dimension is a `_StridedShard` whose split factor is the TP degree, and the
+    local tensor is one block, a contiguous piece of the TP rank's rows (torch computes its offset)."""
     if not isinstance(value, DTensor):
         return (0,) * value.dim(), tuple(value.shape)
-    if not all(type(placement) in (Shard, Replicate) for placement in value.placements):
-        return None
-    shape, offset = compute_local_shape_and_global_offset(value.shape, value.device_mesh, value.placements)
+    mesh, placements = value.device_mesh, value.placements
+    for index, placement in enumerate(placements):
+        if type(placement) in (Shard, Replicate):
+            continue
+        later = math.prod(mesh.size(j) for j in range(index + 1, len(placements))
+                          if type(placements[j]) is Shard and placements[j].dim == placement.dim)
+        if not (isinstance(placement, _StridedShard) and placement.split_factor == later):
+            raise ValueError(f"{name}: placements {placements} leave this rank's part in several blocks; the Hugging "
+                             f"Face import reads one block per tensor (Shard, Replicate, FSDP's _StridedShard over "
+                             f"TP)")
+    shape, offset = compute_local_shape_and_global_offset(value.shape, mesh, placements)
     return tuple(offset), tuple(shape)
 
 
 @torch.no_grad()
-def load_hf_model(model_parts: list[nn.Module], folder: Path, model_args: TransformerModelArgs) -> None:
-    """Load an HF folder into the model parts of this rank, reading only the blocks of the tensors they hold."""
+def load_hf_model(model_parts: list[nn.Module], folder: Path, model_args: TransformerModelArgs) -> int:
+    """Load an HF folder into the model parts of this rank, reading only the blocks of the tensors they hold;
+    returns the bytes this rank read."""
     with contextlib.ExitStack() as files:
         weights = LazyHFWeights(Path(folder), model_args, files)
         for part in model_parts:
             for name, value in get_model_state_dict(part).items():
                 local = value.to_local() if isinstance(value, DTensor) else value
-                block = _local_block(value)
-                if block is not None:
-                    local.copy_(weights.read(name, *block))
-                else:
-                    # A nested sharding whose local part is not one block: the full tensor, then this rank's part.
-                    full = weights.read(name, (0,) * value.dim(), tuple(value.shape)).to(local.dtype)
-                    local.copy_(distribute_tensor(full, value.device_mesh, value.placements,
-                                                  src_data_rank=None).to_local())
-                    del full
+                local.copy_(weights.read(name, *_local_block(name, value)))
+    return weights.bytes_read
 
 
 # ----------------------------------------------------------------------------------------------------------------

@@ -11,6 +11,7 @@ import json
 import os
 import zlib
 from collections.abc import Iterator
+from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
@@ -114,14 +115,25 @@ class ChecksummedFileWriter(FileWriter):
     after `.metadata`. Within the DCP save, so in every async mode too (in the checkpoint process of
     `async_with_pinned_mem`)."""
 
-    def __init__(self, path: str | os.PathLike) -> None:
+    def __init__(self, path: str | os.PathLike, collective_timeout_s: float | None = None) -> None:
         super().__init__(path)
+        # `collective_timeout_s` bounds the save's collectives in the checkpoint process of async_with_pinned_mem,
+        # which runs this writer (a pickled copy) and DCP on a gloo group of its own that torch starts with its
+        # 30-minute default; the process it was created in passes a group with the checkpoint timeout to DCP.
+        self._collective_timeout_s = collective_timeout_s
+        self._created_in_pid = os.getpid()
         self.fs = _HashingFileSystem()
         # What this rank wrote, and on the coordinator what writing DCP's `.metadata` and then the manifest cost
         # (for the save's cost; None where this process did not write them).
         self.written_bytes = 0
         self.metadata_cost: Cost | None = None
         self.manifest_cost: Cost | None = None
+
+    def reset(self, checkpoint_id: str | os.PathLike | None = None) -> None:
+        # DCP's save calls this first, before any collective of the save.
+        super().reset(checkpoint_id)
+        if self._collective_timeout_s is not None and os.getpid() != self._created_in_pid and dist.is_initialized():
+            dist.distributed_c10d._set_pg_timeout(timedelta(seconds=self._collective_timeout_s))
 
     def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future[list[WriteResult]]:
         results = super().write_data(plan, planner).wait()

@@ -523,7 +523,8 @@ class CheckpointManager:
                                 f"model.flavor")
 
     def _load_hf_model(self, folder: Path) -> list[str]:
-        load_hf_model(self.model.model_parts, folder, self.model_args)
+        read = load_hf_model(self.model.model_parts, folder, self.model_args)
+        logger.info(f"Hugging Face import from {folder}: this rank read {read / 2**30:.2f} GiB of its weights")
         return ["model"]
 
     # ------------------------------------------------------------------------------------------------------------
@@ -605,7 +606,7 @@ class CheckpointManager:
         staging = _incomplete(self._step_path(step))
         full = self._is_saved("train_state", state_dict)
         self._remove_leftovers(step)
-        writer = ChecksummedFileWriter(staging)
+        writer = ChecksummedFileWriter(staging, collective_timeout_s=self.config.timeout_seconds)
         started = time.perf_counter()
         if self.config.async_mode == "disabled":
             try:

@@ -22,7 +22,9 @@ class TransformerModelArgs:
     use_scaled_rope: bool = True
     """Llama 3.1 frequency scaling of RoPE (factor 8 over an original context of 8192)."""
     max_seq_len: int = 131072
-    """Longest sequence the model supports; the RoPE table is built for training.seq_len."""
+    """Longest sequence the model supports (its context, exported as max_position_embeddings): the flavor's, or the
+    training sequence where that is longer (training at a length extends the context, as long-context training of
+    Llama 3 did); the RoPE table is built for training.seq_len."""
     rope_len: int = 131072
     attention_device: str | None = None
     """Device type whose attention layout to use (cpu: grouped K/V heads into SDPA; cuda: expanded heads); None =
@@ -87,9 +89,8 @@ def model_args_for(flavor: str, seq_len: int, vocab_size: int | None = None,
     if flavor not in llama3_flavors:
         raise UserError(f"option model.flavor: unknown flavor {flavor!r}; valid: {', '.join(llama3_flavors)}")
     args = llama3_flavors[flavor]
-    if seq_len > args.max_seq_len:
-        raise UserError(f"option training.seq_len: {seq_len} exceeds the {args.max_seq_len} tokens that flavor "
-                        f"{flavor} supports")
+    if seq_len < 1:
+        raise UserError(f"option training.seq_len: {seq_len} must be a positive integer")
     overrides = dict(overrides or {})
     unknown = sorted(set(overrides) - set(SHAPE_OPTIONS))
     if unknown:
@@ -98,7 +99,8 @@ def model_args_for(flavor: str, seq_len: int, vocab_size: int | None = None,
         raise UserError(f"option model.vocab_size: {overrides['vocab_size']} is smaller than the tokenizer's "
                         f"vocabulary ({vocab_size} tokens); use at least {vocab_size}, or leave it unset")
     vocab_size = overrides.pop("vocab_size", vocab_size or args.vocab_size)
-    args = dataclasses.replace(args, rope_len=seq_len, vocab_size=vocab_size, **overrides)
+    args = dataclasses.replace(args, rope_len=seq_len, max_seq_len=max(args.max_seq_len, seq_len),
+                               vocab_size=vocab_size, **overrides)
     _check_shape(args)
     return args
 

@@ -8,6 +8,7 @@ Under pipeline parallelism this runs once per stage.
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
+from torchtitan.components.float8 import precomputes_fsdp_scales
 from torchtitan.config import JobConfig, validation_shape
 from torchtitan.distributed.activation_checkpoint import apply_ac
 from torchtitan.distributed.compile import apply_compile, check_compile
@@ -60,6 +61,12 @@ def validate_parallelism(args: TransformerModelArgs, parallel_dims: ParallelDims
             raise UserError("option training.enable_cpu_offload: it offloads FSDP's shards, but this layout does not "
                             "shard with FSDP (data_parallel_shard_degree x context_parallel_degree = 1): turn it off, "
                             "or shard over more ranks")
+        if precomputes_fsdp_scales(config):
+            # torchao reduces the amax of the weight shards where they live: in host memory under offload, which
+            # NCCL's all-reduce cannot take.
+            raise UserError("option quantize.linear.float8.precompute_float8_dynamic_scale_for_fsdp: it all-reduces "
+                            "the float8 weights' scales over NCCL, and training.enable_cpu_offload keeps the weight "
+                            "shards in host memory, where NCCL cannot reach them: turn one of the two off")
     check_compile(config.compile.enable and "model" in config.compile.components, parallel_dims.tp_enabled,
                   device_type)
     validate_compression(config, parallel_dims)
