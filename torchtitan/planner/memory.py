@@ -115,6 +115,7 @@ norm may keep one fp32 [T, d] tensor fewer.
 from __future__ import annotations
 
 import functools
+import itertools
 from dataclasses import dataclass
 
 import torch
@@ -445,33 +446,49 @@ def _estimate_rank(config: JobConfig, args: TransformerModelArgs, dims: Parallel
     done = {stage: 0.0 for stage in range(len(stages))}
     done[last] = head_params if has_head else 0.0
 
+    # Sums over the blocks before and after each one, kept as running totals (a sum per block would make this
+    # quadratic in the depth, and the planner estimates thousands of layouts). Stages are contiguous in `blocks`.
+    saved_before = list(itertools.accumulate(b[0] for b in blocks))
+    copies_before_of = list(itertools.accumulate(b[2] for b in blocks))
+    own_stage_params = {stage: sum(block_params for b in blocks if b[4] == stage) for stage in done}
+    stage_saved_before = []  # this block's stage: saved bytes up to it, and those less one micro-batch
+    running: dict[int, tuple[float, float]] = {}
+    for saved, _, _, mbs, stage in blocks:
+        total, less_one = running.get(stage, (0.0, 0.0))
+        running[stage] = (total + saved, less_one + saved * (mbs - 1) / mbs)
+        stage_saved_before.append(running[stage])
+    after = {stage: (0.0, 0.0) for stage in done}  # this stage's later blocks: less one, less two micro-batches
+    later_held_after = {stage: 0.0 for stage in done}  # all later blocks: what exceeds a round of pp micro-batches
+    held_after = 0.0
     for index in reversed(range(len(blocks))):
-        stage = blocks[index][4]
-        before = blocks[:index + 1]
-        same_after = [b for b in blocks[index + 1:] if b[4] == stage]
+        saved, rebuilt, _, mbs, stage = blocks[index]
+        same_after_less_one, same_after_less_two = after[stage]
         # Only a rank with several stages has later ones; they keep what exceeds a round of `pp` micro-batches.
-        later_held = sum(b[0] * max(b[3] - dims.pp, 0) / b[3] for b in blocks[index + 1:] if b[4] != stage)
-        copies_before = sum(b[2] for b in before)
-        transient = blocks[index][1] + 2 * tokens * s.f / t * a + float8_casts
-        candidates = [(sum(b[0] for b in before) + sum(b[0] * (b[3] - 1) / b[3] for b in same_after) + later_held,
+        later_held = held_after - later_held_after[stage]
+        copies_before = copies_before_of[index]
+        transient = rebuilt + 2 * tokens * s.f / t * a + float8_casts
+        candidates = [(saved_before[index] + same_after_less_one + later_held,
                        max(resident_grads if dims.pp == 1 else 0.0,
                            done[stage] * grad_bytes
                            + sum(done[later_stage] for later_stage in done if later_stage > stage) * later_bytes))]
         if dims.pp > 1 and total_micro_batches > 1:
-            own = (sum(block_params for b in blocks if b[4] == stage) + (head_params if has_head and stage == last
-                                                                          else 0.0)
+            own = (own_stage_params[stage] + (head_params if has_head and stage == last else 0.0)
                    + ((s.vocab * s.d / t + whole_embedding_grad) if stage == 0 and has_embedding else 0.0))
-            later = sum(block_params for b in blocks if b[4] > stage) + (head_params if has_head and stage < last
-                                                                          else 0.0)
-            candidates.append((sum(b[0] for b in before if b[4] != stage)
-                               + sum(b[0] * (b[3] - 1) / b[3] for b in before if b[4] == stage)
-                               + sum(b[0] * max(b[3] - 2, 0) / b[3] for b in same_after) + later_held,
+            later = sum(own_stage_params[later_stage] for later_stage in done if later_stage > stage) + (
+                head_params if has_head and stage < last else 0.0)
+            stage_total, stage_less_one = stage_saved_before[index]
+            candidates.append((saved_before[index] - stage_total + stage_less_one + same_after_less_two + later_held,
                                own * grad_bytes + later * later_bytes))
-        for saved, grads in candidates:
-            phase = (saved, transient, backward_buffers + copies_before, grads)
+        for saved_bytes, grads in candidates:
+            phase = (saved_bytes, transient, backward_buffers + copies_before, grads)
             if sum(phase) > sum(phases.get("block backward", (0.0,))):
                 phases["block backward"] = phase
         done[stage] += block_params
+        after[stage] = (same_after_less_one + saved * (mbs - 1) / mbs,
+                        same_after_less_two + saved * max(mbs - 2, 0) / mbs)
+        exceeding = saved * max(mbs - dims.pp, 0) / mbs
+        held_after += exceeding
+        later_held_after[stage] += exceeding
     phase, (acts, transient, buffers, grads) = max(phases.items(), key=lambda item: sum(item[1]))
     return Estimate(parameters=round(parameters), optimizer=round(optimizer), gradients=round(grads),
                     activations=round(acts), transient=round(transient), buffers=round(buffers), overhead=overhead,
