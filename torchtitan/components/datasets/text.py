@@ -45,6 +45,8 @@ from torch.utils.data import IterableDataset
 from torchdata.stateful_dataloader import StatefulDataLoader
 
 from torchtitan.components.datasets.documents import Source, StreamRetry, document_text, load_documents
+from torchtitan.components.datasets.mixture import MixtureDataset, parse_sources
+from torchtitan.components.datasets.shards import ShardAccess, ShardDataset, ShardMaps, is_shard_folder
 from torchtitan.errors import UserError
 from torchtitan.tools.logging import logger
 
@@ -351,6 +353,7 @@ def build_dataloader(
     sources: list[str] | None = None,
     stream_retry: StreamRetry = StreamRetry(),
     batches_per_step: int = 1,
+    shard_access: ShardAccess = ShardAccess(),
 ) -> StatefulDataLoader:
     """A loader of `(inputs, labels)` batches of shape `[local_batch_size, seq_len]` for one rank.
 
@@ -358,15 +361,11 @@ def build_dataloader(
     ahead of the training loop, else documents tokenized here by `num_workers` processes; with 0 both happen in the
     training thread) or `dataset`; or, with `sources` (`path:weight` entries), a weighted mixture of such paths.
     `seed` orders the windows of token shards; `stream_retry` says how streams from the Hugging Face hub survive
-    transient faults. `batches_per_step` (gradient accumulation) sets how far shard reads run ahead: two steps' worth
-    of batches. One rank's `state_dict()` after any batch can be loaded into the loaders of every rank, also of
-    a run with another data-parallel degree (see the module docstrings); it counts the samples consumed, not those
-    read ahead.
+    transient faults; `shard_access` how token shards are opened and checked. `batches_per_step` (gradient
+    accumulation) sets how far shard reads run ahead: two steps' worth of batches. One rank's `state_dict()` after
+    any batch can be loaded into the loaders of every rank, also of a run with another data-parallel degree (see the
+    module docstrings); it counts the samples consumed, not those read ahead.
     """
-    # Imported here: both modules build on this one.
-    from torchtitan.components.datasets.mixture import MixtureDataset, parse_sources
-    from torchtitan.components.datasets.shards import ShardDataset, is_shard_folder
-
     if local_batch_size < 1:
         raise UserError(f"{config_section}.local_batch_size={local_batch_size} must be at least 1")
     if num_workers < 0:
@@ -375,13 +374,15 @@ def build_dataloader(
 
     # Windows of token shards are read up to this many samples ahead by the reader threads.
     read_ahead = _READ_AHEAD_STEPS * batches_per_step * local_batch_size
+    # One bound on the open shards of this loader, whatever the number of sources.
+    maps = ShardMaps(shard_access.max_open_shards)
 
     def open_path(path: str | None, rank: int, degree: int, path_option: str | None = None,
                   reader_threads: int = num_workers) -> IterableDataset:
         if path is not None and is_shard_folder(path):
             return ShardDataset(path=path, tokenizer=tokenizer, seq_len=seq_len, dp_rank=rank, dp_degree=degree,
                                 infinite=infinite, seed=seed, config_section=config_section, path_option=path_option,
-                                num_workers=reader_threads, read_ahead=read_ahead)
+                                num_workers=reader_threads, read_ahead=read_ahead, access=shard_access, maps=maps)
         return TextDataset(dataset=dataset, dataset_path=path, text_field=text_field, tokenizer=tokenizer,
                            seq_len=seq_len, dp_rank=rank, dp_degree=degree, infinite=infinite,
                            config_section=config_section, num_workers=num_workers, path_option=path_option,
