@@ -223,6 +223,9 @@ def test_truncated_corrupt_and_missing_shards_are_one_line_errors(shards, tokeni
     (copy / "shard-00001.bin").unlink()
     with pytest.raises(UserError, match="shard-00001.bin is missing"):
         windows(shard_loader(str(copy), tokenizer))
+    np.save(copy / "shards.npy", np.load(copy / "shards.npy")[:, :-1])
+    with pytest.raises(UserError, match=r"the shard index .*shards.npy does not match the manifest's 5 shard\(s\)"):
+        shard_loader(str(copy), tokenizer)
     (copy / "manifest.json").write_text("{ not json")
     with pytest.raises(UserError, match="cannot read the shard manifest"):
         shard_loader(str(copy), tokenizer)
@@ -233,11 +236,9 @@ def corrupt_ids(copy, name, data):
     corrupt = np.frombuffer(data, dtype=np.uint16).copy()
     corrupt[:] = 65000
     (copy / f"{name}.bin").write_bytes(corrupt.tobytes())
-    manifest = json.loads((copy / "manifest.json").read_text())
-    for entry in manifest["shards"]:
-        if entry["name"] == name:
-            entry["sha256"] = hashlib.sha256(corrupt.tobytes()).hexdigest()
-    (copy / "manifest.json").write_text(json.dumps(manifest))
+    index = np.load(copy / "shards.npy")
+    index[2:6, int(name.split("-")[1])] = np.frombuffer(hashlib.sha256(corrupt.tobytes()).digest(), dtype="<i8")
+    np.save(copy / "shards.npy", index)
 
 
 @pytest.mark.parametrize("fault", ["truncated", "beyond_vocabulary"])
@@ -268,8 +269,8 @@ def test_reader_thread_errors_are_the_same_one_line_errors(shards, tokenizer, tm
 
 def shard_start(path, tokenizer, name):
     """The first token of shard `name` in the concatenated stream, and the stream's reader."""
-    manifest = json.loads(open(os.path.join(path, "manifest.json")).read())
-    start = sum(e["num_tokens"] for e in itertools.takewhile(lambda e: e["name"] != name, manifest["shards"]))
+    shard = int(name.split("-")[1])
+    start = int(np.load(os.path.join(path, "shards.npy"))[0, shard - 1]) if shard else 0
     return start, ShardDataset(path=str(path), tokenizer=tokenizer, seq_len=SEQ_LEN, dp_rank=0, dp_degree=1,
                                infinite=False, seed=0).shards
 
@@ -312,15 +313,15 @@ def maps_under(folder: str) -> int:
 
 @pytest.fixture(scope="module")
 def many_shards(tmp_path_factory, tokenizer):
-    """300 shards of 3 windows of random ids each."""
+    """300 shards of 3 windows of random ids each, and every 50th empty."""
     folder = tmp_path_factory.mktemp("many_shards")
     rng = np.random.default_rng(0)
     entries = []
-    for index in range(300):
-        tokens = rng.integers(0, tokenizer.vocab_size, 3 * (SEQ_LEN + 1), dtype=np.uint16)
+    for index in range(306):
+        tokens = rng.integers(0, tokenizer.vocab_size, 0 if index % 51 == 50 else 3 * (SEQ_LEN + 1), dtype=np.uint16)
         tokens.tofile(folder / f"shard-{index:05d}.bin")
-        np.array([0, len(tokens)], dtype=np.int64).tofile(folder / f"shard-{index:05d}.idx")
-        entries.append({"name": f"shard-{index:05d}", "num_tokens": len(tokens), "num_documents": 1,
+        np.array([0, len(tokens)][: 2 if len(tokens) else 1], dtype=np.int64).tofile(folder / f"shard-{index:05d}.idx")
+        entries.append({"name": f"shard-{index:05d}", "num_tokens": len(tokens), "num_documents": int(len(tokens) > 0),
                         "sha256": hashlib.sha256(tokens.tobytes()).hexdigest()})
     write_manifest(folder, tokenizer, entries, source="random", text_field="text")
     return str(folder)
@@ -374,3 +375,58 @@ def test_script_errors_are_one_line(tmp_path, capsys, shards):
     assert "error: SOURCE='" in capsys.readouterr().err
     assert tokenize_dataset.main([str(tmp_path / "x.jsonl"), shards]) == 2
     assert "already holds token shards" in capsys.readouterr().err
+
+
+def shard_files(folder) -> dict[str, bytes]:
+    return {name: open(os.path.join(folder, name), "rb").read() for name in sorted(os.listdir(folder))
+            if name.endswith((".bin", ".idx", ".npy"))}
+
+
+def test_tokenizing_in_parts_and_resuming_gives_the_same_shards(source, shards, tmp_path, capsys):
+    out = str(tmp_path / "parts")
+    first = tokenize_dataset.tokenize(source, out, text_field="body", documents_per_shard=70, progress=False,
+                                      part="0/2")
+    assert (first["num_shards"], first["written"], first["complete"]) == (3, 3, False)
+    assert not os.path.exists(os.path.join(out, "manifest.json")), "part 1 of 2 is not done"
+    with pytest.raises(UserError, match=r"part\(s\) 1/2 are not done"):
+        tokenize_dataset.merge(out)
+    # The part that finishes last writes the manifest.
+    assert tokenize_dataset.main([source, out, "--text_field", "body", "--documents_per_shard", "70",
+                                  "--part", "1/2"]) == 0
+    printed = capsys.readouterr().out
+    assert "2 shard(s) (2 written, 0 kept)" in printed and "tokens/s; complete" in printed
+    assert shard_files(out) == shard_files(shards)
+    # A crash of part 1 while it wrote shard 3 (no record yet), and shard 1 damaged since.
+    for name in ("manifest.json", "part-1-of-2.json", "shard-00003.json"):
+        os.unlink(os.path.join(out, name))
+    tokens = np.fromfile(os.path.join(out, "shard-00001.bin"), dtype=np.uint16)
+    tokens[3] += 1
+    tokens.tofile(os.path.join(out, "shard-00001.bin"))
+    resumed = tokenize_dataset.tokenize(source, out, text_field="body", documents_per_shard=70, progress=False,
+                                        part="1/2")
+    # Shard 1 does not match its sha256, shard 3 has no record: both are written again.
+    assert (resumed["written"], resumed["kept"], resumed["complete"]) == (2, 0, True)
+    assert shard_files(out) == shard_files(shards)
+    # A crash of part 0 while it wrote shard 4.
+    for name in ("manifest.json", "part-0-of-2.json", "shard-00004.json"):
+        os.unlink(os.path.join(out, name))
+    resumed = tokenize_dataset.tokenize(source, out, text_field="body", documents_per_shard=70, progress=False,
+                                        part="0/2")
+    assert (resumed["written"], resumed["kept"], resumed["complete"]) == (1, 2, True)
+    assert shard_files(out) == shard_files(shards)
+
+
+def test_resuming_with_other_options_is_one_error_line(source, tmp_path):
+    out = str(tmp_path / "out")
+    (tmp_path / "out").mkdir()
+    (tmp_path / "out" / "tokenize.json").write_text(json.dumps(
+        {"source": source, "text_field": "body", "tokenizer_sha256": build_tokenizer("").checksum,
+         "documents_per_shard": 70, "parts": 2}))
+    with pytest.raises(UserError, match=r"--documents_per_shard: OUT_DIR='.*out' was begun with documents_per_shard "
+                                        r"= 70, now 50; resume with the same options"):
+        tokenize_dataset.tokenize(source, out, text_field="body", documents_per_shard=50, part="0/2")
+    with pytest.raises(UserError, match="--part: .* was begun with parts = 2, now 3"):
+        tokenize_dataset.tokenize(source, out, text_field="body", documents_per_shard=70, part="0/3")
+    for bad in ("2/2", "1", "a/b"):
+        with pytest.raises(UserError, match=f"--part='{bad}' must be I/P with 0 <= I < P"):
+            tokenize_dataset.tokenize(source, out, part=bad)

@@ -3,12 +3,15 @@
 A shard folder holds
 
     manifest.json       format version, the tokenizer (file, sha256, vocabulary size, BOS/EOS ids), the token dtype,
-                        and per shard its token and document counts and sha256
+                        the source, the totals and the number of shards
+    shards.npy          the index of the shards, one column per shard: int64 rows of the token count at its end
+                        (cumulative), its document count, and its sha256 (4 rows of 8 bytes; zeros: not recorded)
     shard-NNNNN.bin     token ids of consecutive documents, each `BOS text EOS` as the on-the-fly path encodes them,
                         as a flat array in the smallest sufficient dtype (uint16 below 65,536 ids, else uint32)
     shard-NNNNN.idx     int64 offsets of each document's first token in the .bin, then the token count
 
-The manifest is written last, so an interrupted tokenization leaves no folder the trainer would read.
+Shard `i` is `shard_name(i)`. The manifest is written last, so an interrupted tokenization leaves no folder the
+trainer would read.
 
 Sampling: the shards concatenated in manifest order are the same token stream the on-the-fly path packs, cut into
 the same windows of `seq_len + 1` tokens (the tail that fills no window is dropped). Epoch `e` visits the windows in
@@ -21,8 +24,9 @@ on-the-fly path, each rank reads only its own windows: bytes read per rank fall 
 The permutation is a Feistel network over the next power-of-four domain with cycle walking: a bijection of
 `[0, num_windows)` computed per index, so no table of billions of window indices is kept in memory.
 
-Opening: the manifest is the only file read when the folder is opened, so start-up costs one file read on each
-rank however many shards there are. A shard is memory-mapped when a window first needs it, through a bounded cache
+Opening: the manifest and the index are the only files read when the folder is opened, and the index is
+memory-mapped: finding a window's shard is a binary search that touches a few of its pages, so start-up costs the
+same on each rank however many shards there are. A shard is memory-mapped when a window first needs it, through a bounded cache
 of maps (`ShardMaps`, least recently used closed first): at 15T tokens there are hundreds of thousands of shards,
 beyond the open-file limit and the kernel's map count if every rank mapped every one. Its size is checked against
 the manifest then, and the sha256 of a sample of the shards (or of all, `training.verify_all_shards`) as each
@@ -60,7 +64,11 @@ from torchtitan.tools.files import atomic_write
 from torchtitan.tools.logging import logger
 
 MANIFEST = "manifest.json"
-FORMAT = "torchtitan-token-shards-v1"
+INDEX = "shards.npy"
+FORMAT = "torchtitan-token-shards-v2"
+# Rows of the index: the token count at each shard's end (cumulative, contiguous for the binary search), its
+# documents, its sha256.
+_END, _DOCUMENTS, _SHA256 = 0, 1, slice(2, 6)
 
 _STATE_KEYS = ("next_sample", "num_windows", "seq_len", "seed")
 _MASK64 = (1 << 64) - 1
@@ -95,6 +103,16 @@ def write_shard(folder: Path, name: str, documents: list[list[int]], dtype: np.d
 
 
 def write_manifest(folder: Path, tokenizer: Any, shards: list[dict[str, Any]], source: str, text_field: str) -> None:
+    """The index of `shards` (the entries of shards 0, 1, ... in order, as write_shard returns them), then the
+    manifest."""
+    index = np.zeros((6, len(shards)), dtype="<i8")
+    index[_END] = np.cumsum([s["num_tokens"] for s in shards])
+    index[_DOCUMENTS] = [s["num_documents"] for s in shards]
+    for column, entry in enumerate(shards):
+        if entry["sha256"]:
+            index[_SHA256, column] = np.frombuffer(bytes.fromhex(entry["sha256"]), dtype="<i8")
+    with atomic_write(folder / INDEX, "wb") as f:
+        np.save(f, index)
     manifest = {
         "format": FORMAT,
         "tokenizer": {"file": Path(tokenizer.file).name, "sha256": tokenizer.checksum,
@@ -104,7 +122,7 @@ def write_manifest(folder: Path, tokenizer: Any, shards: list[dict[str, Any]], s
         "text_field": text_field,
         "num_tokens": sum(s["num_tokens"] for s in shards),
         "num_documents": sum(s["num_documents"] for s in shards),
-        "shards": shards,
+        "num_shards": len(shards),
     }
     with atomic_write(folder / MANIFEST) as f:
         json.dump(manifest, f, indent=1)
@@ -163,8 +181,8 @@ class ShardMaps:
 class TokenShards:
     """The token stream of a shard folder, checked against the manifest and the tokenizer.
 
-    Opening reads the manifest alone (one file, whatever the number of shards); each shard is memory-mapped when a
-    window first needs it, through `maps`, and checked then: its size against the manifest, and for a sample of the
+    Opening reads the manifest and maps the index (their cost does not grow with the number of shards); each shard
+    is memory-mapped when a window first needs it, through `maps`, and checked then: its size against the manifest, and for a sample of the
     shards (or all, with `access.verify_all_shards`) its sha256 and index."""
 
     def __init__(self, path: str, tokenizer: Any, option: str, access: ShardAccess = ShardAccess(),
@@ -178,20 +196,14 @@ class TokenShards:
         self.vocab_size = int(manifest["tokenizer"]["vocab_size"])
         self._dtype = np.dtype(manifest["dtype"])
         self._itemsize = self._dtype.itemsize
-        # The non-empty shards, as arrays (a list of dicts would take hundreds of bytes a shard on every rank).
-        entries = [entry for entry in manifest["shards"] if int(entry["num_tokens"])]
-        self._names = [entry["name"] for entry in entries]
-        self._documents = np.array([int(entry["num_documents"]) for entry in entries], dtype=np.int64)
-        self._sha256 = [entry.get("sha256", "") for entry in entries]
-        self._starts = np.zeros(len(entries) + 1, dtype=np.int64)
-        np.cumsum([int(entry["num_tokens"]) for entry in entries], out=self._starts[1:])
-        self.num_tokens = int(self._starts[-1])
+        self._index = self._read_index(manifest)
+        self.num_tokens = int(manifest["num_tokens"])
         self.bytes_read = 0
         self._verified = 0
         # Reader threads (training.num_workers) add to bytes_read and open shards concurrently.
         self._count_lock = threading.Lock()
         logger.info(f"token shards {self.folder}: {self.num_tokens:,} tokens, {manifest['num_documents']:,} "
-                    f"documents in {len(manifest['shards'])} shard(s), memory-mapped on demand (at most "
+                    f"documents in {manifest['num_shards']:,} shard(s), memory-mapped on demand (at most "
                     f"{self._maps.capacity} open)")
 
     def _read_manifest(self) -> dict:
@@ -206,6 +218,25 @@ class TokenShards:
             raise UserError(f"{self.option}: {file} has format {found!r}, not {FORMAT!r}; re-create the folder "
                             f"with scripts/tokenize_dataset.py")
         return manifest
+
+    def _read_index(self, manifest: dict) -> np.ndarray:
+        file = self.folder / INDEX
+        try:
+            index = np.load(file, mmap_mode="r")
+        except (OSError, ValueError) as e:
+            raise UserError(f"{self.option}: cannot read the shard index {file}: {e}; re-create the folder with "
+                            f"scripts/tokenize_dataset.py") from None
+        shards, tokens = manifest["num_shards"], manifest["num_tokens"]
+        if index.shape != (6, shards) or index.dtype != np.dtype("<i8") or (shards and index[_END, -1] != tokens):
+            raise UserError(f"{self.option}: the shard index {file} does not match the manifest's {shards} shard(s) "
+                            f"of {tokens} tokens (corrupt or from another tokenization); re-create the folder with "
+                            f"scripts/tokenize_dataset.py")
+        return index
+
+    def _shard_range(self, shard: int) -> tuple[int, int]:
+        """The first token of `shard` in the stream, and its token count."""
+        start = int(self._index[_END, shard - 1]) if shard else 0
+        return start, int(self._index[_END, shard]) - start
 
     def _check_tokenizer(self, recorded: dict, tokenizer: Any) -> None:
         checksum = getattr(tokenizer, "checksum", "")
@@ -222,9 +253,8 @@ class TokenShards:
                          f"scripts/tokenize_dataset.py")
 
     def _open_shard(self, shard: int) -> mmap.mmap:
-        name = self._names[shard]
-        data = self.folder / f"{name}.bin"
-        num_tokens = int(self._starts[shard + 1] - self._starts[shard])
+        data = self.folder / f"{shard_name(shard)}.bin"
+        num_tokens = self._shard_range(shard)[1]
         try:
             with open(data, "rb") as f:
                 size = os.fstat(f.fileno()).st_size
@@ -254,12 +284,12 @@ class TokenShards:
 
     def _verify(self, shard: int, data: Path, mapping: mmap.mmap) -> None:
         """The shard's sha256 and its index's ends against the manifest."""
-        expected = self._sha256[shard]
-        if expected and hashlib.sha256(mapping).hexdigest() != expected:
-            raise self._corrupt(data, f"does not match its sha256 in the manifest ({expected[:12]}...): corrupt or "
-                                      f"replaced")
+        expected = self._index[_SHA256, shard].astype("<i8").tobytes()
+        if any(expected) and hashlib.sha256(mapping).digest() != expected:
+            raise self._corrupt(data, f"does not match its sha256 in the manifest ({expected.hex()[:12]}...): "
+                                      f"corrupt or replaced")
         index = data.with_suffix(".idx")
-        documents = int(self._documents[shard])
+        documents = int(self._index[_DOCUMENTS, shard])
         try:
             with open(index, "rb") as f:
                 size = os.fstat(f.fileno()).st_size
@@ -270,7 +300,7 @@ class TokenShards:
         if ends is None:
             raise self._corrupt(index, f"has {size} bytes, the manifest says {(documents + 1) * 8} (truncated or "
                                        f"corrupt)")
-        if ends[0] != 0 or ends[1] != self._starts[shard + 1] - self._starts[shard]:
+        if ends[0] != 0 or ends[1] != self._shard_range(shard)[1]:
             raise self._corrupt(index, "does not match its shard's token count (corrupt)")
 
     def _mapping(self, shard: int) -> mmap.mmap:
@@ -279,12 +309,17 @@ class TokenShards:
     def read(self, start: int, length: int) -> np.ndarray:
         """Tokens [start, start + length) of the concatenated stream, as int64."""
         out = np.empty(length, dtype=np.int64)
-        shard = int(np.searchsorted(self._starts, start, side="right")) - 1
+        # The first shard whose end is beyond `start` (so not an empty one).
+        shard = int(np.searchsorted(self._index[_END], start, side="right"))
         filled = 0
         while filled < length:
+            shard_start, shard_tokens = self._shard_range(shard)
+            offset = start + filled - shard_start
+            count = min(length - filled, shard_tokens - offset)
+            if count == 0:  # an empty shard: nothing to map
+                shard += 1
+                continue
             mapping = self._mapping(shard)
-            offset = start + filled - int(self._starts[shard])
-            count = min(length - filled, int(self._starts[shard + 1] - self._starts[shard]) - offset)
             first_byte = offset * self._itemsize
             page_start = first_byte - first_byte % mmap.PAGESIZE
             mapping.madvise(mmap.MADV_WILLNEED, page_start, first_byte + count * self._itemsize - page_start)
