@@ -26,6 +26,8 @@ class HubServer:
         self.root, self.fail_after, self.fail_429, self.drop = root, fail_after, fail_429, drop
         self.always_503, self.gated = always_503, gated
         self.parquet_requests = 0
+        # (file name, bytes sent) of every parquet download.
+        self.downloads: list[tuple[str, int]] = []
         server = self
 
         class Handler(http.server.BaseHTTPRequestHandler):
@@ -106,6 +108,8 @@ class HubServer:
             first, last = request.headers["Range"].split("=")[1].split("-")
             start, end = int(first), min(int(last) if last else end, end)
         body = data[start:end + 1]
+        if file.suffix == ".parquet" and not head:
+            self.downloads.append((file.name, len(body)))
         headers = {"ETag": f'"{hashlib.sha1(data).hexdigest()}"', "X-Repo-Commit": COMMIT, "Accept-Ranges": "bytes"}
         if request.headers.get("Range"):
             headers["Content-Range"] = f"bytes {start}-{end}/{len(data)}"
