@@ -2,6 +2,7 @@
 serves a repository of parquet files, failing on purpose (429s, dropped connections, persistent 503s). The
 libraries' own retries are cut to one attempt without waits, so that the failures reach the loader's retry layer."""
 
+import itertools
 import json
 
 import pyarrow as pa
@@ -9,7 +10,7 @@ import pyarrow.parquet as pq
 import pytest
 
 from tests.unit.hub_server import HubServer
-from torchtitan.components.datasets.documents import Source, StreamRetry, load_documents
+from torchtitan.components.datasets.documents import Source, StreamRetry, is_transient, load_documents
 from torchtitan.components.datasets.text import TextDataset
 from torchtitan.components.tokenizer import build_tokenizer
 from torchtitan.errors import UserError
@@ -87,3 +88,52 @@ def test_a_checkpoint_resumes_the_stream_from_its_own_position(tmp_path, hub_cli
         assert [inputs.tolist() for inputs, _ in resumed] == following and following
         # The stream resumes at its last batch boundary, which may lie at the end of the file before the anchor's.
         assert {name for name, _ in hub.downloads} <= set(files[2:]), hub.downloads
+
+
+def test_stalled_reads_and_resuming_at_a_later_document_under_faults(repository, hub_client, monkeypatch, caplog):
+    import huggingface_hub.constants
+
+    # A read that stalls times out on the client's side (after 0.1 s here), more times than the client retries.
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_DOWNLOAD_TIMEOUT", 0.1)
+    later = RECORDS_PER_SHARD + 50
+    with HubServer(repository, stall_seconds=0.3) as hub:
+        hub_client(hub.url)
+        source = Source(dataset="x", dataset_path="org/data", text_field="text", section="training",
+                        retry=StreamRetry(max_attempts=4, backoff_seconds=0.001))
+        documents = load_documents(source)
+        reader = documents.read_from(0)
+        assert list(itertools.islice(reader, later)) == EXPECTED[:later]
+        position = documents.position(later)
+        reader.close()
+        # Resumed from the stream's own position, it meets 7 stalled reads.
+        hub.parquet_requests, hub.stall = 0, 7
+        caplog.clear()
+        assert list(documents.read_from(later, position)) == EXPECTED[later:]
+    stalls = [r for r in caplog.records if "transient error while streaming" in r.getMessage()]
+    assert stalls and hub.stall == 0, "the stalls must reach the loader's retry layer"
+
+
+class ClientError(Exception):
+    """aiohttp's exception classes (aiohttp 3), by name and hierarchy: fsspec's HTTP file system raises them."""
+
+
+class ClientConnectionError(ClientError):
+    pass
+
+
+class ServerDisconnectedError(ClientConnectionError):
+    pass
+
+
+class ClientPayloadError(ClientError):
+    pass
+
+
+@pytest.mark.parametrize("error", [ServerDisconnectedError("Server disconnected"), ClientConnectionError("reset"),
+                                   ClientPayloadError("Response payload is not completed")])
+def test_aiohttp_disconnects_are_transient(error):
+    assert is_transient(error)
+    wrapped = RuntimeError("reading the parquet file failed")
+    wrapped.__cause__ = error
+    assert is_transient(wrapped)
+    assert not is_transient(ClientError("400 Bad Request"))

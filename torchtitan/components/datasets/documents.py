@@ -72,9 +72,13 @@ class StreamRetry:
         return min(self.backoff_seconds * 2 ** (attempt - 1), 60.0) * (1 + random.random())
 
 
-# Names of exception classes (anywhere in an error's class hierarchy or causes) that a later attempt can get past.
+# Names of exception classes (anywhere in an error's class hierarchy or causes) that a later attempt can get past:
+# builtins, httpx's, requests' and urllib3's, http.client's, and aiohttp's (fsspec's HTTP file system), whose
+# connection errors (ServerDisconnectedError, ClientOSError, ...) derive from ClientConnectionError and whose
+# truncated bodies are ClientPayloadError; its timeouts are TimeoutErrors.
 _TRANSIENT_ERRORS = {"ConnectionError", "TimeoutError", "TimeoutException", "TransportError", "NetworkError",
-                     "RemoteProtocolError", "ChunkedEncodingError", "ProtocolError", "IncompleteRead"}
+                     "RemoteProtocolError", "ChunkedEncodingError", "ProtocolError", "IncompleteRead",
+                     "ClientConnectionError", "ClientPayloadError"}
 
 
 def is_transient(error: BaseException | None) -> bool:
