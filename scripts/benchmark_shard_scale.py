@@ -11,8 +11,9 @@ under --folder, kept for the next run), then in a fresh process per N: opens the
 after reading, with the shards open in the loader's cache. The shards are in the page cache (just written or read
 before): the times are those of a warm local file system; on a shared one every file lookup costs a round trip.
 
---module loads the shard format and `ShardDataset` from another copy of shards.py (for instance an earlier commit's, from `git show
-COMMIT:torchtitan/components/datasets/shards.py`), to compare; a failure is reported as its error.
+--module loads the shard format and `ShardDataset` from another copy of shards.py (for instance an earlier
+commit's, from `git show COMMIT:torchtitan/components/datasets/shards.py`), to compare; a failure to open is
+reported as its error.
 """
 
 import argparse

@@ -98,7 +98,8 @@ def _begin(folder: Path, settings: dict) -> None:
         begun = json.loads(file.read_text())
         for key, value in settings.items():
             if begun.get(key) != value:
-                option = {"source": "SOURCE", "tokenizer_sha256": "--hf_assets_path", "parts": "--part"}.get(key, f"--{key}")
+                option = {"source": "SOURCE", "tokenizer_sha256": "--hf_assets_path",
+                          "parts": "--part"}.get(key, f"--{key}")
                 raise UserError(f"{option}: OUT_DIR={str(folder)!r} was begun with {key} = {begun.get(key)!r}, now "
                                 f"{value!r}; resume with the same options, or use another folder")
         return

@@ -26,11 +26,11 @@ The permutation is a Feistel network over the next power-of-four domain with cyc
 
 Opening: the manifest and the index are the only files read when the folder is opened, and the index is
 memory-mapped: finding a window's shard is a binary search that touches a few of its pages, so start-up costs the
-same on each rank however many shards there are. A shard is memory-mapped when a window first needs it, through a bounded cache
-of maps (`ShardMaps`, least recently used closed first): at 15T tokens there are hundreds of thousands of shards,
-beyond the open-file limit and the kernel's map count if every rank mapped every one. Its size is checked against
-the manifest then, and the sha256 of a sample of the shards (or of all, `training.verify_all_shards`) as each
-process first opens it: a mismatch is one error line naming the shard.
+same on each rank however many shards there are. A shard is memory-mapped when a window first needs it, through a
+bounded cache of maps (`ShardMaps`, least recently used closed first): at 15T tokens there are hundreds of
+thousands of shards, beyond the open-file limit and the kernel's map count if every rank mapped every one. Its size
+is checked against the index then, and the sha256 of a sample of the shards (or of all,
+`training.verify_all_shards`) as each process first opens it: a mismatch is one error line naming the shard.
 
 Reading: the shards are memory-mapped with the advice that they are read at random, and each window's pages are
 asked for at once, so a cold read fetches that window, not the file's read-ahead span around it. With
@@ -182,8 +182,8 @@ class TokenShards:
     """The token stream of a shard folder, checked against the manifest and the tokenizer.
 
     Opening reads the manifest and maps the index (their cost does not grow with the number of shards); each shard
-    is memory-mapped when a window first needs it, through `maps`, and checked then: its size against the manifest, and for a sample of the
-    shards (or all, with `access.verify_all_shards`) its sha256 and index."""
+    is memory-mapped when a window first needs it, through `maps`, and checked then: its size against the index,
+    and for a sample of the shards (or all, with `access.verify_all_shards`) its sha256 and document index."""
 
     def __init__(self, path: str, tokenizer: Any, option: str, access: ShardAccess = ShardAccess(),
                  maps: ShardMaps | None = None):
