@@ -396,24 +396,23 @@ def test_tokenizing_in_parts_and_resuming_gives_the_same_shards(source, shards, 
     printed = capsys.readouterr().out
     assert "2 shard(s) (2 written, 0 kept)" in printed and "tokens/s; complete" in printed
     assert shard_files(out) == shard_files(shards)
-    # A crash of part 1 while it wrote shard 3 (no record yet), and shard 1 damaged since.
-    for name in ("manifest.json", "part-1-of-2.json", "shard-00003.json"):
+    # A crash of part 0 while it wrote shard 4 (no record yet), and shard 0 damaged since: resuming rewrites both and
+    # keeps shard 2.
+    for name in ("manifest.json", "shards.npy", "part-0-of-2.json", "shard-00004.json"):
         os.unlink(os.path.join(out, name))
-    tokens = np.fromfile(os.path.join(out, "shard-00001.bin"), dtype=np.uint16)
+    tokens = np.fromfile(os.path.join(out, "shard-00000.bin"), dtype=np.uint16)
     tokens[3] += 1
-    tokens.tofile(os.path.join(out, "shard-00001.bin"))
-    resumed = tokenize_dataset.tokenize(source, out, text_field="body", documents_per_shard=70, progress=False,
-                                        part="1/2")
-    # Shard 1 does not match its sha256, shard 3 has no record: both are written again.
-    assert (resumed["written"], resumed["kept"], resumed["complete"]) == (2, 0, True)
-    assert shard_files(out) == shard_files(shards)
-    # A crash of part 0 while it wrote shard 4.
-    for name in ("manifest.json", "part-0-of-2.json", "shard-00004.json"):
-        os.unlink(os.path.join(out, name))
+    tokens.tofile(os.path.join(out, "shard-00000.bin"))
     resumed = tokenize_dataset.tokenize(source, out, text_field="body", documents_per_shard=70, progress=False,
                                         part="0/2")
-    assert (resumed["written"], resumed["kept"], resumed["complete"]) == (1, 2, True)
+    assert (resumed["written"], resumed["kept"], resumed["complete"]) == (2, 1, True)
     assert shard_files(out) == shard_files(shards)
+    # Parts copied together from separate disks: --merge writes the index and the manifest.
+    for name in ("manifest.json", "shards.npy"):
+        os.unlink(os.path.join(out, name))
+    assert tokenize_dataset.main(["--merge", out]) == 0
+    assert "5 shard(s)" in capsys.readouterr().out
+    assert shard_files(out) == shard_files(shards) and os.path.exists(os.path.join(out, "manifest.json"))
 
 
 def test_resuming_with_other_options_is_one_error_line(source, tmp_path):
