@@ -23,6 +23,7 @@ from torch.profiler import record_function
 from torchtitan.components.checkpoint import CheckpointManager, TrainState
 from torchtitan.components.datasets import build_dataloader
 from torchtitan.components.datasets.documents import StreamRetry
+from torchtitan.components.datasets.shards import ShardAccess
 from torchtitan.components.float8 import apply_float8, precompute_float8_scales
 from torchtitan.components.health import Health, TrainingDiverged
 from torchtitan.components.loss import count_valid_tokens, cross_entropy_sum
@@ -179,7 +180,8 @@ class Trainer:
                                 num_workers=training.num_workers if section == "training" else 0,
                                 seed=training.data_seed, sources=training.sources if section == "training" else None,
                                 batches_per_step=self.grad_accumulation_steps if section == "training" else 1,
-                                stream_retry=StreamRetry(training.stream_max_attempts, training.stream_backoff_seconds))
+                                stream_retry=StreamRetry(training.stream_max_attempts, training.stream_backoff_seconds),
+                                shard_access=ShardAccess(training.max_open_shards, training.verify_all_shards))
 
     def _masking(self, inputs: torch.Tensor) -> dict[str, torch.Tensor]:
         """The model's inputs for model.attention_mask = block_causal, from where the batch's documents start (BOS);

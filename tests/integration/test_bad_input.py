@@ -17,6 +17,7 @@ import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 import torch.distributed as dist
@@ -257,15 +258,22 @@ def another_tokenizer(shards: Path) -> None:
 
 
 def corrupt_ids(shards: Path) -> None:
-    """Every token id beyond the vocabulary (as a flipped high bit would make them): found when a window is read."""
+    """Every token id beyond the vocabulary (as a flipped high bit would make them): found when a window is read.
+    The index's checksums are erased (not recorded), so that the ids, not the checksum, are what is checked."""
     for shard in shards.glob("shard-*.bin"):
         shard.write_bytes(b"\xff\xfe" * (shard.stat().st_size // 2))
+    index = np.load(shards / "shards.npy")
+    index[2:] = 0
+    np.save(shards / "shards.npy", index)
 
 
 CHECKPOINT_CASES = [
     # (name, damage done to the copy of the good run before resuming, extra options, text the error names)
-    ("truncated_token_shard", lambda d: write_shards(d, lambda s: truncate(s / "shard-00001.bin")),
-     ["--training.dataset_path", "{dump}/shards"], "{dump}/shards/shard-00001.bin has 1"),
+    # A shard is opened (and its size checked) when a window first needs it: every one is truncated, so that the
+    # first read fails, before a step could save a checkpoint.
+    ("truncated_token_shard", lambda d: write_shards(d, lambda s: [truncate(f) for f in s.glob("shard-*.bin")]),
+     ["--training.dataset_path", "{dump}/shards", "--checkpoint.exclude_from_loading", "dataloader"],
+     "{dump}/shards/shard-0000"),
     # Read by the reader threads: the error reaches the training loop as it does without them.
     ("corrupt_token_shard_read_in_background", lambda d: write_shards(d, corrupt_ids),
      ["--training.dataset_path", "{dump}/shards", "--training.num_workers", "2", "--checkpoint.exclude_from_loading",

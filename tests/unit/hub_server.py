@@ -8,6 +8,7 @@ import json
 import re
 import socket
 import threading
+import time
 from pathlib import Path
 
 COMMIT = "c" * 40
@@ -18,14 +19,18 @@ class HubServer:
     every model request is refused as a gated repository's are without an accepted license.
 
     After the first `fail_after` parquet downloads, the next `fail_429` are answered 429 (Too Many Requests), then
-    the next `drop` send half the file and close the connection; with `always_503` every parquet download after
+    the next `drop` send half the file and close the connection, then the next `stall` send half the file and stall
+    for `stall_seconds` (a read timeout on the client's side); with `always_503` every parquet download after
     `fail_after` is answered 503."""
 
     def __init__(self, root: Path, fail_after: int = 0, fail_429: int = 0, drop: int = 0, always_503: bool = False,
-                 gated: bool = False):
+                 gated: bool = False, stall: int = 0, stall_seconds: float = 1.0):
         self.root, self.fail_after, self.fail_429, self.drop = root, fail_after, fail_429, drop
+        self.stall, self.stall_seconds = stall, stall_seconds
         self.always_503, self.gated = always_503, gated
         self.parquet_requests = 0
+        # (file name, bytes sent) of every parquet download.
+        self.downloads: list[tuple[str, int]] = []
         server = self
 
         class Handler(http.server.BaseHTTPRequestHandler):
@@ -106,6 +111,8 @@ class HubServer:
             first, last = request.headers["Range"].split("=")[1].split("-")
             start, end = int(first), min(int(last) if last else end, end)
         body = data[start:end + 1]
+        if file.suffix == ".parquet" and not head:
+            self.downloads.append((file.name, len(body)))
         headers = {"ETag": f'"{hashlib.sha1(data).hexdigest()}"', "X-Repo-Commit": COMMIT, "Accept-Ranges": "bytes"}
         if request.headers.get("Range"):
             headers["Content-Range"] = f"bytes {start}-{end}/{len(data)}"
@@ -122,6 +129,13 @@ class HubServer:
             request.wfile.flush()
             request.close_connection = True
             request.connection.shutdown(socket.SHUT_RDWR)
+            return
+        if failing and self.stall > 0:
+            self.stall -= 1
+            request.wfile.write(body[: len(body) // 2])
+            request.wfile.flush()
+            time.sleep(self.stall_seconds)
+            request.close_connection = True
             return
         request.wfile.write(body)
 

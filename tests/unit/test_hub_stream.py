@@ -2,12 +2,17 @@
 serves a repository of parquet files, failing on purpose (429s, dropped connections, persistent 503s). The
 libraries' own retries are cut to one attempt without waits, so that the failures reach the loader's retry layer."""
 
+import itertools
+import json
+
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
 from tests.unit.hub_server import HubServer
-from torchtitan.components.datasets.documents import Source, StreamRetry, load_documents
+from torchtitan.components.datasets.documents import Source, StreamRetry, is_transient, load_documents
+from torchtitan.components.datasets.text import TextDataset
+from torchtitan.components.tokenizer import build_tokenizer
 from torchtitan.errors import UserError
 
 RECORDS_PER_SHARD = 100
@@ -51,3 +56,84 @@ def test_persistent_failure_is_one_error_line_after_the_configured_attempts(repo
         with pytest.raises(UserError, match=r"training.dataset_path='org/data': streaming failed 3 times in a row "
                                             r"\(training.stream_max_attempts = 3\), last with .*503"):
             stream(max_attempts=3)
+
+
+def hub_dataset(tokenizer) -> TextDataset:
+    return TextDataset(dataset="x", dataset_path="org/data", text_field="text", tokenizer=tokenizer, seq_len=16,
+                       dp_rank=0, dp_degree=1, infinite=False, stream_retry=StreamRetry(4, 0.001))
+
+
+def test_a_checkpoint_resumes_the_stream_from_its_own_position(tmp_path, hub_client):
+    # Skipping to the checkpoint's document downloaded every file before it again, on every rank.
+    root = tmp_path / "long"
+    (root / "data").mkdir(parents=True)
+    files = [f"train-0000{i}-of-00004.parquet" for i in range(4)]
+    for i, name in enumerate(files):
+        pq.write_table(pa.table({"text": [f"file {i} record {j}" for j in range(RECORDS_PER_SHARD)]}),
+                       root / "data" / name, row_group_size=10)
+    tokenizer = build_tokenizer("")
+    with HubServer(root) as hub:
+        hub_client(hub.url)
+        dataset = hub_dataset(tokenizer)
+        iterator = iter(dataset)
+        while dataset.state_dict()["anchor_document"] <= 3 * RECORDS_PER_SHARD:  # into the last file
+            next(iterator)
+        state = dataset.state_dict()
+        assert state["anchor_stream"] is not None
+        following = [inputs.tolist() for inputs, _ in iterator]
+        resumed = hub_dataset(tokenizer)
+        resumed.load_state_dict(json.loads(json.dumps(state)))
+        # (Opening the stream reads the first file's schema.)
+        hub.downloads.clear()
+        assert [inputs.tolist() for inputs, _ in resumed] == following and following
+        # The stream resumes at its last batch boundary, which may lie at the end of the file before the anchor's.
+        assert {name for name, _ in hub.downloads} <= set(files[2:]), hub.downloads
+
+
+def test_stalled_reads_and_resuming_at_a_later_document_under_faults(repository, hub_client, monkeypatch, caplog):
+    import huggingface_hub.constants
+
+    # A read that stalls times out on the client's side (after 0.1 s here), more times than the client retries.
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_DOWNLOAD_TIMEOUT", 0.1)
+    later = RECORDS_PER_SHARD + 50
+    with HubServer(repository, stall_seconds=0.3) as hub:
+        hub_client(hub.url)
+        source = Source(dataset="x", dataset_path="org/data", text_field="text", section="training",
+                        retry=StreamRetry(max_attempts=4, backoff_seconds=0.001))
+        documents = load_documents(source)
+        reader = documents.read_from(0)
+        assert list(itertools.islice(reader, later)) == EXPECTED[:later]
+        position = documents.position(later)
+        reader.close()
+        # Resumed from the stream's own position, it meets 7 stalled reads.
+        hub.parquet_requests, hub.stall = 0, 7
+        caplog.clear()
+        assert list(documents.read_from(later, position)) == EXPECTED[later:]
+    stalls = [r for r in caplog.records if "transient error while streaming" in r.getMessage()]
+    assert stalls and hub.stall == 0, "the stalls must reach the loader's retry layer"
+
+
+class ClientError(Exception):
+    """aiohttp's exception classes (aiohttp 3), by name and hierarchy: fsspec's HTTP file system raises them."""
+
+
+class ClientConnectionError(ClientError):
+    pass
+
+
+class ServerDisconnectedError(ClientConnectionError):
+    pass
+
+
+class ClientPayloadError(ClientError):
+    pass
+
+
+@pytest.mark.parametrize("error", [ServerDisconnectedError("Server disconnected"), ClientConnectionError("reset"),
+                                   ClientPayloadError("Response payload is not completed")])
+def test_aiohttp_disconnects_are_transient(error):
+    assert is_transient(error)
+    wrapped = RuntimeError("reading the parquet file failed")
+    wrapped.__cause__ = error
+    assert is_transient(wrapped)
+    assert not is_transient(ClientError("400 Bad Request"))

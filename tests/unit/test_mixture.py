@@ -66,6 +66,32 @@ def test_proportions_hold_over_every_thousand_samples(weights):
     assert (before[:, -1] == quotas(weights)).all()
 
 
+@pytest.mark.parametrize("weights", [[1e6, 1, 1, 1], [1e9, 3, 3, 1, 1], [5000, 1, 1, 2, 2, 1e-3], [1, 1, 1],
+                                     [0.5, 0.25, 0.25, 0, 1e-12]])
+def test_quotas_of_tiny_weights(weights):
+    # Minimum quotas of tiny weights once pushed the sum past the period: [1e6, 1, 1, 1] got [9996, 2, 1, 1].
+    counts = quotas(weights)
+    assert sum(counts) == PERIOD
+    total = sum(weights)
+    for i, w in enumerate(weights):
+        assert (counts[i] >= 1) if w > 0 else (counts[i] == 0)
+        # A share above one sample loses at most the floors of the tiny ones, plus one of rounding.
+        floors = sum(1 for v in weights if 0 < PERIOD * v / total < 1)
+        assert abs(counts[i] - PERIOD * w / total) < floors + 1 or PERIOD * w / total < 1
+        for j, v in enumerate(weights):
+            if w == v:
+                assert abs(counts[i] - counts[j]) <= 1, "equal weights, equal shares (up to one of rounding)"
+            elif w > v:
+                assert counts[i] >= counts[j], "a larger weight never gets less"
+    assert quotas([1e6, 1, 1, 1]) == [PERIOD - 3, 1, 1, 1]
+    assert quotas([1e9, 3, 3, 1, 1]) == [PERIOD - 4, 1, 1, 1, 1]
+
+
+def test_more_sources_than_a_period_is_an_error():
+    with pytest.raises(UserError, match=f"option training.sources: {PERIOD + 1} sources have a positive weight"):
+        quotas([1.0] * (PERIOD + 1))
+
+
 def test_sample_g_is_window_count_of_its_source(sources, tokenizer):
     mixed = rows(take(iter(mixture(sources, tokenizer, batch=1)), 60))
     alone = [rows(build_dataloader(dataset="x", dataset_path=path, text_field="text", tokenizer=tokenizer,

@@ -1,8 +1,10 @@
 """Token shards: scripts/tokenize_dataset.py writes them, the trainer's loader reads them memory-mapped."""
 
+import hashlib
 import itertools
 import json
 import os
+import resource
 import time
 
 import numpy as np
@@ -10,7 +12,7 @@ import pytest
 
 from scripts import tokenize_dataset
 from torchtitan.components.datasets import build_dataloader
-from torchtitan.components.datasets.shards import ShardDataset, permute
+from torchtitan.components.datasets.shards import ShardAccess, ShardDataset, permute, write_manifest
 from torchtitan.components.tokenizer import build_tokenizer
 from torchtitan.errors import UserError
 from tests.unit.reader_threads import live_reader_threads, read_where_expected, record_reading_threads
@@ -48,10 +50,11 @@ def windows(loader):
             for row in range(inputs.shape[0])]
 
 
-def shard_loader(path, tokenizer, rank=0, degree=1, infinite=False, batch=2, seed=0, num_workers=0):
+def shard_loader(path, tokenizer, rank=0, degree=1, infinite=False, batch=2, seed=0, num_workers=0, max_open=64,
+                 verify_all=False):
     return build_dataloader(dataset="x", dataset_path=path, text_field="body", tokenizer=tokenizer, seq_len=SEQ_LEN,
                             local_batch_size=batch, dp_rank=rank, dp_degree=degree, infinite=infinite, seed=seed,
-                            num_workers=num_workers)
+                            num_workers=num_workers, shard_access=ShardAccess(max_open, verify_all))
 
 
 def test_shards_hold_the_on_the_fly_windows_in_a_seeded_order(source, shards, tokenizer):
@@ -187,8 +190,8 @@ def test_shards_are_mapped_for_random_reads(shards, tokenizer):
     # Without the advice, a cold page fault reads the file's whole read-ahead span (measured 20-50x slower reads).
     dataset = ShardDataset(path=shards, tokenizer=tokenizer, seq_len=SEQ_LEN, dp_rank=0, dp_degree=1, infinite=False,
                            seed=0)
+    assert dataset.shards.read(0, SEQ_LEN + 1).shape == (SEQ_LEN + 1,)
     assert "rr" in mapping_flags(os.path.join(shards, "shard-00000.bin")), "mapped with MADV_RANDOM"
-    assert next(iter(dataset))[0].shape == (SEQ_LEN,)
 
 
 def test_refuses_shards_of_another_tokenizer(shards, tokenizer, monkeypatch):
@@ -206,34 +209,46 @@ def copy_shards(shards, tmp_path):
 
 
 def test_truncated_corrupt_and_missing_shards_are_one_line_errors(shards, tokenizer, tmp_path):
+    # Opening reads the manifest alone: a shard's file is checked when a window first needs it.
     copy = copy_shards(shards, tmp_path)
     data = (copy / "shard-00001.bin").read_bytes()
     (copy / "shard-00001.bin").write_bytes(data[:-10])
     with pytest.raises(UserError, match=r"shard-00001.bin has \d+ bytes, the manifest says \d+ \(truncated"):
-        shard_loader(str(copy), tokenizer)
-    # An id beyond the vocabulary (a flipped high bit) is reported when its window is read.
-    corrupt = np.frombuffer(data, dtype=np.uint16).copy()
-    corrupt[:] = 65000
-    (copy / "shard-00001.bin").write_bytes(corrupt.tobytes())
+        windows(shard_loader(str(copy), tokenizer))
+    # An id beyond the vocabulary (a flipped high bit) is reported when its window is read (also where the shard's
+    # checksum is not checked, or was computed from the corrupt data).
+    corrupt_ids(copy, "shard-00001", data)
     with pytest.raises(UserError, match="beyond the vocabulary of 2304 \\(corrupt shard\\)"):
         windows(shard_loader(str(copy), tokenizer))
     (copy / "shard-00001.bin").unlink()
     with pytest.raises(UserError, match="shard-00001.bin is missing"):
+        windows(shard_loader(str(copy), tokenizer))
+    np.save(copy / "shards.npy", np.load(copy / "shards.npy")[:, :-1])
+    with pytest.raises(UserError, match=r"the shard index .*shards.npy does not match the manifest's 5 shard\(s\)"):
         shard_loader(str(copy), tokenizer)
     (copy / "manifest.json").write_text("{ not json")
     with pytest.raises(UserError, match="cannot read the shard manifest"):
         shard_loader(str(copy), tokenizer)
 
 
-def test_reader_thread_errors_are_the_same_one_line_errors(shards, tokenizer, tmp_path, monkeypatch):
-    copy = copy_shards(shards, tmp_path)
-    data = (copy / "shard-00002.bin").read_bytes()
-    (copy / "shard-00002.bin").write_bytes(data[:-10])
-    with pytest.raises(UserError, match=r"shard-00002.bin has \d+ bytes, the manifest says \d+ \(truncated"):
-        shard_loader(str(copy), tokenizer, num_workers=2)
+def corrupt_ids(copy, name, data):
+    """Every id of shard `name` beyond the vocabulary, under a manifest whose checksum matches the corrupt data."""
     corrupt = np.frombuffer(data, dtype=np.uint16).copy()
     corrupt[:] = 65000
-    (copy / "shard-00002.bin").write_bytes(corrupt.tobytes())
+    (copy / f"{name}.bin").write_bytes(corrupt.tobytes())
+    index = np.load(copy / "shards.npy")
+    index[2:6, int(name.split("-")[1])] = np.frombuffer(hashlib.sha256(corrupt.tobytes()).digest(), dtype="<i8")
+    np.save(copy / "shards.npy", index)
+
+
+@pytest.mark.parametrize("fault", ["truncated", "beyond_vocabulary"])
+def test_reader_thread_errors_are_the_same_one_line_errors(shards, tokenizer, tmp_path, monkeypatch, fault):
+    copy = copy_shards(shards, tmp_path)
+    data = (copy / "shard-00002.bin").read_bytes()
+    if fault == "truncated":
+        (copy / "shard-00002.bin").write_bytes(data[:-10])
+    else:
+        corrupt_ids(copy, "shard-00002", data)
     others = set(live_reader_threads())
     outcomes = []
     for num_workers in (0, 2):
@@ -246,9 +261,104 @@ def test_reader_thread_errors_are_the_same_one_line_errors(shards, tokenizer, tm
         outcomes.append((delivered, str(error.value)))
     # The error arrives where the training loop reaches the bad window, after the same good ones.
     assert outcomes[0] == outcomes[1]
-    assert "beyond the vocabulary of 2304 (corrupt shard)" in outcomes[1][1]
+    assert {"truncated": r"shard-00002.bin has", "beyond_vocabulary": "beyond the vocabulary of 2304 (corrupt shard)"
+            }[fault] in outcomes[1][1]
     assert outcomes[1][0], "windows before the corrupt one are delivered"
     assert set(live_reader_threads()) <= others, "the failed iteration's reader threads are gone"
+
+
+def shard_start(path, tokenizer, name):
+    """The first token of shard `name` in the concatenated stream, and the stream's reader."""
+    shard = int(name.split("-")[1])
+    start = int(np.load(os.path.join(path, "shards.npy"))[0, shard - 1]) if shard else 0
+    return start, ShardDataset(path=str(path), tokenizer=tokenizer, seq_len=SEQ_LEN, dp_rank=0, dp_degree=1,
+                               infinite=False, seed=0).shards
+
+
+def test_sha256_checked_on_first_open_for_a_sample_or_all(shards, tokenizer, tmp_path):
+    copy = copy_shards(shards, tmp_path)
+    tokens = np.fromfile(copy / "shard-00004.bin", dtype=np.uint16)
+    tokens[len(tokens) // 2] = (tokens[len(tokens) // 2] + 1) % 2304  # still an id of the vocabulary
+    tokens.tofile(copy / "shard-00004.bin")
+    message = r"shard file .*shard-00004.bin does not match its sha256 in the manifest \([0-9a-f]{12}\.\.\.\)"
+    # The first shard a process opens is in the sample.
+    start, reader = shard_start(copy, tokenizer, "shard-00004")
+    with pytest.raises(UserError, match=message):
+        reader.read(start, 4)
+    # Four other shards opened first fill the sample: the fifth is not hashed (in the order of seed 0, shard 4 is
+    # opened last) ...
+    loader = shard_loader(str(copy), tokenizer)
+    assert len(windows(loader)) == loader.dataset.state_dict()["num_windows"]
+    # ... unless every shard is.
+    with pytest.raises(UserError, match=message):
+        windows(shard_loader(str(copy), tokenizer, verify_all=True))
+    # A corrupt index is found by the same check.
+    (tmp_path / "index").mkdir()
+    copy = copy_shards(shards, tmp_path / "index")
+    offsets = np.fromfile(copy / "shard-00002.idx", dtype=np.int64)
+    offsets[-1] += 1
+    offsets.tofile(copy / "shard-00002.idx")
+    start, reader = shard_start(copy, tokenizer, "shard-00002")
+    with pytest.raises(UserError, match="shard-00002.idx does not match its shard's token count"):
+        reader.read(start, 4)
+
+
+def open_files_under(folder: str) -> int:
+    return sum(os.path.realpath(f"/proc/self/fd/{fd}").startswith(folder) for fd in os.listdir("/proc/self/fd"))
+
+
+def maps_under(folder: str) -> int:
+    return sum(1 for line in open("/proc/self/maps") if folder in line)
+
+
+@pytest.fixture(scope="module")
+def many_shards(tmp_path_factory, tokenizer):
+    """300 shards of 3 windows of random ids each, and every 50th empty."""
+    folder = tmp_path_factory.mktemp("many_shards")
+    rng = np.random.default_rng(0)
+    entries = []
+    for index in range(306):
+        tokens = rng.integers(0, tokenizer.vocab_size, 0 if index % 51 == 50 else 3 * (SEQ_LEN + 1), dtype=np.uint16)
+        tokens.tofile(folder / f"shard-{index:05d}.bin")
+        np.array([0, len(tokens)][: 2 if len(tokens) else 1], dtype=np.int64).tofile(folder / f"shard-{index:05d}.idx")
+        entries.append({"name": f"shard-{index:05d}", "num_tokens": len(tokens), "num_documents": int(len(tokens) > 0),
+                        "sha256": hashlib.sha256(tokens.tobytes()).hexdigest()})
+    write_manifest(folder, tokenizer, entries, source="random", text_field="text")
+    return str(folder)
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/fd"), reason="counts this process's open files (Linux)")
+def test_reads_through_more_shards_than_open_files_allow(many_shards, tokenizer):
+    # Every shard open at once (one descriptor and one map each) ended in "Too many open files" beyond the limit.
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    resource.setrlimit(resource.RLIMIT_NOFILE, (len(os.listdir("/proc/self/fd")) + 40, hard))
+    try:
+        loader = shard_loader(many_shards, tokenizer, num_workers=2, max_open=8)
+        dataset = loader.dataset
+        seen = 0
+        for step, (inputs, _) in enumerate(loader):
+            seen += len(inputs)
+            if step % 25 == 0:
+                # The cache's bound, plus a map each reader thread may still copy out of after its eviction.
+                assert open_files_under(many_shards) <= 8 + 2 and maps_under(many_shards) <= 8 + 2
+        assert seen == 900 and dataset.shards._maps.opened >= 300 and len(dataset.shards._maps) == 8
+    finally:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/fd"), reason="sets this process's open-file limit (Linux)")
+def test_no_file_descriptor_left_is_one_error_line(many_shards, tokenizer):
+    reader = shard_loader(many_shards, tokenizer, max_open=8).dataset.shards
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    lowest_free = os.dup(0)
+    os.close(lowest_free)
+    resource.setrlimit(resource.RLIMIT_NOFILE, (lowest_free, hard))
+    try:
+        with pytest.raises(UserError, match=r"opening shard file .*shard-00000.bin failed \(Too many open files\) "
+                                            r"with 0 shard\(s\) open; lower training.max_open_shards \(now 8\)"):
+            reader.read(0, 4)
+    finally:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
 
 
 def test_resume_rejects_another_seed(shards, tokenizer):
@@ -265,3 +375,57 @@ def test_script_errors_are_one_line(tmp_path, capsys, shards):
     assert "error: SOURCE='" in capsys.readouterr().err
     assert tokenize_dataset.main([str(tmp_path / "x.jsonl"), shards]) == 2
     assert "already holds token shards" in capsys.readouterr().err
+
+
+def shard_files(folder) -> dict[str, bytes]:
+    return {name: open(os.path.join(folder, name), "rb").read() for name in sorted(os.listdir(folder))
+            if name.endswith((".bin", ".idx", ".npy"))}
+
+
+def test_tokenizing_in_parts_and_resuming_gives_the_same_shards(source, shards, tmp_path, capsys):
+    out = str(tmp_path / "parts")
+    first = tokenize_dataset.tokenize(source, out, text_field="body", documents_per_shard=70, progress=False,
+                                      part="0/2")
+    assert (first["num_shards"], first["written"], first["complete"]) == (3, 3, False)
+    assert not os.path.exists(os.path.join(out, "manifest.json")), "part 1 of 2 is not done"
+    with pytest.raises(UserError, match=r"part\(s\) 1/2 are not done"):
+        tokenize_dataset.merge(out)
+    # The part that finishes last writes the manifest.
+    assert tokenize_dataset.main([source, out, "--text_field", "body", "--documents_per_shard", "70",
+                                  "--part", "1/2"]) == 0
+    printed = capsys.readouterr().out
+    assert "2 shard(s) (2 written, 0 kept)" in printed and "tokens/s; complete" in printed
+    assert shard_files(out) == shard_files(shards)
+    # A crash of part 0 while it wrote shard 4 (no record yet), and shard 0 damaged since: resuming rewrites both and
+    # keeps shard 2.
+    for name in ("manifest.json", "shards.npy", "part-0-of-2.json", "shard-00004.json"):
+        os.unlink(os.path.join(out, name))
+    tokens = np.fromfile(os.path.join(out, "shard-00000.bin"), dtype=np.uint16)
+    tokens[3] += 1
+    tokens.tofile(os.path.join(out, "shard-00000.bin"))
+    resumed = tokenize_dataset.tokenize(source, out, text_field="body", documents_per_shard=70, progress=False,
+                                        part="0/2")
+    assert (resumed["written"], resumed["kept"], resumed["complete"]) == (2, 1, True)
+    assert shard_files(out) == shard_files(shards)
+    # Parts copied together from separate disks: --merge writes the index and the manifest.
+    for name in ("manifest.json", "shards.npy"):
+        os.unlink(os.path.join(out, name))
+    assert tokenize_dataset.main(["--merge", out]) == 0
+    assert "5 shard(s)" in capsys.readouterr().out
+    assert shard_files(out) == shard_files(shards) and os.path.exists(os.path.join(out, "manifest.json"))
+
+
+def test_resuming_with_other_options_is_one_error_line(source, tmp_path):
+    out = str(tmp_path / "out")
+    (tmp_path / "out").mkdir()
+    (tmp_path / "out" / "tokenize.json").write_text(json.dumps(
+        {"source": source, "text_field": "body", "tokenizer_sha256": build_tokenizer("").checksum,
+         "documents_per_shard": 70, "parts": 2}))
+    with pytest.raises(UserError, match=r"--documents_per_shard: OUT_DIR='.*out' was begun with documents_per_shard "
+                                        r"= 70, now 50; resume with the same options"):
+        tokenize_dataset.tokenize(source, out, text_field="body", documents_per_shard=50, part="0/2")
+    with pytest.raises(UserError, match="--part: .* was begun with parts = 2, now 3"):
+        tokenize_dataset.tokenize(source, out, text_field="body", documents_per_shard=70, part="0/3")
+    for bad in ("2/2", "1", "a/b"):
+        with pytest.raises(UserError, match=f"--part='{bad}' must be I/P with 0 <= I < P"):
+            tokenize_dataset.tokenize(source, out, part=bad)

@@ -286,6 +286,12 @@ class Training:
     data_seed: int = 0
     """Seed of the order in which windows of token shards are sampled (the same on every rank and data-parallel degree)."""
 
+    max_open_shards: int = 64
+    """Token shards (also those of training.sources) each data loader keeps memory-mapped at once; the least recently used is closed first. Each open shard holds a file descriptor and a kernel memory map, so this bounds both per process however many shards the data has (hundreds of thousands at 15T tokens); a shard is opened when a window first needs it."""
+
+    verify_all_shards: bool = False
+    """Check the sha256 of every token shard against the manifest when this process first opens it (one extra read of each shard) instead of a sample: the first 4 shards each process opens, which, read in a random order, are other shards on every rank. A mismatch stops the run with an error naming the shard."""
+
     sources: list[str] = field(default_factory=list)
     """Weighted mixture of data sources instead of dataset_path: path:weight entries (a.jsonl:0.7,shards/:0.3), or [[training.sources]] tables with path and weight in TOML. Each path is anything dataset_path takes."""
 

@@ -574,6 +574,8 @@ def validate(config: JobConfig) -> None:
     if config.training.stream_backoff_seconds < 0:
         raise UserError(f"option training.stream_backoff_seconds: {config.training.stream_backoff_seconds} must not be "
                         f"negative")
+    if config.training.max_open_shards < 1:
+        raise UserError(f"option training.max_open_shards: {config.training.max_open_shards} must be at least 1")
     if config.training.num_workers < 0:
         raise UserError(f"option training.num_workers: {config.training.num_workers} must be 0 (tokenize and read in "
                         f"the training process) or positive")

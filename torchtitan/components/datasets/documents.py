@@ -6,7 +6,8 @@ datasets index a document directly; a stream skips to it). Packing them into sam
 A malformed record of a local file (not JSON, not an object, without the text field, or not text) is an error
 naming the file and line (records.py). Plain-text (.txt) files hold one document per line, as the Hugging Face
 `text` builder reads them. A streamed source survives transient faults (rate limits, server errors, dropped
-connections) by resuming at the record after the last one read, up to `StreamRetry.max_attempts` times in a row.
+connections, stalled reads) by resuming at the record after the last one read, up to `StreamRetry.max_attempts`
+times in a row; a checkpoint resumes it from the stream's own position where one was recorded (see `Documents`).
 """
 
 import glob
@@ -14,6 +15,7 @@ import os
 import random
 import re
 import time
+from collections import OrderedDict
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -37,15 +39,21 @@ _CHUNK = 256
 
 
 class Documents:
-    """The raw text values of a dataset, readable in order from any document index."""
+    """The raw text values of a dataset, readable in order from any document index.
 
-    def __init__(self, read_from: Callable[[int], Iterator[Any]], size: int | None) -> None:
+    `read_from(start, position)` reads from document `start`; a stream starts at `position` instead when given (its
+    own state before that document, as `position(start)` returned it while an earlier pass read it), which costs at
+    most the re-reading of one of the stream's files, where skipping to `start` reads every record before it."""
+
+    def __init__(self, read_from: Callable[[int, dict | None], Iterator[Any]], size: int | None,
+                 position: Callable[[int], dict | None] = lambda index: None) -> None:
         self.read_from = read_from
         self.size = size
+        self.position = position
 
 
 def _sized_documents(read: Callable[[int, int], Sequence[Any]], size: int) -> Documents:
-    def read_from(start: int) -> Iterator[Any]:
+    def read_from(start: int, position: dict | None = None) -> Iterator[Any]:
         for chunk_start in range(start, size, _CHUNK):
             yield from read(chunk_start, min(chunk_start + _CHUNK, size))
 
@@ -64,9 +72,13 @@ class StreamRetry:
         return min(self.backoff_seconds * 2 ** (attempt - 1), 60.0) * (1 + random.random())
 
 
-# Names of exception classes (anywhere in an error's class hierarchy or causes) that a later attempt can get past.
+# Names of exception classes (anywhere in an error's class hierarchy or causes) that a later attempt can get past:
+# builtins, httpx's, requests' and urllib3's, http.client's, and aiohttp's (fsspec's HTTP file system), whose
+# connection errors (ServerDisconnectedError, ClientOSError, ...) derive from ClientConnectionError and whose
+# truncated bodies are ClientPayloadError; its timeouts are TimeoutErrors.
 _TRANSIENT_ERRORS = {"ConnectionError", "TimeoutError", "TimeoutException", "TransportError", "NetworkError",
-                     "RemoteProtocolError", "ChunkedEncodingError", "ProtocolError", "IncompleteRead"}
+                     "RemoteProtocolError", "ChunkedEncodingError", "ProtocolError", "IncompleteRead",
+                     "ClientConnectionError", "ClientPayloadError"}
 
 
 def is_transient(error: BaseException | None) -> bool:
@@ -109,13 +121,22 @@ def _retrying(call: Callable[[], Any], option: str, retry: StreamRetry) -> Any:
             attempt += 1
 
 
+# Stream positions kept after the documents most recently read: the position of a checkpoint's anchor document is
+# looked up there. Tokenizer processes read ahead of the packer by at most a few thousand documents.
+_POSITIONS_KEPT = 8192
+
+
 def _streaming_documents(dataset: Any, field: str, field_option: str, source_option: str,
                          retry: StreamRetry) -> Documents:
-    def read_from(start: int) -> Iterator[Any]:
-        rows = dataset.skip(start) if start else dataset
-        # The stream's own position after the last record read (shard, and record inside it): a failed read resumes
-        # there, so that no record is lost or read twice.
-        position = None
+    # The stream's own position (shard, and record inside it) after each of the last documents read in this pass.
+    after: OrderedDict[int, dict] = OrderedDict()
+
+    def read_from(start: int, position: dict | None = None) -> Iterator[Any]:
+        after.clear()
+        # A view of its own for each pass: a loaded position stays the start of the view it was loaded into.
+        rows = dataset.skip(0 if position is not None else start)
+        index = start
+        # A failed read resumes after the last record read, so that no record is lost or read twice.
         attempt = 1
         while True:
             if position is not None:
@@ -128,6 +149,10 @@ def _streaming_documents(dataset: Any, field: str, field_option: str, source_opt
                             f"they have {', '.join(map(repr, row))}"
                         )
                     position = rows.state_dict()
+                    after[index] = position
+                    if len(after) > _POSITIONS_KEPT:
+                        after.popitem(last=False)
+                    index += 1
                     attempt = 1
                     yield row[field]
                 return
@@ -137,7 +162,7 @@ def _streaming_documents(dataset: Any, field: str, field_option: str, source_opt
                 _wait_or_fail(error, attempt, source_option, retry)
                 attempt += 1
 
-    return Documents(read_from, None)
+    return Documents(read_from, None, lambda index: after.get(index - 1))
 
 
 class Source:

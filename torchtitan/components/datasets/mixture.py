@@ -52,16 +52,33 @@ def parse_sources(entries: list[str]) -> list[tuple[str, float]]:
 
 
 def quotas(weights: list[float]) -> list[int]:
-    """Samples of each source per `PERIOD`: proportional to the weights, summing to PERIOD."""
-    total = sum(weights)
-    exact = [PERIOD * w / total for w in weights]
-    counts = [max(int(e), 1) if w > 0 else 0 for e, w in zip(exact, weights)]
-    by_remainder = sorted(range(len(weights)), key=lambda i: counts[i] - exact[i])
-    for i in by_remainder[: PERIOD - sum(counts)]:
+    """Samples of each source per `PERIOD`: proportional to the weights, at least one for a positive weight, summing
+    to PERIOD. Sources whose proportional share is below one get exactly one, and the others share what is left in
+    proportion (repeated until no share falls below one), by largest remainders with ties to the earlier source: so
+    equal weights get quotas that differ by at most the one sample of rounding, and a larger weight never gets less."""
+    positive = [i for i, w in enumerate(weights) if w > 0]
+    if len(positive) > PERIOD:
+        raise UserError(f"option {OPTION}: {len(positive)} sources have a positive weight; at most {PERIOD} can "
+                        f"each get a sample in every period of {PERIOD}")
+    floored: set[int] = set()
+    while True:
+        rest = [i for i in positive if i not in floored]
+        budget = PERIOD - len(floored)
+        total = sum(weights[i] for i in rest)
+        exact = {i: budget * weights[i] / total for i in rest}
+        below_one = {i for i in rest if exact[i] < 1}
+        if not below_one:
+            break
+        floored |= below_one
+    counts = [0] * len(weights)
+    for i in floored:
+        counts[i] = 1
+    for i in rest:
+        counts[i] = int(exact[i])
+    # Fewer than len(rest) samples are left over by the rounding down: one each to the largest remainders.
+    leftover = budget - sum(counts[i] for i in rest)
+    for i in sorted(rest, key=lambda i: (counts[i] - exact[i], i))[:leftover]:
         counts[i] += 1
-    while sum(counts) > PERIOD:  # only when minimum quotas of tiny weights overshoot
-        largest = max(range(len(counts)), key=counts.__getitem__)
-        counts[largest] -= 1
     return counts
 
 

@@ -3,12 +3,15 @@
 A shard folder holds
 
     manifest.json       format version, the tokenizer (file, sha256, vocabulary size, BOS/EOS ids), the token dtype,
-                        and per shard its token and document counts and sha256
+                        the source, the totals and the number of shards
+    shards.npy          the index of the shards, one column per shard: int64 rows of the token count at its end
+                        (cumulative), its document count, and its sha256 (4 rows of 8 bytes; zeros: not recorded)
     shard-NNNNN.bin     token ids of consecutive documents, each `BOS text EOS` as the on-the-fly path encodes them,
                         as a flat array in the smallest sufficient dtype (uint16 below 65,536 ids, else uint32)
     shard-NNNNN.idx     int64 offsets of each document's first token in the .bin, then the token count
 
-The manifest is written last, so an interrupted tokenization leaves no folder the trainer would read.
+Shard `i` is `shard_name(i)`. The manifest is written last, so an interrupted tokenization leaves no folder the
+trainer would read.
 
 Sampling: the shards concatenated in manifest order are the same token stream the on-the-fly path packs, cut into
 the same windows of `seq_len + 1` tokens (the tail that fills no window is dropped). Epoch `e` visits the windows in
@@ -21,20 +24,32 @@ on-the-fly path, each rank reads only its own windows: bytes read per rank fall 
 The permutation is a Feistel network over the next power-of-four domain with cycle walking: a bijection of
 `[0, num_windows)` computed per index, so no table of billions of window indices is kept in memory.
 
+Opening: the manifest and the index are the only files read when the folder is opened, and the index is
+memory-mapped: finding a window's shard is a binary search that touches a few of its pages, so start-up costs the
+same on each rank however many shards there are. A shard is memory-mapped when a window first needs it, through a
+bounded cache of maps (`ShardMaps`, least recently used closed first): at 15T tokens there are hundreds of
+thousands of shards, beyond the open-file limit and the kernel's map count if every rank mapped every one. Its size
+is checked against the index then, and the sha256 of a sample of the shards (or of all,
+`training.verify_all_shards`) as each process first opens it: a mismatch is one error line naming the shard.
+
 Reading: the shards are memory-mapped with the advice that they are read at random, and each window's pages are
 asked for at once, so a cold read fetches that window, not the file's read-ahead span around it. With
 `num_workers`, threads read the windows ahead of the training loop (read_ahead.py); the state still counts only the
 samples the loop consumed.
 """
 
+import errno
 import functools
 import hashlib
 import itertools
 import json
 import mmap
 import os
+import resource
 import threading
-from collections.abc import Iterator
+from collections import OrderedDict
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -49,7 +64,11 @@ from torchtitan.tools.files import atomic_write
 from torchtitan.tools.logging import logger
 
 MANIFEST = "manifest.json"
-FORMAT = "torchtitan-token-shards-v1"
+INDEX = "shards.npy"
+FORMAT = "torchtitan-token-shards-v2"
+# Rows of the index: the token count at each shard's end (cumulative, contiguous for the binary search), its
+# documents, its sha256.
+_END, _DOCUMENTS, _SHA256 = 0, 1, slice(2, 6)
 
 _STATE_KEYS = ("next_sample", "num_windows", "seq_len", "seed")
 _MASK64 = (1 << 64) - 1
@@ -84,6 +103,16 @@ def write_shard(folder: Path, name: str, documents: list[list[int]], dtype: np.d
 
 
 def write_manifest(folder: Path, tokenizer: Any, shards: list[dict[str, Any]], source: str, text_field: str) -> None:
+    """The index of `shards` (the entries of shards 0, 1, ... in order, as write_shard returns them), then the
+    manifest."""
+    index = np.zeros((6, len(shards)), dtype="<i8")
+    index[_END] = np.cumsum([s["num_tokens"] for s in shards])
+    index[_DOCUMENTS] = [s["num_documents"] for s in shards]
+    for column, entry in enumerate(shards):
+        if entry["sha256"]:
+            index[_SHA256, column] = np.frombuffer(bytes.fromhex(entry["sha256"]), dtype="<i8")
+    with atomic_write(folder / INDEX, "wb") as f:
+        np.save(f, index)
     manifest = {
         "format": FORMAT,
         "tokenizer": {"file": Path(tokenizer.file).name, "sha256": tokenizer.checksum,
@@ -93,39 +122,89 @@ def write_manifest(folder: Path, tokenizer: Any, shards: list[dict[str, Any]], s
         "text_field": text_field,
         "num_tokens": sum(s["num_tokens"] for s in shards),
         "num_documents": sum(s["num_documents"] for s in shards),
-        "shards": shards,
+        "num_shards": len(shards),
     }
     with atomic_write(folder / MANIFEST) as f:
         json.dump(manifest, f, indent=1)
 
 
-class TokenShards:
-    """The token stream of a shard folder, memory-mapped, checked against the manifest and the tokenizer."""
+@dataclass(frozen=True)
+class ShardAccess:
+    """How token shards are opened: at most `max_open_shards` memory maps open per loader (each holds a file
+    descriptor and a kernel map; the least recently used is closed first), and the sha256 of every shard checked
+    when this process first opens it (`verify_all_shards`) or of the first `CHECKSUM_SAMPLE` it opens."""
 
-    def __init__(self, path: str, tokenizer: Any, option: str):
+    max_open_shards: int = 64
+    verify_all_shards: bool = False
+
+
+# Shards whose sha256 each process checks when it first opens them, unless every shard is checked: the first few it
+# opens. Windows are read in a random order, so these are a random sample, another on every rank; each costs one
+# read of the whole shard.
+CHECKSUM_SAMPLE = 4
+
+
+class ShardMaps:
+    """A bounded cache of open shard memory maps, least recently used closed first, shared by the token shards one
+    loader reads (a mixture's sources too): however many shards there are, a process holds at most `capacity` maps
+    and file descriptors for them (plus one per reader thread, while it copies out of a map just evicted)."""
+
+    def __init__(self, capacity: int):
+        self.capacity = capacity
+        self.opened = 0
+        self._maps: OrderedDict[tuple[str, int], mmap.mmap] = OrderedDict()
+        # Reader threads (training.num_workers) read concurrently.
+        self._lock = threading.Lock()
+
+    def get(self, key: tuple[str, int], open_map: Callable[[], mmap.mmap]) -> mmap.mmap:
+        with self._lock:
+            mapping = self._maps.get(key)
+            if mapping is not None:
+                self._maps.move_to_end(key)
+                return mapping
+        # Opened outside the lock: other threads keep reading their cached shards meanwhile (a checksum takes long).
+        mapping = open_map()
+        with self._lock:
+            self.opened += 1
+            self._maps[key] = mapping
+            self._maps.move_to_end(key)
+            while len(self._maps) > self.capacity:
+                # Not closed explicitly: a thread may still be copying out of it. The last reference dropped unmaps
+                # it and closes its file descriptor.
+                self._maps.popitem(last=False)
+        return mapping
+
+    def __len__(self) -> int:
+        return len(self._maps)
+
+
+class TokenShards:
+    """The token stream of a shard folder, checked against the manifest and the tokenizer.
+
+    Opening reads the manifest and maps the index (their cost does not grow with the number of shards); each shard
+    is memory-mapped when a window first needs it, through `maps`, and checked then: its size against the index,
+    and for a sample of the shards (or all, with `access.verify_all_shards`) its sha256 and document index."""
+
+    def __init__(self, path: str, tokenizer: Any, option: str, access: ShardAccess = ShardAccess(),
+                 maps: ShardMaps | None = None):
         self.folder = Path(os.path.expanduser(path))
         self.option = option
+        self._access = access
+        self._maps = maps if maps is not None else ShardMaps(access.max_open_shards)
         manifest = self._read_manifest()
         self._check_tokenizer(manifest["tokenizer"], tokenizer)
         self.vocab_size = int(manifest["tokenizer"]["vocab_size"])
-        dtype = np.dtype(manifest["dtype"])
-        self._itemsize = dtype.itemsize
-        # The non-empty shards' token arrays, and the memory maps they view.
-        self._arrays: list[np.ndarray] = []
-        self._mappings: list[mmap.mmap] = []
-        starts = [0]
-        for entry in manifest["shards"]:
-            array = self._open_shard(entry, dtype)
-            if len(array):
-                self._arrays.append(array)
-                starts.append(starts[-1] + len(array))
-        self._starts = np.array(starts, dtype=np.int64)
-        self.num_tokens = int(self._starts[-1])
+        self._dtype = np.dtype(manifest["dtype"])
+        self._itemsize = self._dtype.itemsize
+        self._index = self._read_index(manifest)
+        self.num_tokens = int(manifest["num_tokens"])
         self.bytes_read = 0
-        # Reader threads (training.num_workers) add to bytes_read concurrently.
+        self._verified = 0
+        # Reader threads (training.num_workers) add to bytes_read and open shards concurrently.
         self._count_lock = threading.Lock()
         logger.info(f"token shards {self.folder}: {self.num_tokens:,} tokens, {manifest['num_documents']:,} "
-                    f"documents in {len(manifest['shards'])} shard(s), memory-mapped")
+                    f"documents in {manifest['num_shards']:,} shard(s), memory-mapped on demand (at most "
+                    f"{self._maps.capacity} open)")
 
     def _read_manifest(self) -> dict:
         file = self.folder / MANIFEST
@@ -140,6 +219,25 @@ class TokenShards:
                             f"with scripts/tokenize_dataset.py")
         return manifest
 
+    def _read_index(self, manifest: dict) -> np.ndarray:
+        file = self.folder / INDEX
+        try:
+            index = np.load(file, mmap_mode="r")
+        except (OSError, ValueError) as e:
+            raise UserError(f"{self.option}: cannot read the shard index {file}: {e}; re-create the folder with "
+                            f"scripts/tokenize_dataset.py") from None
+        shards, tokens = manifest["num_shards"], manifest["num_tokens"]
+        if index.shape != (6, shards) or index.dtype != np.dtype("<i8") or (shards and index[_END, -1] != tokens):
+            raise UserError(f"{self.option}: the shard index {file} does not match the manifest's {shards} shard(s) "
+                            f"of {tokens} tokens (corrupt or from another tokenization); re-create the folder with "
+                            f"scripts/tokenize_dataset.py")
+        return index
+
+    def _shard_range(self, shard: int) -> tuple[int, int]:
+        """The first token of `shard` in the stream, and its token count."""
+        start = int(self._index[_END, shard - 1]) if shard else 0
+        return start, int(self._index[_END, shard]) - start
+
     def _check_tokenizer(self, recorded: dict, tokenizer: Any) -> None:
         checksum = getattr(tokenizer, "checksum", "")
         if recorded.get("sha256") != checksum or recorded.get("vocab_size") != tokenizer.vocab_size:
@@ -150,46 +248,83 @@ class TokenShards:
                 f"vocabulary {tokenizer.vocab_size}; set model.hf_assets_path to the shards' tokenizer or re-tokenize "
                 f"with scripts/tokenize_dataset.py --hf_assets_path")
 
-    def _open_shard(self, entry: dict, dtype: np.dtype) -> np.ndarray:
-        name = entry["name"]
-        data, index = self.folder / f"{name}.bin", self.folder / f"{name}.idx"
-        num_tokens, num_documents = int(entry["num_tokens"]), int(entry["num_documents"])
-        for file, expected in ((data, num_tokens * dtype.itemsize), (index, (num_documents + 1) * 8)):
-            if not file.is_file():
-                raise UserError(f"{self.option}: shard file {file} is missing; re-create the folder with "
-                                f"scripts/tokenize_dataset.py")
-            size = file.stat().st_size
-            if size != expected:
-                raise UserError(f"{self.option}: shard file {file} has {size} bytes, the manifest says {expected} "
-                                f"(truncated or corrupt); re-create the folder with scripts/tokenize_dataset.py")
-        offsets = np.memmap(index, dtype=np.int64, mode="r")
-        if offsets[0] != 0 or offsets[-1] != num_tokens:
-            raise UserError(f"{self.option}: shard index {index} does not match its {num_tokens} tokens (corrupt); "
-                            f"re-create the folder with scripts/tokenize_dataset.py")
-        if num_tokens == 0:
-            return np.zeros(0, dtype=dtype)
-        with open(data, "rb") as f:
-            mapping = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
+    def _corrupt(self, file: Path, problem: str) -> UserError:
+        return UserError(f"{self.option}: shard file {file} {problem}; re-create the folder with "
+                         f"scripts/tokenize_dataset.py")
+
+    def _open_shard(self, shard: int) -> mmap.mmap:
+        data = self.folder / f"{shard_name(shard)}.bin"
+        num_tokens = self._shard_range(shard)[1]
+        try:
+            with open(data, "rb") as f:
+                size = os.fstat(f.fileno()).st_size
+                if size != num_tokens * self._itemsize:
+                    raise self._corrupt(data, f"has {size} bytes, the manifest says {num_tokens * self._itemsize} "
+                                              f"(truncated or corrupt)")
+                mapping = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
+        except FileNotFoundError:
+            raise self._corrupt(data, "is missing") from None
+        except OSError as e:
+            if e.errno not in (errno.EMFILE, errno.ENFILE, errno.ENOMEM):
+                raise
+            raise UserError(f"{self.option}: opening shard file {data} failed ({e.strerror}) with "
+                            f"{len(self._maps)} shard(s) open; lower training.max_open_shards "
+                            f"(now {self._maps.capacity}) or raise the limit on open files (ulimit -n "
+                            f"{resource.getrlimit(resource.RLIMIT_NOFILE)[0]}) or maps (vm.max_map_count)") from None
         # Windows are read in a random order: without this advice every page fault reads the file's whole read-ahead
         # span around it (8 MiB on the machine measured, for a window of a few KiB). read() asks for each window's
         # pages at once instead (MADV_WILLNEED).
         mapping.madvise(mmap.MADV_RANDOM)
-        self._mappings.append(mapping)
-        return np.frombuffer(mapping, dtype=dtype)
+        with self._count_lock:
+            verify = self._access.verify_all_shards or self._verified < CHECKSUM_SAMPLE
+            self._verified += verify
+        if verify:
+            self._verify(shard, data, mapping)
+        return mapping
+
+    def _verify(self, shard: int, data: Path, mapping: mmap.mmap) -> None:
+        """The shard's sha256 and its index's ends against the manifest."""
+        expected = self._index[_SHA256, shard].astype("<i8").tobytes()
+        if any(expected) and hashlib.sha256(mapping).digest() != expected:
+            raise self._corrupt(data, f"does not match its sha256 in the manifest ({expected.hex()[:12]}...): "
+                                      f"corrupt or replaced")
+        index = data.with_suffix(".idx")
+        documents = int(self._index[_DOCUMENTS, shard])
+        try:
+            with open(index, "rb") as f:
+                size = os.fstat(f.fileno()).st_size
+                ends = np.frombuffer(os.pread(f.fileno(), 8, 0) + os.pread(f.fileno(), 8, size - 8), dtype=np.int64) \
+                    if size == (documents + 1) * 8 else None
+        except FileNotFoundError:
+            raise self._corrupt(index, "is missing") from None
+        if ends is None:
+            raise self._corrupt(index, f"has {size} bytes, the manifest says {(documents + 1) * 8} (truncated or "
+                                       f"corrupt)")
+        if ends[0] != 0 or ends[1] != self._shard_range(shard)[1]:
+            raise self._corrupt(index, "does not match its shard's token count (corrupt)")
+
+    def _mapping(self, shard: int) -> mmap.mmap:
+        return self._maps.get((str(self.folder), shard), functools.partial(self._open_shard, shard))
 
     def read(self, start: int, length: int) -> np.ndarray:
         """Tokens [start, start + length) of the concatenated stream, as int64."""
         out = np.empty(length, dtype=np.int64)
-        shard = int(np.searchsorted(self._starts, start, side="right")) - 1
+        # The first shard whose end is beyond `start` (so not an empty one).
+        shard = int(np.searchsorted(self._index[_END], start, side="right"))
         filled = 0
         while filled < length:
-            offset = start + filled - int(self._starts[shard])
-            piece = self._arrays[shard][offset : offset + length - filled]
+            shard_start, shard_tokens = self._shard_range(shard)
+            offset = start + filled - shard_start
+            count = min(length - filled, shard_tokens - offset)
+            if count == 0:  # an empty shard: nothing to map
+                shard += 1
+                continue
+            mapping = self._mapping(shard)
             first_byte = offset * self._itemsize
             page_start = first_byte - first_byte % mmap.PAGESIZE
-            self._mappings[shard].madvise(mmap.MADV_WILLNEED, page_start, first_byte + piece.nbytes - page_start)
-            out[filled : filled + len(piece)] = piece
-            filled += len(piece)
+            mapping.madvise(mmap.MADV_WILLNEED, page_start, first_byte + count * self._itemsize - page_start)
+            out[filled : filled + count] = np.frombuffer(mapping, dtype=self._dtype, count=count, offset=first_byte)
+            filled += count
             shard += 1
         with self._count_lock:
             self.bytes_read += length * self._itemsize
@@ -230,10 +365,10 @@ class ShardDataset(IterableDataset, Stateful):
 
     def __init__(self, *, path: str, tokenizer: Any, seq_len: int, dp_rank: int, dp_degree: int, infinite: bool,
                  seed: int, config_section: str = "training", path_option: str | None = None, num_workers: int = 0,
-                 read_ahead: int = 16) -> None:
+                 read_ahead: int = 16, access: ShardAccess = ShardAccess(), maps: ShardMaps | None = None) -> None:
         self._option = f"{path_option or config_section + '.dataset_path'}={path!r}"
         self._section = config_section
-        self.shards = TokenShards(path, tokenizer, self._option)
+        self.shards = TokenShards(path, tokenizer, self._option, access, maps)
         self._seq_len = seq_len
         self._num_windows = self.shards.num_tokens // (seq_len + 1)
         self._dp_rank, self._dp_degree = dp_rank, dp_degree

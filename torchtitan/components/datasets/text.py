@@ -45,6 +45,8 @@ from torch.utils.data import IterableDataset
 from torchdata.stateful_dataloader import StatefulDataLoader
 
 from torchtitan.components.datasets.documents import Source, StreamRetry, document_text, load_documents
+from torchtitan.components.datasets.mixture import MixtureDataset, parse_sources
+from torchtitan.components.datasets.shards import ShardAccess, ShardDataset, ShardMaps, is_shard_folder
 from torchtitan.errors import UserError
 from torchtitan.tools.logging import logger
 
@@ -179,6 +181,10 @@ class TextDataset(IterableDataset, Stateful):
         self._next_window = 0
         self._anchor_window = 0
         self._anchor: _Position = (0, 0, 0)
+        # A stream's own position before the anchor's document, when known (a resume then starts there instead of
+        # skipping every document before it), and the epoch being read.
+        self._anchor_stream: dict | None = None
+        self._reading_epoch = 0
 
     def _check_has_text(self) -> None:
         """Fail at construction, not at the first step, when a dataset of known size has no text."""
@@ -194,36 +200,39 @@ class TextDataset(IterableDataset, Stateful):
     def _text(self, value: Any, index: int) -> str:
         return document_text(self._source, value, index)
 
-    def _texts(self, start: int) -> Iterator[tuple[int, str]]:
-        """(document index, text) of every non-empty document from `start` on."""
-        for index, value in enumerate(self._documents.read_from(start), start=start):
+    def _texts(self, start: int, position: dict | None = None) -> Iterator[tuple[int, str]]:
+        """(document index, text) of every non-empty document from `start` (a stream: from `position`) on."""
+        for index, value in enumerate(self._documents.read_from(start, position), start=start):
             text = self._text(value, index)
             if text:
                 yield index, text
 
-    def _encoded(self, start: int, pool: Any) -> Iterator[tuple[int, list[int]]]:
+    def _encoded(self, start: int, pool: Any, position: dict | None) -> Iterator[tuple[int, list[int]]]:
         """(document index, tokens) of the documents from `start` on, tokenized here or by the worker processes."""
         if pool is None:
-            for index, text in self._texts(start):
+            for index, text in self._texts(start, position):
                 yield index, self._tokenizer.encode(text, add_bos=True, add_eos=True)
             return
-        yield from _encode_in_workers(self._texts(start), pool, self._num_workers)
+        yield from _encode_in_workers(self._texts(start, position), pool, self._num_workers)
 
-    def _tokenized(self, epoch: int, start: int) -> Iterator[tuple[int, int, list[int]]]:
-        """(epoch, document index, tokens) of every non-empty document from the given position on."""
+    def _tokenized(self, epoch: int, start: int, position: dict | None = None) -> Iterator[tuple[int, int, list[int]]]:
+        """(epoch, document index, tokens) of every non-empty document from the given position on (a stream's own
+        `position` of document `start`, when given)."""
         # One pool for the whole iteration (every epoch): it stops when the iteration does. In the interpreter's
         # teardown, multiprocessing's exit handler has stopped it already.
         pool = worker_pool(self._num_workers, _init_worker, (self._tokenizer,)) if self._num_workers else None
         try:
-            yield from self._tokenized_with(epoch, start, pool)
+            yield from self._tokenized_with(epoch, start, pool, position)
         finally:
             if pool is not None and not sys.is_finalizing():
                 pool.terminate()
 
-    def _tokenized_with(self, epoch: int, start: int, pool: Any) -> Iterator[tuple[int, int, list[int]]]:
+    def _tokenized_with(self, epoch: int, start: int, pool: Any,
+                        position: dict | None) -> Iterator[tuple[int, int, list[int]]]:
         while True:
             seen_tokens = False
-            for index, tokens in self._encoded(start, pool):
+            self._reading_epoch = epoch
+            for index, tokens in self._encoded(start, pool, position):
                 if tokens:
                     seen_tokens = True
                     yield epoch, index, tokens
@@ -232,17 +241,18 @@ class TextDataset(IterableDataset, Stateful):
                 raise UserError(f"{self._source.option()} has no documents with text")
             if not self._infinite:
                 return
-            epoch, start = epoch + 1, 0
+            epoch, start, position = epoch + 1, 0, None
             logger.info(f"dataset {self._source.label}: starting epoch {epoch + 1}")
 
-    def _windows(self, epoch: int, document: int, token: int) -> Iterator[tuple[list[int], _Position]]:
+    def _windows(self, epoch: int, document: int, token: int,
+                 position: dict | None) -> Iterator[tuple[list[int], _Position]]:
         """Windows of `seq_len + 1` tokens from a stream position, each with the next window's start."""
         span = self._seq_len + 1
         # Not yet consumed documents, as [epoch, document index, tokens, first unconsumed token].
         pending: deque[list] = deque()
         buffered = 0
         first = True
-        for e, d, tokens in self._tokenized(epoch, document):
+        for e, d, tokens in self._tokenized(epoch, document, position):
             start = 0
             if first:
                 first = False
@@ -276,13 +286,16 @@ class TextDataset(IterableDataset, Stateful):
         degree, rank = self._dp_degree, self._dp_rank
         base = self._next_window
         index = self._anchor_window
-        for window, following in self._windows(*self._anchor):
+        for window, following in self._windows(*self._anchor, self._anchor_stream):
             offset = index - base
             if offset >= 0 and offset % degree == rank:
                 # Updated before yielding: the loader may save the state right after this sample.
                 self._next_window = base + (offset // degree + 1) * degree
                 self._anchor_window = index + 1
                 self._anchor = following
+                # Known while the anchor's document is among the last read in this epoch's pass.
+                self._anchor_stream = self._documents.position(following[1]) \
+                    if following[0] == self._reading_epoch else None
                 sample = torch.tensor(window, dtype=torch.long)
                 yield sample[:-1], sample[1:]
             index += 1
@@ -304,6 +317,7 @@ class TextDataset(IterableDataset, Stateful):
             "anchor_epoch": anchor_epoch,
             "anchor_document": anchor_document,
             "anchor_token": anchor_token,
+            "anchor_stream": self._anchor_stream,
             "seq_len": self._seq_len,
         }
 
@@ -327,6 +341,8 @@ class TextDataset(IterableDataset, Stateful):
             int(state_dict["anchor_document"]),
             int(state_dict["anchor_token"]),
         )
+        # Checkpoints from before stream positions were kept have none: the stream skips to the anchor.
+        self._anchor_stream = state_dict.get("anchor_stream")
 
 
 def _collate(samples: list[tuple[torch.Tensor, torch.Tensor]]) -> tuple[torch.Tensor, torch.Tensor]:
@@ -351,6 +367,7 @@ def build_dataloader(
     sources: list[str] | None = None,
     stream_retry: StreamRetry = StreamRetry(),
     batches_per_step: int = 1,
+    shard_access: ShardAccess = ShardAccess(),
 ) -> StatefulDataLoader:
     """A loader of `(inputs, labels)` batches of shape `[local_batch_size, seq_len]` for one rank.
 
@@ -358,15 +375,11 @@ def build_dataloader(
     ahead of the training loop, else documents tokenized here by `num_workers` processes; with 0 both happen in the
     training thread) or `dataset`; or, with `sources` (`path:weight` entries), a weighted mixture of such paths.
     `seed` orders the windows of token shards; `stream_retry` says how streams from the Hugging Face hub survive
-    transient faults. `batches_per_step` (gradient accumulation) sets how far shard reads run ahead: two steps' worth
-    of batches. One rank's `state_dict()` after any batch can be loaded into the loaders of every rank, also of
-    a run with another data-parallel degree (see the module docstrings); it counts the samples consumed, not those
-    read ahead.
+    transient faults; `shard_access` how token shards are opened and checked. `batches_per_step` (gradient
+    accumulation) sets how far shard reads run ahead: two steps' worth of batches. One rank's `state_dict()` after
+    any batch can be loaded into the loaders of every rank, also of a run with another data-parallel degree (see the
+    module docstrings); it counts the samples consumed, not those read ahead.
     """
-    # Imported here: both modules build on this one.
-    from torchtitan.components.datasets.mixture import MixtureDataset, parse_sources
-    from torchtitan.components.datasets.shards import ShardDataset, is_shard_folder
-
     if local_batch_size < 1:
         raise UserError(f"{config_section}.local_batch_size={local_batch_size} must be at least 1")
     if num_workers < 0:
@@ -375,13 +388,15 @@ def build_dataloader(
 
     # Windows of token shards are read up to this many samples ahead by the reader threads.
     read_ahead = _READ_AHEAD_STEPS * batches_per_step * local_batch_size
+    # One bound on the open shards of this loader, whatever the number of sources.
+    maps = ShardMaps(shard_access.max_open_shards)
 
     def open_path(path: str | None, rank: int, degree: int, path_option: str | None = None,
                   reader_threads: int = num_workers) -> IterableDataset:
         if path is not None and is_shard_folder(path):
             return ShardDataset(path=path, tokenizer=tokenizer, seq_len=seq_len, dp_rank=rank, dp_degree=degree,
                                 infinite=infinite, seed=seed, config_section=config_section, path_option=path_option,
-                                num_workers=reader_threads, read_ahead=read_ahead)
+                                num_workers=reader_threads, read_ahead=read_ahead, access=shard_access, maps=maps)
         return TextDataset(dataset=dataset, dataset_path=path, text_field=text_field, tokenizer=tokenizer,
                            seq_len=seq_len, dp_rank=rank, dp_degree=degree, infinite=infinite,
                            config_section=config_section, num_workers=num_workers, path_option=path_option,
