@@ -8,6 +8,7 @@ misspelt option, a value of the wrong type, a TorchTitan option this project doe
 
 import argparse
 import ast
+import copy
 import dataclasses
 import difflib
 import functools
@@ -483,6 +484,23 @@ def validation_shape(config: JobConfig) -> tuple[int, int]:
             training.seq_len if validation.seq_len is None else validation.seq_len)
 
 
+def _config_file_options(path: str, where: str) -> dict[str, Any]:
+    """The options a TOML file sets, flattened. A file is parsed once per version of it (its modification time and
+    size): the planner builds a trainer config per candidate layout, thousands, from the same preset."""
+    try:
+        stat = os.stat(path)
+    except OSError:
+        stat = None
+    if stat is None or not os.path.isfile(path):
+        return _flatten_toml(load_toml(path), option_specs(), where)  # the error names what is wrong
+    return copy.deepcopy(_parsed_config_file(path, stat.st_mtime_ns, stat.st_size, where))
+
+
+@functools.lru_cache(maxsize=16)
+def _parsed_config_file(path: str, mtime_ns: int, size: int, where: str) -> dict[str, Any]:
+    return _flatten_toml(load_toml(path), option_specs(), where)
+
+
 def parse_args(argv: list[str] | None = None) -> JobConfig:
     """Defaults <- TOML (job.config_file) <- command-line flags, then validated. `--help` prints every option."""
     argv = list(sys.argv[1:] if argv is None else argv)
@@ -495,7 +513,7 @@ def parse_args(argv: list[str] | None = None) -> JobConfig:
     config_file = cli.get("job.config_file")
     if config_file:
         where = f"config file {config_file}"
-        for key, value in _flatten_toml(load_toml(config_file), specs, where).items():
+        for key, value in _config_file_options(config_file, where).items():
             key = _alias(key, where)
             if _check_key(key, value, specs, where):
                 _set(config, key, _convert(key, value, specs[key].type, from_cli=False))
