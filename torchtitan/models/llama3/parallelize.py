@@ -1,7 +1,8 @@
 """How the Llama model is parallelised: which `apply_*` runs, in which order.
 
-Order: tensor parallel -> activation checkpointing -> compile -> FSDP/HSDP (or DDP). Context parallelism needs no
-module change: the trainer shards the sequence around forward and backward (FSDP then shards over dp_shard x cp).
+Order: tensor parallel -> activation checkpointing -> compile -> FSDP/HSDP (or DDP). Context parallelism changes no
+module: the trainer shards the sequence around forward and backward (FSDP then shards over dp_shard x cp); with
+packed documents the model's document mask becomes one over the documents of every CP rank.
 Under pipeline parallelism this runs once per stage.
 """
 
@@ -12,6 +13,7 @@ from torchtitan.config import JobConfig, validation_shape
 from torchtitan.distributed.activation_checkpoint import apply_ac
 from torchtitan.distributed.compile import apply_compile, check_compile
 from torchtitan.distributed.compression import apply_compression, validate_compression
+from torchtitan.distributed.context_parallel import apply_document_cp
 from torchtitan.distributed.fsdp import apply_ddp, apply_fsdp
 from torchtitan.distributed.parallel_dims import ParallelDims
 from torchtitan.distributed.tensor_parallel import apply_tp
@@ -67,6 +69,8 @@ def validate_parallelism(args: TransformerModelArgs, parallel_dims: ParallelDims
 
 def parallelize_llama(model: nn.Module, world_mesh: DeviceMesh, parallel_dims: ParallelDims,
                       config: JobConfig) -> nn.Module:
+    if parallel_dims.cp_enabled and config.model.attention_mask == "block_causal":
+        apply_document_cp(model, world_mesh["cp"])
     if parallel_dims.tp_enabled:
         apply_tp(model, world_mesh["tp"], loss_parallel=not config.parallelism.disable_loss_parallel,
                  async_tp=config.parallelism.enable_async_tensor_parallel)
