@@ -20,7 +20,7 @@ from torchtitan.models.llama3.model import Transformer, document_ids, document_p
 BOS = 1
 SEQ_LEN = 64
 # Document starts of the sequences of each test batch. "documents": documents that cross chunk and rank boundaries
-# (CP 4 cuts the sequence into 8 chunks of 8 tokens, CP 2 into 4 of 16), one (30..50) longer than a CP 4 rank's
+# (CP 4 cuts the sequence into 32 chunks of 2 tokens, CP 2 into 16 of 4), one (30..50) longer than a CP 4 rank's
 # whole shard of 16 tokens; balanced by work, the chunks are not assigned head-tail. "whole": one document longer
 # than the sequence (no BOS), and one that is the whole sequence.
 BATCHES = {"documents": [[0, 5, 13, 14, 30, 50, 61]], "whole": [[], [0]]}
@@ -71,11 +71,11 @@ def test_each_rank_builds_its_rows_of_the_single_process_mask(degree):
 
 
 def test_one_document_is_balanced_as_head_tail_does():
-    # One causal document cut in 2 x cp chunks of c tokens: chunk i has c^2 i + c(c+1)/2 visible pairs, and chunks i
-    # and 2cp-1-i add up to the same for every i: every rank gets exactly the mean.
+    # One causal document cut in chunks of c tokens: chunk i has c^2 i + c(c+1)/2 visible pairs, and chunks s + r and
+    # s + 2cp-1-r add up to c^2 (2s + 2cp-1) + c(c+1) for every r: every rank gets exactly the mean.
     ids = ids_with_starts([[]], SEQ_LEN)
     for degree in (2, 4, 8):
-        work = cp.chunk_work(ids, 2 * degree)
+        work = cp.chunk_work(ids, cp.CHUNKS_PER_RANK * degree)
         loads = cp.rank_loads(work, cp.balanced_chunk_order(work, degree), degree)
         assert loads.max() == loads.min() == SEQ_LEN * (SEQ_LEN + 1) // 2 // degree
 
@@ -87,7 +87,7 @@ def test_short_and_long_documents_are_balanced_where_head_tail_is_not():
     ids = ids_with_starts([[0, *range(16, 48), 48]], SEQ_LEN)
     work = cp.chunk_work(ids, 4)
     assert work.tolist() == [136, 16, 16, 136]
-    assert cp.rank_loads(work, cp.head_tail_order(2), 2).tolist() == [272, 32]
+    assert cp.rank_loads(work, cp.head_tail_order(2, 2), 2).tolist() == [272, 32]
     order = cp.balanced_chunk_order(work, 2)
     assert sorted(order) == [0, 1, 2, 3]
     assert cp.rank_loads(work, order, 2).tolist() == [152, 152]
@@ -184,8 +184,8 @@ def test_losses_and_gradients_match_one_process(cp_results, name, degree, restar
         del model_inputs["positions"]
     reference = loss_and_grads(model, inputs, labels, **model_inputs)
     if name == "documents":
-        work = cp.chunk_work(document_ids(inputs, BOS), 2 * degree)
-        assert cp.balanced_chunk_order(work, degree) != cp.head_tail_order(degree)
+        work = cp.chunk_work(document_ids(inputs, BOS), cp.CHUNKS_PER_RANK * degree)
+        assert cp.balanced_chunk_order(work, degree) != cp.head_tail_order(degree, cp.CHUNKS_PER_RANK)
         # The mask matters for this batch (for the gradients above all: at initialisation the loss hardly depends
         # on what tokens attend to), far beyond the tolerance below: a CP run that ignored it could not match.
         causal = loss_and_grads(model, inputs, labels)

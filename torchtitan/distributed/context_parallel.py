@@ -36,10 +36,10 @@ own queries to them under the block-causal mask of its tokens, as the Llama 3 pa
   gathered K/V of a 128k sequence is a fraction of one layer's activations, so the simpler exact exchange wins.
 
 The work of a block-causal mask depends on where documents fall, so head-tail balancing (right for one causal
-document) is not enough: the sequence is cut into 2 x cp chunks whose visible (query, key) pairs are counted, and
+document) is not enough: the sequence is cut into 8 x cp chunks whose visible (query, key) pairs are counted, and
 chunks go to ranks heaviest first, each to the least loaded rank with room (or head-tail, if that balances better).
 Every rank computes the same assignment from the same batch, without communication; inputs, labels, document ids
-and positions are sharded by it alike.
+and positions are sharded by it alike. `scripts/cp_balance.py` measures it (docs/parallelism.md).
 """
 
 import contextlib
@@ -158,9 +158,10 @@ _RING_ATTENTION: dict[torch._ops.OpOverload, Callable[..., tuple[Tensor, ...]]] 
 # ----------------------------------------------------------------------------------------------------------------
 # Packed documents: block-causal attention over keys and values gathered from the whole CP group
 
-# Chunks per rank of the balanced assignment: as many as head-tail balancing cuts (so the same sequence lengths
-# split), and enough to pair a heavy chunk with a light one on every rank.
-CHUNKS_PER_RANK = 2
+# Chunks per rank of the balanced assignment. With 2 (head-tail's cut), windows of 131072 tokens of packed documents
+# on CP 8 left the busiest rank 1.22-1.62x the mean attention work on average; with 8, 1.01-1.03x, worst window 1.05x
+# (scripts/cp_balance.py, docs/parallelism.md). The sequence must split into 8 x cp chunks (parallelize.py checks).
+CHUNKS_PER_RANK = 8
 
 
 def chunk_work(document_ids: Tensor, num_chunks: int) -> Tensor:
@@ -170,9 +171,11 @@ def chunk_work(document_ids: Tensor, num_chunks: int) -> Tensor:
     return visible.reshape(document_ids.shape[0], num_chunks, -1).sum(dim=(0, 2))
 
 
-def head_tail_order(cp: int) -> list[int]:
-    """Head-tail ("zigzag") balancing of one causal document: rank r holds chunks r and 2cp-1-r."""
-    return [chunk for rank in range(cp) for chunk in (rank, 2 * cp - 1 - rank)]
+def head_tail_order(cp: int, chunks_per_rank: int) -> list[int]:
+    """Head-tail ("zigzag") balancing of one causal document, for an even number of chunks per rank: in each run of
+    2cp chunks, rank r holds chunks r and 2cp-1-r (whose works add up to the same for every r)."""
+    return [start + chunk for rank in range(cp) for start in range(0, chunks_per_rank * cp, 2 * cp)
+            for chunk in (rank, 2 * cp - 1 - rank)]
 
 
 def rank_loads(work: Tensor, order: list[int], cp: int) -> Tensor:
@@ -181,18 +184,23 @@ def rank_loads(work: Tensor, order: list[int], cp: int) -> Tensor:
 
 
 def balanced_chunk_order(work: Tensor, cp: int) -> list[int]:
-    """The chunks of each rank, rank after rank, for the given work of 2 x cp chunks:
+    """The chunks of each rank, rank after rank, for the given work of an even number of chunks per rank:
     heaviest chunk first, each to the least loaded rank that still has room; head-tail instead where it is better
     balanced, so that one causal document is balanced as well as before."""
-    per_rank = len(work) // cp
+    values = work.tolist()  # one copy to the host (from a GPU), not one per chunk
+    per_rank = len(values) // cp
     loads, held = [0] * cp, [[] for _ in range(cp)]
     # Ties are broken by chunk index: every rank computes the same assignment.
-    for chunk in sorted(range(len(work)), key=lambda c: (-int(work[c]), c)):
+    for chunk in sorted(range(len(values)), key=lambda c: (-values[c], c)):
         rank = min((r for r in range(cp) if len(held[r]) < per_rank), key=lambda r: (loads[r], r))
         held[rank].append(chunk)
-        loads[rank] += int(work[chunk])
+        loads[rank] += values[chunk]
     greedy = [chunk for chunks in held for chunk in sorted(chunks)]
-    return min(greedy, head_tail_order(cp), key=lambda order: int(rank_loads(work, order, cp).max()))
+
+    def busiest(order: list[int]) -> int:
+        return max(sum(values[c] for c in order[r * per_rank:(r + 1) * per_rank]) for r in range(cp))
+
+    return min(greedy, head_tail_order(cp, per_rank), key=busiest)
 
 
 def shard_documents(cp_mesh: DeviceMesh, document_ids: Tensor, tensors: list[Tensor]) -> list[Tensor]:
