@@ -65,9 +65,37 @@ def test_each_rank_builds_its_rows_of_the_single_process_mask(degree):
         assert sorted(key_index[0].tolist()) == list(range(SEQ_LEN))
         assert {shard[0].shape[1] for shard in shards} == {SEQ_LEN // degree}
         for query_index, query_ids, query_positions in shards:
-            visible = cp.visible_keys(query_ids, query_positions, key_ids, key_positions)[:, 0]
+            visible = cp.visible_keys(query_ids, query_positions, key_ids, key_positions, flex=False)[:, 0]
             expected = torch.stack([reference[b][query_index[b]][:, key_index[b]] for b in range(ids.shape[0])])
             assert torch.equal(visible, expected)
+
+
+@pytest.mark.slow
+@torch.no_grad()
+def test_flex_attention_mask_over_gathered_keys_matches_the_sdpa_mask(monkeypatch):
+    """The GPU path (FlexAttention with a BlockMask of a rank's queries against all keys) computes what the CPU path
+    (SDPA with booleans) does; FlexAttention runs forward on the CPU too (eager here: compiling takes seconds more;
+    even eager, building the mask and attending took 1.6-5 s, hence slow)."""
+    from torch.nn.attention.flex_attention import flex_attention
+
+    from torchtitan.models.llama3 import model
+    from torchtitan.models.llama3.model import GatheredDocuments, block_causal_attention
+
+    monkeypatch.setattr(model, "_compiled_flex_attention", flex_attention)
+    degree, rank = 2, 1
+    seq_len = 256  # FlexAttention's blocks are 128 tokens: a rank's 128 queries against two blocks of keys
+    ids = ids_with_starts([[0, 5, 70, 71, 150, 200]], seq_len)
+    positions = document_positions(ids)
+    query_ids, query_positions = cp.shard_documents(fake_mesh(degree, rank), ids, [ids, positions])
+    key_ids, key_positions = (torch.cat(parts, dim=1) for parts in zip(
+        *[cp.shard_documents(fake_mesh(degree, r), ids, [ids, positions]) for r in range(degree)]))
+    generator = torch.Generator().manual_seed(0)
+    q = torch.randn(1, 2, seq_len // degree, 16, generator=generator)
+    k, v = torch.randn(1, 1, seq_len, 16, generator=generator), torch.randn(1, 1, seq_len, 16, generator=generator)
+    outputs = [block_causal_attention(q, k, v, GatheredDocuments(cp.visible_keys(
+        query_ids, query_positions, key_ids, key_positions, flex=flex), lambda gathered: gathered), "cpu")
+        for flex in (True, False)]
+    torch.testing.assert_close(*outputs, rtol=1e-4, atol=1e-5)
 
 
 def test_one_document_is_balanced_as_head_tail_does():

@@ -57,7 +57,7 @@ from torch.distributed.tensor._ops.utils import expand_to_full_mesh_op_strategy
 from torch.distributed.tensor.experimental import context_parallel
 from torch.distributed.tensor.experimental._context_parallel import _attention as cp_attention
 from torch.distributed.tensor.experimental._context_parallel._sharding_rules import _op_strategy_context
-from torch.nn.attention.flex_attention import create_block_mask
+from torch.nn.attention.flex_attention import BlockMask, create_block_mask
 
 from torchtitan.errors import UserError
 from torchtitan.models.llama3.model import GatheredDocuments, document_positions
@@ -213,9 +213,17 @@ def shard_documents(cp_mesh: DeviceMesh, document_ids: Tensor, tensors: list[Ten
     return [torch.cat([tensor.chunk(num_chunks, dim=1)[chunk] for chunk in mine], dim=1) for tensor in tensors]
 
 
-def visible_keys(query_ids: Tensor, query_positions: Tensor, key_ids: Tensor, key_positions: Tensor) -> Tensor:
-    """(batch, 1, queries, keys), True where a query sees a key: same document, key not later. Positions may be
-    global or restart per document: both increase inside a document, so either orders its tokens."""
+def visible_keys(query_ids: Tensor, query_positions: Tensor, key_ids: Tensor, key_positions: Tensor,
+                 flex: bool) -> BlockMask | Tensor:
+    """Where a query sees a key: same document, key not later. Positions may be global or restart per document: both
+    increase inside a document, so either orders its tokens. A BlockMask for FlexAttention with `flex`, else
+    (batch, 1, queries, keys) booleans."""
+    if flex:
+        def visible(b, h, q, kv):
+            return (query_ids[b, q] == key_ids[b, kv]) & (query_positions[b, q] >= key_positions[b, kv])
+
+        return create_block_mask(visible, query_ids.shape[0], None, query_ids.shape[1], key_ids.shape[1],
+                                 device=query_ids.device)
     same_document = query_ids[:, :, None] == key_ids[:, None, :]
     return (same_document & (query_positions[:, :, None] >= key_positions[:, None, :])).unsqueeze(1)
 
@@ -236,15 +244,9 @@ class DocumentsAcrossRanks:
         if positions is None:
             raise ValueError("block-causal attention under context parallelism needs each token's position")
         # Document ids and positions of the whole sequence, in the order the keys and values will be gathered in.
-        key_ids, key_positions = funcol.all_gather_single(torch.stack([document_ids, positions]), 2, self.group)
-        if document_ids.device.type == "cuda":
-            def visible(b, h, q, kv):
-                return (document_ids[b, q] == key_ids[b, kv]) & (positions[b, q] >= key_positions[b, kv])
-
-            mask = create_block_mask(visible, document_ids.shape[0], None, document_ids.shape[1], key_ids.shape[1],
-                                     device=document_ids.device)
-        else:
-            mask = visible_keys(document_ids, positions, key_ids, key_positions)
+        keys = funcol.wait_tensor(funcol.all_gather_single(torch.stack([document_ids, positions]), 2, self.group))
+        # FlexAttention where it has a backward (on CUDA, as document_mask() chooses), SDPA with booleans elsewhere.
+        mask = visible_keys(document_ids, positions, keys[0], keys[1], flex=document_ids.device.type == "cuda")
         return GatheredDocuments(mask, functools.partial(_gather_sequence, group=self.group))
 
 
