@@ -23,17 +23,19 @@ Packed documents (`model.attention_mask = "block_causal"`) take another path, on
 causal blocks, not arbitrary masks. Each rank all-gathers the keys and values of the whole sequence and attends its
 own queries to them under the block-causal mask of its tokens, as the Llama 3 paper does for document masks:
 
-- the exchange is cheap: with grouped-query attention K and V are 2 x n_kv_heads / n_heads of the query's size (1/4
-  for Llama 3.1 8B), one all-gather per layer that the ranks' attention cannot start without anyway; its backward is
-  a reduce-scatter of the key and value gradients (`all_gather_single_autograd` of torch's functional collectives);
+- the exchange is cheap: with grouped-query attention K and V are each n_kv_heads / n_heads of the query's size
+  (1/4 for Llama 3.1 8B), one all-gather per layer; its backward is a reduce-scatter of the key and value gradients
+  (`all_gather_single_autograd` of torch's functional collectives);
 - the mask is exact for any layout of documents: a query sees a key when both belong to the same document and the
   key's position is not later (document positions or global ones, both increase inside a document), whichever rank
   holds it, so no block has to be skipped or merged by hand and the result is the single-process one;
 - it has a backward everywhere: on CPUs SDPA with a boolean mask (FlexAttention has no CPU backward in torch 2.13),
   on CUDA FlexAttention with a BlockMask built from the same rule, which skips the blocks no query sees.
-- Ring attention that skips invisible blocks would save the full key/value buffer (one layer's at a time under
-  activation checkpointing) at the price of merging partial results by logsumexp for every mask shape; with GQA the
-  gathered K/V of a 128k sequence is a fraction of one layer's activations, so the simpler exact exchange wins.
+
+Ring attention that skips invisible blocks would save the full key/value buffer (one layer's at a time under
+activation checkpointing) at the price of merging partial results by logsumexp for every mask shape; with GQA the
+gathered K/V of a 128k sequence (512 MiB for 8B in bf16) is a fraction of one layer's activations at 16k tokens per
+rank, so the simpler exact exchange wins.
 
 The work of a block-causal mask depends on where documents fall, so head-tail balancing (right for one causal
 document) is not enough: the sequence is cut into 8 x cp chunks whose visible (query, key) pairs are counted, and
