@@ -121,6 +121,22 @@ def test_short_and_long_documents_are_balanced_where_head_tail_is_not():
     assert cp.rank_loads(work, order, 2).tolist() == [152, 152]
 
 
+def test_balance_report_prints_every_mix_and_assignment():
+    from scripts import cp_balance
+    from torchtitan.errors import UserError
+
+    lines = cp_balance.report("tiny", 1024, [2], windows=2, seed=0).splitlines()
+    rows = [line.split(" | ") for line in lines if line.startswith("| ") and not line.startswith("| mix")]
+    assert [row[0].lstrip("| ") for row in rows] == list(cp_balance.MIXES)
+    one_document = rows[-1]
+    # Contiguous halves of one causal document: (3/4) / (1/2) of the work on the busier rank; head-tail and by work:
+    # exactly the mean (up to the 1 / (2 x seq_len) of the diagonal, below the table's two decimals).
+    assert one_document[2] == "1.000" and one_document[5].startswith("1.50")
+    assert [cell.split()[0] for cell in one_document[6:]] == ["1.00", "1.00", "1.00"]
+    with pytest.raises(UserError, match="--cp: 3 must be at least 2 and 8 x cp must divide --seq_len 1024"):
+        cp_balance.report("tiny", 1024, [3], windows=1, seed=0)
+
+
 def test_block_causal_with_context_parallelism_options():
     from torchtitan.config import parse_args
     from torchtitan.errors import UserError
