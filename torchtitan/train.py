@@ -35,7 +35,7 @@ from torchtitan.components.tokenizer import build_model_tokenizer
 from torchtitan.config import JobConfig, parse_args, save_config, to_toml, validation_shape
 from torchtitan.distributed import utils as dist_utils
 from torchtitan.distributed.compile import compile_loss
-from torchtitan.distributed.context_parallel import context_parallel_context
+from torchtitan.distributed.context_parallel import context_parallel_context, shard_documents
 from torchtitan.distributed.fake import host_values
 from torchtitan.distributed.fsdp import TORCH_DTYPES
 from torchtitan.distributed.parallel_dims import ParallelDims
@@ -189,18 +189,29 @@ class Trainer:
         if self.config.model.attention_mask == "causal":
             return {}
         ids = document_ids(inputs, self.tokenizer.bos_id)
-        return {"document_ids": ids, **({"positions": document_positions(ids)} if self.config.model.document_positions
-                                        else {})}
+        if self.config.model.document_positions:
+            return {"document_ids": ids, "positions": document_positions(ids)}
+        if self.parallel_dims.cp_enabled:
+            # A rank's share of the sequence is not its start: its tokens' RoPE positions come with them.
+            return {"document_ids": ids, "positions": torch.arange(ids.shape[1], device=ids.device).expand_as(ids)}
+        return {"document_ids": ids}
 
     def _pipeline_loss(self, pred: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         return self.loss_fn(pred, labels) / self.global_valid_tokens
 
     @contextlib.contextmanager
-    def _train_context(self, inputs: torch.Tensor, labels: torch.Tensor) -> Iterator[None]:
-        """Context parallelism shards the sequence of the batch (and RoPE table); loss parallelism lets the
-        vocabulary-sharded logits enter the loss. Both must cover forward and backward."""
+    def _train_context(self, inputs: torch.Tensor, labels: torch.Tensor) -> Iterator[
+            tuple[torch.Tensor, torch.Tensor, dict[str, torch.Tensor]]]:
+        """This rank's (inputs, labels, masking inputs of the model). Context parallelism shards the sequence of the
+        batch (and RoPE table; with packed documents, balanced by the mask's work, their ids and positions too);
+        loss parallelism lets the vocabulary-sharded logits enter the loss. Both must cover forward and backward."""
+        masking = self._masking(inputs)
         with contextlib.ExitStack() as stack:
-            if self.parallel_dims.cp_enabled:
+            if self.parallel_dims.cp_enabled and masking:
+                inputs, labels, *sharded = shard_documents(self.world_mesh["cp"], masking["document_ids"],
+                                                           [inputs, labels, *masking.values()])
+                masking = dict(zip(masking, sharded))
+            elif self.parallel_dims.cp_enabled:
                 ropes = [part.rope for part in self.model_parts]
                 stack.enter_context(context_parallel_context(
                     self.world_mesh["cp"], buffers=[inputs, labels, *ropes], buffer_seq_dims=[1, 1, *[0] * len(ropes)],
@@ -208,7 +219,7 @@ class Trainer:
                     rotate_method=self.config.parallelism.context_parallel_rotate_method))
             if self.parallel_dims.tp_enabled and not self.config.parallelism.disable_loss_parallel:
                 stack.enter_context(loss_parallel())
-            yield
+            yield inputs, labels, masking
 
     def _next_batches(self, data_iterator: Iterator) -> list[tuple[torch.Tensor, torch.Tensor]]:
         batches = [batch for _ in range(self.grad_accumulation_steps) if (batch := next(data_iterator, None))]
@@ -233,8 +244,7 @@ class Trainer:
 
     def forward_backward(self, inputs: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         """This rank's share of the loss (already divided by the global token count), after backward."""
-        with self._train_context(inputs, labels):
-            masking = self._masking(inputs)
+        with self._train_context(inputs, labels) as (inputs, labels, masking):
             if self.pp_schedule is not None:
                 losses: list[torch.Tensor] | None = [] if self.has_last_stage else None
                 targets = labels if self.has_last_stage else None
@@ -324,11 +334,11 @@ class Trainer:
             inputs, labels = batch[0].to(self.device), batch[1].to(self.device)
             # Counted before context parallelism shards the labels in place (they are not restored).
             tokens += count_valid_tokens(labels)
-            with self._train_context(inputs, labels), self.autocast:
+            with self._train_context(inputs, labels) as (inputs, labels, masking), self.autocast:
                 if self.pp_schedule is not None:
-                    loss_sum += self._pipeline_eval(inputs, labels)
+                    loss_sum += self._pipeline_eval(inputs, labels, masking)
                 else:
-                    loss = self.loss_fn(self.model_parts[0](inputs, **self._masking(inputs)), labels)
+                    loss = self.loss_fn(self.model_parts[0](inputs, **masking), labels)
                     loss_sum += loss.full_tensor() if isinstance(loss, DTensor) else loss
             batches += 1
         totals = torch.stack([loss_sum / self.parallel_dims.tp, tokens])
@@ -341,11 +351,11 @@ class Trainer:
                     f" over {int(valid_tokens):,} tokens")
         return result
 
-    def _pipeline_eval(self, inputs: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    def _pipeline_eval(self, inputs: torch.Tensor, labels: torch.Tensor,
+                       masking: dict[str, torch.Tensor]) -> torch.Tensor:
         losses: list[torch.Tensor] | None = [] if self.has_last_stage else None
         targets = labels if self.has_last_stage else None
         self.global_valid_tokens = torch.ones((), device=self.device)
-        masking = self._masking(inputs)
         if self.has_first_stage:
             self.pp_schedule.eval(inputs, target=targets, losses=losses, return_outputs=False, **masking)
         else:

@@ -1,7 +1,9 @@
 """Block-causal attention (model.attention_mask = block_causal, document positions) in the trainer: the layouts that
 shard the model (FSDP, TP) or split it into stages (PP, where every stage gets the documents as keyword inputs)
-reproduce the one-process loss curve, which differs from the causal one. Context parallelism is refused (unit test
-in tests/unit/test_document_mask.py)."""
+reproduce the one-process loss curve, which differs from the causal one; so do context parallelism and its
+compositions (slow)."""
+
+import shutil
 
 import pytest
 
@@ -36,3 +38,40 @@ def test_block_causal_composes_with_fsdp_tp_and_pp(tmp_path):
         difference = max_relative_difference(run(tmp_path, name, nproc, dp, [*BLOCK_CAUSAL, *options]), reference)
         print(f"{name} block_causal vs one process: max relative loss difference {difference:.2e}")
         assert difference <= 2e-6, name
+
+
+@pytest.mark.slow
+def test_block_causal_under_context_parallelism_composes_and_resumes(tmp_path):
+    """Context parallelism over packed documents (K/V all-gathered, chunks balanced by the mask's work) alone, at CP 4,
+    with FSDP, TP and PP, with global RoPE positions, and resumed under another CP degree: the one-process losses.
+    (Exactness of losses and gradients at CP 2 and 4 on chosen layouts of documents: tests/unit/
+    test_context_parallel_documents.py.)"""
+    reference = run(tmp_path, "one", 1, 1, BLOCK_CAUSAL)
+    cp2 = ["--parallelism.context_parallel_degree", "2"]
+    layouts = {
+        "cp2": (2, 1, cp2),
+        "cp4": (4, 1, ["--parallelism.context_parallel_degree", "4"]),
+        "fsdp2_cp2": (4, 2, ["--parallelism.data_parallel_shard_degree", "2", *cp2]),
+        "tp2_cp2": (4, 1, ["--parallelism.tensor_parallel_degree", "2", *cp2]),
+        "pp2_cp2": (4, 1, ["--parallelism.pipeline_parallel_degree", "2", *cp2]),
+    }
+    for name, (nproc, dp, options) in layouts.items():
+        difference = max_relative_difference(run(tmp_path, name, nproc, dp, [*BLOCK_CAUSAL, *options]), reference)
+        print(f"{name} block_causal vs one process: max relative loss difference {difference:.2e}")
+        # fp32 throughout: rounding of sums taken in another order, as for the other layouts above.
+        assert difference <= 2e-6, name
+
+    global_positions = run(tmp_path, "global_positions_one", 1, 1, ["--model.attention_mask", "block_causal"])
+    difference = max_relative_difference(
+        run(tmp_path, "global_positions_cp2", 2, 1, ["--model.attention_mask", "block_causal", *cp2]), global_positions)
+    print(f"cp2 block_causal with global positions vs one process: max relative loss difference {difference:.2e}")
+    assert difference <= 2e-6
+
+    # Saved at step 3 under CP 2, resumed under CP 4: steps 4-6 are the uninterrupted run's.
+    checkpoint = ["--checkpoint.enable", "--checkpoint.interval", "3"]
+    run(tmp_path, "saved_cp2", 2, 1, [*BLOCK_CAUSAL, *checkpoint, *cp2])
+    shutil.copytree(tmp_path / "saved_cp2" / "checkpoint" / "step-3", tmp_path / "resumed_cp4" / "checkpoint" / "step-3")
+    resumed = run(tmp_path, "resumed_cp4", 4, 1, [*BLOCK_CAUSAL, *checkpoint, *layouts["cp4"][2]])
+    difference = max_relative_difference(resumed, reference[3:])
+    print(f"cp2 -> cp4 resume: max relative loss difference of steps 4-6 {difference:.2e}")
+    assert difference <= 2e-6

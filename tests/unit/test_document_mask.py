@@ -88,12 +88,10 @@ def test_gradients_flow_within_documents_only():
     model.tok_embeddings = saved
 
 
-def test_options_refuse_context_parallelism_and_positions_without_the_mask():
+def test_options_refuse_positions_without_the_mask():
     from torchtitan.config import parse_args
     from torchtitan.errors import UserError
 
-    with pytest.raises(UserError, match="'block_causal' does not work with context parallelism"):
-        parse_args(["--model.attention_mask", "block_causal", "--parallelism.context_parallel_degree", "2"])
     with pytest.raises(UserError, match="document_positions: true needs model.attention_mask = 'block_causal'"):
         parse_args(["--model.document_positions"])
     with pytest.raises(UserError, match="option model.attention_mask: 'sliding' is not one of"):

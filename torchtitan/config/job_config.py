@@ -344,7 +344,7 @@ class Parallelism:
     """Context parallel degree: the sequence is sharded across this many ranks. 1 = disabled."""
 
     context_parallel_rotate_method: Literal["allgather", "alltoall"] = "allgather"
-    """How context parallel attention exchanges key/value shards."""
+    """How causal context parallel (ring) attention exchanges key/value shards. With model.attention_mask = block_causal they are always all-gathered (docs/parallelism.md)."""
 
 
 @dataclass

@@ -597,10 +597,12 @@ def validate(config: JobConfig) -> None:
     if config.training.num_workers < 0:
         raise UserError(f"option training.num_workers: {config.training.num_workers} must be 0 (tokenize and read in "
                         f"the training process) or positive")
-    if config.model.attention_mask == "block_causal" and config.parallelism.context_parallel_degree > 1:
-        raise UserError("option model.attention_mask: 'block_causal' does not work with context parallelism "
-                        "(parallelism.context_parallel_degree > 1), whose ring attention is causal only; use "
-                        "attention_mask = 'causal' or context_parallel_degree = 1")
+    if config.model.attention_mask == "block_causal" and config.parallelism.context_parallel_degree > 1 and \
+            config.parallelism.context_parallel_rotate_method != "allgather":
+        raise UserError(f"option parallelism.context_parallel_rotate_method: "
+                        f"{config.parallelism.context_parallel_rotate_method!r} does not work with model.attention_mask "
+                        f"= 'block_causal', whose context parallelism all-gathers keys and values (ring attention is "
+                        f"causal only); use 'allgather'")
     if config.model.document_positions and config.model.attention_mask != "block_causal":
         raise UserError("option model.document_positions: true needs model.attention_mask = 'block_causal' (with "
                         "causal attention a document sees the ones before it, so its positions continue)")

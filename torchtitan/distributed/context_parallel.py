@@ -18,13 +18,39 @@ CPU, this module therefore
 
 These are private torch symbols; `tests/unit/test_context_parallel.py` pins them, and a torch that handles the CPU
 op itself is left alone.
+
+Packed documents (`model.attention_mask = "block_causal"`) take another path, on every device: ring attention merges
+causal blocks, not arbitrary masks. Each rank all-gathers the keys and values of the whole sequence and attends its
+own queries to them under the block-causal mask of its tokens, as the Llama 3 paper does for document masks:
+
+- the exchange is cheap: with grouped-query attention K and V are each n_kv_heads / n_heads of the query's size
+  (1/4 for Llama 3.1 8B), one all-gather per layer; its backward is a reduce-scatter of the key and value gradients
+  (`all_gather_single_autograd` of torch's functional collectives);
+- the mask is exact for any layout of documents: a query sees a key when both belong to the same document and the
+  key's position is not later (document positions or global ones, both increase inside a document), whichever rank
+  holds it, so no block has to be skipped or merged by hand and the result is the single-process one;
+- it has a backward everywhere: on CPUs SDPA with a boolean mask (FlexAttention has no CPU backward in torch 2.13),
+  on CUDA FlexAttention with a BlockMask built from the same rule, which skips the blocks no query sees.
+
+Ring attention that skips invisible blocks would save the full key/value buffer (one layer's at a time under
+activation checkpointing) at the price of merging partial results by logsumexp for every mask shape; with GQA the
+gathered K/V of a 128k sequence (512 MiB for 8B in bf16) is a fraction of one layer's activations at 16k tokens per
+rank, so the simpler exact exchange wins.
+
+The work of a block-causal mask depends on where documents fall, so head-tail balancing (right for one causal
+document) is not enough: the sequence is cut into 8 x cp chunks whose visible (query, key) pairs are counted, and
+chunks go to ranks heaviest first, each to the least loaded rank with room (or head-tail, if that balances better).
+Every rank computes the same assignment from the same batch, without communication; inputs, labels, document ids
+and positions are sharded by it alike. `scripts/cp_balance.py` measures it (docs/parallelism.md).
 """
 
 import contextlib
+import functools
 from collections.abc import Callable, Iterator
 
 import torch
 import torch.distributed as dist
+import torch.distributed._functional_collectives as funcol
 from torch import Tensor
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Shard
@@ -33,8 +59,10 @@ from torch.distributed.tensor._ops.utils import expand_to_full_mesh_op_strategy
 from torch.distributed.tensor.experimental import context_parallel
 from torch.distributed.tensor.experimental._context_parallel import _attention as cp_attention
 from torch.distributed.tensor.experimental._context_parallel._sharding_rules import _op_strategy_context
+from torch.nn.attention.flex_attention import BlockMask, create_block_mask
 
 from torchtitan.errors import UserError
+from torchtitan.models.llama3.model import GatheredDocuments, document_positions
 
 ROTATE_METHODS = ("allgather", "alltoall")
 
@@ -127,3 +155,103 @@ _RING_ATTENTION: dict[torch._ops.OpOverload, Callable[..., tuple[Tensor, ...]]] 
     CPU_SDPA: _ring_sdpa,
     CPU_SDPA_BACKWARD: _ring_sdpa_backward,
 }
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Packed documents: block-causal attention over keys and values gathered from the whole CP group
+
+# Chunks per rank of the balanced assignment. With 2 (head-tail's cut), windows of 131072 tokens of packed documents
+# on CP 8 left the busiest rank 1.22-1.62x the mean attention work on average; with 8, 1.01-1.03x, worst window 1.05x
+# (scripts/cp_balance.py, docs/parallelism.md). The sequence must split into 8 x cp chunks (parallelize.py checks).
+CHUNKS_PER_RANK = 8
+
+
+def chunk_work(document_ids: Tensor, num_chunks: int) -> Tensor:
+    """Visible (query, key) pairs of the block-causal mask in each of `num_chunks` equal chunks of the sequence,
+    summed over the batch: a query sees the tokens of its document up to itself, its document position + 1."""
+    visible = document_positions(document_ids) + 1
+    return visible.reshape(document_ids.shape[0], num_chunks, -1).sum(dim=(0, 2))
+
+
+def head_tail_order(cp: int, chunks_per_rank: int) -> list[int]:
+    """Head-tail ("zigzag") balancing of one causal document, for an even number of chunks per rank: in each run of
+    2cp chunks, rank r holds chunks r and 2cp-1-r (whose works add up to the same for every r)."""
+    return [start + chunk for rank in range(cp) for start in range(0, chunks_per_rank * cp, 2 * cp)
+            for chunk in (rank, 2 * cp - 1 - rank)]
+
+
+def rank_loads(work: Tensor, order: list[int], cp: int) -> Tensor:
+    """Work of each rank when rank r holds the chunks order[r*k:(r+1)*k] (k = chunks per rank)."""
+    return work[order].reshape(cp, -1).sum(dim=1)
+
+
+def balanced_chunk_order(work: Tensor, cp: int) -> list[int]:
+    """The chunks of each rank, rank after rank, for the given work of an even number of chunks per rank:
+    heaviest chunk first, each to the least loaded rank that still has room; head-tail instead where it is better
+    balanced, so that one causal document is balanced as well as before."""
+    values = work.tolist()  # one copy to the host (from a GPU), not one per chunk
+    per_rank = len(values) // cp
+    loads, held = [0] * cp, [[] for _ in range(cp)]
+    # Ties are broken by chunk index: every rank computes the same assignment.
+    for chunk in sorted(range(len(values)), key=lambda c: (-values[c], c)):
+        rank = min((r for r in range(cp) if len(held[r]) < per_rank), key=lambda r: (loads[r], r))
+        held[rank].append(chunk)
+        loads[rank] += values[chunk]
+    greedy = [chunk for chunks in held for chunk in sorted(chunks)]
+
+    def busiest(order: list[int]) -> int:
+        return max(sum(values[c] for c in order[r * per_rank:(r + 1) * per_rank]) for r in range(cp))
+
+    return min(greedy, head_tail_order(cp, per_rank), key=busiest)
+
+
+def shard_documents(cp_mesh: DeviceMesh, document_ids: Tensor, tensors: list[Tensor]) -> list[Tensor]:
+    """This rank's share of (batch, seq) `tensors` (inputs, labels, document ids, positions): the chunks that
+    `balanced_chunk_order` gives it by the work of the batch's mask, in sequence order."""
+    cp, rank = cp_mesh.size(), cp_mesh.get_local_rank()
+    num_chunks = CHUNKS_PER_RANK * cp
+    order = balanced_chunk_order(chunk_work(document_ids, num_chunks), cp)
+    mine = order[rank * CHUNKS_PER_RANK:(rank + 1) * CHUNKS_PER_RANK]
+    return [torch.cat([tensor.chunk(num_chunks, dim=1)[chunk] for chunk in mine], dim=1) for tensor in tensors]
+
+
+def visible_keys(query_ids: Tensor, query_positions: Tensor, key_ids: Tensor, key_positions: Tensor,
+                 flex: bool) -> BlockMask | Tensor:
+    """Where a query sees a key: same document, key not later. Positions may be global or restart per document: both
+    increase inside a document, so either orders its tokens. A BlockMask for FlexAttention with `flex`, else
+    (batch, 1, queries, keys) booleans."""
+    if flex:
+        def visible(b, h, q, kv):
+            return (query_ids[b, q] == key_ids[b, kv]) & (query_positions[b, q] >= key_positions[b, kv])
+
+        return create_block_mask(visible, query_ids.shape[0], None, query_ids.shape[1], key_ids.shape[1],
+                                 device=query_ids.device)
+    same_document = query_ids[:, :, None] == key_ids[:, None, :]
+    return (same_document & (query_positions[:, :, None] >= key_positions[:, None, :])).unsqueeze(1)
+
+
+def _gather_sequence(tensor: Tensor, group: dist.ProcessGroup) -> Tensor:
+    # (batch, heads, local seq, head_dim) -> the sequence of every rank, rank after rank; backward: reduce-scatter.
+    return funcol.all_gather_single_autograd(tensor.contiguous(), SEQ_DIM, group)
+
+
+class DocumentsAcrossRanks:
+    """The model's document mask under context parallelism (`Transformer.build_document_mask`): from this rank's
+    document ids and positions, the mask of its queries against the keys of every rank, and how to gather them."""
+
+    def __init__(self, group: dist.ProcessGroup):
+        self.group = group
+
+    def __call__(self, document_ids: Tensor, positions: Tensor | None) -> GatheredDocuments:
+        if positions is None:
+            raise ValueError("block-causal attention under context parallelism needs each token's position")
+        # Document ids and positions of the whole sequence, in the order the keys and values will be gathered in.
+        keys = funcol.wait_tensor(funcol.all_gather_single(torch.stack([document_ids, positions]), 2, self.group))
+        # FlexAttention where it has a backward (on CUDA, as document_mask() chooses), SDPA with booleans elsewhere.
+        mask = visible_keys(document_ids, positions, keys[0], keys[1], flex=document_ids.device.type == "cuda")
+        return GatheredDocuments(mask, functools.partial(_gather_sequence, group=self.group))
+
+
+def apply_document_cp(model: torch.nn.Module, cp_mesh: DeviceMesh) -> None:
+    """Let the model's (or pipeline stage's) block-causal attention see the documents on the other CP ranks."""
+    model.build_document_mask = DocumentsAcrossRanks(cp_mesh.get_group())

@@ -123,8 +123,18 @@ class DocumentSpans:
     spans: tuple[tuple[tuple[int, int], ...], ...]
 
 
+@dataclass(frozen=True)
+class GatheredDocuments:
+    """Block-causal attention of this rank's queries against the keys and values of the whole sequence, which
+    `gather` collects from the ranks that hold its parts (context parallelism: torchtitan/distributed/
+    context_parallel.py builds it). `visible`: a BlockMask on GPUs, else (batch, 1, queries, keys) booleans."""
+
+    visible: BlockMask | torch.Tensor
+    gather: Callable[[torch.Tensor], torch.Tensor]
+
+
 # What block-causal attention needs of a batch's documents: a FlexAttention BlockMask on GPUs, the spans elsewhere.
-DocumentMask = Union[BlockMask, DocumentSpans]
+DocumentMask = Union[BlockMask, DocumentSpans, GatheredDocuments]
 
 
 def document_ids(tokens: torch.Tensor, bos_id: int) -> torch.Tensor:
@@ -167,13 +177,18 @@ def block_causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ma
     FlexAttention has no backward (torch 2.13): causal attention document by document, which does only the work
     inside documents (at seq 2048 it measured 2x faster than causal attention over the window, 4x faster than SDPA
     with a block-diagonal mask); inside torch.compile, SDPA with that mask instead, so that compiled blocks do not
-    specialise on, and recompile for, every batch's document boundaries.
+    specialise on, and recompile for, every batch's document boundaries. Under context parallelism, the same
+    kernels (FlexAttention or SDPA with a boolean mask) over the gathered keys and values.
     """
+    if isinstance(mask, GatheredDocuments):
+        k, v, mask = mask.gather(k), mask.gather(v), mask.visible
     if isinstance(mask, BlockMask):
         global _compiled_flex_attention
         if _compiled_flex_attention is None:
             _compiled_flex_attention = torch.compile(flex_attention)
         return _compiled_flex_attention(q, k, v, block_mask=mask, enable_gqa=True)
+    if isinstance(mask, torch.Tensor):
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True)
     if torch.compiler.is_compiling():
         seq = mask.ids.shape[1]
         causal = torch.ones(seq, seq, dtype=torch.bool, device=mask.ids.device).tril()
@@ -228,13 +243,17 @@ class Transformer(nn.Module):
         self.norm: nn.RMSNorm | None = nn.RMSNorm(args.dim, eps=args.norm_eps)
         self.output: nn.Linear | None = nn.Linear(args.dim, args.vocab_size, bias=False)
         self.register_buffer("rope", rope_table(args, device=torch.device("meta")), persistent=False)
+        # Document ids and positions -> the attention's mask, when context parallelism replaces `document_mask()`
+        # with a mask over the documents of every rank (distributed/context_parallel.py: apply_document_cp).
+        self.build_document_mask: Callable[[torch.Tensor, torch.Tensor | None], DocumentMask] | None = None
 
     def forward(self, tokens: torch.Tensor, document_ids: torch.Tensor | None = None,
                 positions: torch.Tensor | None = None) -> torch.Tensor:
         """With `document_ids` (batch, seq) attention is block-causal (see `document_ids()`); `positions` (batch,
         seq) replace 0..seq-1 as RoPE positions (see `document_positions()`)."""
         h = self.tok_embeddings(tokens) if self.tok_embeddings is not None else tokens
-        mask = document_mask(document_ids) if document_ids is not None else None
+        mask = None if document_ids is None else document_mask(document_ids) if self.build_document_mask is None \
+            else self.build_document_mask(document_ids, positions)
         rope = self.rope if positions is None else self.rope[positions]
         for layer in self.layers.values():
             h = layer(h, rope, mask=mask)

@@ -1,0 +1,242 @@
+"""Context parallelism over packed documents (block-causal mask): the mask each rank builds from its shard, the
+balance of the chunk assignment, and the losses and gradients of real CP 2 and CP 4 processes (gloo) against one
+process."""
+
+import datetime
+import itertools
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+from tests.unit.forked_ranks import join_forked
+from torchtitan.distributed import context_parallel as cp
+from torchtitan.models.llama3.args import model_args_for
+from torchtitan.models.llama3.model import Transformer, document_ids, document_positions
+
+BOS = 1
+SEQ_LEN = 64
+# Document starts of the sequences of each test batch. "documents": documents that cross chunk and rank boundaries
+# (CP 4 cuts the sequence into 32 chunks of 2 tokens, CP 2 into 16 of 4), one (30..50) longer than a CP 4 rank's
+# whole shard of 16 tokens; balanced by work, the chunks are not assigned head-tail. "whole": one document longer
+# than the sequence (no BOS), and one that is the whole sequence.
+BATCHES = {"documents": [[0, 5, 13, 14, 30, 50, 61]], "whole": [[], [0]]}
+DOCUMENT_STARTS = [*BATCHES["documents"], *BATCHES["whole"]]
+
+
+def block_causal_reference(ids: torch.Tensor) -> torch.Tensor:
+    """(batch, seq, seq): query i sees key j when j <= i in the same document."""
+    causal = torch.ones(ids.shape[1], ids.shape[1], dtype=torch.bool).tril()
+    return (ids[:, :, None] == ids[:, None, :]) & causal
+
+
+def ids_with_starts(starts: list[list[int]], seq_len: int) -> torch.Tensor:
+    tokens = torch.full((len(starts), seq_len), 5)
+    for row, row_starts in enumerate(starts):
+        tokens[row, row_starts] = BOS
+    return document_ids(tokens, BOS)
+
+
+def fake_mesh(size: int, rank: int) -> SimpleNamespace:
+    return SimpleNamespace(size=lambda: size, get_local_rank=lambda: rank)
+
+
+def test_chunk_work_counts_the_visible_pairs_of_the_mask():
+    ids = ids_with_starts(list(DOCUMENT_STARTS), SEQ_LEN)
+    for chunks in (4, 8):
+        visible_per_query = block_causal_reference(ids).sum(dim=2)
+        expected = visible_per_query.reshape(len(DOCUMENT_STARTS), chunks, -1).sum(dim=(0, 2))
+        assert torch.equal(cp.chunk_work(ids, chunks), expected)
+
+
+@pytest.mark.parametrize("degree", [2, 4])
+def test_each_rank_builds_its_rows_of_the_single_process_mask(degree):
+    """Simulated ranks: the shards cover every token once, in equal lengths, and the mask of a rank's queries against
+    the gathered keys (rank after rank) is the single-process mask at those tokens."""
+    ids = ids_with_starts(list(DOCUMENT_STARTS), SEQ_LEN)
+    index = torch.arange(SEQ_LEN).expand_as(ids)
+    reference = block_causal_reference(ids)
+    for positions in (index, document_positions(ids)):
+        shards = [cp.shard_documents(fake_mesh(degree, rank), ids, [index, ids, positions]) for rank in range(degree)]
+        key_index, key_ids, key_positions = (torch.cat(parts, dim=1) for parts in zip(*shards))
+        assert sorted(key_index[0].tolist()) == list(range(SEQ_LEN))
+        assert {shard[0].shape[1] for shard in shards} == {SEQ_LEN // degree}
+        for query_index, query_ids, query_positions in shards:
+            visible = cp.visible_keys(query_ids, query_positions, key_ids, key_positions, flex=False)[:, 0]
+            expected = torch.stack([reference[b][query_index[b]][:, key_index[b]] for b in range(ids.shape[0])])
+            assert torch.equal(visible, expected)
+
+
+@pytest.mark.slow
+@torch.no_grad()
+def test_flex_attention_mask_over_gathered_keys_matches_the_sdpa_mask(monkeypatch):
+    """The GPU path (FlexAttention with a BlockMask of a rank's queries against all keys) computes what the CPU path
+    (SDPA with booleans) does; FlexAttention runs forward on the CPU too (eager here: compiling takes seconds more;
+    even eager, building the mask and attending took 1.6-5 s, hence slow)."""
+    from torch.nn.attention.flex_attention import flex_attention
+
+    from torchtitan.models.llama3 import model
+    from torchtitan.models.llama3.model import GatheredDocuments, block_causal_attention
+
+    monkeypatch.setattr(model, "_compiled_flex_attention", flex_attention)
+    degree, rank = 2, 1
+    seq_len = 256  # FlexAttention's blocks are 128 tokens: a rank's 128 queries against two blocks of keys
+    ids = ids_with_starts([[0, 5, 70, 71, 150, 200]], seq_len)
+    positions = document_positions(ids)
+    query_ids, query_positions = cp.shard_documents(fake_mesh(degree, rank), ids, [ids, positions])
+    key_ids, key_positions = (torch.cat(parts, dim=1) for parts in zip(
+        *[cp.shard_documents(fake_mesh(degree, r), ids, [ids, positions]) for r in range(degree)]))
+    generator = torch.Generator().manual_seed(0)
+    q = torch.randn(1, 2, seq_len // degree, 16, generator=generator)
+    k, v = torch.randn(1, 1, seq_len, 16, generator=generator), torch.randn(1, 1, seq_len, 16, generator=generator)
+    outputs = [block_causal_attention(q, k, v, GatheredDocuments(cp.visible_keys(
+        query_ids, query_positions, key_ids, key_positions, flex=flex), lambda gathered: gathered), "cpu")
+        for flex in (True, False)]
+    torch.testing.assert_close(*outputs, rtol=1e-4, atol=1e-5)
+
+
+def test_one_document_is_balanced_as_head_tail_does():
+    # One causal document cut in chunks of c tokens: chunk i has c^2 i + c(c+1)/2 visible pairs, and chunks s + r and
+    # s + 2cp-1-r add up to c^2 (2s + 2cp-1) + c(c+1) for every r: every rank gets exactly the mean.
+    ids = ids_with_starts([[]], SEQ_LEN)
+    for degree in (2, 4, 8):
+        work = cp.chunk_work(ids, cp.CHUNKS_PER_RANK * degree)
+        loads = cp.rank_loads(work, cp.balanced_chunk_order(work, degree), degree)
+        assert loads.max() == loads.min() == SEQ_LEN * (SEQ_LEN + 1) // 2 // degree
+
+
+def test_short_and_long_documents_are_balanced_where_head_tail_is_not():
+    # CP 2, four chunks of 16 tokens: a 16-token document (136 visible pairs), 32 one-token documents (16 per chunk),
+    # and another 16-token document. Head-tail pairs chunks (0, 3) and (1, 2): 272 against 32; by work, the two
+    # heavy chunks go to different ranks: 152 each.
+    ids = ids_with_starts([[0, *range(16, 48), 48]], SEQ_LEN)
+    work = cp.chunk_work(ids, 4)
+    assert work.tolist() == [136, 16, 16, 136]
+    assert cp.rank_loads(work, cp.head_tail_order(2, 2), 2).tolist() == [272, 32]
+    order = cp.balanced_chunk_order(work, 2)
+    assert sorted(order) == [0, 1, 2, 3]
+    assert cp.rank_loads(work, order, 2).tolist() == [152, 152]
+
+
+def test_balance_report_prints_every_mix_and_assignment():
+    from scripts import cp_balance
+    from torchtitan.errors import UserError
+
+    lines = cp_balance.report("tiny", 1024, [2], windows=2, seed=0).splitlines()
+    rows = [line.split(" | ") for line in lines if line.startswith("| ") and not line.startswith("| mix")]
+    assert [row[0].lstrip("| ") for row in rows] == list(cp_balance.MIXES)
+    one_document = rows[-1]
+    # Contiguous halves of one causal document: (3/4) / (1/2) of the work on the busier rank; head-tail and by work:
+    # exactly the mean (up to the 1 / (2 x seq_len) of the diagonal, below the table's two decimals).
+    assert one_document[2] == "1.000" and one_document[5].startswith("1.50")
+    assert [cell.split()[0] for cell in one_document[6:]] == ["1.00", "1.00", "1.00"]
+    with pytest.raises(UserError, match="--cp: 3 must be at least 2 and 8 x cp must divide --seq_len 1024"):
+        cp_balance.report("tiny", 1024, [3], windows=1, seed=0)
+
+
+def test_block_causal_with_context_parallelism_options():
+    from torchtitan.config import parse_args
+    from torchtitan.errors import UserError
+
+    block_causal_cp = ["--model.attention_mask", "block_causal", "--parallelism.context_parallel_degree", "2"]
+    assert parse_args([*block_causal_cp, "--model.document_positions"]).parallelism.context_parallel_degree == 2
+    with pytest.raises(UserError, match="context_parallel_rotate_method: 'alltoall' does not work with "
+                                        "model.attention_mask = 'block_causal'.*use 'allgather'"):
+        parse_args([*block_causal_cp, "--parallelism.context_parallel_rotate_method", "alltoall"])
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Real processes
+
+def build_model() -> Transformer:
+    model = Transformer(model_args_for("tiny", SEQ_LEN))
+    model.init_weights(seed=0)
+    return model
+
+
+def batch(name: str) -> tuple[torch.Tensor, torch.Tensor]:
+    vocab = model_args_for("tiny", SEQ_LEN).vocab_size
+    tokens = torch.randint(BOS + 1, vocab, (len(BATCHES[name]), SEQ_LEN + 1),
+                           generator=torch.Generator().manual_seed(1))
+    for row, starts in enumerate(BATCHES[name]):
+        tokens[row, starts] = BOS
+    return tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous()
+
+
+def masking(inputs: torch.Tensor, restart_positions: bool) -> dict[str, torch.Tensor]:
+    """What the trainer passes the model (Trainer._masking): positions always, under context parallelism."""
+    ids = document_ids(inputs, BOS)
+    positions = document_positions(ids) if restart_positions else torch.arange(SEQ_LEN).expand_as(ids)
+    return {"document_ids": ids, "positions": positions}
+
+
+def loss_and_grads(model: Transformer, inputs: torch.Tensor, labels: torch.Tensor, **model_inputs) -> dict:
+    model.zero_grad(set_to_none=True)
+    logits = model(inputs, **model_inputs)
+    loss = F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten(0, 1), reduction="sum")
+    loss.backward()
+    return {"loss": loss.detach(), "grads": {name: p.grad for name, p in model.named_parameters()}}
+
+
+def cp_worker(rank: int, world_size: int, store_path: str, out_dir: str) -> None:
+    """CP 2 on ranks (0, 1) and (2, 3) side by side, then CP 4 on all: one start of four processes for both."""
+    torch.set_num_threads(1)
+    store = dist.FileStore(store_path, world_size)
+    dist.init_process_group("gloo", store=store, rank=rank, world_size=world_size,
+                            timeout=datetime.timedelta(seconds=60))
+    try:
+        meshes = {2: dist.device_mesh.DeviceMesh("cpu", [[0, 1], [2, 3]], mesh_dim_names=("dp", "cp"))["cp"],
+                  4: dist.device_mesh.DeviceMesh("cpu", [0, 1, 2, 3], mesh_dim_names=("cp",))}
+        for degree, mesh in meshes.items():
+            model = build_model()
+            cp.apply_document_cp(model, mesh)
+            for name, restart_positions in itertools.product(BATCHES, (False, True)):
+                inputs, labels = batch(name)
+                model_inputs = masking(inputs, restart_positions)
+                inputs, labels, *sharded = cp.shard_documents(mesh, model_inputs["document_ids"],
+                                                              [inputs, labels, *model_inputs.values()])
+                result = loss_and_grads(model, inputs, labels, **dict(zip(model_inputs, sharded)))
+                for tensor in (result["loss"], *result["grads"].values()):
+                    dist.all_reduce(tensor, group=mesh.get_group())
+                if rank == 0:
+                    torch.save(result, Path(out_dir) / f"cp{degree}_{name}_restart{restart_positions}.pt")
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.fixture(scope="module")
+def cp_results(tmp_path_factory) -> Path:
+    tmp = tmp_path_factory.mktemp("cp_documents")
+    join_forked(cp_worker, (4, str(tmp / "store"), str(tmp)), 4, 120, "4 context-parallel workers")
+    return tmp
+
+
+@pytest.mark.parametrize("degree", [2, 4])
+@pytest.mark.parametrize("restart_positions", [False, True])
+@pytest.mark.parametrize("name", BATCHES)
+def test_losses_and_gradients_match_one_process(cp_results, name, degree, restart_positions):
+    """fp32 on both sides; what differs is the order of the sums (attention over gathered keys in another order,
+    gradients summed over ranks), of at most a few thousand terms of order 1: far below 1e-5."""
+    model = build_model()
+    inputs, labels = batch(name)
+    model_inputs = masking(inputs, restart_positions)
+    if not restart_positions:
+        # One process uses its RoPE table in order, as the trainer does without context parallelism.
+        del model_inputs["positions"]
+    reference = loss_and_grads(model, inputs, labels, **model_inputs)
+    if name == "documents":
+        work = cp.chunk_work(document_ids(inputs, BOS), cp.CHUNKS_PER_RANK * degree)
+        assert cp.balanced_chunk_order(work, degree) != cp.head_tail_order(degree, cp.CHUNKS_PER_RANK)
+        # The mask matters for this batch (for the gradients above all: at initialisation the loss hardly depends
+        # on what tokens attend to), far beyond the tolerance below: a CP run that ignored it could not match.
+        causal = loss_and_grads(model, inputs, labels)
+        assert max((causal["grads"][key] - grad).abs().max() for key, grad in reference["grads"].items()) > 1e-2
+    result = torch.load(cp_results / f"cp{degree}_{name}_restart{restart_positions}.pt")
+    torch.testing.assert_close(result["loss"], reference["loss"], rtol=1e-5, atol=0)
+    assert result["grads"].keys() == reference["grads"].keys()
+    for name, grad in result["grads"].items():
+        difference = (grad - reference["grads"][name]).abs().max().item()
+        assert difference <= 1e-5, f"{name}: gradient differs by {difference:.3g}"
