@@ -60,7 +60,8 @@ MAX_PRELOADED = 2
 
 
 def _preloaded_trainer(env: dict[str, str]) -> PreloadedTrainer:
-    key = tuple(sorted(env.items()))
+    # pytest names the running test in the environment; nothing the trainer reads.
+    key = tuple(sorted((name, value) for name, value in env.items() if name != "PYTEST_CURRENT_TEST"))
     server = _preloaded.pop(key, None)
     if server is None or not server.alive():
         server = PreloadedTrainer(env)
