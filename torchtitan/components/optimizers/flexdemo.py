@@ -130,9 +130,10 @@ class FlexDeMo(torch.optim.Optimizer):
             self._dct = dct_matrix(self.chunk_size, self._local(work[0][0]).device)
         buckets = self._buckets(work) if work else []
         # Every bucket's components travel in one all-gather: one collective per step. A rank without gradients (or
-        # with empty shards) sends nothing, but still joins it.
+        # with empty shards) sends nothing, but still joins it, with a tensor on its parameters' device (NCCL
+        # rejects a CPU tensor).
         payload = (torch.cat([self._extract(bucket) for bucket in buckets]) if buckets
-                   else torch.zeros(0, dtype=torch.uint8))
+                   else torch.zeros(0, dtype=torch.uint8, device=self._local(self.param_groups[0]["params"][0]).device))
         replicas = dist.get_world_size(self.replicate_group)
         gathered = torch.empty(replicas * payload.numel(), dtype=torch.uint8, device=payload.device)
         dist.all_gather_single(gathered, payload, group=self.replicate_group)
