@@ -14,8 +14,9 @@ from torch.distributed.fsdp._fully_shard._fsdp_api import AllGather
 
 from tests.unit.forked_ranks import run_ranks
 from torchtitan.config.job_config import JobConfig
-from torchtitan.distributed.compression import (CompressionState, apply_compression, compression_stats,
-                                                validate_compression)
+from torchtitan.distributed.compression import (CompressionState, _param_groups, apply_compression,
+                                                compensation_state_bytes, compression_stats,
+                                                require_compensation_fits, validate_compression)
 from torchtitan.distributed.compression.hadamard import hadamard_rotate
 from torchtitan.distributed.compression.loco import CompressedReduceScatter, ErrorFeedback, LoCo
 from torchtitan.distributed.compression.qsdp import QuantizedAllGather
@@ -100,9 +101,9 @@ def test_stochastic_rounding_never_reads_a_device_value_on_the_host(monkeypatch)
         raise AssertionError("a torch.Generator was built")
 
     monkeypatch.setattr(torch, "Generator", no_generator)
-    with FakeTensorMode():
-        payload = encode(torch.randn(2, ROW), 8, stochastic=True)
-    assert payload.shape == (2, payload_bytes([ROW], 8))
+    with FakeTensorMode():  # whole blocks: no cached (real) position index is involved
+        payload = encode(torch.randn(2, 4 * 128), 8, stochastic=True)
+    assert payload.shape == (2, payload_bytes([4 * 128], 8))
 
 
 def test_hadamard_is_an_involution_and_spreads_an_outlier():
@@ -324,6 +325,8 @@ def worker(rank: int, out_dir: str) -> None:
                                         for m in off.modules()
                                         if isinstance(m, FSDPModule) and m._get_fsdp_state()._fsdp_param_groups]
         results["stats"] = compression_stats([loco])
+        results["state_bytes"] = (compensation_state_bytes([loco]),
+                                  sum(g._reduce_scatter_comm.compensation._codes.numel() for g in _param_groups([loco])))
 
         # QSDP's weights are encoded once per step: the backward re-gathers reuse the forward's codes, bitwise those
         # a fresh encode of their input gives, and the optimizer's update makes new ones.
@@ -410,6 +413,39 @@ def test_compression_off_is_bitwise_fsdp(results):
         assert 0 < relative < 0.02  # 8-bit codes: every parameter's gradient within 2% (scales are per parameter)
         stats = rank_results["stats"]
         assert 0.25 < stats["sent_bytes"] / stats["uncompressed_bytes"] < 0.3  # 8-bit codes + scales of fp32
+
+
+def test_the_predicted_compensation_state_is_what_loco_holds(results):
+    for rank_results in results:
+        predicted, held = rank_results["state_bytes"]
+        assert predicted == held > 0
+
+
+@pytest.mark.parametrize("method,bytes_per_value", [("loco", 1 + 2 / 128), ("error_feedback", 4.0), ("qsdp", 0.0)])
+def test_the_memory_model_counts_the_compensation_state_unsharded(method, bytes_per_value):
+    from torchtitan.planner.memory import estimate
+    from torchtitan.models.llama3.model import count_parameters
+
+    def optimizer_bytes(gradient_compression: str) -> int:
+        config = JobConfig()
+        config.model.flavor = "8B"
+        config.training.seq_len = 8192
+        config.parallelism.data_parallel_shard_degree = 8
+        config.comm.gradient_compression = gradient_compression
+        return estimate(config, 8).optimizer
+
+    with torch.device("meta"):
+        params = count_parameters(Transformer(model_args_for("8B", 8192)))
+    # Every rank holds a row per FSDP rank of its shards: the whole model, not an eighth (FSDP 8, no TP).
+    assert optimizer_bytes(method) - optimizer_bytes("none") == pytest.approx(params * bytes_per_value, rel=1e-3)
+
+
+def test_a_layout_whose_compensation_state_cannot_fit_is_refused():
+    config = config_with(gradient_compression="error_feedback")
+    require_compensation_fits(config, 30 * 2**30, 40 * 2**30, 80 * 2**30, "NVIDIA H100 memory")  # fits
+    with pytest.raises(UserError, match=r"^option comm.gradient_compression: error_feedback keeps 32.0 GiB .* "
+                                        r"exceeds the 80.0 GiB of NVIDIA H100 memory"):
+        require_compensation_fits(config, 32 * 2**30, 50 * 2**30, 80 * 2**30, "NVIDIA H100 memory")
 
 
 def test_qsdp_encodes_each_weight_shard_once_per_step(results):
