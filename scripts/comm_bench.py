@@ -14,8 +14,9 @@ out), the step time and tokens/s per device (median over the logged steps after 
 (mean of the last 10 steps) and relative to the recipe's baseline, which has the same layout, seed and data.
 Recipes and their baselines:
 
-    fsdp            FSDP over both hosts, AdamW (the baseline of loco4, loco4_hadamard, qsdp8, qsdp8_hadamard)
-    loco4           + comm.gradient_compression = loco, 4-bit gradients with error feedback
+    fsdp            FSDP over both hosts, AdamW (the baseline of loco4, loco4_hadamard, ef4, qsdp8, qsdp8_hadamard)
+    loco4           + comm.gradient_compression = loco, 4-bit gradients, LoCo's moving-average compensation
+    ef4             + comm.gradient_compression = error_feedback, 4-bit gradients, classic error feedback
     loco4_hadamard  + the Hadamard rotation
     qsdp8           + 8-bit weights (stochastic rounding) and 8-bit stochastically rounded gradients
     qsdp8_hadamard  + the Hadamard rotation
@@ -46,6 +47,7 @@ CONFIG = "train_configs/debug_model.toml"
 FSDP = ["--parallelism.data_parallel_replicate_degree", "1", "--parallelism.data_parallel_shard_degree", "-1"]
 DDP = ["--parallelism.data_parallel_replicate_degree", "2", "--parallelism.data_parallel_shard_degree", "-1"]
 LOCO4 = ["--comm.gradient_compression", "loco", "--comm.gradient_bits", "4"]
+EF4 = ["--comm.gradient_compression", "error_feedback", "--comm.gradient_bits", "4"]
 QSDP8 = ["--comm.weight_quantization", "qsdp", "--comm.weight_bits", "8", "--comm.gradient_compression", "qsdp",
          "--comm.gradient_bits", "8"]
 HADAMARD = ["--comm.quantization_rotation", "hadamard"]
@@ -54,6 +56,7 @@ RECIPES: dict[str, tuple[str, list[str]]] = {
     "fsdp": ("fsdp", FSDP),
     "loco4": ("fsdp", [*FSDP, *LOCO4]),
     "loco4_hadamard": ("fsdp", [*FSDP, *LOCO4, *HADAMARD]),
+    "ef4": ("fsdp", [*FSDP, *EF4]),
     "qsdp8": ("fsdp", [*FSDP, *QSDP8]),
     "qsdp8_hadamard": ("fsdp", [*FSDP, *QSDP8, *HADAMARD]),
     "ddp": ("ddp", DDP),

@@ -139,6 +139,26 @@ def test_loco_compensates_with_a_moving_average_of_its_errors_kept_in_8_bits_and
     assert loco._codes.dtype == torch.uint8 and loco._codes.numel() == rows * payload_bytes([ROW], 8)
 
 
+@pytest.mark.parametrize("compensation", [ErrorFeedback(), LoCo(0.8, 0, [128])], ids=["error_feedback", "loco"])
+def test_state_set_by_a_checkpoint_is_recorded_on_the_reduction_stream(monkeypatch, compensation):
+    """A checkpoint sets the state on the default stream; the reduction reads and releases it on FSDP's
+    reduce-scatter stream. The caching allocator must learn of each crossing (record_stream): the state replaced
+    (still read by the setter's stream) and the new one, at its first use on the reduction's stream, once."""
+    recorded = []
+    monkeypatch.setattr(torch.accelerator, "current_stream", lambda device=None: "current stream")
+    monkeypatch.setattr(torch.Tensor, "record_stream", lambda tensor, stream: recorded.append(stream))
+    rows = torch.zeros(2, 128, device="meta")  # a device that is not the CPU (which has no streams)
+    compensation.residual = rows.clone()
+    assert len(recorded) == 0  # nothing replaced yet
+    compensation.compensate(rows)
+    assert recorded == ["current stream"]  # adopted by the reduction's stream
+    compensation.update(rows, rows)
+    compensation.compensate(rows)
+    assert len(recorded) == 1  # made on the reduction's stream: nothing to record
+    compensation.residual = rows.clone()
+    assert len(recorded) == 2  # the replaced state, made on the reduction's stream and read by the setter's
+
+
 def test_scales_round_up_so_no_block_clips_its_maximum():
     # Blocks whose amax / qmax rounds down in bfloat16 (about half of random blocks): the maximum must still be
     # reached by a code, so every value is within half a code of its decoded value (nearest rounding), and the

@@ -29,21 +29,39 @@ from torchtitan.distributed.compression.quantize import decode, encode, encode_a
 LOCO_ERROR_BITS = 8
 
 
+def _used_on_current_stream(tensor: torch.Tensor | None) -> None:
+    """Tell the caching allocator that `tensor` is also used on the current stream, so that its memory is not handed
+    out again before this stream's work on it is done.
+
+    The compensation state lives on FSDP's reduce-scatter stream: made there by `update`, read there by the next
+    `compensate`. A checkpoint's save or load replaces it from the default stream. The replacement is then read on
+    the reduce-scatter stream (which waits for the default stream before every reduction, so the read sees the
+    write) and released there when the next step replaces it; the tensor it replaced, made on the reduce-scatter
+    stream, may still be read by the default stream's pending work (the save's reduce-scatter). Each crossing is
+    recorded here. On the CPU there are no streams."""
+    if tensor is not None and tensor.device.type != "cpu":
+        tensor.record_stream(torch.accelerator.current_stream(tensor.device))
+
+
 class ErrorFeedback:
     """Classic error feedback: the whole error of the last step, in fp32."""
 
     def __init__(self):
         self._error: torch.Tensor | None = None  # (world size, row length) float32, created at the first step
+        self._adopt = False  # the state was set from another stream (a checkpoint): record its use at the next step
 
     @staticmethod
     def bytes_per_value(segments: list[int]) -> float:
         return 4.0
 
     def compensate(self, rows: torch.Tensor) -> torch.Tensor:
+        if self._adopt:
+            _used_on_current_stream(self._error)
+            self._adopt = False
         return rows if self._error is None else rows + self._error
 
     def update(self, compensated: torch.Tensor, sent: torch.Tensor) -> None:
-        self._error = compensated - sent
+        self._error = compensated - sent  # made on this (the reduction's) stream
 
     @property
     def residual(self) -> torch.Tensor | None:
@@ -52,7 +70,9 @@ class ErrorFeedback:
 
     @residual.setter
     def residual(self, value: torch.Tensor | None) -> None:
-        self._error = value
+        """Set from outside the reduction (a checkpoint's save or load), on the caller's stream."""
+        _used_on_current_stream(self._error)
+        self._error, self._adopt = value, True
 
 
 class LoCo:
@@ -68,6 +88,7 @@ class LoCo:
         self.steps = 0
         self._codes: torch.Tensor | None = None  # uint8 payload rows of the error (LOCO_ERROR_BITS codes + scales)
         self._row = sum(segments)
+        self._adopt = False  # the state was set from another stream (a checkpoint): record its use at the next step
 
     @staticmethod
     def bytes_per_value(segments: list[int]) -> float:
@@ -77,6 +98,9 @@ class LoCo:
         if self.reset_interval and self.steps and self.steps % self.reset_interval == 0:
             self._codes = None
         self.steps += 1
+        if self._adopt:
+            _used_on_current_stream(self._codes)
+            self._adopt = False
         error = self.residual
         return rows if error is None else rows + error
 
@@ -85,17 +109,21 @@ class LoCo:
         previous = self.residual
         if previous is not None:
             error.add_(previous, alpha=self.beta)
-        self.residual = error
+        self._codes = encode(error, LOCO_ERROR_BITS, segments=self.segments)
 
     @property
     def residual(self) -> torch.Tensor | None:
+        """The compensation the next step adds, decoded to float32 (world size, row length); None when zero."""
         if self._codes is None:
             return None
         return decode(self._codes, self._row, LOCO_ERROR_BITS, segments=self.segments)
 
     @residual.setter
     def residual(self, value: torch.Tensor | None) -> None:
+        """Set from outside the reduction (a checkpoint's save or load), on the caller's stream."""
+        _used_on_current_stream(self._codes)
         self._codes = None if value is None else encode(value, LOCO_ERROR_BITS, segments=self.segments)
+        self._adopt = True
 
 
 class CompressedReduceScatter(ReduceScatter):
