@@ -141,7 +141,7 @@ class Trainer:
                                            self.world_mesh["dp_replicate"].get_group())
         self.lr_schedulers = build_lr_schedulers(self.optimizers, config.lr_scheduler, config.training.steps)
         self.train_state = TrainState()
-        self._logged_sent_bytes = 0  # the compressed collectives' bytes at the last logged step
+        self._logged_sent = (0, 0)  # the compressed collectives' (sent, full-precision) bytes at the last log
         self.checkpointer = CheckpointManager(config.checkpoint, config.job.dump_folder, self.model_parts,
                                               self.optimizers, self.lr_schedulers, self.dataloader,
                                               self.train_state, self.model_args)
@@ -436,14 +436,19 @@ class Trainer:
                                optimizer_bytes / 2**30], device=self.device)
         dist.all_reduce(maxima, op=dist.ReduceOp.MAX)
         peak_gib, allocated_gib, state_gib, optimizer_state_gib = maxima.tolist()
-        # This rank's bytes through the compressed collectives since the last log, and all it sent against what
-        # full precision sends (a ring reduce-scatter or all-gather also sends world - 1 shards per rank).
+        # This rank's bytes through the compressed collectives (and FlexDeMo's exchange) per step since the last log,
+        # and what the full-precision collectives they replace send, by the arithmetic of NCCL's ring algorithms.
         sent = compression_stats(self.model_parts)
+        for optimizer in self.optimizers.optimizers:
+            for key in sent:
+                sent[key] += getattr(optimizer, key, 0)
         comm = {}
         if sent["uncompressed_bytes"]:
-            comm = {"comm_sent_mib_per_step": (sent["sent_bytes"] - self._logged_sent_bytes) / window["steps"] / 2**20,
+            steps = window["steps"] * 2**20
+            comm = {"comm_sent_mib_per_step": (sent["sent_bytes"] - self._logged_sent[0]) / steps,
+                    "comm_full_precision_mib_per_step": (sent["uncompressed_bytes"] - self._logged_sent[1]) / steps,
                     "comm_sent_pct": 100 * sent["sent_bytes"] / sent["uncompressed_bytes"]}
-            self._logged_sent_bytes = sent["sent_bytes"]
+            self._logged_sent = (sent["sent_bytes"], sent["uncompressed_bytes"])
         self.metrics.log(step, {
             "loss": loss, "grad_norm": grad_norm, "lr": lr, "tps": tps,
             "tflops": tflops, "mfu": 100 * tflops * 1e12 / self.peak_flops, "memory_gib": peak_gib,

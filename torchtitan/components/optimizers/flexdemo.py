@@ -90,7 +90,9 @@ class FlexDeMo(torch.optim.Optimizer):
         self.chunk_size, self.topk, self.momentum_decay = chunk_size, min(topk, chunk_size), momentum_decay
         self.replicate_group = replicate_group
         self._dct: torch.Tensor | None = None
+        # Bytes this rank sent, and what the fp32 ring all-reduce it replaces sends (2 (R - 1) / R of the tensor).
         self.sent_bytes = 0
+        self.uncompressed_bytes = 0
 
     @staticmethod
     def _local(t: torch.Tensor) -> torch.Tensor:
@@ -138,6 +140,7 @@ class FlexDeMo(torch.optim.Optimizer):
         gathered = torch.empty(replicas * payload.numel(), dtype=torch.uint8, device=payload.device)
         dist.all_gather_single(gathered, payload, group=self.replicate_group)
         self.sent_bytes += (replicas - 1) * payload.numel()
+        self.uncompressed_bytes += 2 * (replicas - 1) * 4 * sum(self._local(p).numel() for p, _ in work) // replicas
         offset = 0
         for bucket in buckets:
             weights = [self._local(param) for param, _ in bucket]

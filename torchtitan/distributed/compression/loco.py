@@ -153,6 +153,11 @@ class CompressedReduceScatter(ReduceScatter):
         world, rank = group.size(), group.rank()
         rows = input_tensor.view(world, -1).float()
         n = rows.shape[1]
+        if n != sum(self.segments):
+            # FSDP leaves out a parameter whose gradient is missing when it reduces: the layout of the row, and of
+            # the compensation state, is then not the module's.
+            raise RuntimeError(f"compressed reduce-scatter: a row of {n} values, not the {sum(self.segments)} of "
+                               f"the module's parameters (one has no gradient at the reduction)")
         if self.compensation is not None:
             rows = self.compensation.compensate(rows)
             payload, sent = encode_and_restore(rows, self.bits, self.stochastic, self.rotate, self.segments)
