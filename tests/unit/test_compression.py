@@ -345,6 +345,9 @@ def worker(rank: int, out_dir: str) -> None:
                                         for m in off.modules()
                                         if isinstance(m, FSDPModule) and m._get_fsdp_state()._fsdp_param_groups]
         results["stats"] = compression_stats([loco])
+        # What a reduce-scatter of fp32 sends per rank ((W - 1) x the row), once per FSDP parameter group: the final
+        # norm and the output layer share one.
+        results["row_bytes"] = 4 * (WORLD - 1) * sum(p.to_local().numel() for p in loco.parameters())
         results["state_bytes"] = (compensation_state_bytes([loco]),
                                   sum(g._reduce_scatter_comm.compensation._codes.numel() for g in _param_groups([loco])))
 
@@ -433,6 +436,8 @@ def test_compression_off_is_bitwise_fsdp(results):
         assert 0 < relative < 0.02  # 8-bit codes: every parameter's gradient within 2% (scales are per parameter)
         stats = rank_results["stats"]
         assert 0.25 < stats["sent_bytes"] / stats["uncompressed_bytes"] < 0.3  # 8-bit codes + scales of fp32
+        # Each parameter group counted once (the tiny model's shards are unpadded: 64-wide tensors on 2 ranks).
+        assert stats["uncompressed_bytes"] == rank_results["row_bytes"]
 
 
 def test_the_predicted_compensation_state_is_what_loco_holds(results):

@@ -148,10 +148,16 @@ def fsdp_param_groups(module: FSDPModule) -> list:
 
 
 def _param_groups(model_parts: list[nn.Module]):
+    """Each FSDP parameter group of the model parts once: modules sharded together (fully_shard of a list, as the
+    final norm and the output layer are) share one group."""
+    seen = set()
     for part in model_parts:
         for module in part.modules():
             if isinstance(module, FSDPModule):
-                yield from fsdp_param_groups(module)
+                for group in fsdp_param_groups(module):
+                    if id(group) not in seen:
+                        seen.add(id(group))
+                        yield group
 
 
 def compression_stats(model_parts: list[nn.Module]) -> dict[str, int]:
