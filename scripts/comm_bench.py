@@ -8,14 +8,17 @@ unthrottled and without link counters, and the report says so):
     python scripts/comm_bench.py --out /tmp/err --quantization-error-only
 
 Each recipe trains the debug model (train_configs/debug_model.toml, seed 0, same data) as one job over two hosts of
-`--nproc-per-host` processes. Per recipe it reports the bytes that crossed the inter-host link per step (the veth
-pair's own counters, sampled while it runs and read at the first and last logged step, so start-up traffic is left
-out), the step time and tokens/s per device (median over the logged steps after the fifth), and the loss: final
+`--nproc-per-host` processes. Per recipe it reports the bytes per step by ring arithmetic (what NCCL's ring
+collectives send: the baseline's collectives counted by a dry run of it, the compressed ones by the trainer's own
+counters), the bytes that crossed the inter-host link per step as gloo sent them (the veth pair's own counters,
+sampled while it runs and read at the first and last logged step, so start-up traffic is left out; gloo's
+reduce-scatter sends about twice a ring's), the step time and tokens/s per device (median over the logged steps after the fifth), and the loss: final
 (mean of the last 10 steps) and relative to the recipe's baseline, which has the same layout, seed and data.
 Recipes and their baselines:
 
-    fsdp            FSDP over both hosts, AdamW (the baseline of loco4, loco4_hadamard, qsdp8, qsdp8_hadamard)
-    loco4           + comm.gradient_compression = loco, 4-bit gradients with error feedback
+    fsdp            FSDP over both hosts, AdamW (the baseline of loco4, loco4_hadamard, ef4, qsdp8, qsdp8_hadamard)
+    loco4           + comm.gradient_compression = loco, 4-bit gradients, LoCo's moving-average compensation
+    ef4             + comm.gradient_compression = error_feedback, 4-bit gradients, classic error feedback
     loco4_hadamard  + the Hadamard rotation
     qsdp8           + 8-bit weights (stochastic rounding) and 8-bit stochastically rounded gradients
     qsdp8_hadamard  + the Hadamard rotation
@@ -46,6 +49,7 @@ CONFIG = "train_configs/debug_model.toml"
 FSDP = ["--parallelism.data_parallel_replicate_degree", "1", "--parallelism.data_parallel_shard_degree", "-1"]
 DDP = ["--parallelism.data_parallel_replicate_degree", "2", "--parallelism.data_parallel_shard_degree", "-1"]
 LOCO4 = ["--comm.gradient_compression", "loco", "--comm.gradient_bits", "4"]
+EF4 = ["--comm.gradient_compression", "error_feedback", "--comm.gradient_bits", "4"]
 QSDP8 = ["--comm.weight_quantization", "qsdp", "--comm.weight_bits", "8", "--comm.gradient_compression", "qsdp",
          "--comm.gradient_bits", "8"]
 HADAMARD = ["--comm.quantization_rotation", "hadamard"]
@@ -54,11 +58,39 @@ RECIPES: dict[str, tuple[str, list[str]]] = {
     "fsdp": ("fsdp", FSDP),
     "loco4": ("fsdp", [*FSDP, *LOCO4]),
     "loco4_hadamard": ("fsdp", [*FSDP, *LOCO4, *HADAMARD]),
+    "ef4": ("fsdp", [*FSDP, *EF4]),
     "qsdp8": ("fsdp", [*FSDP, *QSDP8]),
     "qsdp8_hadamard": ("fsdp", [*FSDP, *QSDP8, *HADAMARD]),
     "ddp": ("ddp", DDP),
     "flexdemo": ("ddp", [*DDP, "--optimizer.name", "FlexDeMo"]),
 }
+
+
+# Bytes one rank sends in NCCL's ring algorithms per byte of a collective's buffer (what a dry run counts: the
+# gathered output of an all-gather, the unreduced input of a reduce-scatter, the tensor of an all-reduce, the whole
+# buffer of an all-to-all), in a group of n ranks.
+RING_SHARE = {"all_gather": lambda n: (n - 1) / n, "reduce_scatter": lambda n: (n - 1) / n,
+              "all_to_all": lambda n: (n - 1) / n, "all_reduce": lambda n: 2 * (n - 1) / n}
+
+
+def ring_bytes_per_step(baseline: str, args: argparse.Namespace, out: Path) -> float:
+    """Bytes all ranks together send per step in the baseline's data-parallel collectives, as NCCL's ring
+    algorithms send them: a dry run of the baseline (one fake rank of the same world; every rank of these layouts
+    issues the same collectives) counts one step's collectives and their buffers."""
+    import subprocess
+
+    world = 2 * args.nproc_per_host
+    dump = out / "dry_runs" / baseline
+    subprocess.run([sys.executable, "-m", "torchtitan.train", "--job.config_file", CONFIG, "--comm.mode",
+                    "fake_backend", "--comm.fake_world_size", str(world), "--comm.no_fake_other_end",
+                    "--job.dump_folder", str(dump), "--training.local_batch_size", str(args.local_batch_size),
+                    *RECIPES[baseline][1]], cwd=REPO, check=True, capture_output=True)
+    report = json.loads((dump / "dry_run.json").read_text())
+    per_rank = 0.0
+    for collective in report["collectives"]:
+        group = report["layout"][collective["mesh_dim"]] if collective["mesh_dim"] in report["layout"] else world
+        per_rank += RING_SHARE[collective["kind"]](group) * collective["bytes"]
+    return per_rank * world
 
 
 class LinkSampler:
@@ -122,6 +154,11 @@ def run_recipe(name: str, hosts: Hosts, args: argparse.Namespace, out: Path) -> 
         "losses": [row["loss"] for row in rows], "final_loss": statistics.mean(row["loss"] for row in rows[-10:]),
         "tps_per_device": tps, "step_time_s": tokens_per_step / (tps * world),
         "link_bytes_per_step": None, "link_bytes_cumulative": None,
+        # What the compressed collectives (or FlexDeMo's exchange) sent per step, all ranks, and what the
+        # full-precision collectives they replace would have, both by ring arithmetic (the trainer's counters).
+        "ring_sent_minus_replaced_per_step": world * 2**20 * statistics.mean(
+            row.get("comm_sent_mib_per_step", 0.0) - row.get("comm_full_precision_mib_per_step", 0.0)
+            for row in steady),
     }
     if hosts.emulated and len(rows) > 1:
         first, last = rows[0], rows[-1]
@@ -181,18 +218,22 @@ def quantization_errors(out: Path) -> str:
 def report(results: list[dict], hosts_note: str, args: argparse.Namespace, out: Path) -> str:
     by_name = {r["recipe"]: r for r in results}
     lines = [f"Debug model, {args.steps} steps, seed 0, 2 hosts x {args.nproc_per_host} process(es), local batch "
-             f"{args.local_batch_size}, {hosts_note}.", "",
-             "| recipe | baseline | link MB/step | vs baseline | step time (s) | tokens/s/device | vs baseline | "
-             "final loss | vs baseline |", "|---|---|---|---|---|---|---|---|---|"]
+             f"{args.local_batch_size}, {hosts_note}. Ring MB/step: what NCCL's ring collectives would send, all "
+             f"ranks (the baseline's collectives from a dry run, the compressed ones from the trainer's counters); "
+             f"link MB/step: what gloo sent over the link (its reduce-scatter sends about twice a ring's).", "",
+             "| recipe | baseline | ring MB/step | vs baseline | link MB/step (gloo) | vs baseline | step time (s) | "
+             "tokens/s/device | vs baseline | final loss | vs baseline |", "|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in results:
         base = by_name.get(r["baseline"])
+        ring, base_ring = r["ring_bytes_per_step"], base["ring_bytes_per_step"] if base else None
+        lines.append(f"| {r['recipe']} | {r['baseline']} | {ring / 1e6:.2f} | "
+                     f"{f'{ring / base_ring:.1%}' if base_ring else '-'} | ")
         mb = r["link_bytes_per_step"]
         bytes_ratio = (f"{mb / base['link_bytes_per_step']:.1%}"
                        if base and mb is not None and base["link_bytes_per_step"] else "-")
         tps_ratio = f"{r['tps_per_device'] / base['tps_per_device']:.2f}x" if base else "-"
         loss_ratio = f"{(r['final_loss'] / base['final_loss'] - 1):+.2%}" if base else "-"
-        lines.append(f"| {r['recipe']} | {r['baseline']} | {mb / 1e6:.2f} | {bytes_ratio} | " if mb is not None
-                     else f"| {r['recipe']} | {r['baseline']} | - | - | ")
+        lines[-1] += f"{mb / 1e6:.2f} | {bytes_ratio} | " if mb is not None else "- | - | "
         lines[-1] += (f"{r['step_time_s']:.3f} | {r['tps_per_device']:.0f} | {tps_ratio} | {r['final_loss']:.4f} | "
                       f"{loss_ratio} |")
     return "\n".join(lines) + "\n"
@@ -256,6 +297,9 @@ def main(argv: list[str] | None = None) -> int:
         for name in names:
             print(f"running {name} ...", flush=True)
             results.append(run_recipe(name, hosts, args, args.out))
+    ring = {baseline: ring_bytes_per_step(baseline, args, args.out) for baseline in {r["baseline"] for r in results}}
+    for r in results:
+        r["ring_bytes_per_step"] = ring[r["baseline"]] + r["ring_sent_minus_replaced_per_step"]
     table = report(results, note, args, args.out)
     (args.out / "results.json").write_text(json.dumps({"note": note, "results": results}, indent=1))
     (args.out / "comm_bench.md").write_text(table)

@@ -274,7 +274,9 @@ def comparison_table(runs: list[Run]) -> str:
                    "steps redone after a restart; restart: the time from a crashed run's last record to the next "
                    "run's first step. Over every run of the dump folder."]
     return "\n".join(["# Run comparison", "", *lines, "",
-                      "Mean tokens/s (per device) and MFU exclude step 1 (warm-up). Loss change variance: the "
+                      "Mean tokens/s (per device) and MFU exclude step 1 (warm-up); they compare only runs made "
+                      "side by side on the same quiet machine (runs made one after another on a shared machine "
+                      "differ by its load, not by their method). Loss change variance: the "
                       "variance of the loss's change between consecutive logged steps (lower: a smoother curve). "
                       "Optimizer state: the most one rank held. Sources:", *sources, *goodput, ""])
 

@@ -35,6 +35,8 @@ from torchtitan.components.tokenizer import build_model_tokenizer
 from torchtitan.config import JobConfig, parse_args, save_config, to_toml, validation_shape
 from torchtitan.distributed import utils as dist_utils
 from torchtitan.distributed.compile import compile_loss
+from torchtitan.distributed.compression import (compensation_state_bytes, compression_stats,
+                                                require_compensation_fits)
 from torchtitan.distributed.context_parallel import context_parallel_context, shard_documents
 from torchtitan.distributed.fake import host_values
 from torchtitan.distributed.fsdp import TORCH_DTYPES
@@ -46,8 +48,8 @@ from torchtitan.models.llama3.args import describe_model, model_args_for, shape_
 from torchtitan.models.llama3.model import (Transformer, count_parameters, document_ids, document_positions,
                                             flops_per_token)
 from torchtitan.models.llama3.parallelize import parallelize_llama, validate_parallelism
-from torchtitan.tools.device_info import (device_name, memory_stats, peak_flops, require_host_memory,
-                                          reset_peak_memory)
+from torchtitan.tools.device_info import (device_name, memory_capacity, memory_stats, peak_flops,
+                                          require_host_memory, reset_peak_memory)
 from torchtitan.tools.logging import init_logger, logger
 
 
@@ -118,6 +120,11 @@ class Trainer:
             # The gradients, not allocated yet, will take as many bytes as the parameters.
             require_host_memory(2 * self._parameter_and_gradient_bytes(), model_name,
                                 int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
+        if not self.fake_tensors:
+            # Gradient compression's compensation state covers the rank's whole local gradient, unsharded.
+            require_compensation_fits(config, compensation_state_bytes(self.model_parts),
+                                      2 * self._parameter_and_gradient_bytes(),
+                                      *memory_capacity(self.device, int(os.environ.get("LOCAL_WORLD_SIZE", "1"))))
         # A dry run materialises the model as fake tensors (shapes, no storage); its steps run in the same mode.
         self.fake_mode = FakeTensorMode(allow_non_fake_inputs=True) if self.fake_tensors else None
         with self.fake_mode or contextlib.nullcontext():
@@ -136,6 +143,7 @@ class Trainer:
                                            self.world_mesh["dp_replicate"].get_group())
         self.lr_schedulers = build_lr_schedulers(self.optimizers, config.lr_scheduler, config.training.steps)
         self.train_state = TrainState()
+        self._logged_sent = (0, 0)  # the compressed collectives' (sent, full-precision) bytes at the last log
         self.checkpointer = CheckpointManager(config.checkpoint, config.job.dump_folder, self.model_parts,
                                               self.optimizers, self.lr_schedulers, self.dataloader,
                                               self.train_state, self.model_args)
@@ -453,12 +461,26 @@ class Trainer:
                                optimizer_bytes / 2**30], device=self.device)
         dist.all_reduce(maxima, op=dist.ReduceOp.MAX)
         peak_gib, allocated_gib, state_gib, optimizer_state_gib = maxima.tolist()
+        # This rank's bytes through the compressed collectives (and FlexDeMo's exchange) per step since the last log,
+        # and what the full-precision collectives they replace send, by the arithmetic of NCCL's ring algorithms.
+        sent = compression_stats(self.model_parts)
+        for optimizer in self.optimizers.optimizers:
+            for key in sent:
+                sent[key] += getattr(optimizer, key, 0)
+        comm = {}
+        if sent["uncompressed_bytes"]:
+            steps = window["steps"] * 2**20
+            comm = {"comm_sent_mib_per_step": (sent["sent_bytes"] - self._logged_sent[0]) / steps,
+                    "comm_full_precision_mib_per_step": (sent["uncompressed_bytes"] - self._logged_sent[1]) / steps,
+                    "comm_sent_pct": 100 * sent["sent_bytes"] / sent["uncompressed_bytes"]}
+            self._logged_sent = (sent["sent_bytes"], sent["uncompressed_bytes"])
         self.metrics.log(step, {
             "loss": loss, "grad_norm": grad_norm, "lr": lr, "tps": tps,
             "tflops": tflops, "mfu": 100 * tflops * 1e12 / self.peak_flops, "memory_gib": peak_gib,
             **({"memory_allocated_gib": allocated_gib} if cuda else {}),
             "data_pct": 100 * window["data_time"] / elapsed, "tokens_seen": self.train_state.tokens_seen,
-            "model_state_gib": state_gib, "optimizer_state_gib": optimizer_state_gib, **self.health.metrics(),
+            "model_state_gib": state_gib, "optimizer_state_gib": optimizer_state_gib, **comm,
+            **self.health.metrics(),
         })
         window.update(time=time.perf_counter(), steps=0, data_time=0.0)
         reset_peak_memory(self.device)

@@ -1,5 +1,5 @@
-"""The low-bit wire format, LoCo's error feedback, QSDP's all-gather and the checkpointed residuals, with real gloo
-processes (forked: spawned ones would import torch again, seconds each on two cores)."""
+"""The low-bit wire format, LoCo's and classic error feedback's compensation, QSDP's all-gather and the checkpointed
+residuals, with real gloo processes (forked: spawned ones would import torch again, seconds each on two cores)."""
 
 import datetime
 from pathlib import Path
@@ -14,10 +14,11 @@ from torch.distributed.fsdp._fully_shard._fsdp_api import AllGather
 
 from tests.unit.forked_ranks import run_ranks
 from torchtitan.config.job_config import JobConfig
-from torchtitan.distributed.compression import (CompressionState, apply_compression, compression_stats,
-                                                validate_compression)
+from torchtitan.distributed.compression import (CompressionState, _param_groups, apply_compression,
+                                                compensation_state_bytes, compression_stats,
+                                                require_compensation_fits, validate_compression)
 from torchtitan.distributed.compression.hadamard import hadamard_rotate
-from torchtitan.distributed.compression.loco import CompressedReduceScatter
+from torchtitan.distributed.compression.loco import CompressedReduceScatter, ErrorFeedback, LoCo
 from torchtitan.distributed.compression.qsdp import QuantizedAllGather
 from torchtitan.distributed.compression.quantize import (_add_content_seeded_uniform, decode, encode,
                                                          encode_and_restore, payload_bytes, relative_error)
@@ -91,6 +92,20 @@ def test_stochastic_rounding_draws_antithetic_pairs_on_the_float32_grid():
     assert torch.equal(first * 2 ** 24, (first * 2 ** 24).round())
 
 
+def test_stochastic_rounding_never_reads_a_device_value_on_the_host(monkeypatch):
+    """Under fake tensors any host read of a value (`int()`, `.item()`) raises: the draws are made on the device,
+    and no generator is built per encode (a new one each call was the old way)."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    def no_generator(*args, **kwargs):
+        raise AssertionError("a torch.Generator was built")
+
+    monkeypatch.setattr(torch, "Generator", no_generator)
+    with FakeTensorMode():  # whole blocks: no cached (real) position index is involved
+        payload = encode(torch.randn(2, 4 * 128), 8, stochastic=True)
+    assert payload.shape == (2, payload_bytes([4 * 128], 8))
+
+
 def test_hadamard_is_an_involution_and_spreads_an_outlier():
     blocks = torch.randn(4, 128, generator=torch.Generator().manual_seed(1))
     assert torch.allclose(hadamard_rotate(hadamard_rotate(blocks)), blocks, atol=1e-5)
@@ -99,6 +114,74 @@ def test_hadamard_is_an_involution_and_spreads_an_outlier():
     assert relative_error(spiky, 8, rotate=True) < relative_error(spiky, 8) / 2
     with pytest.raises(ValueError, match="power of two"):
         hadamard_rotate(torch.zeros(3, 100))
+
+
+def test_loco_compensates_with_a_moving_average_of_its_errors_kept_in_8_bits_and_reset():
+    """LoCo's update (Xie et al. 2024): h = g + e; e <- beta e + (1 - beta)(h - Q(h)), stored as 8-bit codes, reset
+    to zero every reset_interval steps. Classic error feedback (e <- h - Q(h)) fails every comparison here."""
+    beta, rows = 0.8, 2
+    loco = LoCo(beta, reset_interval=3, segments=[ROW])
+    generator = torch.Generator().manual_seed(7)
+    reference = torch.zeros(rows, ROW)
+    for step in range(5):
+        if step == 3:
+            reference = torch.zeros(rows, ROW)  # the reset, before the fourth step's compensation
+        grad = torch.randn(rows, ROW, generator=generator)
+        compensated = loco.compensate(grad)
+        assert torch.allclose(compensated, grad + reference, atol=1e-7)
+        sent = decode(encode(compensated, 4), ROW, 4)
+        loco.update(compensated, sent)
+        average = beta * reference + (1 - beta) * (compensated - sent)
+        reference = decode(encode(average, 8), ROW, 8)
+        assert torch.allclose(loco.residual, reference, atol=1e-7)
+        assert not torch.allclose(loco.residual, compensated - sent, atol=1e-3)  # not error feedback's
+    assert loco.steps == 5
+    assert loco._codes.dtype == torch.uint8 and loco._codes.numel() == rows * payload_bytes([ROW], 8)
+
+
+@pytest.mark.parametrize("compensation", [ErrorFeedback(), LoCo(0.8, 0, [128])], ids=["error_feedback", "loco"])
+def test_state_set_by_a_checkpoint_is_recorded_on_the_reduction_stream(monkeypatch, compensation):
+    """A checkpoint sets the state on the default stream; the reduction reads and releases it on FSDP's
+    reduce-scatter stream. The caching allocator must learn of each crossing (record_stream): the state replaced
+    (still read by the setter's stream) and the new one, at its first use on the reduction's stream, once."""
+    recorded = []
+    monkeypatch.setattr(torch.accelerator, "current_stream", lambda device=None: "current stream")
+    monkeypatch.setattr(torch.Tensor, "record_stream", lambda tensor, stream: recorded.append(stream))
+    rows = torch.zeros(2, 128, device="meta")  # a device that is not the CPU (which has no streams)
+    compensation.residual = rows.clone()
+    assert len(recorded) == 0  # nothing replaced yet
+    compensation.compensate(rows)
+    assert recorded == ["current stream"]  # adopted by the reduction's stream
+    compensation.update(rows, rows)
+    compensation.compensate(rows)
+    assert len(recorded) == 1  # made on the reduction's stream: nothing to record
+    compensation.residual = rows.clone()
+    assert len(recorded) == 2  # the replaced state, made on the reduction's stream and read by the setter's
+
+
+def test_scales_round_up_so_no_block_clips_its_maximum():
+    # Blocks whose amax / qmax rounds down in bfloat16 (about half of random blocks): the maximum must still be
+    # reached by a code, so every value is within half a code of its decoded value (nearest rounding), and the
+    # largest magnitude is never decoded smaller than it is by more than that.
+    values = torch.randn(1, 128 * 256, generator=torch.Generator().manual_seed(5))
+    for bits in (4, 8):
+        qmax = 2 ** (bits - 1) - 1
+        payload = encode(values, bits)
+        restored = decode(payload, values.shape[1], bits)
+        scales = payload[:, -2 * 256:].contiguous().view(torch.bfloat16).float().view(-1, 1)
+        blocks = values.view(-1, 128)
+        assert (scales.squeeze(1) * qmax >= blocks.abs().amax(dim=1)).all()
+        assert ((restored.view(-1, 128) - blocks).abs() <= scales / 2 * (1 + 1e-6)).all()
+
+
+def test_two_fsdp_parameter_groups_are_refused_with_one_clear_error(monkeypatch):
+    import torchtitan.distributed.compression as compression
+
+    monkeypatch.setattr(compression, "FSDPModule", torch.nn.Linear)
+    monkeypatch.setattr(compression, "fsdp_param_groups", lambda module: [object(), object()])
+    model = torch.nn.Sequential(torch.nn.Linear(2, 2))
+    with pytest.raises(UserError, match=r"comm.gradient_compression: FSDP module 0 has 2 parameter groups"):
+        apply_compression(model, config_with(gradient_compression="loco"))
 
 
 # ------------------------------------------------------------------------------------------------------------------
@@ -122,6 +205,8 @@ def config_with(**comm) -> JobConfig:
     ({"gradient_compression": "loco"}, layout(shard=1), r"gradient_compression = loco: .* no FSDP"),
     ({"gradient_compression": "loco"}, layout(replicate=2), r"does not compose with data_parallel_replicate"),
     ({"weight_quantization": "qsdp"}, layout(replicate=2, shard=1), r"weight_quantization = qsdp: .* no FSDP"),
+    ({"gradient_compression": "loco", "loco_beta": 1.0}, layout(), r"comm.loco_beta: 1.0 must be in \[0, 1\)"),
+    ({"gradient_compression": "loco", "loco_reset_interval": -1}, layout(), r"comm.loco_reset_interval: -1 must"),
 ])
 def test_bad_values_and_combinations_are_refused(comm, dims, message):
     with pytest.raises(UserError, match=message):
@@ -216,7 +301,7 @@ def worker(rank: int, out_dir: str) -> None:
 
         # Error feedback: over several steps, what was received plus every rank's residual is the sum of the grads.
         for rotate in (False, True):
-            comm = CompressedReduceScatter(4, error_feedback=True, stochastic=False, rotate=rotate)
+            comm = CompressedReduceScatter(4, ErrorFeedback(), stochastic=False, rotate=rotate, segments=[ROW])
             received = torch.zeros(ROW)
             sent = torch.zeros(WORLD * ROW)
             for _ in range(5):
@@ -226,10 +311,17 @@ def worker(rank: int, out_dir: str) -> None:
                 comm(output, grad.clone(), group, dist.ReduceOp.SUM)
                 received += output
             dist.all_reduce(sent)
-            residuals = comm.residual.clone()
+            residuals = comm.compensation.residual.clone()
             dist.all_reduce(residuals)
             results[f"ef_rotate{rotate}"] = (received, residuals[rank], sent.view(WORLD, ROW)[rank])
             results[f"ef_bytes_rotate{rotate}"] = (comm.sent_bytes, comm.uncompressed_bytes)
+
+        # One reduction without compensation: the own row is summed exactly, the others' rows as their codes.
+        inputs = torch.randn(WORLD * ROW, generator=torch.Generator().manual_seed(200 + rank))
+        output = torch.empty(ROW)
+        CompressedReduceScatter(8, None, stochastic=False, rotate=False, segments=[ROW])(
+            output, inputs.clone(), group, dist.ReduceOp.SUM)
+        results["own_row"] = output
 
         # QSDP's all-gather: every rank decodes the same weights, close to the true ones, the same every call.
         shard = torch.randn(ROW, generator=generator)
@@ -253,6 +345,11 @@ def worker(rank: int, out_dir: str) -> None:
                                         for m in off.modules()
                                         if isinstance(m, FSDPModule) and m._get_fsdp_state()._fsdp_param_groups]
         results["stats"] = compression_stats([loco])
+        # What a reduce-scatter of fp32 sends per rank ((W - 1) x the row), once per FSDP parameter group: the final
+        # norm and the output layer share one.
+        results["row_bytes"] = 4 * (WORLD - 1) * sum(p.to_local().numel() for p in loco.parameters())
+        results["state_bytes"] = (compensation_state_bytes([loco]),
+                                  sum(g._reduce_scatter_comm.compensation._codes.numel() for g in _param_groups([loco])))
 
         # QSDP's weights are encoded once per step: the backward re-gathers reuse the forward's codes, bitwise those
         # a fresh encode of their input gives, and the optimizer's update makes new ones.
@@ -276,18 +373,18 @@ def worker(rank: int, out_dir: str) -> None:
         # to each shard, and loading what was saved restores the live state bit for bit.
         backward(loco, rank, seed=1)
         state = CompressionState([loco])
-        owed_before = [comm.residual.clone() for comm, _, _ in state.entries]
+        owed_before = [comm.compensation.residual.clone() for comm, _, _ in state.entries]
         for owed in owed_before:
             dist.all_reduce(owed)
         saved = state.state_dict()
-        live = [comm.residual.clone() for comm, _, _ in state.entries]
+        live = [comm.compensation.residual.clone() for comm, _, _ in state.entries]
         owed_after = [residual.clone() for residual in live]
         for owed in owed_after:
             dist.all_reduce(owed)
         for comm, _, _ in state.entries:
-            comm.residual = None
+            comm.compensation.residual = None
         state.load_state_dict(saved)
-        restored = [comm.residual for comm, _, _ in state.entries]
+        restored = [comm.compensation.residual for comm, _, _ in state.entries]
         results["state"] = (owed_before, owed_after, live, restored, sorted(saved))
         torch.save(results, Path(out_dir) / f"rank{rank}.pt")
     finally:
@@ -310,6 +407,17 @@ def test_error_feedback_conserves_the_gradient_sum(results, rotate):
         assert sent_bytes / uncompressed < 0.2
 
 
+def test_the_own_row_is_summed_exactly_and_only_the_others_as_codes(results):
+    inputs = [torch.randn(WORLD * ROW, generator=torch.Generator().manual_seed(200 + r)).view(WORLD, ROW)
+              for r in range(WORLD)]
+    for rank, rank_results in enumerate(results):
+        expected = inputs[rank][rank].clone()
+        for other in range(WORLD):
+            if other != rank:
+                expected += decode(encode(inputs[other][rank:rank + 1], 8), ROW, 8)[0]
+        assert torch.allclose(rank_results["own_row"], expected, atol=1e-6)
+
+
 def test_qsdp_all_gather_is_identical_on_every_rank_and_close(results):
     first, again, truth = results[0]["qsdp"]
     assert torch.equal(first, again)
@@ -328,6 +436,41 @@ def test_compression_off_is_bitwise_fsdp(results):
         assert 0 < relative < 0.02  # 8-bit codes: every parameter's gradient within 2% (scales are per parameter)
         stats = rank_results["stats"]
         assert 0.25 < stats["sent_bytes"] / stats["uncompressed_bytes"] < 0.3  # 8-bit codes + scales of fp32
+        # Each parameter group counted once (the tiny model's shards are unpadded: 64-wide tensors on 2 ranks).
+        assert stats["uncompressed_bytes"] == rank_results["row_bytes"]
+
+
+def test_the_predicted_compensation_state_is_what_loco_holds(results):
+    for rank_results in results:
+        predicted, held = rank_results["state_bytes"]
+        assert predicted == held > 0
+
+
+@pytest.mark.parametrize("method,bytes_per_value", [("loco", 1 + 2 / 128), ("error_feedback", 4.0), ("qsdp", 0.0)])
+def test_the_memory_model_counts_the_compensation_state_unsharded(method, bytes_per_value):
+    from torchtitan.planner.memory import estimate
+    from torchtitan.models.llama3.model import count_parameters
+
+    def optimizer_bytes(gradient_compression: str) -> int:
+        config = JobConfig()
+        config.model.flavor = "8B"
+        config.training.seq_len = 8192
+        config.parallelism.data_parallel_shard_degree = 8
+        config.comm.gradient_compression = gradient_compression
+        return estimate(config, 8).optimizer
+
+    with torch.device("meta"):
+        params = count_parameters(Transformer(model_args_for("8B", 8192)))
+    # Every rank holds a row per FSDP rank of its shards: the whole model, not an eighth (FSDP 8, no TP).
+    assert optimizer_bytes(method) - optimizer_bytes("none") == pytest.approx(params * bytes_per_value, rel=1e-3)
+
+
+def test_a_layout_whose_compensation_state_cannot_fit_is_refused():
+    config = config_with(gradient_compression="error_feedback")
+    require_compensation_fits(config, 30 * 2**30, 40 * 2**30, 80 * 2**30, "NVIDIA H100 memory")  # fits
+    with pytest.raises(UserError, match=r"^option comm.gradient_compression: error_feedback keeps 32.0 GiB .* "
+                                        r"exceeds the 80.0 GiB of NVIDIA H100 memory"):
+        require_compensation_fits(config, 32 * 2**30, 50 * 2**30, 80 * 2**30, "NVIDIA H100 memory")
 
 
 def test_qsdp_encodes_each_weight_shard_once_per_step(results):
@@ -345,7 +488,9 @@ def test_saved_residuals_keep_what_is_owed_and_restore_bitwise(results):
         assert "layers.0.attention.wq.weight" in keys
         assert any(before.abs().sum() > 0 for before in owed_before)
         for before, after, now, back in zip(owed_before, owed_after, live, restored):
-            assert torch.allclose(after, before, atol=1e-6)
+            # LoCo keeps its state as 8-bit codes: the owner's total is re-encoded, within half a code (the block's
+            # maximum / 127, its bfloat16 scale rounded up by at most 2^-8) of the sum.
+            assert torch.allclose(after, before, atol=float(before.abs().max()) / 254 * (1 + 2 ** -8) + 1e-7)
             assert torch.equal(now, back)
             others = [r for r in range(WORLD) if r != rank]
             assert not now[others].any()  # each rank owes only its own shard after saving

@@ -45,6 +45,17 @@ def test_top_k_indices_are_the_largest_magnitudes_and_always_k_distinct_position
     assert chosen.tolist() == [list(range(TOPK)), list(range(40, 40 + TOPK)), list(range(0, 2 * TOPK, 2))]
 
 
+def test_a_rank_without_gradients_joins_the_exchange_with_a_tensor_on_its_parameters_device(monkeypatch):
+    """NCCL rejects a CPU tensor: the empty payload lives where the parameters do (meta here, for any device)."""
+    sent = []
+    monkeypatch.setattr(dist, "get_world_size", lambda group=None: 2)
+    monkeypatch.setattr(dist, "all_gather_single", lambda output, payload, group=None: sent.append(payload))
+    weight = torch.nn.Parameter(torch.empty(4, 4, device="meta"))
+    FlexDeMo([weight], lr=0.01, weight_decay=0.0, chunk_size=CHUNK, topk=TOPK, momentum_decay=0.9,
+             replicate_group=None).step()
+    assert sent[0].numel() == 0 and sent[0].device.type == "meta"
+
+
 def worker(rank: int, out_dir: str) -> None:
     torch.set_num_threads(1)
     dist.init_process_group("gloo", store=dist.FileStore(f"{out_dir}/store", REPLICAS), rank=rank,

@@ -485,8 +485,14 @@ class Comm:
     fake_other_end: bool = True
     """Dry run under PP: also dry-run the rank at the other end of the pipeline (a second process), whose stage differs."""
 
-    gradient_compression: Literal["none", "loco", "qsdp"] = "none"
-    """FSDP gradient reduce-scatter: none (full precision), loco (gradient_bits codes with error feedback: the residual is added to the next step's gradient), or qsdp (gradient_bits codes, stochastic rounding, no residual). Needs FSDP without a replicate dimension (docs/recipes.md)."""
+    gradient_compression: Literal["none", "loco", "error_feedback", "qsdp"] = "none"
+    """FSDP gradient reduce-scatter: none (full precision); loco (gradient_bits codes; LoCo's compensation: a moving average of the past compression errors, kept as 8-bit codes, about 1 byte per unsharded parameter on every rank, reset every loco_reset_interval steps); error_feedback (gradient_bits codes; classic error feedback: the whole last error, fp32, 4 bytes per unsharded parameter on every rank); or qsdp (gradient_bits codes, stochastic rounding, no residual). Needs FSDP without a replicate dimension (docs/recipes.md)."""
+
+    loco_beta: float = 0.8
+    """gradient_compression = loco: weight of the previous error in the moving average e <- beta * e + (1 - beta) * (h - Q(h)), in [0, 1)."""
+
+    loco_reset_interval: int = 1024
+    """gradient_compression = loco: the error is reset to zero every this many steps; 0 = never."""
 
     gradient_bits: int = 8
     """Bits per gradient value on the wire with gradient_compression: 4 or 8 (plus one bfloat16 scale per 128 values)."""

@@ -16,6 +16,10 @@ State, always resident (the optimizer keeps fp32 masters):
                                                registered state_bytes over the rank's tensor shards (FSDP splits
                                                the first dimension), e.g. AdamW-bf16 4, AdamW-8bit ~2, Ranger21 16
                                                bytes per parameter
+            + P_rank x b                       with FSDP, the gradient compression's compensation state (reported
+                                               with the optimizer's): b = 1 + 2/128 for LoCo (8-bit codes and
+                                               scales), 4 for error_feedback, 0 otherwise; NOT divided by F: it
+                                               covers every row a rank sends (_compensation_state)
   gradients   P_rank x 4 / F                   fp32, sharded after FSDP's reduce-scatter; they exist from the
                                                backward on (with gradient accumulation: all the time)
               P_rank x 4                       under PP with FSDP: the schedule defers the reduce-scatter to the
@@ -123,6 +127,7 @@ import torch
 from torchtitan.components.float8 import float8_enabled
 from torchtitan.components.optimizers import optimizer_spec
 from torchtitan.config import JobConfig
+from torchtitan.distributed.compression import compensation_bytes_per_value
 from torchtitan.distributed.parallel_dims import ParallelDims
 from torchtitan.distributed.pipeline_parallel import plan_pipeline
 from torchtitan.models.llama3.args import TransformerModelArgs, model_args_for, shape_overrides
@@ -193,6 +198,13 @@ def _optimizer_state(config: JobConfig, tensors: list[tuple[str, tuple[int, ...]
         total += spec.state_bytes(shape, tuple(local), config.optimizer,
                                   getattr(config.optimizer.groups, group).matrix_method)
     return total
+
+
+def _compensation_state(config: JobConfig, dims: ParallelDims, params: float) -> float:
+    """Bytes of the gradient compression's compensation state on a rank holding `params` parameters (after TP,
+    before FSDP): per FSDP module one row per data-parallel rank of its local shards, i.e. the whole unsharded local
+    gradient at the method's bytes per value (LoCo's 8-bit codes, error feedback's fp32)."""
+    return params * compensation_bytes_per_value(config) if dims.fsdp_enabled else 0.0
 
 
 def estimate(config: JobConfig, ngpu: int, overhead_bytes: int = 0, device: str = "cuda",
@@ -490,6 +502,7 @@ def _estimate_rank(config: JobConfig, args: TransformerModelArgs, dims: Parallel
         held_after += exceeding
         later_held_after[stage] += exceeding
     phase, (acts, transient, buffers, grads) = max(phases.items(), key=lambda item: sum(item[1]))
+    optimizer += _compensation_state(config, dims, params)
     return Estimate(parameters=round(parameters), optimizer=round(optimizer), gradients=round(grads),
                     activations=round(acts), transient=round(transient), buffers=round(buffers), overhead=overhead,
                     phase=phase, rank=rank)

@@ -146,6 +146,18 @@ def require_host_memory(needed: int, model: str, processes_on_node: int) -> None
             f"(COMM_MODE=fake_backend) reports a layout's whole memory without allocating it")
 
 
+def memory_capacity(device: torch.device, processes_on_node: int) -> tuple[int | None, str]:
+    """Bytes one process may hold on `device`, and what they are: a GPU's total memory, or this process's share of
+    the host's available memory on the CPU; None where unknown."""
+    if device.type == "cuda":
+        return torch.cuda.get_device_properties(device).total_memory, f"{device_name(device)} memory"
+    if device.type == "cpu":
+        available = available_host_bytes()
+        return (None if available is None else available // processes_on_node,
+                f"host memory available to each of {processes_on_node} process(es)")
+    return None, ""
+
+
 def reset_peak_memory(device: torch.device) -> None:
     """Start a new peak-memory window for memory_stats."""
     if device.type == "cuda":

@@ -90,7 +90,9 @@ class FlexDeMo(torch.optim.Optimizer):
         self.chunk_size, self.topk, self.momentum_decay = chunk_size, min(topk, chunk_size), momentum_decay
         self.replicate_group = replicate_group
         self._dct: torch.Tensor | None = None
+        # Bytes this rank sent, and what the fp32 ring all-reduce it replaces sends (2 (R - 1) / R of the tensor).
         self.sent_bytes = 0
+        self.uncompressed_bytes = 0
 
     @staticmethod
     def _local(t: torch.Tensor) -> torch.Tensor:
@@ -130,13 +132,15 @@ class FlexDeMo(torch.optim.Optimizer):
             self._dct = dct_matrix(self.chunk_size, self._local(work[0][0]).device)
         buckets = self._buckets(work) if work else []
         # Every bucket's components travel in one all-gather: one collective per step. A rank without gradients (or
-        # with empty shards) sends nothing, but still joins it.
+        # with empty shards) sends nothing, but still joins it, with a tensor on its parameters' device (NCCL
+        # rejects a CPU tensor).
         payload = (torch.cat([self._extract(bucket) for bucket in buckets]) if buckets
-                   else torch.zeros(0, dtype=torch.uint8))
+                   else torch.zeros(0, dtype=torch.uint8, device=self._local(self.param_groups[0]["params"][0]).device))
         replicas = dist.get_world_size(self.replicate_group)
         gathered = torch.empty(replicas * payload.numel(), dtype=torch.uint8, device=payload.device)
         dist.all_gather_single(gathered, payload, group=self.replicate_group)
         self.sent_bytes += (replicas - 1) * payload.numel()
+        self.uncompressed_bytes += 2 * (replicas - 1) * 4 * sum(self._local(p).numel() for p, _ in work) // replicas
         offset = 0
         for bucket in buckets:
             weights = [self._local(param) for param, _ in bucket]

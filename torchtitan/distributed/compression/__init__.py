@@ -1,11 +1,14 @@
-"""Communication-efficient FSDP: low-bit gradient reduce-scatter (LoCo, QSDP) and weight all-gather (QSDP), each
-installed through FSDP2's own hooks after `fully_shard` by `apply_compression`.
+"""Communication-efficient FSDP: low-bit gradient reduce-scatter (LoCo, classic error feedback, QSDP) and weight
+all-gather (QSDP), each installed through FSDP2's own hooks after `fully_shard` by `apply_compression`.
 
 One file per wire format: quantize.py (blockwise codes + scales), hadamard.py (the optional rotation), loco.py (the
-compressed reduce-scatter with error feedback), qsdp.py (the quantized all-gather). `CompressionState` makes the
-error-feedback residuals part of the optimizer's checkpointed state.
+compressed reduce-scatter and its compensations: LoCo's and classic error feedback), qsdp.py (the quantized
+all-gather). `GRADIENT_COMPRESSION` maps each `comm.gradient_compression` value to its method; `CompressionState`
+makes the compensation state part of the optimizer's checkpointed state.
 """
 
+from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -15,12 +18,41 @@ from torch.distributed.checkpoint.stateful import Stateful
 from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 
-from torchtitan.config.job_config import JobConfig
-from torchtitan.distributed.compression.loco import CompressedReduceScatter
+from torchtitan.config.job_config import Comm, JobConfig
+from torchtitan.distributed.compression.loco import LOCO_ERROR_BITS, CompressedReduceScatter, ErrorFeedback, LoCo
 from torchtitan.distributed.compression.qsdp import QuantizedAllGather
-from torchtitan.distributed.compression.quantize import VALID_BITS
+from torchtitan.distributed.compression.quantize import BLOCK, VALID_BITS
 from torchtitan.distributed.parallel_dims import ParallelDims
 from torchtitan.errors import UserError
+
+
+@dataclass(frozen=True)
+class GradientMethod:
+    """One `comm.gradient_compression` method: its rounding, the compensation state it keeps per FSDP module (None:
+    none), and that state's bytes per value of the module's unsharded gradient, on every rank (what memory
+    predictions add: the state covers everything a rank sends, so it is not divided by the FSDP degree)."""
+    stochastic: bool
+    compensation: Callable[[Comm, list[int]], ErrorFeedback | LoCo] | None
+    state_bytes_per_value: float
+
+
+GRADIENT_COMPRESSION: dict[str, GradientMethod] = {
+    "loco": GradientMethod(stochastic=False,
+                           compensation=lambda comm, segments: LoCo(comm.loco_beta, comm.loco_reset_interval,
+                                                                    segments),
+                           # 8-bit codes and one bfloat16 scale per block
+                           state_bytes_per_value=LOCO_ERROR_BITS / 8 + 2 / BLOCK),
+    "error_feedback": GradientMethod(stochastic=False, compensation=lambda comm, segments: ErrorFeedback(),
+                                     state_bytes_per_value=4.0),
+    "qsdp": GradientMethod(stochastic=True, compensation=None, state_bytes_per_value=0.0),
+}
+
+
+def compensation_bytes_per_value(config: JobConfig) -> float:
+    """Bytes per value of each rank's unsharded (local, after TP) gradient that the configured gradient compression
+    keeps between steps: 0 without one."""
+    method = GRADIENT_COMPRESSION.get(config.comm.gradient_compression)
+    return method.state_bytes_per_value if method else 0.0
 
 
 def validate_compression(config: JobConfig, parallel_dims: ParallelDims) -> None:
@@ -41,6 +73,11 @@ def validate_compression(config: JobConfig, parallel_dims: ParallelDims) -> None
             raise UserError(f"option optimizer.demo_momentum_decay: {optimizer.demo_momentum_decay} must be in "
                             f"[0, 1)")
     comm = config.comm
+    if not 0.0 <= comm.loco_beta < 1.0:
+        raise UserError(f"option comm.loco_beta: {comm.loco_beta} must be in [0, 1)")
+    if comm.loco_reset_interval < 0:
+        raise UserError(f"option comm.loco_reset_interval: {comm.loco_reset_interval} must be 0 (never) or a "
+                        f"positive number of steps")
     for option, bits in (("gradient_bits", comm.gradient_bits), ("weight_bits", comm.weight_bits)):
         if bits not in VALID_BITS:
             raise UserError(f"option comm.{option}: {bits} is not one of {', '.join(map(str, VALID_BITS))}")
@@ -71,22 +108,32 @@ def validate_compression(config: JobConfig, parallel_dims: ParallelDims) -> None
 
 def apply_compression(model: nn.Module, config: JobConfig) -> None:
     """Give every FSDP module of `model` its own compressed collectives (each reduce-scatter owns its module's
-    residual). Tensor, pipeline and context parallelism compose as with plain FSDP: the hooks see this rank's
-    local shards and the data-parallel group only."""
+    compensation state). Tensor, pipeline and context parallelism compose as with plain FSDP: the hooks see this
+    rank's local shards and the data-parallel group only."""
     comm = config.comm
     if comm.gradient_compression == "none" and comm.weight_quantization == "none":
         return
     rotate = comm.quantization_rotation == "hadamard"
-    for module in model.modules():
+    for name, module in model.named_modules():
         if not isinstance(module, FSDPModule) or not fsdp_param_groups(module):
             continue
+        groups = fsdp_param_groups(module)
+        if len(groups) > 1:
+            # torch 2.13's set_custom_reduce_scatter/all_gather take one collective for a module's groups, which
+            # have meshes of their own (fully_shard's shard_placement_fn): not one layout to compress.
+            option = ("comm.gradient_compression" if comm.gradient_compression != "none"
+                      else "comm.weight_quantization")
+            raise UserError(f"option {option}: FSDP module {name or '<root>'} has {len(groups)} parameter groups "
+                            f"(per-parameter meshes), and compressed collectives need one per FSDP module; shard "
+                            f"it with one mesh, or set {option} = none")
+        group, = groups
         # FSDP's flat buffers concatenate the module's parameters, each padded to an equal shard per rank.
-        group, = fsdp_param_groups(module)
         segments = [p.padded_sharded_param_size.numel() for p in group.fsdp_params]
         if comm.gradient_compression != "none":
-            loco = comm.gradient_compression == "loco"
+            method = GRADIENT_COMPRESSION[comm.gradient_compression]
+            compensation = method.compensation(comm, segments) if method.compensation else None
             module.set_custom_reduce_scatter(CompressedReduceScatter(
-                comm.gradient_bits, error_feedback=loco, stochastic=not loco, rotate=rotate, segments=segments))
+                comm.gradient_bits, compensation, stochastic=method.stochastic, rotate=rotate, segments=segments))
         if comm.weight_quantization == "qsdp":
             module.set_custom_all_gather(QuantizedAllGather(comm.weight_bits, rotate=rotate, segments=segments,
                                                             fsdp_params=group.fsdp_params))
@@ -101,10 +148,16 @@ def fsdp_param_groups(module: FSDPModule) -> list:
 
 
 def _param_groups(model_parts: list[nn.Module]):
+    """Each FSDP parameter group of the model parts once: modules sharded together (fully_shard of a list, as the
+    final norm and the output layer are) share one group."""
+    seen = set()
     for part in model_parts:
         for module in part.modules():
             if isinstance(module, FSDPModule):
-                yield from fsdp_param_groups(module)
+                for group in fsdp_param_groups(module):
+                    if id(group) not in seen:
+                        seen.add(id(group))
+                        yield group
 
 
 def compression_stats(model_parts: list[nn.Module]) -> dict[str, int]:
@@ -118,14 +171,44 @@ def compression_stats(model_parts: list[nn.Module]) -> dict[str, int]:
     return stats
 
 
-class CompressionState(Stateful):
-    """The error-feedback residuals, checkpointed with the optimizer state and resharded like it.
+def compensation_state_bytes(model_parts: list[nn.Module]) -> int:
+    """Bytes of compensation state (error feedback's or LoCo's) this rank will hold once the first step has run:
+    per FSDP module, one row per rank of the data-parallel group, each the length of the module's local shards."""
+    total = 0.0
+    for group in _param_groups(model_parts):
+        comm = group._reduce_scatter_comm
+        if isinstance(comm, CompressedReduceScatter) and comm.compensation is not None:
+            world = group.mesh_info.shard_process_group.size()
+            total += world * sum(comm.segments) * comm.compensation.bytes_per_value(comm.segments)
+    return round(total)
 
-    A rank's residual holds what it still owes to every shard. Saved, the residuals are summed per shard (one
-    reduce-scatter) into one tensor per parameter, sharded like that parameter: a checkpoint then reshards to any
-    layout, as the optimizer state does. Loaded, each shard's total is owed by the shard's own rank. Saving also
-    rebalances the live residuals that way (the total owed to each shard is unchanged), so that the run continues
-    from exactly the state it saved: a resumed run repeats the uninterrupted one bit for bit.
+
+def require_compensation_fits(config: JobConfig, state_bytes: int, other_bytes: int, capacity: int | None,
+                              where: str) -> None:
+    """Refuse, before training, a layout whose compensation state (`state_bytes`) and the rank's sharded parameters
+    and gradients (`other_bytes`) exceed `capacity` bytes of `where` (the device, or this process's share of host
+    memory); None: unknown, nothing checked."""
+    if not state_bytes or capacity is None or state_bytes + other_bytes <= capacity:
+        return
+    gib = 2 ** 30
+    raise UserError(
+        f"option comm.gradient_compression: {config.comm.gradient_compression} keeps {state_bytes / gib:.1f} GiB "
+        f"of compensation state per rank (its whole local gradient, not sharded), which with the "
+        f"{other_bytes / gib:.1f} GiB of parameters and gradients exceeds the {capacity / gib:.1f} GiB of {where}; "
+        f"use loco (8-bit state) instead of error_feedback, qsdp (no state), more tensor or pipeline parallelism, "
+        f"or none")
+
+
+class CompressionState(Stateful):
+    """The compensation state of the compressed reduce-scatters (error feedback's residuals, LoCo's errors and its
+    step count), checkpointed with the optimizer state and resharded like it.
+
+    A rank's state holds, per shard of the module, what it will add to that shard's next reduction. Saved, the
+    states are summed per shard (one reduce-scatter) into one tensor per parameter, sharded like that parameter: a
+    checkpoint then reshards to any layout, as the optimizer state does. Loaded, each shard's total is held by the
+    shard's own rank. Saving also rebalances the live state that way (the total for each shard is unchanged), so
+    that the run continues from exactly the state it saved: a resumed run repeats the uninterrupted one bit for bit.
+    LoCo's step count (for its periodic reset) is saved as `loco_steps`.
     """
 
     def __init__(self, model_parts: list[nn.Module]):
@@ -133,7 +216,7 @@ class CompressionState(Stateful):
         self.entries = []
         for group in _param_groups(model_parts):
             comm = group._reduce_scatter_comm
-            if isinstance(comm, CompressedReduceScatter) and comm.error_feedback:
+            if isinstance(comm, CompressedReduceScatter) and comm.compensation is not None:
                 self.entries.append((comm, group, [names[id(p.sharded_param)] for p in group.fsdp_params]))
 
     def __bool__(self) -> bool:
@@ -152,7 +235,9 @@ class CompressionState(Stateful):
             process_group = group.mesh_info.shard_process_group
             world = process_group.size()
             row = sum(size.numel() for _, _, size in self._layout(group))
-            residual = comm.residual if comm.residual is not None else torch.zeros(world, row, device=group.device)
+            residual = comm.compensation.residual
+            if residual is None:
+                residual = torch.zeros(world, row, device=group.device)
             owed = torch.empty(row, dtype=residual.dtype, device=residual.device)
             dist.reduce_scatter_single(owed, residual.reshape(-1), group=process_group)
             for fqn, (fsdp_param, offset, size) in zip(fqns, self._layout(group)):
@@ -160,6 +245,8 @@ class CompressionState(Stateful):
                 param = fsdp_param.sharded_param
                 state[fqn] = DTensor.from_local(local.clone(), param.device_mesh, param.placements,
                                                 shape=param.shape, stride=param.stride(), run_check=False)
+            if isinstance(comm.compensation, LoCo):
+                state["loco_steps"] = torch.tensor(comm.compensation.steps, dtype=torch.int64)
         self.load_state_dict(state)
         return state
 
@@ -173,4 +260,6 @@ class CompressionState(Stateful):
                 local = state_dict[fqn]
                 local = local.to_local() if isinstance(local, DTensor) else local
                 residual[rank, offset:offset + size.numel()].view(size)[:local.shape[0]].copy_(local)
-            comm.residual = residual
+            comm.compensation.residual = residual
+            if isinstance(comm.compensation, LoCo) and "loco_steps" in state_dict:
+                comm.compensation.steps = int(state_dict["loco_steps"])

@@ -1,6 +1,7 @@
-"""QSDP (Markov et al., "Quantized Distributed Training of Large Models with Convergence Guarantees"): FSDP whose
-weight all-gather carries low-bit codes, rounded stochastically onto the quantization grid, while each rank keeps
-its shard of the weights (and the optimizer's update) in full precision. Its gradients go through the compressed
+"""QSDP-style weights (Markov et al., "Quantized Distributed Training of Large Models with Convergence Guarantees"):
+FSDP whose weight all-gather carries low-bit codes, rounded stochastically onto the quantization grid, while each
+rank keeps its shard of the weights (and the optimizer's update) in full precision, as ZeRO++ does; the paper's
+variant that keeps only the quantized weights is not offered. Its gradients go through the compressed
 reduce-scatter of loco.py with stochastic rounding and no error feedback.
 
 Installed with `FSDPModule.set_custom_all_gather`: FSDP hands over its flat all-gather buffer (this rank's shards of

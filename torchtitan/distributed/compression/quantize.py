@@ -6,9 +6,9 @@ moves one tensor. A row holds several tensors (FSDP's flat buffers concatenate a
 starts a block of its own, so that a small tensor (a norm's gradient) never shares a scale with a large one.
 
 Rounding is to nearest (error feedback then carries the error) or stochastic (unbiased, as QSDP's convergence proof
-needs). The stochastic draw comes from a generator seeded by a sample of the values being rounded: the same weights
-quantize the same way in forward and in the backward re-gather, the draw changes whenever the weights do, and there
-is no generator state to checkpoint.
+needs). The stochastic draw is a hash, on the device, of each value's position and of a sample of the values being
+rounded: the same weights quantize the same way in forward and in the backward re-gather, the draw changes whenever
+the weights do, the host never waits for the device, and there is no generator state to checkpoint.
 """
 
 import functools
@@ -42,24 +42,47 @@ def _positions(segments: tuple[int, ...], device: torch.device) -> torch.Tensor:
     return torch.cat(starts)
 
 
-def _add_content_seeded_uniform(x: torch.Tensor) -> None:
-    """Add a uniform draw in [0, 1) to every value of the contiguous float32 `x`, in place, from a generator seeded
-    by (a sample of) the values themselves.
+_MASK32 = 0xFFFFFFFF
 
-    Antithetic pairs halve the generator's work (torch's CPU generator makes one value at a time and was a tenth of
-    a QSDP step): the first half of the values gets draws u, the second half (1 - 2^-24) - u, which lies on the same
-    grid of multiples of 2^-24 in [0, 1) (exactly: every term is such a multiple) and is as uniform. Every value's
-    rounding stays unbiased with the same variance; a value and its partner, half the buffer away, round in
-    opposite directions more often than independent ones would, which can only lower the error of a sum.
+
+def _hash32(x: torch.Tensor) -> torch.Tensor:
+    """A 32-bit integer hash (Wellons' hash-prospector "lowbias32" structure, with multipliers below 2^31) of int64
+    tensors holding values in [0, 2^32): every product stays below 2^63, so no signed overflow, on any device."""
+    x = x ^ (x >> 16)
+    x = (x * 0x21F0AAAD) & _MASK32
+    x = x ^ (x >> 15)
+    x = (x * 0x735A2D97) & _MASK32
+    return x ^ (x >> 15)
+
+
+def _add_content_seeded_uniform(x: torch.Tensor) -> None:
+    """Add a uniform draw in [0, 1) to every value of the contiguous float32 `x`, in place, from a hash of each
+    value's position and a seed made of (a sample of) the values themselves.
+
+    Everything stays on the device: the seed is a device tensor, never read by the host (an `int()` of it would
+    synchronise FSDP's communication stream with the host every encode), and no generator is built. The draws are
+    24-bit, on the grid of multiples of 2^-24. Antithetic pairs halve the hashing: the first half of the values gets
+    draws u, the second half (1 - 2^-24) - u, on the same grid and as uniform. Every value's rounding stays unbiased
+    with the same variance; a value and its partner, half the buffer away, round in opposite directions more often
+    than independent ones would, which can only lower the error of a sum.
     """
     flat = x.view(-1)
     bits = flat.view(torch.int32)
-    seed = int(bits[::4099].to(torch.int64).sum()) * 0x9E3779B1 + bits.numel()
-    generator = torch.Generator(device=x.device).manual_seed(seed & 0x7FFFFFFFFFFFFFFF)
+    seed = _hash32((bits[::4099].to(torch.int64).sum() + bits.numel()) & _MASK32)
     half = (flat.numel() + 1) // 2
-    draws = torch.rand(half, generator=generator, device=x.device)
+    positions = torch.arange(half, dtype=torch.int64, device=x.device)
+    draws = (_hash32(positions ^ seed) >> 8).float().mul_(2.0 ** -24)
     flat[half:].add_(torch.rsub(draws[:flat.numel() - half], 1.0 - 2.0 ** -24))
     flat[:half].add_(draws)
+
+
+def _bfloat16_at_least(scales: torch.Tensor) -> torch.Tensor:
+    """The non-negative float32 `scales` rounded up to bfloat16. Rounded to nearest, about half of the blocks' scales
+    come out below amax / qmax (by up to bfloat16's half ulp, 2^-9): their largest value then lies beyond the
+    largest code and is clamped, which biases stochastic rounding (QSDP's proof needs it unbiased) and clips the
+    value. Up is the next bfloat16 bit pattern (the scales are non-negative)."""
+    rounded = scales.to(torch.bfloat16)
+    return torch.where(rounded.float() < scales, (rounded.view(torch.int16) + 1).view(torch.bfloat16), rounded)
 
 
 def encode(values: torch.Tensor, bits: int, stochastic: bool = False, rotate: bool = False,
@@ -93,7 +116,7 @@ def _quantize(values: torch.Tensor, bits: int, stochastic: bool, rotate: bool, s
     if rotate:
         blocks = hadamard_rotate(blocks.float())
     qmax = 2 ** (bits - 1) - 1
-    scales = (blocks.abs().amax(dim=-1).float() / qmax).to(torch.bfloat16)
+    scales = _bfloat16_at_least(blocks.abs().amax(dim=-1).float() / qmax)
     safe = torch.where(scales == 0, torch.ones_like(scales), scales).float().unsqueeze(-1)
     codes = blocks / safe  # float32: the codes, rounded in place below
     if stochastic:
