@@ -160,6 +160,7 @@ class Trainer:
         self.health = Health(config.health, config.job.dump_folder, self.rank, self.device,
                              self.checkpointer.blocked_s)
         self.preempt_requested = False
+        self._sigterm_before = None
         self.preempted = False
 
     # ----------------------------------------------------------------------------------------------------------
@@ -383,7 +384,8 @@ class Trainer:
             return
         self.checkpointer.load()
         self.health.begin(self.train_state.step)
-        signal.signal(signal.SIGTERM, self._on_sigterm)
+        # Restored by close(): a process that goes on after training (a notebook, a test) keeps its own handling.
+        self._sigterm_before = signal.signal(signal.SIGTERM, self._on_sigterm)
         data_iterator = iter(self.dataloader)
         gc.disable()
         gc.collect(1)
@@ -504,6 +506,9 @@ class Trainer:
     def close(self) -> None:
         # Also after an error: flushes the metrics and releases the file (idempotent after train() closed it).
         self.metrics.close()
+        if self._sigterm_before is not None:
+            signal.signal(signal.SIGTERM, self._sigterm_before)
+            self._sigterm_before = None
         if dist.is_initialized():
             dist.destroy_process_group()
 

@@ -157,7 +157,6 @@ BAD_INPUTS = {
     "flavor": (["--model.flavor", "9B"], "model.flavor", "'9B'"),
     "global_batch": (["--training.local_batch_size", "4", "--training.global_batch_size", "6"],
                      "training.global_batch_size", "not a multiple"),
-    "seq_len": (["--model.flavor", "tiny", "--training.seq_len", "100000"], "training.seq_len", "8192"),
     "malformed_toml": (["--job.config_file", "{tmp}/broken.toml"], "job.config_file", "broken.toml"),
     "unknown_option": (["--training.stepz", "3"], "training.stepz", "did you mean training.steps"),
 }
@@ -190,3 +189,13 @@ def test_bad_input_exit_status_of_the_module(tmp_path):
     proc = launch(tmp_path / "dump", 1, ["--model.hf_assets_path", "/nonexistent"], timeout=300)
     assert proc.returncode == 2, proc.stdout[-6000:]
     check_one_error_line(proc.stdout, "model.hf_assets_path")
+
+
+def test_a_run_in_this_process_gives_sigterm_back(tmp_path):
+    """The trainer handles SIGTERM while it trains (checkpoint, then exit 143) and restores the process's own
+    handling afterwards: a program that trains in-process and goes on (a notebook, a test runner) can still be
+    stopped."""
+    before = signal.getsignal(signal.SIGTERM)
+    assert main([*TINY, "--training.steps", "1", "--training.local_batch_size", "1",
+                 "--job.dump_folder", str(tmp_path)]) == 0
+    assert signal.getsignal(signal.SIGTERM) is before
