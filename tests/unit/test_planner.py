@@ -199,8 +199,9 @@ def test_pipeline_reduces_gradients_after_it_drains_and_fsdp_exposes_its_edges()
     step = step_time(model_args_for(pipelined.flavor, pipelined.seq_len), pipelined.layout, pipelined.seq_len,
                      validation.GPU)
     assert step.drained_comm_s > 0
+    assert step.pipeline_p2p_s > 0
     assert step.seconds == pytest.approx((step.compute_s + step.exposed_comm_s) * step.bubble + step.drained_comm_s
-                                         + step.parameter_s)
+                                         + step.parameter_s + step.pipeline_p2p_s)
     args = model_args_for(flat.flavor, flat.seq_len)
     step = step_time(args, flat.layout, flat.seq_len, validation.GPU)
     assert step.fsdp_comm_s < step.compute_s and step.drained_comm_s == 0

@@ -7,6 +7,7 @@ direction: NVLink within a host, the RDMA network card(s) between hosts.
 from dataclasses import dataclass
 
 from torchtitan.errors import UserError
+from torchtitan.planner.attention import AttentionRates, published_rates
 
 
 @dataclass(frozen=True)
@@ -20,6 +21,20 @@ class GPU:
     nvlink_bytes_per_s: float
     rdma_bytes_per_s: float
     gpus_per_host: int = 8
+    attention: AttentionRates | None = None
+    """Attention kernel speeds measured on this GPU (scripts/calibrate_gpu.py); None: FlashAttention-2's
+    published ones, scaled to the peak (planner/attention.py)."""
+    gemm_efficiency: float | None = None
+    """The fraction of the bf16 peak large GEMMs reached when measured (scripts/calibrate_gpu.py); None: the
+    model's fitted efficiency."""
+    allocator_fraction: float | None = None
+    """What the caching allocator reserved beyond the live tensors when measured; None: the published figure
+    (planner/search.py, ALLOCATOR_FRAGMENTATION)."""
+    calibration: str = ""
+    """The calibration file whose figures these are; empty: datasheet and published figures."""
+
+    def attention_rates(self, head_dim: int) -> AttentionRates:
+        return self.attention or published_rates(self.bf16_flops, head_dim)
 
 
 GPUS: dict[str, GPU] = {gpu.name: gpu for gpu in (
