@@ -29,7 +29,7 @@ class GPU:
     model's fitted efficiency."""
     allocator_fraction: float | None = None
     """What the caching allocator reserved beyond the live tensors when measured; None: the published figure
-    (planner/search.py, ALLOCATOR_FRAGMENTATION)."""
+    (ALLOCATOR_FRAGMENTATION)."""
     calibration: str = ""
     """The calibration file whose figures these are; empty: datasheet and published figures."""
 
@@ -52,6 +52,57 @@ GPUS: dict[str, GPU] = {gpu.name: gpu for gpu in (
     GPU("b200", "B200 180 GB (HBM3e), NVLink 5, 400 Gb/s RDMA per GPU", memory_gib=178.4, bf16_flops=2250e12,
         fp8_flops=4500e12, hbm_bytes_per_s=8e12, nvlink_bytes_per_s=900e9, rdma_bytes_per_s=50e9),
 )}
+
+
+# What a GPU holds beyond the peak of live tensors (published or measured, not fitted), the same figure in the planner
+# (search.py) and in the dry run's out-of-memory verdict (dry_run.check_fits):
+# - the caching allocator's reserve: blocks it keeps cached and cannot hand to a tensor of another size or stream
+#   (FSDP's all-gather and reduce-scatter streams keep pools of their own). Measured: one 8B rank (FSDP 8, compiled,
+#   per-op AC, batch 2 x 8192) on an H200 with expandable segments, this framework's default and TorchTitan's,
+#   reserved 72.93 GiB at the peak of 63.12 allocated (docs/scaling.md); scripts/calibrate_gpu.py measures it on
+#   the GPU at hand;
+# - the CUDA context, outside the allocator: the driver's state and the loaded kernels (CUDA 12's lazy loading loads
+#   only the kernels a run calls); about 0.5 GiB on an H100 (torch.cuda.mem_get_info after the first kernel, less
+#   what the allocator holds);
+# - NCCL's buffers, outside the allocator, per communicator (one per process group of more than one rank): per
+#   channel a buffer of NCCL_BUFFSIZE (4 MiB by default) for each of the ring's two connections and each of the
+#   Simple and LL128 protocols, over the 16 channels NCCL opens on NVLink 4 hosts (NCCL's documented defaults).
+ALLOCATOR_FRAGMENTATION = 0.155
+CUDA_CONTEXT_GIB = 0.5
+NCCL_COMMUNICATOR_GIB = 16 * 2 * 2 * 4 / 1024
+
+
+@dataclass(frozen=True)
+class Headroom:
+    """GiB a GPU holds beyond the tensors' peak."""
+
+    allocator_gib: float
+    cuda_context_gib: float
+    nccl_gib: float
+
+    @property
+    def total_gib(self) -> float:
+        return self.allocator_gib + self.cuda_context_gib + self.nccl_gib
+
+
+def communicators(layout: dict[str, int]) -> int:
+    """NCCL communicators of a rank: the world's, and one per mesh dimension of more than one rank (FSDP's group is
+    dp_shard x cp)."""
+    degrees = [layout.get(name, 1) for name in ("pp", "dp_replicate", "tp", "cp")]
+    degrees.append(layout.get("dp_shard", 1) * layout.get("cp", 1))
+    world = 1
+    for name in ("pp", "dp_replicate", "dp_shard", "cp", "tp"):
+        world *= layout.get(name, 1)
+    return (world > 1) + sum(degree > 1 for degree in degrees)
+
+
+def headroom(tensor_peak_gib: float, gpu: GPU | None, layout: dict[str, int]) -> Headroom:
+    """What a rank of `layout` (its degrees by mesh dimension) needs on `gpu` beyond `tensor_peak_gib` of tensors
+    (the allocator's measured reserve where the GPU was calibrated)."""
+    fraction = gpu.allocator_fraction if gpu is not None and gpu.allocator_fraction is not None else \
+        ALLOCATOR_FRAGMENTATION
+    return Headroom(allocator_gib=tensor_peak_gib * fraction, cuda_context_gib=CUDA_CONTEXT_GIB,
+                    nccl_gib=communicators(layout) * NCCL_COMMUNICATOR_GIB)
 
 
 def gpu_named(name: str, option: str) -> GPU:

@@ -18,7 +18,7 @@ from torchtitan.config import JobConfig, parse_args
 from torchtitan.errors import UserError
 from torchtitan.models.llama3.args import llama3_flavors, model_args_for, shape_overrides
 from torchtitan.planner.cost import Layout, step_time
-from torchtitan.planner.hardware import GPU
+from torchtitan.planner.hardware import GPU, headroom
 from torchtitan.planner.memory import estimate
 
 GIB = 2**30
@@ -26,12 +26,6 @@ CONFIGS = Path(__file__).resolve().parents[2] / "train_configs"
 PRESET_TOML = {"8B": "llama3_8b.toml", "70B": "llama3_70b.toml", "405B": "llama3_405b.toml",
                "debugmodel": "debug_model.toml"}
 SCHEDULES = ("1F1B", "Interleaved1F1B")
-# What the CUDA caching allocator reserves beyond the peak of live tensors: blocks it keeps cached and cannot hand to
-# a tensor of another size or stream (FSDP's all-gather and reduce-scatter streams keep pools of their own). The CUDA
-# context and NCCL's buffers are outside the allocator, so outside its reserved figure. Measured, not fitted: one 8B
-# rank (FSDP 8, compiled, per-op AC, batch 2 x 8192) on an H200 with expandable segments, this framework's default
-# and TorchTitan's, reserved 72.93 GiB at the peak of 63.12 allocated (docs/scaling.md).
-ALLOCATOR_FRAGMENTATION = 0.155
 
 
 @dataclass(frozen=True)
@@ -44,6 +38,7 @@ class Prediction:
     """Tokens/s of one rank with no communication at all (StepTime.seconds_alone): what a dry run on real tensors
     measures on one GPU."""
     peak_memory_gib: float
+    """What the caching allocator reserves at the peak (the published runs' figure)."""
     tensor_peak_gib: float
     step_seconds: float
     overrides: list[str]
@@ -58,6 +53,9 @@ class Prediction:
     outside_envelope: tuple[str, ...] = ()
     """What about the layout lies outside what the validated rows covered (validation.Envelope), each with its
     validated range; empty inside."""
+    device_memory_gib: float = 0.0
+    """What the GPU must hold: the reserved peak plus the CUDA context and NCCL's buffers (hardware.headroom), the
+    figure the search compares with the GPU's memory, as the dry run's out-of-memory verdict does."""
 
     def as_json(self) -> dict:
         layout = asdict(self.layout)
@@ -71,12 +69,14 @@ class Prediction:
                 "outside_validated_envelope": list(self.outside_envelope),
                 "tps_per_gpu_alone": round(self.tps_alone, 1),
                 "peak_memory_gib": round(self.peak_memory_gib, 2),
+                "device_memory_gib": round(self.device_memory_gib, 2),
                 "step_seconds": round(self.step_seconds, 3), "overrides": self.overrides}
 
 
-def reserved_gib(tensor_peak_bytes: float) -> float:
-    """The caching allocator's reserved peak for a peak of live tensors (see ALLOCATOR_FRAGMENTATION)."""
-    return tensor_peak_bytes / GIB * (1 + ALLOCATOR_FRAGMENTATION)
+def reserved_gib(tensor_peak_bytes: float, gpu: GPU | None = None) -> float:
+    """The caching allocator's reserved peak for a peak of live tensors (hardware.ALLOCATOR_FRAGMENTATION, or the
+    fraction measured on a calibrated GPU)."""
+    return tensor_peak_bytes / GIB + headroom(tensor_peak_bytes / GIB, gpu, {}).allocator_gib
 
 
 def layout_overrides(layout: Layout, seq_len: int, n_layers: int) -> list[str]:
@@ -135,9 +135,12 @@ def predict(flavor: str, layout: Layout, seq_len: int, gpu: GPU, config: JobConf
     from torchtitan.planner.validation import envelope
 
     validated = envelope()
+    extra = headroom(tensors / GIB, gpu, {name: getattr(layout, name)
+                                          for name in ("pp", "dp_replicate", "dp_shard", "cp", "tp")})
     return Prediction(layout=layout, tps_per_gpu=tokens / step.seconds,
                       tps_without_overlap=tokens / step.seconds_without_overlap, tps_alone=tokens / step.seconds_alone,
-                      peak_memory_gib=reserved_gib(tensors),
+                      peak_memory_gib=reserved_gib(tensors, gpu),
+                      device_memory_gib=tensors / GIB + extra.total_gib,
                       tensor_peak_gib=tensors / GIB, step_seconds=step.seconds,
                       overrides=layout_overrides(layout, seq_len, args.n_layers),
                       tps_conservative=tokens / step.seconds_hiding_at_most(validated.max_overlap_ratio)
@@ -261,7 +264,7 @@ def plan(flavor: str, gpus: int, gpu: GPU, seq_len: int, global_batch: int,
     fitting = []
     for layout in candidates:
         prediction = predict(flavor, layout, seq_len, gpu, **(constants or {}))
-        if prediction.peak_memory_gib <= gpu.memory_gib:
+        if prediction.device_memory_gib <= gpu.memory_gib:
             fitting.append(prediction)
     if not fitting:
         raise UserError(f"flavor {flavor} does not fit {gpus} x {gpu.name} ({gpu.memory_gib} GiB) in any of "
