@@ -4,7 +4,10 @@ Memory is what the device reports as total (`torch.cuda.mem_get_info`), in GiB. 
 direction: NVLink within a host, the RDMA network card(s) between hosts.
 """
 
+import dataclasses
+import json
 from dataclasses import dataclass
+from pathlib import Path
 
 from torchtitan.errors import UserError
 from torchtitan.planner.attention import AttentionRates, published_rates
@@ -117,3 +120,49 @@ def require_same_gpu(gpu: GPU, device_name: str, measured: str) -> None:
     if gpu.name.split("_")[0].upper() not in device_name.upper():
         raise UserError(f"option --gpu: {gpu.name} ({gpu.description}), but {measured} ran on {device_name}: name "
                         f"the GPU the runs ran on")
+
+
+# The file scripts/calibrate_gpu.py writes and `plan.py --calibrate FILE` reads.
+CALIBRATION_FORMAT = "torchtitan-gpu-calibration/1"
+ATTENTION_CURVES = (("forward", "causal"), ("forward", "full"), ("backward", "causal"), ("backward", "full"))
+
+
+def calibrated_gpu(path: str, gpu: GPU) -> tuple[GPU, str]:
+    """`gpu` with the figures measured in a calibration file in place of the datasheet's and the published ones:
+    the bf16 GEMM speed (as the efficiency, replacing the fitted one), the Float8 GEMM speed-up, attention's speed
+    by length and mask, the allocator's reserve. Returns a note for a file measured on the CPU (`--device cpu
+    --quick`: a check of the format, not figures of any GPU)."""
+    option = "option --calibrate"
+    try:
+        record = json.loads(Path(path).read_text())
+    except OSError as e:
+        raise UserError(f"{option}: cannot read {path} ({e.strerror})") from None
+    except ValueError as e:
+        raise UserError(f"{option}: {path} is not JSON ({e})") from None
+    if not isinstance(record, dict) or record.get("format") != CALIBRATION_FORMAT:
+        raise UserError(f"{option}: {path} is not a file of scripts/calibrate_gpu.py (format {CALIBRATION_FORMAT})")
+    try:
+        attention = record["attention"]
+        seq_lens = tuple(int(n) for n in attention["seq_lens"])
+        curves = tuple((direction, mask, tuple(float(x) for x in attention[f"{direction}_{mask}_flops"]))
+                       for direction, mask in ATTENTION_CURVES)
+        gemm_flops = float(record["gemm_bf16_flops"])
+        speedup = record["float8_speedup"]
+        allocator = record["allocator_fraction"]
+        device_type, device = record["device_type"], record["device_name"]
+    except (KeyError, TypeError, ValueError) as e:
+        raise UserError(f"{option}: {path} lacks or garbles {e} (rerun scripts/calibrate_gpu.py)") from None
+    if any(len(values) != len(seq_lens) or min(values) <= 0 for _, _, values in curves) or gemm_flops <= 0:
+        raise UserError(f"{option}: {path} has an attention curve of the wrong length or a speed that is not "
+                        f"positive (rerun scripts/calibrate_gpu.py)")
+    note = ""
+    if device_type == "cuda":
+        require_same_gpu(gpu, device, path)
+    else:
+        note = (f"{path} was measured on the {device_type} ({device}) with --quick: it checks the file's format; "
+                f"its figures are not those of a {gpu.name}")
+    fp8_flops = gpu.bf16_flops * float(speedup) if speedup and gpu.fp8_flops else gpu.fp8_flops
+    return dataclasses.replace(
+        gpu, attention=AttentionRates(seq_lens=seq_lens, curves=curves, source=f"measured ({path})"),
+        gemm_efficiency=min(1.0, gemm_flops / gpu.bf16_flops), fp8_flops=fp8_flops,
+        allocator_fraction=None if allocator is None else float(allocator), calibration=str(path)), note

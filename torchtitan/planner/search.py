@@ -100,6 +100,10 @@ def layout_overrides(layout: Layout, seq_len: int, n_layers: int) -> list[str]:
     ]
     if layout.compile:
         options += ["--compile.components", "model,loss" if layout.compiled_loss else "model"]
+    if layout.document_length:
+        options += ["--model.attention_mask", "block_causal"]
+    if layout.cp > 1:
+        options += ["--parallelism.context_parallel_rotate_method", layout.cp_rotate]
     if layout.float8:
         # Float8 all-gathers under FSDP: half the bytes of bf16 (TorchTitan's 405B recipe).
         options += ["--quantize.linear.float8.enable_fsdp_float8_all_gather",
@@ -157,8 +161,9 @@ def _layout_memory(flavor: str, layout: Layout, seq_len: int) -> int:
                     row_split_embedding=layout.row_split_embedding).total
 
 
-def layout_from_config(config: JobConfig, world_size: int) -> Layout:
-    """The layout a trainer config describes (as the trainer resolves it)."""
+def layout_from_config(config: JobConfig, world_size: int, document_length: float = 0.0) -> Layout:
+    """The layout a trainer config describes (as the trainer resolves it); `document_length`: with
+    model.attention_mask = block_causal, the documents' E[len^2] / E[len] in tokens (Layout.document_length)."""
     from torchtitan.distributed.parallel_dims import ParallelDims
 
     dims = ParallelDims.from_config(config.parallelism, world_size)
@@ -166,6 +171,10 @@ def layout_from_config(config: JobConfig, world_size: int) -> Layout:
     if ac.mode == "selective" and ac.selective_ac_option != "op":
         raise UserError(f"option activation_checkpoint.selective_ac_option: the planner models 'op', full and none, "
                         f"not every-{ac.selective_ac_option}-th block")
+    if config.model.attention_mask == "block_causal" and not 0 < document_length <= config.training.seq_len:
+        raise UserError(f"option --document_length: {document_length:g}, but model.attention_mask is block_causal: "
+                        f"give the documents' E[len^2] / E[len] in tokens (their length, if all are alike), 1 to "
+                        f"training.seq_len ({config.training.seq_len})")
     step_batch = config.training.global_batch_size // dims.dp if config.training.global_batch_size > 0 else \
         config.training.local_batch_size
     stages_per_rank = 1
@@ -182,7 +191,9 @@ def layout_from_config(config: JobConfig, world_size: int) -> Layout:
                   ac={"none": "none", "full": "full", "selective": "op"}[ac.mode],
                   float8=any("float8" in c for c in config.model.converters), compile=config.compile.enable,
                   async_tp=parallelism.enable_async_tensor_parallel,
-                  compiled_loss="loss" in config.compile.components)
+                  compiled_loss="loss" in config.compile.components,
+                  document_length=document_length if config.model.attention_mask == "block_causal" else 0.0,
+                  cp_rotate=parallelism.context_parallel_rotate_method)
 
 
 def _divisors(n: int) -> list[int]:
@@ -196,8 +207,10 @@ def _microbatches(local_batch: int, pp: int) -> list[int]:
     return sorted({size for size in sizes if (local_batch // size) % pp == 0})
 
 
-def candidate_layouts(flavor: str, gpus: int, seq_len: int, global_batch: int, gpu: GPU) -> list[Layout]:
-    """Every layout of `gpus` GPUs that the model's shapes and the global batch allow."""
+def candidate_layouts(flavor: str, gpus: int, seq_len: int, global_batch: int, gpu: GPU,
+                      document_length: float = 0.0, cp_rotate: str = "allgather") -> list[Layout]:
+    """Every layout of `gpus` GPUs that the model's shapes and the global batch allow; causal attention unless
+    `document_length` (Layout.document_length), CP's keys and values exchanged by `cp_rotate`."""
     args = model_args_for(flavor, seq_len)
     candidates = []
     # CP up to 4, and for long sequences up to one 8,192-token shard per rank (at most 32): a 256k sequence is what
@@ -230,7 +243,8 @@ def candidate_layouts(flavor: str, gpus: int, seq_len: int, global_batch: int, g
                 candidates.append(Layout(dp_replicate=dp_replicate, dp_shard=dp_shard, tp=tp, pp=pp, cp=cp,
                                          schedule=schedule, stages_per_rank=v, local_batch=local_batch,
                                          microbatch=microbatch, ac=ac, float8=float8, compile=compile_,
-                                         async_tp=async_tp))
+                                         async_tp=async_tp, document_length=document_length,
+                                         cp_rotate=cp_rotate))
     return candidates
 
 
@@ -245,17 +259,22 @@ RANKINGS = {"conservative": "tps_conservative", "predicted": "tps_per_gpu", "wit
 
 def plan(flavor: str, gpus: int, gpu: GPU, seq_len: int, global_batch: int,
          fixed: dict[str, bool] | None = None, constants: dict[str, float] | None = None,
-         rank_by: str = "conservative") -> list[Prediction]:
+         rank_by: str = "conservative", document_length: float = 0.0, cp_rotate: str = "allgather") -> list[Prediction]:
     """The layouts that fit, fastest first, each with its fastest micro-batch; `fixed` pins techniques (float8,
     compile, async_tp) on or off; `constants` replace the model's fitted ones (cost.step_time's keywords);
     `rank_by` (RANKINGS): the conservative end of each layout's range (default: no more overlap than the validated
-    rows had), the prediction (the optimistic end), or the speed it keeps if no communication overlaps compute."""
+    rows had), the prediction (the optimistic end), or the speed it keeps if no communication overlaps compute;
+    `document_length` and `cp_rotate`: the attention mask and CP's exchange (candidate_layouts)."""
     if flavor not in llama3_flavors:
         raise UserError(f"option --flavor: unknown flavor {flavor!r}; valid: {', '.join(llama3_flavors)}")
     if (fixed or {}).get("float8") and not gpu.fp8_flops:
         raise UserError(f"option --float8: on, but {gpu.name} has no float8 tensor cores; use "
                         f"--float8 off, or a GPU with them")
-    candidates = [layout for layout in candidate_layouts(flavor, gpus, seq_len, global_batch, gpu)
+    if not 0 <= document_length <= seq_len:
+        raise UserError(f"option --document_length: {document_length:g} is not 0 (causal) or a length of 1 to "
+                        f"--seq_len ({seq_len}) tokens")
+    candidates = [layout for layout in candidate_layouts(flavor, gpus, seq_len, global_batch, gpu, document_length,
+                                                         cp_rotate)
                   if all(getattr(layout, name) == value for name, value in (fixed or {}).items())]
     if not candidates:
         raise UserError(f"no layout of {gpus} GPUs divides flavor {flavor} (heads, KV heads, vocabulary) and a "
