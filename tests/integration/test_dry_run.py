@@ -200,20 +200,29 @@ def test_flexdemo_exchanges_its_components_once_per_step(tmp_path):
     assert not any(c["mesh_dim"] == "dp_replicate" and c["kind"] != "all_gather" for c in report["collectives"])
 
 
-@pytest.mark.parametrize("shard, cp, ac", [(2, 2, "none"), (1, 4, "full")])
-def test_planner_counts_the_sequence_collectives_the_dry_run_issues(tmp_path, shard, cp, ac):
+@pytest.mark.parametrize("shard, cp, ac, options", [
+    (2, 2, "none", []), (1, 4, "full", []),
+    # The other rotate method: each call passes one chunk on cp - 1 times instead of gathering them all.
+    pytest.param(1, 4, "full", ["--parallelism.context_parallel_rotate_method", "alltoall"], marks=pytest.mark.slow),
+])
+def test_planner_counts_the_sequence_collectives_the_dry_run_issues(tmp_path, shard, cp, ac, options):
     """TP's and CP's collectives of one step, calls and bytes, as the planner's cost model counts them and as the
     dry run sees them: CP's ring attention issues its collectives inside DTensor's dispatch (counted only because
     the counter lets DTensor run first), and shards each step's batch in place (so each step needs a batch of its
     own, or the measured step is shorter by a factor cp)."""
+    import dataclasses
+
     from torchtitan.models.llama3.args import model_args_for
     from torchtitan.planner.cost import Layout, sequence_collectives
 
     report = dry_run(tmp_path, 8, "--parallelism.data_parallel_shard_degree", str(shard),
                      "--parallelism.context_parallel_degree", str(cp), "--parallelism.tensor_parallel_degree", "2",
-                     "--activation_checkpoint.mode", ac, "--training.seq_len", "256", "--training.local_batch_size", "8")
+                     "--activation_checkpoint.mode", ac, "--training.seq_len", "256", "--training.local_batch_size", "8",
+                     *options)
     layout = Layout(dp_replicate=1, dp_shard=shard, tp=2, pp=1, cp=cp, schedule=None, stages_per_rank=1,
                     local_batch=8, microbatch=8, ac=ac, float8=False, compile=False, async_tp=False)
+    if options:
+        layout = dataclasses.replace(layout, cp_rotate="alltoall")
     predicted = sequence_collectives(model_args_for("debugmodel", 256), layout, 256)
     found = collectives(report)
     sequence_parallel = {("all_gather", "tp"), ("reduce_scatter", "tp")}
