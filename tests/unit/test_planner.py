@@ -181,6 +181,10 @@ def test_predict_times_the_shape_the_options_give(capsys):
     (["--predict", "--gpus", "8", "--gpu", "a100", "--job.config_file", "train_configs/llama3_8b.toml",
       "--model.converters", "quantize.linear.float8"], "option model.converters: float8 needs a GPU with float8"),
     (["--flavor", "8B", "--gpus", "2", "--seq_len", "1048576", "--global_batch", "2"], "does not fit 2 x h100"),
+    (["--predict", "--gpus", "8", "--job.config_file", "train_configs/llama3_8b.toml", "--model.attention_mask",
+      "block_causal"], "option --document_length: 0, but model.attention_mask is block_causal"),
+    (["--seq_len", "8192", "--document_length", "16384"], "option --document_length: 16384 is not 0 (causal)"),
+    (["--calibrate", "missing.json"], "option --calibrate: cannot read missing.json"),
 ])
 def test_bad_input_is_one_error_line(capsys, argv, message):
     assert plan_script.main(argv) == 2
