@@ -11,6 +11,8 @@ From the repository root:
     python scripts/plan.py --validate --fit                                    # refit the three constants
     python scripts/plan.py --validate --measured --gpu h200 --rows 0,6         # one rank of each row on this GPU
     python scripts/plan.py --calibrate outputs/run1 outputs/run2 --gpu h100    # the model against your own runs
+    python scripts/plan.py --calibrate h100.json --gpu h100 --flavor 8B --gpus 8  # with scripts/calibrate_gpu.py's
+    python scripts/plan.py --flavor 8B --gpus 64 --seq_len 131072 --document_length 4096   # packed documents
     python scripts/plan.py --flavor 70B --gpus 256 --efficiency 0.6            # plan with constants of your own
 
 The model (torchtitan/planner/cost.py, docs/scaling.md): compute from FLOPs over the GPU's peak, communication
@@ -31,7 +33,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from torchtitan.config import parse_args, parse_script_args  # noqa: E402
 from torchtitan.errors import UserError  # noqa: E402
 from torchtitan.planner.cost import MODEL_CONSTANTS, Layout  # noqa: E402
-from torchtitan.planner.hardware import GPU, GPUS, gpu_named, require_same_gpu  # noqa: E402
+from torchtitan.planner.hardware import GPU, GPUS, calibrated_gpu, gpu_named, require_same_gpu  # noqa: E402
 from torchtitan.planner.search import RANKINGS, Prediction, exclusions, layout_from_config, plan, predict  # noqa: E402
 
 
@@ -212,6 +214,13 @@ def main(argv: list[str] | None = None) -> int:
     for technique in ("float8", "compile", "async_tp"):
         parser.add_argument(f"--{technique}", choices=("on", "off"), default=None,
                             help=f"only layouts with {technique} on (or off); default: either")
+    parser.add_argument("--document_length", type=float, default=0.0,
+                        help="block-causal attention over packed documents of this E[len^2] / E[len] in tokens (their "
+                             "length, if all are alike); 0: causal over the whole sequence. With --predict, needed "
+                             "when model.attention_mask is block_causal")
+    parser.add_argument("--cp_rotate", choices=("allgather", "alltoall"), default="allgather",
+                        help="how context parallelism exchanges keys and values "
+                             "(parallelism.context_parallel_rotate_method)")
     parser.add_argument("--json", action="store_true", help="print JSON instead of a table")
     parser.add_argument("--rank_by", choices=tuple(RANKINGS), default="conservative",
                         help="rank by the conservative end of each layout's range (no more communication hidden "
@@ -234,7 +243,9 @@ def main(argv: list[str] | None = None) -> int:
                                                                "left out of the median)")
     parser.add_argument("--calibrate", nargs="+", metavar="RUN_FOLDER", default=None,
                         help="the model against your own GPU runs (trainer dump folders, or those of a dry run on real "
-                             "tensors: one rank of the target layout on one GPU), its efficiency refitted")
+                             "tensors: one rank of the target layout on one GPU), its efficiency refitted; or one "
+                             "JSON file of scripts/calibrate_gpu.py, whose measured GEMM, attention, Float8 and "
+                             "allocator figures replace the datasheet's and the published ones for --gpu")
     parser.add_argument("--refit_all", action="store_true",
                         help="with --calibrate: refit all three constants (three runs or more)")
     for name, value in MODEL_CONSTANTS.items():
@@ -244,6 +255,11 @@ def main(argv: list[str] | None = None) -> int:
     args, trainer_argv = parse_script_args(parser, sys.argv[1:] if argv is None else argv)
     try:
         gpu = gpu_named(args.gpu, "--gpu")
+        if args.calibrate and len(args.calibrate) == 1 and args.calibrate[0].endswith(".json"):
+            gpu, note = calibrated_gpu(args.calibrate[0], gpu)
+            if note:
+                print(f"note: {note}", file=sys.stderr)
+            args.calibrate = None
         if args.validate and args.measured:
             print(measured_markdown(gpu, args.rows, args.steps, args.json))
             return 0
@@ -267,7 +283,7 @@ def main(argv: list[str] | None = None) -> int:
                             f"{constants['compiled_fraction']:g}")
         if args.predict:
             config = parse_args(trainer_argv)
-            layout = layout_from_config(config, args.gpus)
+            layout = layout_from_config(config, args.gpus, args.document_length)
             results = [predict(config.model.flavor, layout, config.training.seq_len, gpu, config=config,
                                **constants)]
         else:
@@ -282,7 +298,8 @@ def main(argv: list[str] | None = None) -> int:
             fixed = {name: getattr(args, name) == "on" for name in ("float8", "compile", "async_tp")
                      if getattr(args, name) is not None}
             results = plan(args.flavor, args.gpus, gpu, args.seq_len, global_batch, fixed, constants,
-                           rank_by=args.rank_by)[:args.top]
+                           rank_by=args.rank_by, document_length=args.document_length,
+                           cp_rotate=args.cp_rotate)[:args.top]
     except UserError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

@@ -39,7 +39,7 @@ from torchtitan.distributed.parallel_dims import ParallelDims
 from torchtitan.errors import UserError
 from torchtitan.models.llama3.args import model_args_for, shape_overrides
 from torchtitan.models.llama3.parallelize import validate_parallelism
-from torchtitan.planner.hardware import gpu_named
+from torchtitan.planner.hardware import gpu_named, headroom
 from torchtitan.planner.memory import estimate
 from torchtitan.tools.device_info import device_name, memory_stats
 from torchtitan.tools.logging import logger
@@ -154,19 +154,29 @@ def run(config: JobConfig, trainer_class: type) -> dict:
 def check_fits(report: dict, gpu) -> None:
     """The out-of-memory verdict on a dry run's report for `gpu` (none: no verdict): what the GPU holds at the
     peak of the fullest pipeline end, the categories in host memory under CPU offload (the parameter and gradient
-    shards, the optimizer state) left out."""
-    needed, compiled_peak = report["max_device_peak_memory_gib"], report.get("compiled_estimate_gib")
-    if gpu is not None and needed > gpu.memory_gib:
-        if compiled_peak is not None and compiled_peak <= gpu.memory_gib:
-            logger.warning(f"dry run: eager blocks need {needed:.1f} GiB, more than the {gpu.memory_gib} GiB of one "
-                           f"{gpu.name}; compiled, the analytic model gives {compiled_peak:.1f} GiB, which fits")
-        else:
-            raise UserError(f"dry run: a rank needs {needed:.1f} GiB of GPU memory at its peak (tensors only, "
-                            f"before the allocator's overhead"
-                            + (f"; {compiled_peak:.1f} GiB compiled, by the analytic model" if compiled_peak else "")
-                            + f"), more than the {gpu.memory_gib} GiB of one {gpu.name} (comm.fake_gpu): the run "
-                            f"would fail with CUDA out of memory. Shard more (FSDP/TP/PP), checkpoint activations "
-                            f"(activation_checkpoint.mode), or lower training.local_batch_size")
+    shards, the optimizer state) left out, plus the headroom the planner counts too (hardware.headroom: the
+    allocator's reserve, the CUDA context, NCCL's buffers per communicator)."""
+    if gpu is None:
+        return
+    layout = report.get("layout", {})
+    tensors, compiled_tensors = report["max_device_peak_memory_gib"], report.get("compiled_estimate_gib")
+    needed = tensors + headroom(tensors, gpu, layout).total_gib
+    if needed <= gpu.memory_gib:
+        return
+    extra = headroom(tensors, gpu, layout)
+    what = (f"{needed:.1f} GiB of GPU memory at its peak ({tensors:.1f} GiB of tensors + {extra.allocator_gib:.1f} "
+            f"allocator reserve + {extra.cuda_context_gib:.1f} CUDA context + {extra.nccl_gib:.1f} NCCL buffers)")
+    compiled = None if compiled_tensors is None else \
+        compiled_tensors + headroom(compiled_tensors, gpu, layout).total_gib
+    if compiled is not None and compiled <= gpu.memory_gib:
+        logger.warning(f"dry run: eager blocks need {what}, more than the {gpu.memory_gib} GiB of one {gpu.name}; "
+                       f"compiled, the analytic model gives {compiled:.1f} GiB, which fits")
+        return
+    raise UserError(f"dry run: a rank needs {what}"
+                    + (f"; {compiled:.1f} GiB compiled, by the analytic model" if compiled is not None else "")
+                    + f", more than the {gpu.memory_gib} GiB of one {gpu.name} (comm.fake_gpu): the run "
+                    f"would fail with CUDA out of memory. Shard more (FSDP/TP/PP), checkpoint activations "
+                    f"(activation_checkpoint.mode), or lower training.local_batch_size")
 
 
 def _write_report(report: dict, config: JobConfig, start: float) -> Path:

@@ -162,9 +162,29 @@ def test_out_of_memory_verdict_counts_the_gpus_memory_only():
     from torchtitan.planner.hardware import GPUS
 
     gpu = GPUS["h100"]
-    check_fits({"max_peak_memory_gib": 120.0, "max_device_peak_memory_gib": 70.0}, gpu)
-    with pytest.raises(UserError, match=r"a rank needs 80.0 GiB of GPU memory at its peak .* more than the 79.6 GiB"):
+    check_fits({"max_peak_memory_gib": 120.0, "max_device_peak_memory_gib": 60.0}, gpu)
+    with pytest.raises(UserError, match=r"a rank needs 92.9 GiB of GPU memory at its peak \(80.0 GiB of tensors .* "
+                                        r"more than the 79.6 GiB"):
         check_fits({"max_peak_memory_gib": 80.0, "max_device_peak_memory_gib": 80.0}, gpu)
+
+
+def test_out_of_memory_verdict_adds_the_planners_headroom():
+    """Tensors that fit the GPU alone do not fit with what the GPU holds beside them: the allocator's reserve
+    (15.5% of the tensors), the CUDA context (0.5 GiB) and 0.25 GiB of NCCL buffers per communicator; the planner
+    compares the same sum with the GPU's memory."""
+    from torchtitan.dry_run import check_fits
+    from torchtitan.errors import UserError
+    from torchtitan.planner.hardware import GPUS, headroom
+
+    gpu = GPUS["h100"]
+    layout = {"pp": 1, "dp_replicate": 1, "dp_shard": 4, "cp": 1, "tp": 2}  # world, FSDP and TP communicators
+    extra = headroom(60.0, gpu, layout)
+    assert (extra.allocator_gib, extra.cuda_context_gib, extra.nccl_gib) == pytest.approx((9.3, 0.5, 0.75))
+    # 68.3 GiB of tensors: 68.3 x 1.155 + 0.5 + 0.75 = 80.1 GiB, over the 79.6 of an H100.
+    with pytest.raises(UserError, match=r"a rank needs 80.1 GiB .*68.3 GiB of tensors \+ 10.6 allocator reserve "
+                                        r"\+ 0.5 CUDA context \+ 0.8 NCCL buffers"):
+        check_fits({"max_peak_memory_gib": 68.3, "max_device_peak_memory_gib": 68.3, "layout": layout}, gpu)
+    check_fits({"max_peak_memory_gib": 67.8, "max_device_peak_memory_gib": 67.8, "layout": layout}, gpu)
 
 
 def test_flexdemo_exchanges_its_components_once_per_step(tmp_path):
@@ -180,20 +200,29 @@ def test_flexdemo_exchanges_its_components_once_per_step(tmp_path):
     assert not any(c["mesh_dim"] == "dp_replicate" and c["kind"] != "all_gather" for c in report["collectives"])
 
 
-@pytest.mark.parametrize("shard, cp, ac", [(2, 2, "none"), (1, 4, "full")])
-def test_planner_counts_the_sequence_collectives_the_dry_run_issues(tmp_path, shard, cp, ac):
+@pytest.mark.parametrize("shard, cp, ac, options", [
+    (2, 2, "none", []), (1, 4, "full", []),
+    # The other rotate method: each call passes one chunk on cp - 1 times instead of gathering them all.
+    pytest.param(1, 4, "full", ["--parallelism.context_parallel_rotate_method", "alltoall"], marks=pytest.mark.slow),
+])
+def test_planner_counts_the_sequence_collectives_the_dry_run_issues(tmp_path, shard, cp, ac, options):
     """TP's and CP's collectives of one step, calls and bytes, as the planner's cost model counts them and as the
     dry run sees them: CP's ring attention issues its collectives inside DTensor's dispatch (counted only because
     the counter lets DTensor run first), and shards each step's batch in place (so each step needs a batch of its
     own, or the measured step is shorter by a factor cp)."""
+    import dataclasses
+
     from torchtitan.models.llama3.args import model_args_for
     from torchtitan.planner.cost import Layout, sequence_collectives
 
     report = dry_run(tmp_path, 8, "--parallelism.data_parallel_shard_degree", str(shard),
                      "--parallelism.context_parallel_degree", str(cp), "--parallelism.tensor_parallel_degree", "2",
-                     "--activation_checkpoint.mode", ac, "--training.seq_len", "256", "--training.local_batch_size", "8")
+                     "--activation_checkpoint.mode", ac, "--training.seq_len", "256", "--training.local_batch_size", "8",
+                     *options)
     layout = Layout(dp_replicate=1, dp_shard=shard, tp=2, pp=1, cp=cp, schedule=None, stages_per_rank=1,
                     local_batch=8, microbatch=8, ac=ac, float8=False, compile=False, async_tp=False)
+    if options:
+        layout = dataclasses.replace(layout, cp_rotate="alltoall")
     predicted = sequence_collectives(model_args_for("debugmodel", 256), layout, 256)
     found = collectives(report)
     sequence_parallel = {("all_gather", "tp"), ("reduce_scatter", "tp")}

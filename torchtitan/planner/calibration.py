@@ -13,9 +13,10 @@ predicts for a rank alone (no communication, no bubble).
 
 By default only the efficiency is refitted: the level of your GPUs and software, the other two constants kept.
 With `refit_all` (three runs or more, varied in what the constants tell apart: eager and compiled, Float8, AC
-modes) all three are: on the one-H100 runs of docs/scaling.md that gives efficiency 1.0, the end of its range, where
-the efficiency alone gives a plausible 0.79 and errors within 9.3% (from -21%): the model's structure, not only
-its level, differs there.
+modes) all three are: on the one-H100 runs of docs/scaling.md that gave efficiency 1.0, the end of its range, where
+the efficiency alone gave 0.79 and errors within 9.3% (from -21%), before attention had its own speed (now 0.88,
+within 8.0%): the model's structure, not only its level, differs there. scripts/calibrate_gpu.py measures the
+GEMM, attention, Float8 and allocator figures on one GPU instead (`plan.py --calibrate FILE.json`).
 """
 
 from __future__ import annotations

@@ -3,11 +3,14 @@
 Per GPU and step (all stages of one pipeline rank together; the slowest pipeline rank sets the pace):
 
     step = (compute + exposed communication) x pipeline bubble + communication after the pipeline drains
-           + parameter traffic (the optimizer step, precision casts)
+           + parameter traffic (the optimizer step, precision casts) + the pipeline's sends on its critical path
 
-- compute = matmul FLOPs / (peak x efficiency) + memory-bound time.
-  Matmul FLOPs per token: 6 per linear weight (forward, and the two backward matmuls) and causal attention, 6 x d x
-  seq per block; full activation checkpointing recomputes each block's forward (2 per linear weight, 2 x d x seq).
+- compute = matmul FLOPs / (peak x efficiency) + attention + memory-bound time.
+  Matmul FLOPs per token: 6 per linear weight (forward, and the two backward matmuls); full activation
+  checkpointing recomputes each block's forward (2 per linear weight). Attention runs at its own speed, not the
+  GEMM efficiency (planner/attention.py, attention_step): the pairs its mask leaves (causal s^2/2; block-causal
+  the documents' sum of len^2/2; under CP the ring's diagonal and off-diagonal blocks), at FlashAttention-2's
+  published speed by length and head dimension (or the GPU's calibrated one), plus ring attention's fp32 merges.
   Float8 runs the blocks' linear layers at the GPU's float8 peak, the rest at its bf16 peak; both at the same
   achievable fraction EFFICIENCY (fitted). The memory-bound work (norms, RoPE, SwiGLU's product, residual adds,
   casts, float8's scaling) moves MEMORY_BOUND_BYTES bytes per element of the hidden state per block (fitted, eager);
@@ -32,11 +35,15 @@ Per GPU and step (all stages of one pipeline rank together; the slowest pipeline
     exposed, whether it comes after the drain or, for a rank's later stage, between its earlier stage's backwards.
   - Sequence-parallel TP's all-gathers and reduce-scatters sit between the matmuls that need them: exposed, unless
     async TP decomposes them into chunks that overlap the matmuls (then exposed only beyond the matmul time).
-  - Context parallelism all-gathers the keys and values once per attention call (torch's "allgather" rotation)
-    and waits for them after the local chunk; backward also passes their gradients around the ring: exposed
-    beyond 1/c of attention's time. The calls and bytes of TP and CP are those the dry run counts
-    (sequence_collectives).
-  - Pipeline sends are small (one micro-batch of hidden states) and overlap.
+  - Context parallelism, causal, all-gathers the keys and values once per attention call (torch's "allgather"
+    rotation) and waits for them after the local chunk; backward also passes their gradients around the ring:
+    exposed beyond 1/c of attention's time. The "alltoall" rotation passes each chunk on c - 1 times while the
+    current block computes: exposed beyond (c - 1)/c of it. Block-causal CP all-gathers the grouped keys and
+    values before the attention call (exposed) and reduce-scatters their gradients. Head-tail balancing makes
+    causal work even; block-causal's chunk assignment balances the counted pairs. The calls and bytes of TP and CP
+    are those the dry run counts (sequence_collectives).
+  - Pipeline sends overlap the other micro-batches' compute in the steady state; those of the first micro-batch
+    down the pipeline and of the last one's gradients back up are on the critical path (pipeline_p2p_seconds).
 - parameter traffic, memory-bound at the GPU's HBM bandwidth, counted, not fitted (parameter_traffic_bytes): once
   per step, fused AdamW and gradient-norm clipping over the rank's parameter shard; per forward-backward pass, the
   mixed-precision casts of the parameters and gradients (FSDP's copies into and out of its collectives' buffers,
@@ -45,8 +52,9 @@ Per GPU and step (all stages of one pipeline rank together; the slowest pipeline
 - pipeline bubble: (micro-batches x v + pp - 1) / (micro-batches x v) for 1F1B-style schedules with v stages per
   rank (v = 1: 1F1B; Interleaved1F1B: v >= 2); GPipe and LoopedBFS add the same warm-up and drain.
 
-The three fitted constants are fitted on the three 8B rows on 8 GPUs of the published table (eager, compiled,
-compiled + float8) and held fixed for every other row and layout (docs/scaling.md).
+The three fitted constants (GEMM efficiency, memory-bound bytes, compiled fraction) are fitted on the three 8B rows
+on 8 GPUs of the published table (eager, compiled, compiled + float8) and held fixed for every other row and layout
+(docs/scaling.md); attention's speed is published, not fitted.
 """
 
 from __future__ import annotations
@@ -55,12 +63,13 @@ from dataclasses import dataclass
 
 from torchtitan.errors import UserError
 from torchtitan.models.llama3.args import TransformerModelArgs
+from torchtitan.planner.attention import attention_calls, attention_seconds
 from torchtitan.planner.hardware import GPU
 
 # Fitted on the 8B, 8-GPU rows of the published table (scripts/plan.py --validate refits and prints them).
-EFFICIENCY = 0.64
-MEMORY_BOUND_BYTES = 1460.0
-COMPILED_FRACTION = 0.7
+EFFICIENCY = 0.65
+MEMORY_BOUND_BYTES = 1200.0
+COMPILED_FRACTION = 0.65
 MODEL_CONSTANTS = {"efficiency": EFFICIENCY, "memory_bound_bytes": MEMORY_BOUND_BYTES,
                    "compiled_fraction": COMPILED_FRACTION}
 
@@ -108,6 +117,12 @@ class Layout:
     row_split_embedding: bool = False
     """Split the embedding by vocabulary row under TP, as TorchTitan did for the published figures (this framework
     splits it by column): its gradient is then whole on every rank (planner/memory.py)."""
+    document_length: float = 0.0
+    """Block-causal attention over packed documents of this E[len^2] / E[len] tokens (for documents of one
+    length, that length); 0: causal over the whole sequence (model.attention_mask)."""
+    cp_rotate: str = "allgather"
+    """How causal CP exchanges keys and values (parallelism.context_parallel_rotate_method); block-causal always
+    all-gathers them."""
     compiled_loss: bool = True
     """With compile, compile the loss too (fused, it keeps no fp32 copy of the logits). TorchTitan compiled only the
     blocks when it measured the published figures: its loss stayed eager ("compiling loss function causes CUDA
@@ -136,10 +151,14 @@ class StepTime:
     """Parameter traffic: the optimizer step and clipping, and the precision casts of parameters and gradients."""
     hidden_comm_s: float = 0.0
     """Communication the model hides behind compute (the rest of fsdp/tp/cp_comm_s is exposed or drained)."""
+    pipeline_p2p_s: float = 0.0
+    """The pipeline's sends on its critical path: the first micro-batch's activations down every stage boundary
+    and the last one's gradients back up (planner/cost.py, pipeline_p2p_seconds)."""
 
     @property
     def seconds(self) -> float:
-        return (self.compute_s + self.exposed_comm_s) * self.bubble + self.drained_comm_s + self.parameter_s
+        return ((self.compute_s + self.exposed_comm_s) * self.bubble + self.drained_comm_s + self.parameter_s
+                + self.pipeline_p2p_s)
 
     @property
     def seconds_alone(self) -> float:
@@ -156,14 +175,16 @@ class StepTime:
         """The step if at most `ratio` x compute of communication hides (what validated layouts hid), the rest
         exposed."""
         over = max(0.0, self.hidden_comm_s - ratio * self.compute_s)
-        return (self.compute_s + self.exposed_comm_s + over) * self.bubble + self.drained_comm_s + self.parameter_s
+        return ((self.compute_s + self.exposed_comm_s + over) * self.bubble + self.drained_comm_s + self.parameter_s
+                + self.pipeline_p2p_s)
 
     @property
     def seconds_without_overlap(self) -> float:
         """The step if no communication overlapped compute: the bound for a layout whose overlap fails (a network
         slower than its datasheet, NCCL and compute kernels contending for the GPU)."""
         communication = self.fsdp_comm_s + self.tp_comm_s + self.cp_comm_s
-        return (self.compute_s + communication) * self.bubble + self.drained_comm_s + self.parameter_s
+        return ((self.compute_s + communication) * self.bubble + self.drained_comm_s + self.parameter_s
+                + self.pipeline_p2p_s)
 
 
 def _link(gpu: GPU, stride: int, size: int) -> str:
@@ -231,7 +252,10 @@ def sequence_collectives(args: TransformerModelArgs, layout: Layout,
     output layer's input is gathered once more, and its gradient reduce-scattered, on the last stage. Context
     parallelism runs torch's ring attention: each attention call (forward, recomputed forward, backward)
     all-gathers the keys and values, which the GPU attention path has expanded to the query heads; backward passes
-    the keys' and values' gradients, in fp32, to the next rank c times (all-to-all)."""
+    the keys' and values' gradients, in fp32, to the next rank c times (all-to-all). With the "alltoall" rotation
+    each call instead passes the keys and values on c - 1 times (all-to-all, the buffer of one rank's chunk).
+    Block-causal CP (context_parallel.py) all-gathers the grouped keys and values (kv heads, not expanded) once per
+    forward (and recomputed forward), and backward reduce-scatters their gradients."""
     t, c = layout.tp, layout.cp
     layers = args.n_layers / layout.pp
     passes = layout.local_batch // layout.microbatch
@@ -243,13 +267,80 @@ def sequence_collectives(args: TransformerModelArgs, layout: Layout,
                                 ("reduce_scatter", 4 + (1 if recompute else 0))):
             calls = (per_block * layers + 1) * passes
             collectives[(kind, "tp")] = (round(calls), calls * hidden_bytes)
-    if c > 1:
+    if c > 1 and layout.document_length:
+        gathered = layout.microbatch * seq_len * 2 * args.kv_heads / t * args.head_dim * 2
+        gathers = (2 if recompute else 1) * layers * passes
+        collectives[("all_gather", "cp")] = (round(gathers), gathers * gathered)
+        collectives[("reduce_scatter", "cp")] = (round(layers * passes), layers * passes * gathered)
+    elif c > 1:
         kv_bytes = layout.microbatch * seq_len / c * 2 * args.n_heads / t * args.head_dim * 2
         gathers = (3 if recompute else 2) * layers * passes
-        collectives[("all_gather", "cp")] = (round(gathers), gathers * c * kv_bytes)
         exchanges = c * layers * passes
-        collectives[("all_to_all", "cp")] = (round(exchanges), exchanges * 2 * kv_bytes)
+        if layout.cp_rotate == "alltoall":
+            rotations = gathers * (c - 1)
+            collectives[("all_to_all", "cp")] = (round(rotations + exchanges),
+                                                 rotations * kv_bytes + exchanges * 2 * kv_bytes)
+        else:
+            collectives[("all_gather", "cp")] = (round(gathers), gathers * c * kv_bytes)
+            collectives[("all_to_all", "cp")] = (round(exchanges), exchanges * 2 * kv_bytes)
     return collectives
+
+
+# torch's ring attention merges each block's output into the running one by log-sum-exp (_SDPAMerger), in fp32:
+# per element of the rank's output and merge step it reads the running output and the block's (cast to fp32) and
+# writes the rescaled sum, through about eight fp32 passes (32 bytes). Backward accumulates the query gradient and
+# the rotating key and value gradients in fp32: each read as fp32 and bf16 and written back (10 bytes) per step.
+MERGE_BYTES_PER_ELEMENT = 32
+GRADIENT_ACCUMULATION_BYTES_PER_ELEMENT = 10
+
+
+@dataclass(frozen=True)
+class AttentionTime:
+    """Seconds per step and GPU of attention's kernels (planner/attention.py) and of ring attention's merges."""
+
+    forward_s: float
+    """One forward of every layer's attention over the rank's tokens."""
+    backward_s: float
+    merge_s: float
+    recompute: bool
+
+    @property
+    def seconds(self) -> float:
+        return self.forward_s * (2 if self.recompute else 1) + self.backward_s + self.merge_s
+
+
+def pipeline_p2p_seconds(args: TransformerModelArgs, layout: Layout, seq_len: int, gpu: GPU) -> float:
+    """The sends on the pipeline's critical path: the first micro-batch's hidden states cross every stage boundary
+    before the last stage can start (v x pp - 1 hops with v stages per rank), and the last micro-batch's gradients
+    cross them back before the first stage's backward ends: 2 (v pp - 1) sends of one micro-batch's hidden states
+    (its sequence-parallel shard under TP, bf16), each one hop between ranks world / pp apart. The sends of the
+    steady state overlap the other micro-batches' compute."""
+    if layout.pp == 1:
+        return 0.0
+    stride = layout.world_size // layout.pp
+    hop_bytes = layout.microbatch * seq_len / (layout.cp * layout.tp) * args.dim * 2
+    hops = 2 * (layout.stages_per_rank * layout.pp - 1)
+    return hops * (hop_bytes / _link_bandwidth(gpu, stride, 2) + ring_latency_seconds(gpu, stride, 2))
+
+
+def attention_step(args: TransformerModelArgs, layout: Layout, seq_len: int, gpu: GPU) -> AttentionTime:
+    """Attention's time in one step of a GPU of `layout`: the kernel calls of each layer and sequence
+    (planner/attention.py: pairs by mask and CP split, speed by length and head dim), heads split over TP; under
+    causal CP the c - 1 merges of each forward and the fp32 gradient accumulation of each backward step, at HBM
+    bandwidth. Full AC runs the forward twice; per-op AC saves SDPA's output and does not."""
+    t, c = layout.tp, layout.cp
+    heads = args.n_heads / t
+    sequences = layout.local_batch * args.n_layers / layout.pp
+    calls = attention_calls(seq_len, c, layout.document_length)
+    forward, backward = attention_seconds(calls, 4 * args.head_dim * heads, gpu.attention_rates(args.head_dim),
+                                          layout.document_length)
+    merge_bytes = 0.0
+    if c > 1 and not layout.document_length:
+        elements = seq_len / c * heads * args.head_dim
+        merge_bytes = (c - 1) * elements * (MERGE_BYTES_PER_ELEMENT * (2 if layout.ac == "full" else 1)
+                                            + 3 * GRADIENT_ACCUMULATION_BYTES_PER_ELEMENT)
+    return AttentionTime(forward_s=forward * sequences, backward_s=backward * sequences,
+                         merge_s=merge_bytes * sequences / gpu.hbm_bytes_per_s, recompute=layout.ac == "full")
 
 
 def float8_cast_bytes_per_token(args: TransformerModelArgs, t: int, ac: str) -> float:
@@ -280,31 +371,30 @@ def step_time(args: TransformerModelArgs, layout: Layout, seq_len: int, gpu: GPU
     tokens = layout.local_batch * seq_len / (t * c)
     recompute = layout.ac == "full"
     block_weights = block_linear_params(args)
-    # Causal attention: 2 x d x seq FLOPs per token and block forward, twice that backward (heads split over tp;
-    # under CP each rank attends its shard of queries to all keys). Linear layers: 2 per weight forward, 4 backward.
-    attention_forward = 2 * args.dim * seq_len * layers * tokens
+    # Linear layers: 2 FLOPs per weight forward, 4 backward.
     linear_forward = 2 * block_weights * layers * tokens
-    attention, linear = 3 * attention_forward, 3 * linear_forward
+    linear = 3 * linear_forward
     if recompute:  # the whole block forward again
-        attention += attention_forward
         linear += linear_forward
-    elif layout.ac == "op":  # every other matmul again: wk, wo and w3
+    elif layout.ac == "op":  # every other matmul again: wk, wo and w3 (the policy saves SDPA's output)
         linear += 2 * recomputed_op_weights(args) * layers * tokens
     # The output layer sits on the last pipeline stage only: that rank is the slowest.
     output = 6 * args.dim * args.vocab_size * tokens
     if layout.float8 and not gpu.fp8_flops:
         raise UserError(f"option model.converters: float8 needs a GPU with float8 tensor cores, and {gpu.name} "
                         f"has none: leave quantize.linear.float8 out of model.converters")
-    bf16 = attention + output + (0 if layout.float8 else linear)
+    efficiency = gpu.gemm_efficiency or efficiency
+    bf16 = output + (0 if layout.float8 else linear)
     matmul_s = bf16 / (gpu.bf16_flops * efficiency)
     if layout.float8:
         matmul_s += linear / (gpu.fp8_flops * efficiency)
+    attention = attention_step(args, layout, seq_len, gpu)
     hidden_elements = tokens * args.dim * layers * (4 / 3 if recompute else 1.0)
     memory_bound = memory_bound_bytes * hidden_elements
     if layout.float8:
         memory_bound += float8_cast_bytes_per_token(args, t, layout.ac) * tokens * t * layers
     memory_bound *= compiled_fraction if layout.compile else 1.0
-    compute_s = matmul_s + memory_bound / gpu.hbm_bytes_per_s
+    compute_s = matmul_s + memory_bound / gpu.hbm_bytes_per_s + attention.seconds
 
     # FSDP over dp_shard x cp (stride tp), HSDP's replicas (stride dp_shard x cp x tp).
     stage_params = (block_weights * layers + args.vocab_size * args.dim * (2 / p)) / t
@@ -341,19 +431,27 @@ def step_time(args: TransformerModelArgs, layout: Layout, seq_len: int, gpu: GPU
             forward_matmul_s = linear_forward * (2 if recompute else 1) / (
                 (gpu.fp8_flops if layout.float8 else gpu.bf16_flops) * efficiency)
             tp_exposed = tp_s - min(tp_s * hidden_calls / (gather_calls + reduce_calls), forward_matmul_s)
-    # Context parallelism: a ring all-gather moves (c - 1) / c of its gathered keys and values, a gradient exchange
-    # its whole buffer to the next rank.
-    cp_s, cp_link = 0.0, _link(gpu, t, c)
+    # Context parallelism: a ring all-gather (or reduce-scatter) moves (c - 1) / c of its buffer, an all-to-all
+    # rotation or gradient exchange its whole buffer to the next rank.
+    cp_s, cp_exposed, cp_link = 0.0, 0.0, _link(gpu, t, c)
     if c > 1:
         cp_bw, cp_latency = _link_bandwidth(gpu, t, c), ring_latency_seconds(gpu, t, c)
-        gather_calls, gathered = sequence[("all_gather", "cp")]
-        exchange_calls, exchanged = sequence[("all_to_all", "cp")]
-        cp_s = (_ring_seconds(gathered, c, cp_bw, gather_calls, cp_latency)
-                + exchanged / cp_bw + exchange_calls * cp_latency)
-    # torch's ring attention all-gathers the keys and values once per call ("allgather" rotation) and waits for
-    # them after the local chunk: only that chunk's attention (1/c of it) hides the exchange.
-    attention_s = attention / (gpu.bf16_flops * efficiency)
-    cp_exposed = max(0.0, cp_s - attention_s / c)
+        for (kind, dim), (calls, moved) in sequence.items():
+            if dim != "cp":
+                continue
+            cp_s += (_ring_seconds(moved, c, cp_bw, calls, cp_latency) if kind != "all_to_all"
+                     else moved / cp_bw + calls * cp_latency)
+        if layout.document_length:
+            # The all-gather feeds the attention call directly: nothing computes while it runs.
+            cp_exposed = cp_s
+        elif layout.cp_rotate == "alltoall":
+            # The ring passes the next chunk on while the current block computes: each of the c - 1 rotations hides
+            # behind one block (1/c of the attention).
+            cp_exposed = max(0.0, cp_s - attention.seconds * (c - 1) / c)
+        else:
+            # torch's ring attention all-gathers the keys and values once per call and waits for them after the
+            # local chunk: only that chunk's attention (1/c of it) hides the exchange.
+            cp_exposed = max(0.0, cp_s - attention.seconds / c)
 
     bubble, drained_s = 1.0, 0.0
     if p > 1:
@@ -386,7 +484,8 @@ def step_time(args: TransformerModelArgs, layout: Layout, seq_len: int, gpu: GPU
     passes = 1 if p > 1 and shard > 1 else microbatches
     parameter_s = parameter_traffic_bytes(stage_params, shard, gather_bytes, gathers, passes) / gpu.hbm_bytes_per_s
     return StepTime(compute_s=compute_s, exposed_comm_s=exposed, bubble=bubble, fsdp_comm_s=fsdp_s, tp_comm_s=tp_s,
-                    cp_comm_s=cp_s, drained_comm_s=drained_s, parameter_s=parameter_s, hidden_comm_s=hidden_s)
+                    cp_comm_s=cp_s, drained_comm_s=drained_s, parameter_s=parameter_s, hidden_comm_s=hidden_s,
+                    pipeline_p2p_s=pipeline_p2p_seconds(args, layout, seq_len, gpu))
 
 
 def tokens_per_second_per_gpu(args: TransformerModelArgs, layout: Layout, seq_len: int, gpu: GPU, alone: bool = False,

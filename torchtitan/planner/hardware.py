@@ -4,9 +4,13 @@ Memory is what the device reports as total (`torch.cuda.mem_get_info`), in GiB. 
 direction: NVLink within a host, the RDMA network card(s) between hosts.
 """
 
+import dataclasses
+import json
 from dataclasses import dataclass
+from pathlib import Path
 
 from torchtitan.errors import UserError
+from torchtitan.planner.attention import AttentionRates, published_rates
 
 
 @dataclass(frozen=True)
@@ -20,6 +24,20 @@ class GPU:
     nvlink_bytes_per_s: float
     rdma_bytes_per_s: float
     gpus_per_host: int = 8
+    attention: AttentionRates | None = None
+    """Attention kernel speeds measured on this GPU (scripts/calibrate_gpu.py); None: FlashAttention-2's
+    published ones, scaled to the peak (planner/attention.py)."""
+    gemm_efficiency: float | None = None
+    """The fraction of the bf16 peak large GEMMs reached when measured (scripts/calibrate_gpu.py); None: the
+    model's fitted efficiency."""
+    allocator_fraction: float | None = None
+    """What the caching allocator reserved beyond the live tensors when measured; None: the published figure
+    (ALLOCATOR_FRAGMENTATION)."""
+    calibration: str = ""
+    """The calibration file whose figures these are; empty: datasheet and published figures."""
+
+    def attention_rates(self, head_dim: int) -> AttentionRates:
+        return self.attention or published_rates(self.bf16_flops, head_dim)
 
 
 GPUS: dict[str, GPU] = {gpu.name: gpu for gpu in (
@@ -39,6 +57,57 @@ GPUS: dict[str, GPU] = {gpu.name: gpu for gpu in (
 )}
 
 
+# What a GPU holds beyond the peak of live tensors (published or measured, not fitted), the same figure in the planner
+# (search.py) and in the dry run's out-of-memory verdict (dry_run.check_fits):
+# - the caching allocator's reserve: blocks it keeps cached and cannot hand to a tensor of another size or stream
+#   (FSDP's all-gather and reduce-scatter streams keep pools of their own). Measured: one 8B rank (FSDP 8, compiled,
+#   per-op AC, batch 2 x 8192) on an H200 with expandable segments, this framework's default and TorchTitan's,
+#   reserved 72.93 GiB at the peak of 63.12 allocated (docs/scaling.md); scripts/calibrate_gpu.py measures it on
+#   the GPU at hand;
+# - the CUDA context, outside the allocator: the driver's state and the loaded kernels (CUDA 12's lazy loading loads
+#   only the kernels a run calls); about 0.5 GiB on an H100 (torch.cuda.mem_get_info after the first kernel, less
+#   what the allocator holds);
+# - NCCL's buffers, outside the allocator, per communicator (one per process group of more than one rank): per
+#   channel a buffer of NCCL_BUFFSIZE (4 MiB by default) for each of the ring's two connections and each of the
+#   Simple and LL128 protocols, over the 16 channels NCCL opens on NVLink 4 hosts (NCCL's documented defaults).
+ALLOCATOR_FRAGMENTATION = 0.155
+CUDA_CONTEXT_GIB = 0.5
+NCCL_COMMUNICATOR_GIB = 16 * 2 * 2 * 4 / 1024
+
+
+@dataclass(frozen=True)
+class Headroom:
+    """GiB a GPU holds beyond the tensors' peak."""
+
+    allocator_gib: float
+    cuda_context_gib: float
+    nccl_gib: float
+
+    @property
+    def total_gib(self) -> float:
+        return self.allocator_gib + self.cuda_context_gib + self.nccl_gib
+
+
+def communicators(layout: dict[str, int]) -> int:
+    """NCCL communicators of a rank: the world's, and one per mesh dimension of more than one rank (FSDP's group is
+    dp_shard x cp)."""
+    degrees = [layout.get(name, 1) for name in ("pp", "dp_replicate", "tp", "cp")]
+    degrees.append(layout.get("dp_shard", 1) * layout.get("cp", 1))
+    world = 1
+    for name in ("pp", "dp_replicate", "dp_shard", "cp", "tp"):
+        world *= layout.get(name, 1)
+    return (world > 1) + sum(degree > 1 for degree in degrees)
+
+
+def headroom(tensor_peak_gib: float, gpu: GPU | None, layout: dict[str, int]) -> Headroom:
+    """What a rank of `layout` (its degrees by mesh dimension) needs on `gpu` beyond `tensor_peak_gib` of tensors
+    (the allocator's measured reserve where the GPU was calibrated)."""
+    fraction = gpu.allocator_fraction if gpu is not None and gpu.allocator_fraction is not None else \
+        ALLOCATOR_FRAGMENTATION
+    return Headroom(allocator_gib=tensor_peak_gib * fraction, cuda_context_gib=CUDA_CONTEXT_GIB,
+                    nccl_gib=communicators(layout) * NCCL_COMMUNICATOR_GIB)
+
+
 def gpu_named(name: str, option: str) -> GPU:
     gpu = GPUS.get(name.lower())
     if gpu is None:
@@ -51,3 +120,49 @@ def require_same_gpu(gpu: GPU, device_name: str, measured: str) -> None:
     if gpu.name.split("_")[0].upper() not in device_name.upper():
         raise UserError(f"option --gpu: {gpu.name} ({gpu.description}), but {measured} ran on {device_name}: name "
                         f"the GPU the runs ran on")
+
+
+# The file scripts/calibrate_gpu.py writes and `plan.py --calibrate FILE` reads.
+CALIBRATION_FORMAT = "torchtitan-gpu-calibration/1"
+ATTENTION_CURVES = (("forward", "causal"), ("forward", "full"), ("backward", "causal"), ("backward", "full"))
+
+
+def calibrated_gpu(path: str, gpu: GPU) -> tuple[GPU, str]:
+    """`gpu` with the figures measured in a calibration file in place of the datasheet's and the published ones:
+    the bf16 GEMM speed (as the efficiency, replacing the fitted one), the Float8 GEMM speed-up, attention's speed
+    by length and mask, the allocator's reserve. Returns a note for a file measured on the CPU (`--device cpu
+    --quick`: a check of the format, not figures of any GPU)."""
+    option = "option --calibrate"
+    try:
+        record = json.loads(Path(path).read_text())
+    except OSError as e:
+        raise UserError(f"{option}: cannot read {path} ({e.strerror})") from None
+    except ValueError as e:
+        raise UserError(f"{option}: {path} is not JSON ({e})") from None
+    if not isinstance(record, dict) or record.get("format") != CALIBRATION_FORMAT:
+        raise UserError(f"{option}: {path} is not a file of scripts/calibrate_gpu.py (format {CALIBRATION_FORMAT})")
+    try:
+        attention = record["attention"]
+        seq_lens = tuple(int(n) for n in attention["seq_lens"])
+        curves = tuple((direction, mask, tuple(float(x) for x in attention[f"{direction}_{mask}_flops"]))
+                       for direction, mask in ATTENTION_CURVES)
+        gemm_flops = float(record["gemm_bf16_flops"])
+        speedup = record["float8_speedup"]
+        allocator = record["allocator_fraction"]
+        device_type, device = record["device_type"], record["device_name"]
+    except (KeyError, TypeError, ValueError) as e:
+        raise UserError(f"{option}: {path} lacks or garbles {e} (rerun scripts/calibrate_gpu.py)") from None
+    if any(len(values) != len(seq_lens) or min(values) <= 0 for _, _, values in curves) or gemm_flops <= 0:
+        raise UserError(f"{option}: {path} has an attention curve of the wrong length or a speed that is not "
+                        f"positive (rerun scripts/calibrate_gpu.py)")
+    note = ""
+    if device_type == "cuda":
+        require_same_gpu(gpu, device, path)
+    else:
+        note = (f"{path} was measured on the {device_type} ({device}) with --quick: it checks the file's format; "
+                f"its figures are not those of a {gpu.name}")
+    fp8_flops = gpu.bf16_flops * float(speedup) if speedup and gpu.fp8_flops else gpu.fp8_flops
+    return dataclasses.replace(
+        gpu, attention=AttentionRates(seq_lens=seq_lens, curves=curves, source=f"measured ({path})"),
+        gemm_efficiency=min(1.0, gemm_flops / gpu.bf16_flops), fp8_flops=fp8_flops,
+        allocator_fraction=None if allocator is None else float(allocator), calibration=str(path)), note

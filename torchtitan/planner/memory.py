@@ -111,7 +111,18 @@ input; the backward of a checkpointed block holds what the eager `none` set does
 under full AC, backward peak: compiled bf16 22% below it, compiled Float8 2.5% below). Float8's linear layers cast
 their weights themselves: under autocast no bf16 weight copies.
 
-Not modelled: context parallelism's exchange buffers, allocator fragmentation; eager Float8 saves the
+Context parallelism's exchange buffers (cp_exchange_bytes, cp_saved_bytes; T = this rank's tokens, c = CP degree,
+h = the attention's key/value width: q/t on CUDA, whose kernels take the heads expanded, kv/t on CPU):
+  causal, allgather   one layer's gathered keys and values during its attention call, c x T x 2h x a, plus in
+                      backward the fp32 accumulators of the query gradient (T x q/t x 4) and of the rotating key
+                      and value gradients (two chunks, the current and the incoming: 2 x T x 2h x 4)
+  causal, alltoall    the current and the incoming chunk, 2 x T x 2h x a, and the same fp32 accumulators
+  block-causal        the gathered grouped keys and values (kv heads), c x T x 2 kv/t x a, and in backward their
+                      gradients before the reduce-scatter (the same again); without AC (or per-op AC, whose policy
+                      saves attention's inputs) each layer saves its gathered keys and values for backward
+These add to a block's backward transients; the saved ones to its activations.
+
+Not modelled: allocator fragmentation (planner/hardware.py's headroom adds it); eager Float8 saves the
 high-precision tensors for backward, so its activations are those of bf16. With a fused RMSNorm kernel (CUDA) each
 norm may keep one fp32 [T, d] tensor fewer.
 """
@@ -268,6 +279,32 @@ def _attention_bytes(s: _Shapes, seq_len: float, t: int, a: int, device: str) ->
     return (2 * s.q + 2 * s.kv) / t * a, s.q / t * a
 
 
+def _cp_key_value_width(config: JobConfig, s: _Shapes, t: int, device: str) -> float:
+    """Width of the keys and values one CP exchange moves, per token: both, over the heads of one TP rank."""
+    if config.model.attention_mask == "block_causal":
+        return 2 * s.kv / t
+    return 2 * (s.q if device == "cuda" else s.kv) / t
+
+
+def cp_exchange_bytes(config: JobConfig, s: _Shapes, tokens: float, t: int, cp: int, a: int, device: str) -> float:
+    """Bytes context parallelism's exchange keeps alive during one layer's attention backward (module docstring)."""
+    if cp == 1:
+        return 0.0
+    width = _cp_key_value_width(config, s, t, device)
+    if config.model.attention_mask == "block_causal":
+        return 2 * cp * tokens * width * a
+    chunks = cp if config.parallelism.context_parallel_rotate_method == "allgather" else 2
+    return chunks * tokens * width * a + tokens * s.q / t * 4 + 2 * tokens * width * 4
+
+
+def cp_saved_bytes(config: JobConfig, s: _Shapes, tokens: float, t: int, cp: int, a: int, mode: str,
+                   device: str) -> float:
+    """Bytes one layer saves for backward of block-causal CP's gathered keys and values (module docstring)."""
+    if cp == 1 or config.model.attention_mask != "block_causal" or mode == "full":
+        return 0.0
+    return cp * tokens * _cp_key_value_width(config, s, t, device) * a
+
+
 def _attention_in_fp32(s: _Shapes, seq_len: float, a: int, device: str) -> bool:
     return device == "cpu" and a == 2 and cpu_attention_in_fp32(s.head_dim, int(seq_len))
 
@@ -352,8 +389,9 @@ def _estimate_rank(config: JobConfig, args: TransformerModelArgs, dims: Parallel
         if has_embedding:
             optimizer += _optimizer_state(config, [("embeddings", (s.vocab, s.d), 0)], t, fsdp)
         for mode in _ac_modes(config, n_blocks):
-            saved = mbs * _block_activations(s, tokens, seq_len, t, a, residual, autocast, mode, device,
-                                             compiled_blocks, float8)
+            saved = mbs * (_block_activations(s, tokens, seq_len, t, a, residual, autocast, mode, device,
+                                              compiled_blocks, float8)
+                           + cp_saved_bytes(config, s, tokens, t, dims.cp, a, mode, device))
             rebuilt = none + block_copies if mode != "none" else 0.0
             # Autocast's cache hands every micro-batch the same copy of a weight.
             blocks.append((saved, rebuilt, block_copies if mode == "none" else 0.0, mbs, stage_index))
@@ -454,6 +492,7 @@ def _estimate_rank(config: JobConfig, args: TransformerModelArgs, dims: Parallel
     float8_casts = 8 * tokens * s.d if float8_enabled(config) and not config.compile.enable and t > 1 else 0.0
     total_micro_batches = config.training.local_batch_size // microbatch
     later_bytes = 4 / fsdp if dims.pp > 1 and total_micro_batches <= dims.pp else grad_bytes
+    cp_exchange = cp_exchange_bytes(config, s, tokens, t, dims.cp, a, device)
     # Parameters whose gradients the backward has produced so far, per stage of this rank (the head's first).
     done = {stage: 0.0 for stage in range(len(stages))}
     done[last] = head_params if has_head else 0.0
@@ -478,7 +517,7 @@ def _estimate_rank(config: JobConfig, args: TransformerModelArgs, dims: Parallel
         # Only a rank with several stages has later ones; they keep what exceeds a round of `pp` micro-batches.
         later_held = held_after - later_held_after[stage]
         copies_before = copies_before_of[index]
-        transient = rebuilt + 2 * tokens * s.f / t * a + float8_casts
+        transient = rebuilt + 2 * tokens * s.f / t * a + float8_casts + cp_exchange
         candidates = [(saved_before[index] + same_after_less_one + later_held,
                        max(resident_grads if dims.pp == 1 else 0.0,
                            done[stage] * grad_bytes

@@ -18,7 +18,7 @@ from torchtitan.config import JobConfig, parse_args
 from torchtitan.errors import UserError
 from torchtitan.models.llama3.args import llama3_flavors, model_args_for, shape_overrides
 from torchtitan.planner.cost import Layout, step_time
-from torchtitan.planner.hardware import GPU
+from torchtitan.planner.hardware import GPU, headroom
 from torchtitan.planner.memory import estimate
 
 GIB = 2**30
@@ -26,12 +26,6 @@ CONFIGS = Path(__file__).resolve().parents[2] / "train_configs"
 PRESET_TOML = {"8B": "llama3_8b.toml", "70B": "llama3_70b.toml", "405B": "llama3_405b.toml",
                "debugmodel": "debug_model.toml"}
 SCHEDULES = ("1F1B", "Interleaved1F1B")
-# What the CUDA caching allocator reserves beyond the peak of live tensors: blocks it keeps cached and cannot hand to
-# a tensor of another size or stream (FSDP's all-gather and reduce-scatter streams keep pools of their own). The CUDA
-# context and NCCL's buffers are outside the allocator, so outside its reserved figure. Measured, not fitted: one 8B
-# rank (FSDP 8, compiled, per-op AC, batch 2 x 8192) on an H200 with expandable segments, this framework's default
-# and TorchTitan's, reserved 72.93 GiB at the peak of 63.12 allocated (docs/scaling.md).
-ALLOCATOR_FRAGMENTATION = 0.155
 
 
 @dataclass(frozen=True)
@@ -44,6 +38,7 @@ class Prediction:
     """Tokens/s of one rank with no communication at all (StepTime.seconds_alone): what a dry run on real tensors
     measures on one GPU."""
     peak_memory_gib: float
+    """What the caching allocator reserves at the peak (the published runs' figure)."""
     tensor_peak_gib: float
     step_seconds: float
     overrides: list[str]
@@ -58,6 +53,9 @@ class Prediction:
     outside_envelope: tuple[str, ...] = ()
     """What about the layout lies outside what the validated rows covered (validation.Envelope), each with its
     validated range; empty inside."""
+    device_memory_gib: float = 0.0
+    """What the GPU must hold: the reserved peak plus the CUDA context and NCCL's buffers (hardware.headroom), the
+    figure the search compares with the GPU's memory, as the dry run's out-of-memory verdict does."""
 
     def as_json(self) -> dict:
         layout = asdict(self.layout)
@@ -71,12 +69,14 @@ class Prediction:
                 "outside_validated_envelope": list(self.outside_envelope),
                 "tps_per_gpu_alone": round(self.tps_alone, 1),
                 "peak_memory_gib": round(self.peak_memory_gib, 2),
+                "device_memory_gib": round(self.device_memory_gib, 2),
                 "step_seconds": round(self.step_seconds, 3), "overrides": self.overrides}
 
 
-def reserved_gib(tensor_peak_bytes: float) -> float:
-    """The caching allocator's reserved peak for a peak of live tensors (see ALLOCATOR_FRAGMENTATION)."""
-    return tensor_peak_bytes / GIB * (1 + ALLOCATOR_FRAGMENTATION)
+def reserved_gib(tensor_peak_bytes: float, gpu: GPU | None = None) -> float:
+    """The caching allocator's reserved peak for a peak of live tensors (hardware.ALLOCATOR_FRAGMENTATION, or the
+    fraction measured on a calibrated GPU)."""
+    return tensor_peak_bytes / GIB + headroom(tensor_peak_bytes / GIB, gpu, {}).allocator_gib
 
 
 def layout_overrides(layout: Layout, seq_len: int, n_layers: int) -> list[str]:
@@ -100,6 +100,10 @@ def layout_overrides(layout: Layout, seq_len: int, n_layers: int) -> list[str]:
     ]
     if layout.compile:
         options += ["--compile.components", "model,loss" if layout.compiled_loss else "model"]
+    if layout.document_length:
+        options += ["--model.attention_mask", "block_causal"]
+    if layout.cp > 1:
+        options += ["--parallelism.context_parallel_rotate_method", layout.cp_rotate]
     if layout.float8:
         # Float8 all-gathers under FSDP: half the bytes of bf16 (TorchTitan's 405B recipe).
         options += ["--quantize.linear.float8.enable_fsdp_float8_all_gather",
@@ -135,9 +139,12 @@ def predict(flavor: str, layout: Layout, seq_len: int, gpu: GPU, config: JobConf
     from torchtitan.planner.validation import envelope
 
     validated = envelope()
+    extra = headroom(tensors / GIB, gpu, {name: getattr(layout, name)
+                                          for name in ("pp", "dp_replicate", "dp_shard", "cp", "tp")})
     return Prediction(layout=layout, tps_per_gpu=tokens / step.seconds,
                       tps_without_overlap=tokens / step.seconds_without_overlap, tps_alone=tokens / step.seconds_alone,
-                      peak_memory_gib=reserved_gib(tensors),
+                      peak_memory_gib=reserved_gib(tensors, gpu),
+                      device_memory_gib=tensors / GIB + extra.total_gib,
                       tensor_peak_gib=tensors / GIB, step_seconds=step.seconds,
                       overrides=layout_overrides(layout, seq_len, args.n_layers),
                       tps_conservative=tokens / step.seconds_hiding_at_most(validated.max_overlap_ratio)
@@ -154,8 +161,9 @@ def _layout_memory(flavor: str, layout: Layout, seq_len: int) -> int:
                     row_split_embedding=layout.row_split_embedding).total
 
 
-def layout_from_config(config: JobConfig, world_size: int) -> Layout:
-    """The layout a trainer config describes (as the trainer resolves it)."""
+def layout_from_config(config: JobConfig, world_size: int, document_length: float = 0.0) -> Layout:
+    """The layout a trainer config describes (as the trainer resolves it); `document_length`: with
+    model.attention_mask = block_causal, the documents' E[len^2] / E[len] in tokens (Layout.document_length)."""
     from torchtitan.distributed.parallel_dims import ParallelDims
 
     dims = ParallelDims.from_config(config.parallelism, world_size)
@@ -163,6 +171,10 @@ def layout_from_config(config: JobConfig, world_size: int) -> Layout:
     if ac.mode == "selective" and ac.selective_ac_option != "op":
         raise UserError(f"option activation_checkpoint.selective_ac_option: the planner models 'op', full and none, "
                         f"not every-{ac.selective_ac_option}-th block")
+    if config.model.attention_mask == "block_causal" and not 0 < document_length <= config.training.seq_len:
+        raise UserError(f"option --document_length: {document_length:g}, but model.attention_mask is block_causal: "
+                        f"give the documents' E[len^2] / E[len] in tokens (their length, if all are alike), 1 to "
+                        f"training.seq_len ({config.training.seq_len})")
     step_batch = config.training.global_batch_size // dims.dp if config.training.global_batch_size > 0 else \
         config.training.local_batch_size
     stages_per_rank = 1
@@ -179,7 +191,9 @@ def layout_from_config(config: JobConfig, world_size: int) -> Layout:
                   ac={"none": "none", "full": "full", "selective": "op"}[ac.mode],
                   float8=any("float8" in c for c in config.model.converters), compile=config.compile.enable,
                   async_tp=parallelism.enable_async_tensor_parallel,
-                  compiled_loss="loss" in config.compile.components)
+                  compiled_loss="loss" in config.compile.components,
+                  document_length=document_length if config.model.attention_mask == "block_causal" else 0.0,
+                  cp_rotate=parallelism.context_parallel_rotate_method)
 
 
 def _divisors(n: int) -> list[int]:
@@ -193,8 +207,10 @@ def _microbatches(local_batch: int, pp: int) -> list[int]:
     return sorted({size for size in sizes if (local_batch // size) % pp == 0})
 
 
-def candidate_layouts(flavor: str, gpus: int, seq_len: int, global_batch: int, gpu: GPU) -> list[Layout]:
-    """Every layout of `gpus` GPUs that the model's shapes and the global batch allow."""
+def candidate_layouts(flavor: str, gpus: int, seq_len: int, global_batch: int, gpu: GPU,
+                      document_length: float = 0.0, cp_rotate: str = "allgather") -> list[Layout]:
+    """Every layout of `gpus` GPUs that the model's shapes and the global batch allow; causal attention unless
+    `document_length` (Layout.document_length), CP's keys and values exchanged by `cp_rotate`."""
     args = model_args_for(flavor, seq_len)
     candidates = []
     # CP up to 4, and for long sequences up to one 8,192-token shard per rank (at most 32): a 256k sequence is what
@@ -227,7 +243,8 @@ def candidate_layouts(flavor: str, gpus: int, seq_len: int, global_batch: int, g
                 candidates.append(Layout(dp_replicate=dp_replicate, dp_shard=dp_shard, tp=tp, pp=pp, cp=cp,
                                          schedule=schedule, stages_per_rank=v, local_batch=local_batch,
                                          microbatch=microbatch, ac=ac, float8=float8, compile=compile_,
-                                         async_tp=async_tp))
+                                         async_tp=async_tp, document_length=document_length,
+                                         cp_rotate=cp_rotate))
     return candidates
 
 
@@ -242,17 +259,22 @@ RANKINGS = {"conservative": "tps_conservative", "predicted": "tps_per_gpu", "wit
 
 def plan(flavor: str, gpus: int, gpu: GPU, seq_len: int, global_batch: int,
          fixed: dict[str, bool] | None = None, constants: dict[str, float] | None = None,
-         rank_by: str = "conservative") -> list[Prediction]:
+         rank_by: str = "conservative", document_length: float = 0.0, cp_rotate: str = "allgather") -> list[Prediction]:
     """The layouts that fit, fastest first, each with its fastest micro-batch; `fixed` pins techniques (float8,
     compile, async_tp) on or off; `constants` replace the model's fitted ones (cost.step_time's keywords);
     `rank_by` (RANKINGS): the conservative end of each layout's range (default: no more overlap than the validated
-    rows had), the prediction (the optimistic end), or the speed it keeps if no communication overlaps compute."""
+    rows had), the prediction (the optimistic end), or the speed it keeps if no communication overlaps compute;
+    `document_length` and `cp_rotate`: the attention mask and CP's exchange (candidate_layouts)."""
     if flavor not in llama3_flavors:
         raise UserError(f"option --flavor: unknown flavor {flavor!r}; valid: {', '.join(llama3_flavors)}")
     if (fixed or {}).get("float8") and not gpu.fp8_flops:
         raise UserError(f"option --float8: on, but {gpu.name} has no float8 tensor cores; use "
                         f"--float8 off, or a GPU with them")
-    candidates = [layout for layout in candidate_layouts(flavor, gpus, seq_len, global_batch, gpu)
+    if not 0 <= document_length <= seq_len:
+        raise UserError(f"option --document_length: {document_length:g} is not 0 (causal) or a length of 1 to "
+                        f"--seq_len ({seq_len}) tokens")
+    candidates = [layout for layout in candidate_layouts(flavor, gpus, seq_len, global_batch, gpu, document_length,
+                                                         cp_rotate)
                   if all(getattr(layout, name) == value for name, value in (fixed or {}).items())]
     if not candidates:
         raise UserError(f"no layout of {gpus} GPUs divides flavor {flavor} (heads, KV heads, vocabulary) and a "
@@ -261,7 +283,7 @@ def plan(flavor: str, gpus: int, gpu: GPU, seq_len: int, global_batch: int,
     fitting = []
     for layout in candidates:
         prediction = predict(flavor, layout, seq_len, gpu, **(constants or {}))
-        if prediction.peak_memory_gib <= gpu.memory_gib:
+        if prediction.device_memory_gib <= gpu.memory_gib:
             fitting.append(prediction)
     if not fitting:
         raise UserError(f"flavor {flavor} does not fit {gpus} x {gpu.name} ({gpu.memory_gib} GiB) in any of "
