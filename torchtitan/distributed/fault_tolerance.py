@@ -54,7 +54,7 @@ def wait_for_lighthouse(address: str, timeout_s: float) -> None:
                 raise UserError(f"option fault_tolerance.lighthouse: no torchft lighthouse reachable at {address} "
                                 f"within {timeout_s:g} s (fault_tolerance.connect_timeout_seconds): {e}; start it "
                                 f"first (torchft_lighthouse, or run_train.sh with FT_GROUPS)") from None
-            time.sleep(0.5)
+            time.sleep(min(0.5, max(0.0, deadline - time.monotonic())))
 
 
 class ReplicaGroup:
