@@ -28,10 +28,11 @@ KILL_STEP = 6
 INJECTOR = "tests.integration.fault_injection"
 
 
-def group_command(replica_id: int, lighthouse: str, dump: Path) -> list[str]:
+def group_command(replica_id: int, lighthouse: str, dump: Path, steps: int = STEPS,
+                  extra: tuple[str, ...] = ()) -> list[str]:
     return [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=1", "--rdzv-backend=c10d",
-            "--rdzv-endpoint=localhost:0", "-m", INJECTOR, *TINY,
-            "--training.steps", str(STEPS), "--training.local_batch_size", "2", "--job.dump_folder", str(dump),
+            "--rdzv-endpoint=localhost:0", *extra, "-m", INJECTOR, *TINY,
+            "--training.steps", str(steps), "--training.local_batch_size", "2", "--job.dump_folder", str(dump),
             "--fault_tolerance.enable", "--fault_tolerance.group_size", str(GROUPS),
             "--fault_tolerance.replica_id", str(replica_id), "--fault_tolerance.lighthouse", lighthouse,
             "--fault_tolerance.process_group_timeout_ms", "5000", "--fault_tolerance.quorum_timeout_seconds", "120"]
@@ -111,3 +112,33 @@ def test_killed_replica_group_heals_from_a_live_peer_while_the_other_trains_on(t
                (tmp_path / "dump" / "replica_0" / "metrics.jsonl").read_text().splitlines()]
     groups = [row["replica_groups"] for row in metrics if "replica_groups" in row]
     assert 1 in groups and groups[-1] == 2, groups
+
+
+def test_group_with_no_live_peer_resumes_from_its_checkpoint(tmp_path):
+    """The only live group (of 2 configured) is killed in step 8; its torchrun restarts it, no peer holds a newer
+    state, so it resumes from its own checkpoint of step 5 and replays steps 6-7 exactly."""
+    from torchft.coordination import LighthouseServer
+
+    lighthouse = LighthouseServer(bind="[::]:0", min_replicas=1, join_timeout_ms=1000)
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO), "FAULT_REPORT_DIR": str(tmp_path),
+           "FAULT_PLAN": "sigkill@8:0", "FAULT_ATTEMPT": "0"}
+    command = group_command(0, lighthouse.address(), tmp_path / "dump", steps=10, extra=("--max-restarts=1",))
+    command += ["--checkpoint.enable", "--checkpoint.interval", "5"]
+    try:
+        with subprocess.Popen(command, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                              text=True, start_new_session=True) as proc:
+            try:
+                output, _ = proc.communicate(timeout=300)
+            except subprocess.TimeoutExpired:
+                os.killpg(proc.pid, signal.SIGKILL)
+                output, _ = proc.communicate()
+    finally:
+        lighthouse.shutdown()
+    assert proc.returncode == 0, output[-6000:]
+    steps = [row for row in events(tmp_path) if row["event"] == "step"]
+    first, second = ([row for row in steps if row["attempt"] == attempt] for attempt in (0, 1))
+    assert [row["step"] for row in first] == list(range(1, 8))
+    assert [row["step"] for row in second] == list(range(6, 11))
+    assert "recovered the state" not in output
+    # Weights, optimizer state and data position came back from the checkpoint: the replayed steps are identical.
+    assert [row["digest"] for row in second[:2]] == [row["digest"] for row in first[5:7]]

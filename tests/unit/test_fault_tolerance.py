@@ -1,8 +1,11 @@
 """Replica-group fault tolerance (torchtitan/distributed/fault_tolerance.py): its options, the data split over
 groups, and a lighthouse that is not there. The run itself: tests/integration/test_replica_groups.py (slow)."""
 
+import os
 import re
 import socket
+import subprocess
+from pathlib import Path
 
 import pytest
 
@@ -11,6 +14,7 @@ from torchtitan.config.job_config import FaultTolerance
 from torchtitan.distributed.fault_tolerance import data_slice, lighthouse_address, wait_for_lighthouse
 from torchtitan.errors import UserError
 
+REPO = Path(__file__).resolve().parents[2]
 FT = ["--fault_tolerance.enable", "--fault_tolerance.group_size", "3"]
 
 
@@ -65,3 +69,17 @@ def test_no_lighthouse_is_one_error():
         listening.bind(("127.0.0.1", 0))
         listening.listen()
         wait_for_lighthouse(f"127.0.0.1:{listening.getsockname()[1]}", 0.2)
+
+
+@pytest.mark.parametrize("env, message", [
+    ({"FT_GROUPS": "0"}, "error: FT_GROUPS='0' is not a positive integer: the number of replica groups"),
+    ({"FT_GROUPS": "2", "FT_GROUP_ID": "2"},
+     "error: FT_GROUP_ID='2' is not a replica group of FT_GROUPS=2; valid: 0 to 1"),
+    ({"FT_GROUPS": "2", "FT_GROUP_ID": "1"}, "error: FT_GROUP_ID is set but TORCHFT_LIGHTHOUSE is not"),
+])
+def test_run_train_sh_refuses_bad_group_settings(env, message):
+    base = {k: v for k, v in os.environ.items() if k not in ("TORCHFT_LIGHTHOUSE", "FT_GROUP_ID")}
+    proc = subprocess.run(["bash", str(REPO / "run_train.sh")], env={**base, "NGPU": "1", **env},
+                          capture_output=True, text=True, timeout=30)
+    assert proc.returncode == 2 and proc.stderr.strip() == proc.stderr.strip().splitlines()[0]
+    assert proc.stderr.startswith(message), proc.stderr
