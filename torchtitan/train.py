@@ -545,7 +545,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         config = parse_args(argv)
         if config.fault_tolerance.enable:  # each replica group is a job of its own: metrics, checkpoints, records
-            config.job.dump_folder = os.path.join(config.job.dump_folder, f"replica_{config.fault_tolerance.replica_id}")
+            replica = f"replica_{config.fault_tolerance.replica_id}"
+            config.job.dump_folder = os.path.join(config.job.dump_folder, replica)
         try:
             os.makedirs(config.job.dump_folder, exist_ok=True)
         except OSError as e:
