@@ -7,6 +7,14 @@
 #                NGPU ranks on fake tensors, with no GPU, data or checkpoint, and reports memory and communication
 #                (docs/scaling.md); torchrun is not used. With --comm.no_fake_tensors the rank runs on real tensors on
 #                this machine's GPU, its steps timed
+#   FT_GROUPS    replica-group fault tolerance (torchft, docs/resilience.md): start a torchft lighthouse and
+#                FT_GROUPS replica groups on this machine, each its own torchrun job of NGPU processes (group i
+#                gets --fault_tolerance.replica_id i and writes under <dump_folder>/replica_i); a group whose process
+#                dies is restarted by its torchrun (up to FT_MAX_RESTARTS times, default 3) and heals from a live
+#                group while the others train on. FT_MIN_REPLICAS (default 1): fewest groups a step commits with.
+#                FT_GROUP_ID=i: start only group i, against the lighthouse at TORCHFT_LIGHTHOUSE (a group per
+#                machine); otherwise a lighthouse is started on port FT_LIGHTHOUSE_PORT (default 29510) unless
+#                TORCHFT_LIGHTHOUSE names one
 # Extra arguments go to the trainer, e.g.  ./run_train.sh --training.steps 20 --parallelism.tensor_parallel_degree 2
 set -euo pipefail
 
@@ -31,6 +39,52 @@ esac
 if ! [[ "$NGPU" =~ ^[1-9][0-9]*$ ]]; then
   echo "error: NGPU='$NGPU' is not a positive integer: the number of training processes to start on this machine" >&2
   exit 2
+fi
+if [ -n "${FT_GROUPS:-}" ]; then
+  if ! [[ "$FT_GROUPS" =~ ^[1-9][0-9]*$ ]]; then
+    echo "error: FT_GROUPS='$FT_GROUPS' is not a positive integer: the number of replica groups" >&2
+    exit 2
+  fi
+  FT_MIN_REPLICAS=${FT_MIN_REPLICAS:-1}
+  group() {  # one replica group: a torchrun job that restarts its workers
+    python -m torchtitan.launch --nproc_per_node="$NGPU" --rdzv_backend c10d --rdzv_endpoint="localhost:0" \
+      --max-restarts "${FT_MAX_RESTARTS:-3}" --local-ranks-filter "$LOG_RANK" --role rank --tee 3 \
+      -m torchtitan.train --job.config_file "$CONFIG_FILE" --fault_tolerance.enable \
+      --fault_tolerance.group_size "$FT_GROUPS" --fault_tolerance.replica_id "$1" \
+      --fault_tolerance.min_replica_size "$FT_MIN_REPLICAS" "${@:2}"
+  }
+  if [ -n "${FT_GROUP_ID:-}" ]; then
+    if ! [[ "$FT_GROUP_ID" =~ ^[0-9]+$ ]] || [ "$FT_GROUP_ID" -ge "$FT_GROUPS" ]; then
+      echo "error: FT_GROUP_ID='$FT_GROUP_ID' is not a replica group of FT_GROUPS=$FT_GROUPS; valid: 0 to" \
+        "$((FT_GROUPS - 1))" >&2
+      exit 2
+    fi
+    if [ -z "${TORCHFT_LIGHTHOUSE:-}" ]; then
+      echo "error: FT_GROUP_ID is set but TORCHFT_LIGHTHOUSE is not: the address (http://host:port) of the" \
+        "lighthouse the groups share" >&2
+      exit 2
+    fi
+    export TORCHFT_LIGHTHOUSE
+    group "$FT_GROUP_ID" "$@"
+    exit $?
+  fi
+  pids=()
+  # The groups and the lighthouse end with this script (an interrupted launch leaves no process behind).
+  trap 'kill ${pids[@]+"${pids[@]}"} ${lighthouse:-} 2>/dev/null' EXIT INT TERM
+  if [ -z "${TORCHFT_LIGHTHOUSE:-}" ]; then
+    torchft_lighthouse --min_replicas "$FT_MIN_REPLICAS" --bind "[::]:${FT_LIGHTHOUSE_PORT:-29510}" &
+    lighthouse=$!
+    export TORCHFT_LIGHTHOUSE="http://localhost:${FT_LIGHTHOUSE_PORT:-29510}"
+  fi
+  for ((i = 0; i < FT_GROUPS; i++)); do
+    group "$i" "$@" &
+    pids+=($!)
+  done
+  status=0
+  for pid in "${pids[@]}"; do
+    wait "$pid" || status=$?
+  done
+  exit $status
 fi
 exec python -m torchtitan.launch --nproc_per_node="$NGPU" --rdzv_backend c10d --rdzv_endpoint="localhost:0" \
   --local-ranks-filter "$LOG_RANK" --role rank --tee 3 \

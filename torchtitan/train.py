@@ -39,6 +39,7 @@ from torchtitan.distributed.compression import (compensation_state_bytes, compre
                                                 require_compensation_fits)
 from torchtitan.distributed.context_parallel import context_parallel_context, shard_documents
 from torchtitan.distributed.fake import host_values
+from torchtitan.distributed.fault_tolerance import data_slice, setup_fault_tolerance
 from torchtitan.distributed.fsdp import TORCH_DTYPES
 from torchtitan.distributed.parallel_dims import ParallelDims
 from torchtitan.distributed.pipeline_parallel import pipeline_llama
@@ -162,6 +163,9 @@ class Trainer:
         self.preempt_requested = False
         self._sigterm_before = None
         self.preempted = False
+        self.fault_tolerance = setup_fault_tolerance(config.fault_tolerance, {
+            "model": self.checkpointer.model, "optimizer": self.optimizers, "lr_scheduler": self.lr_schedulers,
+            "dataloader": self.dataloader, "train_state": self.train_state}, dict(os.environ))
 
     # ----------------------------------------------------------------------------------------------------------
     # Building blocks
@@ -181,11 +185,14 @@ class Trainer:
                           infinite: bool, section: str):
         dp_mesh = self.parallel_dims.get_mesh("dp")
         training = self.config.training
+        dp_rank, dp_degree = dp_mesh.get_local_rank(), dp_mesh.size()
+        if section == "training":  # each replica group trains on its own slice; each validates on the whole set
+            dp_rank, dp_degree = data_slice(self.config.fault_tolerance, dp_rank, dp_degree)
         # Validation builds a loader per evaluation: worker processes and the mixture are for the training stream.
         return build_dataloader(dataset=dataset, dataset_path=dataset_path,
                                 text_field=training.dataset_text_field, tokenizer=self.tokenizer,
-                                seq_len=seq_len, local_batch_size=batch_size, dp_rank=dp_mesh.get_local_rank(),
-                                dp_degree=dp_mesh.size(), infinite=infinite, config_section=section,
+                                seq_len=seq_len, local_batch_size=batch_size, dp_rank=dp_rank,
+                                dp_degree=dp_degree, infinite=infinite, config_section=section,
                                 num_workers=training.num_workers if section == "training" else 0,
                                 seed=training.data_seed, sources=training.sources if section == "training" else None,
                                 batches_per_step=self.grad_accumulation_steps if section == "training" else 1,
@@ -282,6 +289,8 @@ class Trainer:
         self.global_valid_tokens = local_tokens
         loss = sum(self.forward_backward(inputs, labels) for inputs, labels in batches)
         parameters = [p for part in self.model_parts for p in part.parameters()]
+        if self.fault_tolerance is not None:
+            self.fault_tolerance.average_gradients(parameters)
         # Labelled regions name the step's parts in profiler traces (torchtitan/tools/step_breakdown.py).
         with record_function("clip_grad_norm"):
             grad_norm = dist_utils.clip_grad_norm_(parameters, self.config.training.max_norm,
@@ -306,6 +315,9 @@ class Trainer:
             raise NonFiniteError(f"step {step}: non-finite loss ({global_loss}) or gradient norm "
                                  f"({grad_norm_host}); stopping before the update (debug.on_nonfinite = "
                                  f"stop). Lower optimizer.lr, check the data, or set debug.on_nonfinite = skip")
+        if self.fault_tolerance is not None and not self.fault_tolerance.should_commit():
+            self.optimizers.zero_grad()
+            return global_loss, grad_norm_host, self.lr_schedulers.last_lr
         # The loss and gradient norm are global (the same on every rank), so every rank takes the same decision.
         if not self.dry_run and self.health.skip_update(step, global_loss, grad_norm_host, any_nonfinite > 0):
             self.optimizers.zero_grad()
@@ -383,6 +395,8 @@ class Trainer:
             logger.info("Seed checkpoint written; exiting")
             return
         self.checkpointer.load()
+        if self.fault_tolerance is not None:
+            self.fault_tolerance.resume(self.train_state.step)
         self.health.begin(self.train_state.step)
         # Restored by close(): a process that goes on after training (a notebook, a test) keeps its own handling.
         self._sigterm_before = signal.signal(signal.SIGTERM, self._on_sigterm)
@@ -401,6 +415,9 @@ class Trainer:
         with maybe_enable_profiling(config, self.rank, self.train_state.step, self.device) as profiler, \
                 maybe_enable_memory_snapshot(config, self.rank, self.device, self.train_state.step) as memory_profiler:
             while self.train_state.step < config.training.steps:
+                if self.fault_tolerance is not None and self.fault_tolerance.start_step():
+                    # Recovered from a peer: read on from its data position.
+                    data_iterator = iter(self.dataloader)
                 step = self.train_state.step + 1
                 if step % config.training.gc_freq == 0 or config.training.gc_debug:
                     gc.collect(1)
@@ -410,6 +427,8 @@ class Trainer:
                 window["data_time"] += time.perf_counter() - data_start
                 with self.health.timed("step", step):
                     loss, grad_norm, lr = self.train_step(batches)
+                if self.fault_tolerance is not None and not self.fault_tolerance.committed:
+                    continue
                 self.train_state.step = step
                 self.train_state.tokens_seen += batch_tokens
                 window["steps"] += 1
@@ -483,6 +502,7 @@ class Trainer:
             "data_pct": 100 * window["data_time"] / elapsed, "tokens_seen": self.train_state.tokens_seen,
             "model_state_gib": state_gib, "optimizer_state_gib": optimizer_state_gib, **comm,
             **self.health.metrics(),
+            **({"replica_groups": self.fault_tolerance.participants()} if self.fault_tolerance else {}),
         })
         window.update(time=time.perf_counter(), steps=0, data_time=0.0)
         reset_peak_memory(self.device)
@@ -509,6 +529,8 @@ class Trainer:
         if self._sigterm_before is not None:
             signal.signal(signal.SIGTERM, self._sigterm_before)
             self._sigterm_before = None
+        if self.fault_tolerance is not None:
+            self.fault_tolerance.shutdown()
         if dist.is_initialized():
             dist.destroy_process_group()
 
@@ -549,6 +571,9 @@ def main(argv: list[str] | None = None) -> int:
     trainer = None
     try:
         config = parse_args(argv)
+        if config.fault_tolerance.enable:  # each replica group is a job of its own: metrics, checkpoints, records
+            replica = f"replica_{config.fault_tolerance.replica_id}"
+            config.job.dump_folder = os.path.join(config.job.dump_folder, replica)
         try:
             os.makedirs(config.job.dump_folder, exist_ok=True)
         except OSError as e:

@@ -413,10 +413,11 @@ def test_unsupported_torchtitan_option_at_its_off_value_is_accepted(argv):
 @pytest.mark.parametrize("argv, pattern", [
     (["--parallelism.expert_parallel_degree", "8"],
      r"TorchTitan option parallelism\.expert_parallel_degree = '8' is not supported by this project \(only 1,"),
-    (["--fault_tolerance.enable"], r"TorchTitan option fault_tolerance\.enable = 'true' is not supported"),
+    (["--fault_tolerance.semi_sync_method", "diloco"],
+     r"TorchTitan option fault_tolerance\.semi_sync_method = 'diloco' is not supported .*\(only none,"),
     (["--activation_checkpoint.memory_budget=0.3"], r"activation_checkpoint\.memory_budget = '0\.3' is not supported"),
     # An option of an unsupported section that the table does not list has no off value to accept.
-    (["--fault_tolerance.replica_id", "0"], r"TorchTitan option fault_tolerance\.replica_id = '0' is not supported"),
+    (["--memory_estimation.peak_gib", "1"], r"TorchTitan option memory_estimation\.peak_gib = '1' is not supported"),
     (["--quantize.linear.mx.recipe_name", "mxfp8"], r"TorchTitan option quantize\.linear\.mx\.recipe_name"),
     (["--quantize.grouped_mm.float8.fqns", "experts"],
      r"TorchTitan option quantize\.grouped_mm\.float8\.fqns = 'experts' is not supported by this project \(it "

@@ -574,6 +574,40 @@ class Validation:
 
 
 @dataclass
+class FaultTolerance:
+    """Replica-group fault tolerance on torchft (docs/resilience.md): the data-parallel replicas are separate torchrun
+    jobs (replica groups) that a torchft lighthouse joins into a quorum each step; a group that dies is restarted by
+    its own torchrun and recovers the live state from a healthy peer while the others train on."""
+
+    enable: bool = False
+    """Run this job as one replica group of a torchft quorum (run_train.sh with FT_GROUPS starts the lighthouse and the groups). Each group writes under <job.dump_folder>/replica_<replica_id>."""
+
+    process_group: Literal["gloo", "nccl"] = "gloo"
+    """Backend of the managed process group that averages the gradients across replica groups."""
+
+    process_group_timeout_ms: int = 10000
+    """Timeout of one cross-group collective: a group that does not answer within it is dropped from the step."""
+
+    replica_id: int = 0
+    """This group's index, 0 to group_size - 1: it names the group to the lighthouse and picks its share of the data."""
+
+    group_size: int = 0
+    """Number of replica groups. The data is split into this many slices, one per group, so that every sample is read once while all groups are live."""
+
+    min_replica_size: int = 1
+    """A step commits only when at least this many replica groups took part in it."""
+
+    lighthouse: str = ""
+    """Address of the torchft lighthouse, e.g. http://host:29510. Empty = the TORCHFT_LIGHTHOUSE environment variable."""
+
+    connect_timeout_seconds: float = 60.0
+    """Stop with an error if the lighthouse cannot be reached within this many seconds at start."""
+
+    quorum_timeout_seconds: float = 300.0
+    """Longest wait for a step's quorum (the other groups reaching the step, a restarted group healing)."""
+
+
+@dataclass
 class JobConfig:
     job: Job = field(default_factory=Job)
     profiling: Profiling = field(default_factory=Profiling)
@@ -591,3 +625,4 @@ class JobConfig:
     debug: Debug = field(default_factory=Debug)
     health: Health = field(default_factory=Health)
     validation: Validation = field(default_factory=Validation)
+    fault_tolerance: FaultTolerance = field(default_factory=FaultTolerance)

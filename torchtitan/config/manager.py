@@ -83,14 +83,18 @@ UNSUPPORTED_TORCHTITAN_OPTIONS: dict[str, Any] = {
     "comm.save_traces_folder": "comm_traces",
     "comm.save_traces_file_prefix": "rank_",
     "debug.moe_force_load_balance": False,
-    "fault_tolerance.enable": False,
+    # torchft's semi-synchronous modes (LocalSGD, DiLoCo): only the per-step mode is implemented.
+    "fault_tolerance.semi_sync_method": None,
+    "fault_tolerance.sync_steps": 5,
+    "fault_tolerance.should_quantize": False,
+    "fault_tolerance.fragment_sync_delay": 0,
+    "fault_tolerance.fragment_update_alpha": 0.0,
     "memory_estimation.enabled": False,
     "memory_estimation.disable_fake_mode": False,
     "experimental.custom_import": "",
     "experimental.custom_args_module": "",
 }
-UNSUPPORTED_TORCHTITAN_SECTIONS = ("fault_tolerance", "memory_estimation", "experimental", "quantize.linear.mx",
-                                   "quantize.grouped_mm")
+UNSUPPORTED_TORCHTITAN_SECTIONS = ("memory_estimation", "experimental", "quantize.linear.mx", "quantize.grouped_mm")
 
 # Names from earlier TorchTitan releases and where the option lives now.
 RENAMED_OPTIONS = {
@@ -619,6 +623,32 @@ def validate(config: JobConfig) -> None:
     if config.checkpoint.keep_latest_k < 0:
         raise UserError(f"option checkpoint.keep_latest_k: {config.checkpoint.keep_latest_k} must be 0 (keep all) "
                         f"or positive")
+    if config.fault_tolerance.enable:
+        _validate_fault_tolerance(config)
+
+
+def _validate_fault_tolerance(config: JobConfig) -> None:
+    ft = config.fault_tolerance
+    if ft.group_size < 1:
+        raise UserError(f"option fault_tolerance.group_size: {ft.group_size} must be the number of replica groups "
+                        f"(1 or more) when fault_tolerance.enable is set")
+    if not 0 <= ft.replica_id < ft.group_size:
+        raise UserError(f"option fault_tolerance.replica_id: {ft.replica_id} is not a group of group_size = "
+                        f"{ft.group_size}; valid: 0 to {ft.group_size - 1}")
+    if not 1 <= ft.min_replica_size <= ft.group_size:
+        raise UserError(f"option fault_tolerance.min_replica_size: {ft.min_replica_size} must be in [1, group_size = "
+                        f"{ft.group_size}]")
+    for key in ("fault_tolerance.process_group_timeout_ms", "fault_tolerance.connect_timeout_seconds",
+                "fault_tolerance.quorum_timeout_seconds"):
+        if get_option(config, key) <= 0:
+            raise UserError(f"option {key}: {get_option(config, key)} must be positive")
+    if config.health.spike_sigma > 0:
+        # Each group would judge its own loss: groups that decide differently would hold different weights.
+        raise UserError(f"option health.spike_sigma: {config.health.spike_sigma} cannot be used with "
+                        f"fault_tolerance.enable (each replica group judges its own loss); set it to 0")
+    if config.comm.mode == "fake_backend":
+        raise UserError("option fault_tolerance.enable: a dry run (comm.mode = 'fake_backend') plays one rank of one "
+                        "job; run it without fault_tolerance")
 
 
 def parse_script_args(parser: argparse.ArgumentParser, argv: list[str]) -> tuple[argparse.Namespace, list[str]]:

@@ -1,0 +1,85 @@
+"""Replica-group fault tolerance (torchtitan/distributed/fault_tolerance.py): its options, the data split over
+groups, and a lighthouse that is not there. The run itself: tests/integration/test_replica_groups.py (slow)."""
+
+import os
+import re
+import socket
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from torchtitan.config import parse_args
+from torchtitan.config.job_config import FaultTolerance
+from torchtitan.distributed.fault_tolerance import data_slice, lighthouse_address, wait_for_lighthouse
+from torchtitan.errors import UserError
+
+REPO = Path(__file__).resolve().parents[2]
+FT = ["--fault_tolerance.enable", "--fault_tolerance.group_size", "3"]
+
+
+@pytest.mark.parametrize("argv, message", [
+    ([*FT, "--fault_tolerance.replica_id", "3"],
+     "option fault_tolerance.replica_id: 3 is not a group of group_size = 3; valid: 0 to 2"),
+    (["--fault_tolerance.enable"],
+     "option fault_tolerance.group_size: 0 must be the number of replica groups (1 or more) when "
+     "fault_tolerance.enable is set"),
+    ([*FT, "--fault_tolerance.min_replica_size", "4"],
+     "option fault_tolerance.min_replica_size: 4 must be in [1, group_size = 3]"),
+    ([*FT, "--fault_tolerance.quorum_timeout_seconds", "0"],
+     "option fault_tolerance.quorum_timeout_seconds: 0.0 must be positive"),
+    ([*FT, "--health.spike_sigma", "3"], "option health.spike_sigma: 3.0 cannot be used with fault_tolerance.enable"),
+    ([*FT, "--fault_tolerance.process_group", "mpi"], "option fault_tolerance.process_group: 'mpi' is not one of"),
+])
+def test_bad_settings_are_one_error_naming_the_option(argv, message):
+    with pytest.raises(UserError, match=re.escape(message)):
+        parse_args(argv)
+
+
+def test_torchtitan_section_is_accepted():
+    config = parse_args([*FT, "--fault_tolerance.replica_id", "2", "--fault_tolerance.min_replica_size", "2"])
+    assert (config.fault_tolerance.replica_id, config.fault_tolerance.min_replica_size) == (2, 2)
+
+
+def test_each_group_reads_its_own_slice_of_the_data():
+    config = FaultTolerance(enable=True, group_size=3, replica_id=1)
+    # Group 1 of 3, with 2 data-parallel ranks inside it: slices 2 and 3 of 6; all slices once over the groups.
+    assert [data_slice(config, rank, 2) for rank in range(2)] == [(2, 6), (3, 6)]
+    slices = {data_slice(FaultTolerance(enable=True, group_size=3, replica_id=g), r, 2)[0]
+              for g in range(3) for r in range(2)}
+    assert slices == set(range(6))
+    assert data_slice(FaultTolerance(), 1, 2) == (1, 2)
+
+
+def test_no_lighthouse_is_one_error():
+    with pytest.raises(UserError, match=r"option fault_tolerance\.lighthouse: not set and TORCHFT_LIGHTHOUSE"):
+        lighthouse_address(FaultTolerance(enable=True, group_size=1), {})
+    assert lighthouse_address(FaultTolerance(enable=True, group_size=1), {"TORCHFT_LIGHTHOUSE": "http://h:1"}) == \
+        "http://h:1"
+    # A port nothing listens on: bound, never listening.
+    with socket.socket() as unused:
+        unused.bind(("127.0.0.1", 0))
+        port = unused.getsockname()[1]
+        with pytest.raises(UserError, match=rf"no torchft lighthouse reachable at http://127\.0\.0\.1:{port} within "
+                                            rf"0\.2 s \(fault_tolerance\.connect_timeout_seconds\)"):
+            wait_for_lighthouse(f"http://127.0.0.1:{port}", 0.2)
+    with pytest.raises(UserError, match=r"'lighthouse' is not an address of the form http://host:port"):
+        wait_for_lighthouse("lighthouse", 0.2)
+    with socket.socket() as listening:
+        listening.bind(("127.0.0.1", 0))
+        listening.listen()
+        wait_for_lighthouse(f"127.0.0.1:{listening.getsockname()[1]}", 0.2)
+
+
+@pytest.mark.parametrize("env, message", [
+    ({"FT_GROUPS": "0"}, "error: FT_GROUPS='0' is not a positive integer: the number of replica groups"),
+    ({"FT_GROUPS": "2", "FT_GROUP_ID": "2"},
+     "error: FT_GROUP_ID='2' is not a replica group of FT_GROUPS=2; valid: 0 to 1"),
+    ({"FT_GROUPS": "2", "FT_GROUP_ID": "1"}, "error: FT_GROUP_ID is set but TORCHFT_LIGHTHOUSE is not"),
+])
+def test_run_train_sh_refuses_bad_group_settings(env, message):
+    base = {k: v for k, v in os.environ.items() if k not in ("TORCHFT_LIGHTHOUSE", "FT_GROUP_ID")}
+    proc = subprocess.run(["bash", str(REPO / "run_train.sh")], env={**base, "NGPU": "1", **env},
+                          capture_output=True, text=True, timeout=30)
+    assert proc.returncode == 2 and proc.stderr.strip() == proc.stderr.strip().splitlines()[0]
+    assert proc.stderr.startswith(message), proc.stderr

@@ -1,0 +1,169 @@
+"""Replica-group fault tolerance on torchft (docs/resilience.md).
+
+The data-parallel replicas of a job are separate torchrun jobs, replica groups, each with its own mesh (FSDP, TP, PP
+inside it, no replicate dimension across groups). A torchft lighthouse joins the live groups into a quorum at the
+start of every step; their gradients are averaged over torchft's managed process group, and the optimizer step is
+taken only when torchft's commit protocol agrees. A group that dies is restarted by its own torchrun and, at its
+first quorum, receives the model, optimizer, LR schedule, train step and data position from a live peer (torchft's
+HTTP checkpoint transport: no disk), while the other groups keep training. With no live peer, a restarted group
+resumes from its own checkpoint as any run does.
+"""
+
+import socket
+import time
+from datetime import timedelta
+from typing import Any
+from urllib.parse import urlparse
+
+import torch
+import torch.distributed as dist
+from torch.distributed.checkpoint.stateful import Stateful
+from torch.distributed.tensor import DTensor
+
+from torchtitan.config.job_config import FaultTolerance as FaultToleranceConfig
+from torchtitan.errors import UserError
+from torchtitan.tools.logging import logger
+
+LIGHTHOUSE_ENV = "TORCHFT_LIGHTHOUSE"
+
+
+def lighthouse_address(config: FaultToleranceConfig, environ: dict[str, str]) -> str:
+    """fault_tolerance.lighthouse, else $TORCHFT_LIGHTHOUSE (the variable torchft and TorchTitan read)."""
+    address = config.lighthouse or environ.get(LIGHTHOUSE_ENV, "")
+    if not address:
+        raise UserError(f"option fault_tolerance.lighthouse: not set and {LIGHTHOUSE_ENV} is not in the environment; "
+                        f"give the lighthouse's address (http://host:port), or launch with run_train.sh and FT_GROUPS "
+                        f"(docs/resilience.md)")
+    return address
+
+
+def wait_for_lighthouse(address: str, timeout_s: float) -> None:
+    """Return once the lighthouse accepts a TCP connection; one error line if it does not within `timeout_s`.
+    torchft itself would retry its heartbeats forever and fail only at the first quorum's timeout."""
+    url = urlparse(address if "://" in address else f"http://{address}")
+    if url.hostname is None or url.port is None:
+        raise UserError(f"option fault_tolerance.lighthouse: {address!r} is not an address of the form "
+                        f"http://host:port")
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            with socket.create_connection((url.hostname, url.port), timeout=min(5.0, timeout_s)):
+                return
+        except OSError as e:
+            if time.monotonic() >= deadline:
+                raise UserError(f"option fault_tolerance.lighthouse: no torchft lighthouse reachable at {address} "
+                                f"within {timeout_s:g} s (fault_tolerance.connect_timeout_seconds): {e}; start it "
+                                f"first (torchft_lighthouse, or run_train.sh with FT_GROUPS)") from None
+            time.sleep(min(0.5, max(0.0, deadline - time.monotonic())))
+
+
+class ReplicaGroup:
+    """This process's part in the quorum of replica groups: one torchft Manager per process, as torchft requires.
+
+    `states` are what a recovering group receives from a peer, by name: each a Stateful (model, optimizer, LR
+    schedulers, data loader, train state).
+    """
+
+    def __init__(self, config: FaultToleranceConfig, states: dict[str, Stateful], environ: dict[str, str]):
+        from torchft import Manager, ProcessGroupGloo, ProcessGroupNCCL
+
+        self.config = config
+        self.states = states
+        self.healed = False
+        address = lighthouse_address(config, environ)
+        wait_for_lighthouse(address, config.connect_timeout_seconds)
+        timeout = timedelta(milliseconds=config.process_group_timeout_ms)
+        backend = ProcessGroupGloo if config.process_group == "gloo" else ProcessGroupNCCL
+
+        rank, world_size = dist.get_rank(), dist.get_world_size()
+        if "MASTER_ADDR" in environ and "MASTER_PORT" in environ:
+            store_addr, store_port = environ["MASTER_ADDR"], int(environ["MASTER_PORT"])
+        else:
+            # One process started without torchrun: the group's store (the other groups reach the primary group's
+            # to set up the cross-group process group) is hosted here.
+            self.store = dist.TCPStore("localhost", 0, is_master=True, wait_for_workers=False)
+            store_addr, store_port = "localhost", self.store.port
+
+        def manager():
+            return Manager(
+                pg=backend(timeout=timeout), load_state_dict=self._load_state_dict, state_dict=self._state_dict,
+                min_replica_size=config.min_replica_size, rank=rank, world_size=world_size,
+                store_addr=store_addr, store_port=store_port,
+                # Synchronous quorum: a recovering group loads its peer's state before it reads its step's data
+                # and runs forward, so that it takes part in that step with its batch like any other group.
+                use_async_quorum=False,
+                # torchft derives global ranks from the id's trailing digits (TorchTitan's naming).
+                replica_id=f"torchtitan_ft_{config.replica_id}", lighthouse_addr=address, timeout=timeout,
+                quorum_timeout=timedelta(seconds=config.quorum_timeout_seconds),
+                connect_timeout=timedelta(seconds=config.connect_timeout_seconds))
+
+        # The group's rank 0 publishes its manager server's address in torchrun's store, which outlives a restart
+        # of the workers: the other ranks read it only after rank 0 has written this attempt's.
+        self.manager = manager() if rank == 0 else None
+        dist.barrier()
+        if rank != 0:
+            self.manager = manager()
+        self.committed = True
+
+    def _state_dict(self) -> dict[str, Any]:
+        return {name: state.state_dict() for name, state in self.states.items()}
+
+    def _load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        for name, state in self.states.items():
+            state.load_state_dict(state_dict[name])
+        self.healed = True
+
+    def resume(self, step: int) -> None:
+        """After a checkpoint load: the quorum compares steps, so a group resumed at `step` is not taken for one at
+        step 0 (which would heal from a peer, or make its peers heal from it)."""
+        self.manager.load_state_dict({"step": step, "batches_committed": self.manager.batches_committed()})
+
+    def start_step(self) -> bool:
+        """Join this step's quorum; True if this group was behind and loaded a peer's state (the data iterator must
+        then restart from the loaded position)."""
+        self.healed = False
+        self.manager.start_quorum()
+        if self.healed:
+            logger.warning(f"replica group {self.config.replica_id}: recovered the state of step "
+                           f"{self.manager.current_step()} from a live peer ({self.manager.num_participants()} "
+                           f"group(s) in the quorum)")
+        return self.healed
+
+    def average_gradients(self, parameters: list[torch.Tensor]) -> None:
+        """Average every gradient over the groups of the quorum (each rank its own shard: the groups' layouts are
+        the same). torchft divides by the number of participants; a failed collective is recorded by the manager
+        and makes should_commit() false."""
+        grads = [p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad
+                 for p in parameters if p.grad is not None]
+        for work in [self.manager.allreduce(grad) for grad in grads]:
+            work.wait()
+
+    def should_commit(self) -> bool:
+        """Whether this step's update is taken (torchft's commit vote within the group; enough groups took part and
+        none of this group's collectives failed). When not, the step is redone with the next batch."""
+        self.committed = self.manager.should_commit()
+        if not self.committed:
+            logger.warning(f"replica group {self.config.replica_id}: step {self.manager.current_step() + 1} not "
+                           f"committed (a group failed during it, or fewer than min_replica_size = "
+                           f"{self.config.min_replica_size} took part); redone with the next batch")
+        return self.committed
+
+    def participants(self) -> int:
+        return self.manager.num_participants()
+
+    def shutdown(self) -> None:
+        self.manager.shutdown(wait=False)
+
+
+def data_slice(config: FaultToleranceConfig, dp_rank: int, dp_degree: int) -> tuple[int, int]:
+    """(rank, degree) of this data-parallel rank in the data split over all groups: group g reads slice g of
+    group_size, cut again by its own data-parallel degree. Every sample is read once while all groups are live."""
+    if not config.enable:
+        return dp_rank, dp_degree
+    return config.replica_id * dp_degree + dp_rank, config.group_size * dp_degree
+
+
+def setup_fault_tolerance(config: FaultToleranceConfig, states: dict[str, Stateful],
+                          environ: dict[str, str]) -> ReplicaGroup | None:
+    """This process's replica group, or None when fault_tolerance.enable is off."""
+    return ReplicaGroup(config, states, environ) if config.enable else None
