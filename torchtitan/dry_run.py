@@ -94,6 +94,12 @@ def dry_run_config(config: JobConfig, world_size: int) -> JobConfig:
                                metrics=dataclasses.replace(config.metrics, peak_flops=peak_flops or 1.0))
 
 
+# A dry run has no tokenizer: its random batches carry no documents. For model.attention_mask = block_causal every
+# sequence is then one document (this id is never drawn), which traces the block-causal path's buffers (under CP the
+# gathered keys and values, the mask of each rank's queries) at the mask's largest work.
+FAKE_BOS_ID = -1
+
+
 def fake_batches(trainer) -> list[tuple[torch.Tensor, torch.Tensor]]:
     """Random token ids of the configured shape, one batch per accumulation step."""
     training = trainer.config.training

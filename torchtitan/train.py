@@ -43,6 +43,7 @@ from torchtitan.distributed.fault_tolerance import data_slice, setup_fault_toler
 from torchtitan.distributed.fsdp import TORCH_DTYPES
 from torchtitan.distributed.parallel_dims import ParallelDims
 from torchtitan.distributed.pipeline_parallel import pipeline_llama
+from torchtitan.dry_run import FAKE_BOS_ID
 from torchtitan.dry_run import run as dry_run
 from torchtitan.errors import UserError
 from torchtitan.models.llama3.args import describe_model, model_args_for, shape_overrides
@@ -204,7 +205,7 @@ class Trainer:
         passed to every pipeline stage too."""
         if self.config.model.attention_mask == "causal":
             return {}
-        ids = document_ids(inputs, self.tokenizer.bos_id)
+        ids = document_ids(inputs, self.tokenizer.bos_id if self.tokenizer else FAKE_BOS_ID)
         if self.config.model.document_positions:
             return {"document_ids": ids, "positions": document_positions(ids)}
         if self.parallel_dims.cp_enabled:

@@ -97,6 +97,19 @@ def test_8b_on_8_gpus(tmp_path):
     assert 20 < report["peak_memory_gib"] < 79.6
 
 
+def test_block_causal_under_context_parallelism_is_traced(tmp_path):
+    """Packed documents under CP 2 x FSDP 2: each of the debug model's 6 layers gathers its keys and values over the
+    CP group in forward and reduce-scatters their gradients in backward (the dry run's batches are one document per
+    sequence: a tokenizer-free run has no documents to find)."""
+    report = dry_run(tmp_path, 4, "--model.attention_mask", "block_causal", "--parallelism.context_parallel_degree",
+                     "2", "--parallelism.data_parallel_shard_degree", "2", "--training.seq_len", "256",
+                     "--training.local_batch_size", "2")
+    found = collectives(report)
+    assert found[("reduce_scatter", "cp")]["count"] == 2 * 6
+    assert found[("all_gather", "cp")]["count"] >= 2 * 6
+    assert report["peak_memory_gib"] > 0
+
+
 @pytest.mark.parametrize("args, message", [
     (["--comm.fake_rank", "8"], "option comm.fake_rank: 8 is not a rank of a world of 8"),
     (["--parallelism.tensor_parallel_degree", "3"], "option parallelism"),

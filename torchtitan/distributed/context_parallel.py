@@ -61,6 +61,7 @@ from torch.distributed.tensor.experimental._context_parallel import _attention a
 from torch.distributed.tensor.experimental._context_parallel._sharding_rules import _op_strategy_context
 from torch.nn.attention.flex_attention import BlockMask, create_block_mask
 
+from torchtitan.distributed.fake import is_fake
 from torchtitan.errors import UserError
 from torchtitan.models.llama3.model import GatheredDocuments, document_positions
 
@@ -210,7 +211,12 @@ def shard_documents(cp_mesh: DeviceMesh, document_ids: Tensor, tensors: list[Ten
     `balanced_chunk_order` gives it by the work of the batch's mask, in sequence order."""
     cp, rank = cp_mesh.size(), cp_mesh.get_local_rank()
     num_chunks = CHUNKS_PER_RANK * cp
-    order = balanced_chunk_order(chunk_work(document_ids, num_chunks), cp)
+    if is_fake(document_ids):
+        # A dry run's tensors have no values to count; its sequences are one document each (dry_run.FAKE_BOS_ID),
+        # which head-tail balances exactly.
+        order = head_tail_order(cp, CHUNKS_PER_RANK)
+    else:
+        order = balanced_chunk_order(chunk_work(document_ids, num_chunks), cp)
     mine = order[rank * CHUNKS_PER_RANK:(rank + 1) * CHUNKS_PER_RANK]
     return [torch.cat([tensor.chunk(num_chunks, dim=1)[chunk] for chunk in mine], dim=1) for tensor in tensors]
 
