@@ -59,11 +59,11 @@ from torch.distributed.tensor._ops.utils import expand_to_full_mesh_op_strategy
 from torch.distributed.tensor.experimental import context_parallel
 from torch.distributed.tensor.experimental._context_parallel import _attention as cp_attention
 from torch.distributed.tensor.experimental._context_parallel._sharding_rules import _op_strategy_context
-from torch.nn.attention.flex_attention import BlockMask, create_block_mask
+from torch.nn.attention.flex_attention import BlockMask
 
 from torchtitan.distributed.fake import is_fake
 from torchtitan.errors import UserError
-from torchtitan.models.llama3.model import GatheredDocuments, document_positions
+from torchtitan.models.llama3.model import GatheredDocuments, build_block_mask, document_positions
 
 ROTATE_METHODS = ("allgather", "alltoall")
 
@@ -230,8 +230,7 @@ def visible_keys(query_ids: Tensor, query_positions: Tensor, key_ids: Tensor, ke
         def visible(b, h, q, kv):
             return (query_ids[b, q] == key_ids[b, kv]) & (query_positions[b, q] >= key_positions[b, kv])
 
-        return create_block_mask(visible, query_ids.shape[0], None, query_ids.shape[1], key_ids.shape[1],
-                                 device=query_ids.device)
+        return build_block_mask(visible, query_ids.shape[0], query_ids.shape[1], key_ids.shape[1], query_ids.device)
     same_document = query_ids[:, :, None] == key_ids[:, None, :]
     return (same_document & (query_positions[:, :, None] >= key_positions[:, None, :])).unsqueeze(1)
 

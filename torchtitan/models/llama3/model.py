@@ -158,12 +158,29 @@ def document_mask(document_ids: torch.Tensor, flex: bool | None = None) -> Docum
         def same_document_causal(b, h, q, kv):
             return (document_ids[b, q] == document_ids[b, kv]) & (q >= kv)
 
-        return create_block_mask(same_document_causal, batch, None, seq, seq, device=document_ids.device)
+        return build_block_mask(same_document_causal, batch, seq, seq, document_ids.device)
     starts: list[list[int]] = [[0] for _ in range(batch)]
     for row, position in torch.nonzero(document_ids[:, 1:] != document_ids[:, :-1]).tolist():
         starts[row].append(position + 1)
     spans = tuple(tuple(zip(row, row[1:] + [seq])) for row in starts)
     return DocumentSpans(document_ids, spans)
+
+
+_compiled_create_block_mask: Callable | None = None
+
+
+def build_block_mask(mask_mod: Callable, batch: int, q_len: int, kv_len: int, device: torch.device) -> BlockMask:
+    """FlexAttention's BlockMask of `mask_mod`, built once per batch and shared by every layer. On GPUs
+    `create_block_mask` runs compiled (compiled once per process: the document ids are the graph's inputs, so a new
+    batch does not recompile it); eager, it evaluates the mask on every (query, key) pair at once, O(batch x seq^2)
+    memory: 268 MB at batch 4 and seq 8k, 4 GB at 32k (measured on CPU at seq 8k: 5.6 s and 2.9 GiB eager, 0.94 s
+    and 0.5 GiB compiled). On CPU, where FlexAttention only runs forward, it stays eager (no compile start-up)."""
+    if device.type != "cuda":
+        return create_block_mask(mask_mod, batch, None, q_len, kv_len, device=device)
+    global _compiled_create_block_mask
+    if _compiled_create_block_mask is None:
+        _compiled_create_block_mask = torch.compile(create_block_mask)
+    return _compiled_create_block_mask(mask_mod, batch, None, q_len, kv_len, device=device)
 
 
 _compiled_flex_attention: Callable | None = None
