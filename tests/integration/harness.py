@@ -2,6 +2,7 @@
 
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -37,9 +38,27 @@ def launch(dump_folder: Path, nproc: int, args: list[str], timeout: int = 300,
                "--rdzv-endpoint=localhost:0", *(launcher_args or []), *trainer]
     full_env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO), **(env or {})}
     if module == "torchtitan.train" and not launcher_args:
-        with tempfile.NamedTemporaryFile(prefix="trainer-output-", suffix=".log") as output:
-            returncode = _preloaded_trainer(full_env).launch(nproc, trainer[2:], Path(output.name), timeout)
-            return subprocess.CompletedProcess(cmd, returncode, Path(output.name).read_text(errors="replace"))
+        with tempfile.NamedTemporaryFile(prefix="trainer-output-", suffix=".log") as output, \
+                tempfile.TemporaryDirectory(prefix="dump-before-") as before:
+            # What a resumed run starts from, should the fast path's run have to be repeated (below).
+            if Path(dump_folder).exists():
+                shutil.copytree(dump_folder, Path(before) / "dump")
+            try:
+                returncode = _preloaded_trainer(full_env).launch(nproc, trainer[2:], Path(output.name), timeout)
+                stdout = Path(output.name).read_text(errors="replace")
+            except subprocess.TimeoutExpired:
+                returncode, stdout = None, ""
+            if returncode is None or "Fatal Python error" in stdout:
+                shutil.rmtree(dump_folder, ignore_errors=True)
+                if (Path(before) / "dump").exists():
+                    shutil.copytree(Path(before) / "dump", dump_folder)
+        # A forked worker once died of a segmentation fault mid-run (FSDP 2 x CP 2, step 6; once in about 300
+        # launches, never seen under the torchrun command): a crash or a hang of the fast path is not the test's
+        # verdict. The run is repeated with the torchrun command, whose result stands.
+        if returncode is not None and "Fatal Python error" not in stdout:
+            return subprocess.CompletedProcess(cmd, returncode, stdout)
+        print(f"the forked launch crashed or hung; repeating it with the torchrun command:\n{stdout[-3000:]}",
+              file=sys.stderr)
     # A session of its own, so that a timeout kills the workers too, not only the launcher (orphaned workers
     # would keep the CPU busy and hold ports).
     with subprocess.Popen(cmd, cwd=REPO, env=full_env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
