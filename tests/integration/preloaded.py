@@ -11,7 +11,9 @@ as `python -m torchtitan.train` would. What the imports printed starts every run
 
 What still goes through a real `torchrun` command (harness.launch decides): launches with extra torchrun options or
 another entry point (the fault-injection tests: restarts and signals are torchrun's). A server serves one
-environment, the one it was started with, since modules read some variables at import.
+environment, the one it was started with, since modules read some variables at import. A forked run that crashed
+(a Python fatal error in its output) or hung is repeated with the torchrun command, whose result stands
+(harness.launch): a forked worker once died of a segmentation fault that no torchrun run has shown.
 """
 
 import contextlib
