@@ -5,8 +5,13 @@ command (a few minutes; under 8 on an H100), and write it to a file that `script
   and as a TP 8 shard; the planner takes the whole block's rate (its FLOPs over its time) as its GEMM efficiency;
 - the Float8 speed-up: the same whole-block GEMMs through torch._scaled_mm with tensorwise scales (what torchao's
   Float8 training runs), against bf16;
+- GEMM speed over a grid of shapes: every linear layer of the 8B, 70B and 405B blocks, whole and split 2, 4 and 8
+  ways as TP splits them, on 2,048 and 8,192 tokens (what a shape-dependent GEMM model is checked against);
 - attention by sequence length and mask: SDPA forward and backward (flash kernel on CUDA), causal and without mask,
   head dim 128, 16,384 tokens per call as in FlashAttention's benchmarks, 512 to 32,768 tokens;
+- block-causal attention as the trainer runs it on GPUs (compiled FlexAttention with a document BlockMask, grouped
+  K/V): its FLOP/s over the visible pairs, forward and backward, for documents of one length packed into windows,
+  as a fraction of the flash kernel's causal speed at the document's length;
 - the allocator's reserve: three training steps of a 4-block Llama-shaped model at 8,192 tokens under the trainer's
   allocator settings (expandable segments): the peak reserved over the peak allocated, less one.
 
@@ -47,6 +52,13 @@ QUICK = dict(dim=64, kv=16, ffn=192, tokens=64, heads=2, seq_lens=(64, 128, 256)
              vocab=256, float8_layers=1)
 HEAD_DIM = 128
 TP = 8
+# (dim, kv width, FFN width) of the Llama 3.1 8B, 70B and 405B blocks; the grid's TP degrees and token counts.
+GRID_MODELS = {"8B": (4096, 1024, 14336), "70B": (8192, 1024, 28672), "405B": (16384, 1024, 53248)}
+GRID_TP = (1, 2, 4, 8)
+GRID_TOKENS = (2048, 8192)
+# (window, document length) pairs of the block-causal measurement: one window length per compile.
+FLEX_CASES = ((16384, 1024), (16384, 4096), (16384, 16384), (65536, 4096), (65536, 16384), (65536, 65536))
+QUICK_FLEX_CASES = ((256, 64), (256, 256))
 
 
 def _timed(fn, device: torch.device, iterations: int) -> float:
@@ -83,6 +95,23 @@ def gemms(s: dict, device: torch.device, iterations: int) -> tuple[list[dict], f
             if tp == 1:
                 block_flops, block_seconds = block_flops + flops, block_seconds + seconds
     return entries, block_flops / block_seconds
+
+
+def gemm_grid(device: torch.device, iterations: int, quick: bool) -> list[dict]:
+    """bf16 FLOP/s of every linear layer of the 8B, 70B and 405B blocks, whole and TP-split, on two token counts."""
+    models = {"tiny": (64, 16, 192)} if quick else GRID_MODELS
+    entries = []
+    for model, (dim, kv, ffn) in models.items():
+        for tokens in (64,) if quick else GRID_TOKENS:
+            for tp in GRID_TP:
+                s = dict(dim=dim, kv=kv, ffn=ffn, tokens=tokens)
+                for name, m, k, n in _block_shapes(s, tp):
+                    a = torch.randn(m, k, device=device, dtype=torch.bfloat16)
+                    b = torch.randn(n, k, device=device, dtype=torch.bfloat16)
+                    seconds = _timed(lambda: a @ b.t(), device, iterations)
+                    entries.append({"model": model, "layer": name, "tp": tp, "m": m, "k": k, "n": n,
+                                    "flops_per_s": 2 * m * k * n / seconds})
+    return entries
 
 
 def float8_speedup(s: dict, device: torch.device, iterations: int) -> tuple[float | None, str]:
@@ -130,6 +159,53 @@ def attention(s: dict, device: torch.device, iterations: int) -> dict:
             curves[f"backward_{mask}_flops"].append(2.5 * flops / max(both - forward, 1e-9))
     return {"head_dim": HEAD_DIM, "heads": s["heads"], "tokens_per_call": s["attention_tokens"],
             "seq_lens": list(s["seq_lens"]), **curves}
+
+
+def block_causal_attention_rates(s: dict, device: torch.device, iterations: int, quick: bool) -> list[dict]:
+    """Compiled FlexAttention under a document BlockMask (the trainer's GPU path, torchtitan/models/llama3/model.py),
+    grouped K/V (kv heads = heads / 4, as in Llama 3 8B): FLOP/s over the visible pairs, forward and backward, and the same as a
+    fraction of SDPA's causal flash kernel on one document of that length (the planner's block-causal term)."""
+    from torchtitan.models.llama3.model import block_causal_attention, document_mask
+
+    rows = []
+    heads = s["heads"]
+    for seq_len, doc_len in QUICK_FLEX_CASES if quick else FLEX_CASES:
+        ids = (torch.arange(seq_len, device=device) // doc_len).unsqueeze(0)
+        mask = document_mask(ids, flex=device.type == "cuda")
+        dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+        q = torch.randn(1, heads, seq_len, HEAD_DIM, device=device, dtype=dtype, requires_grad=True)
+        k, v = (torch.randn(1, max(1, heads // 4), seq_len, HEAD_DIM, device=device, dtype=dtype, requires_grad=True)
+                for _ in range(2))
+        grad = torch.randn_like(q)
+        pairs = (seq_len // doc_len) * doc_len * (doc_len + 1) / 2
+        flops = 4 * pairs * HEAD_DIM * heads
+
+        def run():
+            return block_causal_attention(q, k, v, mask, device.type)
+
+        forward = _timed(run, device, iterations)
+        both = _timed(lambda: torch.autograd.grad(run(), (q, k, v), grad), device, iterations)
+        forward_rate, backward_rate = flops / forward, 2.5 * flops / max(both - forward, 1e-9)
+        row = {"seq_len": seq_len, "document_length": doc_len, "forward_flops": forward_rate,
+               "backward_flops": backward_rate}
+        if device.type == "cuda":
+            # The flash kernel's causal speed on one document of that length, expanded heads as causal_attention.
+            batch = max(1, s["attention_tokens"] // doc_len)
+            shape = (batch, heads, doc_len, HEAD_DIM)
+            fq, fk, fv = (torch.randn(shape, device=device, dtype=dtype, requires_grad=True) for _ in range(3))
+            fgrad = torch.randn(shape, device=device, dtype=dtype)
+            flash_flops = 4 * batch * doc_len * (doc_len + 1) / 2 * HEAD_DIM * heads
+            with torch.nn.attention.sdpa_kernel([torch.nn.attention.SDPBackend.FLASH_ATTENTION]):
+                flash_forward = _timed(lambda: F.scaled_dot_product_attention(fq, fk, fv, is_causal=True), device,
+                                       iterations)
+                flash_both = _timed(lambda: torch.autograd.grad(
+                    F.scaled_dot_product_attention(fq, fk, fv, is_causal=True), (fq, fk, fv), fgrad), device,
+                    iterations)
+            row["forward_fraction_of_flash"] = forward_rate / (flash_flops / flash_forward)
+            row["backward_fraction_of_flash"] = backward_rate / (2.5 * flash_flops / max(flash_both - flash_forward,
+                                                                                        1e-9))
+        rows.append(row)
+    return rows
 
 
 def allocator_fraction(s: dict, device: torch.device) -> float | None:
@@ -184,8 +260,10 @@ def main(argv: list[str] | None = None) -> int:
             "format": CALIBRATION_FORMAT, "device_type": device.type, "device_name": device_name(device),
             "quick": args.quick, "torch": torch.__version__,
             "gemm_bf16_flops": gemm_flops, "gemm": by_shape,
+            "gemm_grid": gemm_grid(device, iterations, args.quick),
             "float8_speedup": speedup, "float8_note": why_not,
             "attention": attention(shapes, device, iterations),
+            "attention_block_causal": block_causal_attention_rates(shapes, device, iterations, args.quick),
             "allocator_fraction": allocator_fraction(shapes, device),
         }
     except UserError as e:

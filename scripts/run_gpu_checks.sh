@@ -1,0 +1,61 @@
+#!/usr/bin/env bash
+# Everything this project checks on one GPU, in one command (about 6 minutes on an H100), for a machine lent for a
+# few minutes: results and logs go to OUT (default ./gpu_checks_out), the summary table is printed last.
+#   1. scripts/gpu_checks.py: block-causal FlexAttention, one process and simulated CP ranks, against float64; the
+#      compiled BlockMask build (time, memory, no recompile per batch)
+#   2. scripts/calibrate_gpu.py: GEMMs by shape, Float8 speed-up, attention by length and mask, allocator reserve
+#   3. the trainer through run_train.sh (torchrun, NCCL): bf16 with async checkpoints, then
+#      a resume; block-causal attention in fp32 (its losses compared with the CPU's by the caller); an 8B-shaped
+#      2-block model at 8,192 tokens eager, compiled, and compiled with Float8 (tokens/s and MFU)
+# Without a GPU it runs the CPU forms (gpu_checks.py --device cpu, calibrate_gpu.py --quick, no 8B runs): a check
+# of this script.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+OUT=${OUT:-$PWD/gpu_checks_out}
+mkdir -p "$OUT"
+LOG="$OUT/gpu_checks.log"
+export PYTHONUNBUFFERED=1 TORCHINDUCTOR_CACHE_DIR=${TORCHINDUCTOR_CACHE_DIR:-/tmp/inductor}
+PY=${PY:-python3}
+# run_train.sh calls `python`; the GPU image may only have python3.
+# A wrapper, not a link: a link to a virtual environment's interpreter would lose the environment.
+rm -rf /tmp/gpu_checks_bin && mkdir -p /tmp/gpu_checks_bin && printf '#!/bin/sh\nexec %s "$@"\n' "$(command -v "$PY")" >/tmp/gpu_checks_bin/python &&
+  chmod +x /tmp/gpu_checks_bin/python && export PATH=/tmp/gpu_checks_bin:$PATH
+DEVICE=$($PY -c "import torch; print('cuda' if torch.cuda.is_available() else 'cpu')")
+section() { echo "=== $* ($(date +%T))" | tee -a "$LOG"; }
+run() { local limit=$1; shift; timeout "$limit" "$@" >>"$LOG" 2>&1; local rc=$?; echo "exit $rc" | tee -a "$LOG"; }
+
+section "device"
+{ nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.max.sm --format=csv 2>/dev/null
+  $PY -c "import torch, sys; print('python', sys.version.split()[0], 'torch', torch.__version__, 'cuda', torch.version.cuda)"
+  $PY -c "import torchao; print('torchao', torchao.__version__)" 2>&1 | tail -1; } | tee -a "$LOG"
+
+section "gpu_checks.py"
+run 120 $PY scripts/gpu_checks.py --device "$DEVICE" --output "$OUT/gpu_checks.json"
+
+section "calibrate_gpu.py"
+if [ "$DEVICE" = cuda ]; then run 150 $PY scripts/calibrate_gpu.py --output "$OUT/calibration.json"
+else run 200 $PY scripts/calibrate_gpu.py --device cpu --quick --output "$OUT/calibration.json"; fi
+
+train() {  # a trainer run of the debug model on one process (torchrun, NCCL on a GPU); extra flags follow
+  local name=$1 limit=$2; shift 2
+  section "train: $name"
+  NGPU=1 run "$limit" ./run_train.sh --job.dump_folder "/tmp/gpu_checks_runs/$name" --metrics.log_freq 1 "$@"
+}
+rm -rf /tmp/gpu_checks_runs
+train async_save 60 --training.steps 12 --checkpoint.enable --checkpoint.interval 4 \
+  --checkpoint.async_mode async --checkpoint.last_save_model_only false
+train async_save 60 --training.steps 16 --checkpoint.enable --checkpoint.interval 4 \
+  --checkpoint.async_mode async --checkpoint.last_save_model_only false
+train block_causal_fp32 60 --training.steps 10 --model.attention_mask block_causal --model.document_positions \
+  --training.mixed_precision_param float32 --validation.no_enable
+if [ "$DEVICE" = cuda ]; then
+  big=(--model.flavor 8B --model.n_layers 2 --training.seq_len 8192 --training.local_batch_size 1
+       --training.steps 12 --validation.no_enable --activation_checkpoint.mode selective)
+  train 8B_2blocks_eager 70 "${big[@]}"
+  train 8B_2blocks_compiled 100 "${big[@]}" --compile.enable
+  train 8B_2blocks_compiled_float8 100 "${big[@]}" --compile.enable --model.converters float8 \
+    --quantize.linear.float8.recipe_name tensorwise
+fi
+section "summary"
+grep -E "^===|^exit|ok$|FAILED|TFLOP/s|Training finished|esum|step: +(1|10|12|16) |Error|error:" "$LOG" | \
+  grep -v "^\[rank0\].*INFO (optimizer|Model|embedded)" | cut -c1-400
