@@ -254,23 +254,30 @@ def main(argv: list[str] | None = None) -> int:
         device = torch.device(args.device)
         shapes = QUICK if args.quick else FULL
         iterations = 1 if args.quick else args.iterations
-        by_shape, gemm_flops = gemms(shapes, device, iterations)
-        speedup, why_not = float8_speedup(shapes, device, iterations)
-        record = {
-            "format": CALIBRATION_FORMAT, "device_type": device.type, "device_name": device_name(device),
-            "quick": args.quick, "torch": torch.__version__,
-            "gemm_bf16_flops": gemm_flops, "gemm": by_shape,
-            "gemm_grid": gemm_grid(device, iterations, args.quick),
-            "float8_speedup": speedup, "float8_note": why_not,
-            "attention": attention(shapes, device, iterations),
-            "attention_block_causal": block_causal_attention_rates(shapes, device, iterations, args.quick),
-            "allocator_fraction": allocator_fraction(shapes, device),
-        }
+        record = {"format": CALIBRATION_FORMAT, "device_type": device.type, "device_name": device_name(device),
+                  "quick": args.quick, "torch": torch.__version__, "complete": False}
+        # Each measurement is written as soon as it is made, so that a run cut short (a GPU lent for minutes)
+        # keeps what it measured; plan.py reads only a complete file.
+        measurements = [
+            ("gemm", lambda: dict(zip(("gemm", "gemm_bf16_flops"), gemms(shapes, device, iterations)))),
+            ("float8", lambda: dict(zip(("float8_speedup", "float8_note"),
+                                        float8_speedup(shapes, device, iterations)))),
+            ("attention", lambda: {"attention": attention(shapes, device, iterations)}),
+            ("allocator", lambda: {"allocator_fraction": allocator_fraction(shapes, device)}),
+            ("gemm grid", lambda: {"gemm_grid": gemm_grid(device, iterations, args.quick)}),
+            ("block-causal attention", lambda: {
+                "attention_block_causal": block_causal_attention_rates(shapes, device, iterations, args.quick)}),
+        ]
+        for name, measure in measurements:
+            record.update(measure())
+            record["seconds"] = time.perf_counter() - start
+            record["complete"] = name == measurements[-1][0]
+            Path(args.output).write_text(json.dumps(record, indent=2) + "\n")
+            print(f"{name}: measured ({record['seconds']:.0f} s)", flush=True)
+        gemm_flops, speedup = record["gemm_bf16_flops"], record["float8_speedup"]
     except UserError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    record["seconds"] = time.perf_counter() - start
-    Path(args.output).write_text(json.dumps(record, indent=2) + "\n")
     reserve = record["allocator_fraction"]
     print(f"{record['device_name']}: bf16 GEMM {gemm_flops / 1e12:.1f} TFLOP/s (8B block), Float8 speed-up "
           f"{'n/a' if speedup is None else f'{speedup:.2f}x'}, attention causal forward "
