@@ -257,7 +257,7 @@ def main(argv: list[str] | None = None) -> int:
         record = {"format": CALIBRATION_FORMAT, "device_type": device.type, "device_name": device_name(device),
                   "quick": args.quick, "torch": torch.__version__, "complete": False}
         # Each measurement is written as soon as it is made, so that a run cut short (a GPU lent for minutes)
-        # keeps what it measured; plan.py reads only a complete file.
+        # keeps what it measured; plan.py needs the first four (it says which is missing).
         measurements = [
             ("gemm", lambda: dict(zip(("gemm", "gemm_bf16_flops"), gemms(shapes, device, iterations)))),
             ("float8", lambda: dict(zip(("float8_speedup", "float8_note"),

@@ -141,9 +141,6 @@ def calibrated_gpu(path: str, gpu: GPU) -> tuple[GPU, str]:
         raise UserError(f"{option}: {path} is not JSON ({e})") from None
     if not isinstance(record, dict) or record.get("format") != CALIBRATION_FORMAT:
         raise UserError(f"{option}: {path} is not a file of scripts/calibrate_gpu.py (format {CALIBRATION_FORMAT})")
-    if record.get("complete") is False:
-        raise UserError(f"{option}: {path} is a calibration that was cut short before its last measurement "
-                        f"(rerun scripts/calibrate_gpu.py to the end)")
     try:
         attention = record["attention"]
         seq_lens = tuple(int(n) for n in attention["seq_lens"])
