@@ -559,3 +559,15 @@ def test_gemm_time_by_shape_tiles_reads_and_stores():
     # Float8: twice the peak, half the bytes read.
     assert gemm_seconds(16384, 4096, 128, gpu, e, float8=True) == pytest.approx(
         max(2 * 16384 * 4096 * 256 / (gpu.fp8_flops * e), (16384 * 4096 + 4096 * 128) / hbm) + 16384 * 128 * 2 / hbm)
+
+
+def test_other_published_rows_name_their_source_and_are_held_out():
+    """Each row of other_llama3_runs.csv names where it was published (a URL), the software and the method, runs on
+    a GPU the planner knows, and no constant was fitted on it; the docs' table lists every one."""
+    rows = validation.other_rows()
+    assert len(rows) >= 5 and not any(row.fitted for row in rows)
+    for row in rows:
+        url, software, method = row.source.split("; ", 2)
+        assert url.startswith("https://") and software and method
+    text = plan_script.DOCS.read_text()
+    assert all(entry["name"] in text for entry in validation.other_table(rows))
