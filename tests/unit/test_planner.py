@@ -571,3 +571,27 @@ def test_other_published_rows_name_their_source_and_are_held_out():
         assert url.startswith("https://") and software and method
     text = plan_script.DOCS.read_text()
     assert all(entry["name"] in text for entry in validation.other_table(rows))
+
+
+def test_h100_calibration_file_times_its_shapes_and_sets_the_level():
+    """The calibration of an H100 SXM (torchtitan/planner/data/h100_sxm_calibration.json, scripts/calibrate_gpu.py
+    with its grid of every flavor's layers): every timed product, of the 8B block and of the grid, takes its
+    measured time (a shape timed twice, the mean), and the shape model's level makes the products' total time the
+    measured one."""
+    import dataclasses
+    from pathlib import Path
+
+    from torchtitan.planner.cost import gemm_seconds
+    from torchtitan.planner.hardware import calibrated_gpu
+
+    path = Path(validation.__file__).parent / "data" / "h100_sxm_calibration.json"
+    record = json.loads(path.read_text())
+    gpu, note = calibrated_gpu(str(path), GPUS["h100"])
+    products = [*record["gemm"], *record["gemm_grid"]]
+    assert note == "" and len(gpu.gemm_shapes) == len(products)
+    for shape in {(g["m"], g["k"], g["n"]) for g in products}:
+        times = [2 * g["m"] * g["k"] * g["n"] / g["flops_per_s"] for g in products if (g["m"], g["k"], g["n"]) == shape]
+        assert gemm_seconds(*shape, gpu, 0.5) == pytest.approx(sum(times) / len(times))
+    bare = dataclasses.replace(gpu, gemm_shapes=())
+    assert sum(gemm_seconds(g["m"], g["k"], g["n"], bare, gpu.gemm_efficiency) for g in products) == pytest.approx(
+        sum(2 * g["m"] * g["k"] * g["n"] / g["flops_per_s"] for g in products))

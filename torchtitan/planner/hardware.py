@@ -5,6 +5,7 @@ direction: NVLink within a host, the RDMA network card(s) between hosts.
 """
 
 import dataclasses
+import functools
 import json
 from dataclasses import dataclass
 from pathlib import Path
@@ -32,16 +33,20 @@ class GPU:
     scripts/calibrate_gpu.py measured (planner/cost.py, gemm_seconds); None: the model's fitted efficiency."""
     gemm_shapes: tuple[tuple[int, int, int, float], ...] = ()
     """bf16 GEMMs timed on this GPU (scripts/calibrate_gpu.py): (m, k, n, FLOP/s); a product of that shape takes
-    the measured time."""
+    the measured time (the mean, if timed more than once)."""
     allocator_fraction: float | None = None
     """What the caching allocator reserved beyond the live tensors when measured; None: the published figure
     (ALLOCATOR_FRAGMENTATION)."""
     calibration: str = ""
     """The calibration file whose figures these are; empty: datasheet and published figures."""
 
-    @property
+    @functools.cached_property
     def gemm_measured(self) -> dict[tuple[int, int, int], float]:
-        return {(m, k, n): flops for m, k, n, flops in self.gemm_shapes}
+        """FLOP/s by timed shape; a shape timed more than once at the mean of its times."""
+        inverse: dict[tuple[int, int, int], list[float]] = {}
+        for m, k, n, flops in self.gemm_shapes:
+            inverse.setdefault((m, k, n), []).append(1 / flops)
+        return {shape: len(values) / sum(values) for shape, values in inverse.items()}
 
     def attention_rates(self, head_dim: int) -> AttentionRates:
         return self.attention or published_rates(self.bf16_flops, head_dim)
@@ -175,7 +180,9 @@ def calibrated_gpu(path: str, gpu: GPU) -> tuple[GPU, str]:
         curves = tuple((direction, mask, tuple(float(x) for x in attention[f"{direction}_{mask}_flops"]))
                        for direction, mask in ATTENTION_CURVES)
         gemm_flops = float(record["gemm_bf16_flops"])
-        shapes = tuple((int(g["m"]), int(g["k"]), int(g["n"]), float(g["flops_per_s"])) for g in record["gemm"])
+        # "gemm_grid" (optional): more shapes (every flavor's layers at each TP degree and two token counts).
+        shapes = tuple((int(g["m"]), int(g["k"]), int(g["n"]), float(g["flops_per_s"]))
+                       for g in [*record["gemm"], *record.get("gemm_grid", [])])
         speedup = record["float8_speedup"]
         allocator = record["allocator_fraction"]
         device_type, device = record["device_type"], record["device_name"]
