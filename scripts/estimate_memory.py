@@ -39,13 +39,14 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import torch  # noqa: E402
 from torch.distributed.tensor import DTensor  # noqa: E402
 
-from torchtitan.config import parse_args, parse_script_args  # noqa: E402
+from torchtitan.config import JobConfig, parse_args, parse_script_args  # noqa: E402
 from torchtitan.errors import UserError  # noqa: E402
+from torchtitan.distributed.parallel_dims import ParallelDims  # noqa: E402
+from torchtitan.planner.hardware import GPU, Headroom, gpu_named, headroom  # noqa: E402
 from torchtitan.planner.memory import Estimate, estimate  # noqa: E402
 
 GIB = 2**30
 MIB = 2**20
-GPU_OVERHEAD_GIB = 2.0
 # ------------------------------------------------------------------------------------------------------------------
 # Measurement on this CPU
 
@@ -181,22 +182,36 @@ def _trainer_argv(args: argparse.Namespace, rest: list[str]) -> list[str]:
     return argv
 
 
-def _row(name: str, e: Estimate, device_gib: float) -> str:
-    flag = "EXCEEDS" if e.total > device_gib * GIB else "fits"
+def device_headroom(config: JobConfig, ngpu: int, tensors_bytes: int, gpu: GPU | None) -> Headroom:
+    """What a GPU holds beyond the tensors' peak for this configuration (hardware.headroom, the figure the planner
+    and the dry run's out-of-memory verdict add); none on the CPU (`gpu` None), which has no caching allocator,
+    CUDA context or NCCL."""
+    if gpu is None:
+        return Headroom(allocator_gib=0.0, cuda_context_gib=0.0, nccl_gib=0.0)
+    dims = ParallelDims.from_config(config.parallelism, ngpu)
+    return headroom(tensors_bytes / GIB, gpu, {name: getattr(dims, name)
+                                               for name in ("pp", "dp_replicate", "dp_shard", "cp", "tp")})
+
+
+def _row(name: str, e: Estimate, extra: Headroom, gpu: GPU | None) -> str:
+    total = e.total / GIB + extra.total_gib
+    flag = "" if gpu is None else ("EXCEEDS" if total > gpu.memory_gib else "fits")
     return (f"{name:<50} {e.parameters / GIB:7.1f} {e.optimizer / GIB:7.1f} {e.gradients / GIB:6.1f} "
-            f"{e.activations / GIB:7.1f} {e.transient / GIB:7.1f} {e.buffers / GIB:6.1f} {e.overhead / GIB:5.1f} "
-            f"{e.total / GIB:7.1f}  {flag:<7} {e.phase}")
+            f"{e.activations / GIB:7.1f} {e.transient / GIB:7.1f} {e.buffers / GIB:6.1f} {extra.total_gib:6.1f} "
+            f"{total:7.1f}  {flag:<7} {e.phase}")
 
 
-_HEADER = (f"{'GiB per device':<50} {'params':>7} {'optim':>7} {'grads':>6} {'activ':>7} {'transnt':>7} "
-           f"{'buffer':>6} {'ovhd':>5} {'total':>7}  {'80 GiB':<7} peak at")
+def _header(gpu: GPU | None) -> str:
+    return (f"{'GiB per device':<50} {'params':>7} {'optim':>7} {'grads':>6} {'activ':>7} {'transnt':>7} "
+            f"{'buffer':>6} {'headrm':>6} {'total':>7}  {gpu.name if gpu else 'cpu':<7} peak at")
 
 
-def presets_table(device_gib: float, overhead_gib: float) -> str:
-    lines = [_HEADER]
+def presets_table(gpu: GPU) -> str:
+    lines = [_header(gpu)]
     for name, toml, ngpu, overrides in PRESETS:
         config = parse_args(["--job.config_file", str(CONFIGS / toml), *overrides])
-        lines.append(_row(f"{name} ({ngpu} GPUs)", estimate(config, ngpu, round(overhead_gib * GIB)), device_gib))
+        result = estimate(config, ngpu)
+        lines.append(_row(f"{name} ({ngpu} GPUs)", result, device_headroom(config, ngpu, result.total, gpu), gpu))
     return "\n".join(lines)
 
 
@@ -263,10 +278,12 @@ def _measure_in_new_processes(trainer_argv: list[str], nproc: int) -> dict[str, 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog=Path(__file__).name, description=__doc__.split("\n\n")[0], add_help=False)
     parser.add_argument("--ngpu", type=int, default=None, help="devices (world size); default: the presets table")
-    parser.add_argument("--device_memory_gib", type=float, default=80.0, help="memory of one device (H100: 80)")
-    parser.add_argument("--overhead_gib", type=float, default=None,
-                        help=f"fixed overhead per device (default {GPU_OVERHEAD_GIB} GiB; 0 with --cpu)")
-    parser.add_argument("--cpu", action="store_true", help="a CPU run: no CUDA context, no NCCL buffers")
+    parser.add_argument("--gpu", default="h100",
+                        help="the GPU whose memory the peak must fit in, with the planner's headroom on it (the "
+                             "allocator's reserve, the CUDA context, NCCL's buffers): h100 (default), h100_96gb, "
+                             "h200, a100, b200")
+    parser.add_argument("--cpu", action="store_true",
+                        help="a CPU run: tensors only (no allocator reserve, CUDA context or NCCL buffers)")
     parser.add_argument("--validate", action="store_true", help="compare with measurements on this CPU")
     parser.add_argument("--traced", action="store_true",
                         help="compare the presets' estimates with the dry run's trace (minutes per preset)")
@@ -278,8 +295,8 @@ def main(argv: list[str] | None = None) -> int:
         parser.add_argument(f"--{name}", default=None)
     parser.add_argument("--ac", default=None, help="activation checkpointing: none, full, op or N")
     args, rest = parse_script_args(parser, sys.argv[1:] if argv is None else argv)
-    overhead_gib = args.overhead_gib if args.overhead_gib is not None else (0.0 if args.cpu else GPU_OVERHEAD_GIB)
     try:
+        gpu = None if args.cpu else gpu_named(args.gpu, "--gpu")
         if args.validate:
             print(validation_table())
             return 0
@@ -296,19 +313,23 @@ def main(argv: list[str] | None = None) -> int:
                 print(result, flush=True)
             return 0
         if args.ngpu is None and not trainer_argv:
-            print(presets_table(args.device_memory_gib, overhead_gib))
+            print(presets_table(gpu or gpu_named(args.gpu, "--gpu")))
             return 0
         config = parse_args(trainer_argv)
-        result = estimate(config, args.ngpu or 1, round(overhead_gib * GIB), "cpu" if args.cpu else "cuda")
+        result = estimate(config, args.ngpu or 1, "cpu" if args.cpu else "cuda")
+        extra = device_headroom(config, args.ngpu or 1, result.total, gpu)
     except UserError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    print(_HEADER)
-    print(_row(f"{config.model.flavor} on {args.ngpu or 1} device(s)", result, args.device_memory_gib))
+    print(_header(gpu))
+    print(_row(f"{config.model.flavor} on {args.ngpu or 1} device(s)", result, extra, gpu))
     for field in dataclasses.fields(Estimate):
         value = getattr(result, field.name)
         print(f"  {field.name:<12} {value / GIB:10.3f} GiB" if isinstance(value, int) and field.name != "rank"
               else f"  {field.name:<12} {value}")
+    for field in dataclasses.fields(Headroom):
+        print(f"  {field.name:<17} {getattr(extra, field.name):5.3f} GiB")
+    print(f"  {'device total':<17} {result.total / GIB + extra.total_gib:5.3f} GiB")
     return 0
 
 

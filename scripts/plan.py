@@ -116,6 +116,16 @@ def validation_markdown(refit: bool) -> str:
         lines += [f"| {e['name']} | {e['tps_published']:,.0f} | {e['tps_predicted']:,.0f} | "
                   f"{100 * e['tps_error']:+.1f}% | {e['memory_published_gib']:.1f} | "
                   f"{e['memory_predicted_gib']:.1f} | {100 * e['memory_error']:+.1f}% |" for e in long_context]
+        other = validation.other_table()
+        lines += ["", "Other published runs (held out, outside the envelope: another GPU or another framework; "
+                  f"{validation.OTHER.name} has each row's software and method):", "",
+                  "| run | GPU | source | tokens/s/GPU published | predicted | error | peak GiB published | predicted "
+                  "| error |", "|---|---|---|---:|---:|---:|---:|---:|---:|"]
+        for e in other:
+            memory = (f"{e['memory_published_gib']:.1f} | {e['memory_predicted_gib']:.1f} | "
+                      f"{100 * e['memory_error']:+.1f}%" if e["memory_published_gib"] else "n/a | n/a | n/a")
+            lines.append(f"| {e['name']} | {e['gpu']} | {e['source'].split(';')[0]} | {e['tps_published']:,.0f} | "
+                         f"{e['tps_predicted']:,.0f} | {100 * e['tps_error']:+.1f}% | {memory} |")
     return "\n".join(lines)
 
 

@@ -6,6 +6,7 @@ import pytest
 from scripts import estimate_memory
 from scripts.estimate_memory import CONFIGS, DEBUG_TOML, GIB, estimate, measure
 from torchtitan.config import parse_args
+from torchtitan.planner.hardware import GPUS
 
 # Small enough to measure in a few seconds; the two dtypes and AC modes exercise different saved-tensor sets.
 MEASURED = [
@@ -110,12 +111,33 @@ def test_longer_sequences_cost_activation_memory_linearly():
 
 
 def test_presets_table_flags_layouts_over_80_gib():
-    lines = {line.split(" (")[0]: line for line in estimate_memory.presets_table(80.0, 2.0).splitlines()[1:]}
+    lines = {line.split(" (")[0]: line for line in estimate_memory.presets_table(GPUS["h100"]).splitlines()[1:]}
     assert "EXCEEDS" in lines["70B FSDP 8 x TP 8, AC none"]
     assert "fits" in lines["8B FSDP 8, AC op"]
-    assert "fits" in lines["405B FSDP 2 x TP 8 x PP 8, AC full"]
-    over = estimate(preset("llama3_70b.toml", "--activation_checkpoint.mode", "none"), 64, 2 * GIB)
+    # 74 GiB of tensors on 128 GPUs leave no room for the allocator's reserve (15.5% of them), the CUDA context
+    # and NCCL's buffers on an 80 GB H100; on 256 GPUs the shards halve.
+    assert "EXCEEDS" in lines["405B FSDP 2 x TP 8 x PP 8, AC full"]
+    assert "fits" in lines["405B FSDP 4 x TP 8 x PP 8, AC full"]
+    over = estimate(preset("llama3_70b.toml", "--activation_checkpoint.mode", "none"), 64)
     assert over.total > 80 * GIB
+
+
+def test_headroom_is_the_planners_and_the_dry_runs():
+    """estimate_memory adds to the tensors what the planner and the dry run's out-of-memory verdict add
+    (hardware.headroom): the allocator's reserve, the CUDA context, NCCL's buffers per communicator; on the CPU
+    nothing."""
+    from torchtitan.planner.hardware import CUDA_CONTEXT_GIB, NCCL_COMMUNICATOR_GIB, headroom
+    from torchtitan.planner.search import layout_from_config, predict
+
+    config, gpu = preset("llama3_70b.toml"), GPUS["h100"]
+    tensors = estimate(config, 64).total
+    extra = estimate_memory.device_headroom(config, 64, tensors, gpu)
+    # FSDP 8 x TP 8: the world's communicator, TP's and FSDP's.
+    assert extra == headroom(tensors / GIB, gpu, {"dp_shard": 8, "tp": 8})
+    assert extra.total_gib == pytest.approx(tensors / GIB * 0.155 + CUDA_CONTEXT_GIB + 3 * NCCL_COMMUNICATOR_GIB)
+    planned = predict("70B", layout_from_config(config, 64), config.training.seq_len, gpu, config=config)
+    assert tensors / GIB + extra.total_gib == pytest.approx(planned.device_memory_gib)
+    assert estimate_memory.device_headroom(config, 64, tensors, None).total_gib == 0.0
 
 
 # The dry run's trace against the real run's measured tensor peak, per layout (one process, FSDP 2, TP 2, PP 2,

@@ -8,7 +8,7 @@ from scripts import plan as plan_script
 
 SCRIPTS = {
     "plan.py": (plan_script.main, "--global_batch"),
-    "estimate_memory.py": (estimate_memory.main, "--device_memory_gib"),
+    "estimate_memory.py": (estimate_memory.main, "--gpu"),
     "benchmark.py": (benchmark.parse_benchmark_args, "--vs_eager"),
     "step_breakdown.py": (step_breakdown.run, "--plain"),
     "checkpoint_stall.py": (checkpoint_stall.parse_stall_args, "--interval"),

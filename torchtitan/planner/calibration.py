@@ -14,8 +14,9 @@ predicts for a rank alone (no communication, no bubble).
 By default only the efficiency is refitted: the level of your GPUs and software, the other two constants kept.
 With `refit_all` (three runs or more, varied in what the constants tell apart: eager and compiled, Float8, AC
 modes) all three are: on the one-H100 runs of docs/scaling.md that gave efficiency 1.0, the end of its range, where
-the efficiency alone gave 0.79 and errors within 9.3% (from -21%), before attention had its own speed (now 0.88,
-within 8.0%): the model's structure, not only its level, differs there. scripts/calibrate_gpu.py measures the
+the efficiency alone gave 0.79 and errors within 9.3% (from -21%), before attention had its own speed (then 0.88,
+within 8.0%; with GEMMs timed by shape 0.90, within 7.7%): the model's structure, not only its level, differs
+there. scripts/calibrate_gpu.py measures the
 GEMM, attention, Float8 and allocator figures on one GPU instead (`plan.py --calibrate FILE.json`).
 """
 

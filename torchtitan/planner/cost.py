@@ -5,9 +5,11 @@ Per GPU and step (all stages of one pipeline rank together; the slowest pipeline
     step = (compute + exposed communication) x pipeline bubble + communication after the pipeline drains
            + parameter traffic (the optimizer step, precision casts) + the pipeline's sends on its critical path
 
-- compute = matmul FLOPs / (peak x efficiency) + attention + memory-bound time.
-  Matmul FLOPs per token: 6 per linear weight (forward, and the two backward matmuls); full activation
-  checkpointing recomputes each block's forward (2 per linear weight). Attention runs at its own speed, not the
+- compute = matrix products by shape + attention + memory-bound time.
+  Each linear layer's forward and two backward products per micro-batch, at their shapes (linear_gemms; full
+  activation checkpointing runs each block's forward again), each timed by gemm_seconds: whole output tiles at
+  the fitted efficiency, no faster than HBM reads its inputs, plus its output's store, so a thin TP shard runs
+  slower per FLOP than the whole layer. Attention runs at its own speed, not the
   GEMM efficiency (planner/attention.py, attention_step): the pairs its mask leaves (causal s^2/2; block-causal
   the documents' sum of len^2/2; under CP the ring's diagonal and off-diagonal blocks), at FlashAttention-2's
   published speed by length and head dimension (or the GPU's calibrated one), plus ring attention's fp32 merges.
@@ -52,13 +54,15 @@ Per GPU and step (all stages of one pipeline rank together; the slowest pipeline
 - pipeline bubble: (micro-batches x v + pp - 1) / (micro-batches x v) for 1F1B-style schedules with v stages per
   rank (v = 1: 1F1B; Interleaved1F1B: v >= 2); GPipe and LoopedBFS add the same warm-up and drain.
 
-The three fitted constants (GEMM efficiency, memory-bound bytes, compiled fraction) are fitted on the three 8B rows
+The three fitted constants (GEMM efficiency: the level of a large, well-shaped product; memory-bound bytes, compiled
+fraction) are fitted on the three 8B rows
 on 8 GPUs of the published table (eager, compiled, compiled + float8) and held fixed for every other row and layout
 (docs/scaling.md); attention's speed is published, not fitted.
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 from torchtitan.errors import UserError
@@ -67,9 +71,9 @@ from torchtitan.planner.attention import attention_calls, attention_seconds
 from torchtitan.planner.hardware import GPU
 
 # Fitted on the 8B, 8-GPU rows of the published table (scripts/plan.py --validate refits and prints them).
-EFFICIENCY = 0.65
+EFFICIENCY = 0.67
 MEMORY_BOUND_BYTES = 1200.0
-COMPILED_FRACTION = 0.65
+COMPILED_FRACTION = 0.625
 MODEL_CONSTANTS = {"efficiency": EFFICIENCY, "memory_bound_bytes": MEMORY_BOUND_BYTES,
                    "compiled_fraction": COMPILED_FRACTION}
 
@@ -219,11 +223,6 @@ def block_linear_params(args: TransformerModelArgs) -> int:
     return 2 * d * q + 2 * d * kv + 3 * d * f
 
 
-def recomputed_op_weights(args: TransformerModelArgs) -> int:
-    """Weights of the matmuls per-op checkpointing recomputes (the 2nd, 4th, 6th of a block: wk, wo, w3)."""
-    return args.dim * (args.kv_heads * args.head_dim + args.n_heads * args.head_dim + args.ffn_hidden_dim)
-
-
 def parameter_traffic_bytes(stage_params: float, shard: int, gather_bytes: int, gathers: int, passes: int) -> float:
     """HBM bytes per step of a rank's work on its parameters rather than its tokens: the optimizer over the shard
     (OPTIMIZER_BYTES_PER_PARAM), and per forward-backward pass the precision casts. With FSDP (shard > 1) each
@@ -288,9 +287,12 @@ def sequence_collectives(args: TransformerModelArgs, layout: Layout,
 
 # torch's ring attention merges each block's output into the running one by log-sum-exp (_SDPAMerger), in fp32:
 # per element of the rank's output and merge step it reads the running output and the block's (cast to fp32) and
-# writes the rescaled sum, through about eight fp32 passes (32 bytes). Backward accumulates the query gradient and
-# the rotating key and value gradients in fp32: each read as fp32 and bf16 and written back (10 bytes) per step.
-MERGE_BYTES_PER_ELEMENT = 32
+# writes the rescaled sum: the block's cast to fp32 (2 + 4 bytes), the difference (4 + 4 + 4), its product with the
+# weight (4 + 4 + 4) and the update (4 + 4 + 4), 42 bytes counted; measured, one step over 32k x 32 x 128 elements
+# took 1.94 ms on an H100 SXM (torch 2.11): 48 bytes per element at the datasheet's HBM bandwidth, the figure used.
+# Backward accumulates the query gradient and the rotating key and value gradients in fp32: each read as fp32 and
+# bf16 and written back (10 bytes) per step.
+MERGE_BYTES_PER_ELEMENT = 48
 GRADIENT_ACCUMULATION_BYTES_PER_ELEMENT = 10
 
 
@@ -360,6 +362,66 @@ def float8_cast_bytes_per_token(args: TransformerModelArgs, t: int, ac: str) -> 
     return 5 * (inputs + recast + output_grads) + 2 * (inputs + output_grads)
 
 
+# The output tile of the kernels cuBLAS runs for large bf16 and float8 GEMMs on Hopper (CUTLASS's warp-specialised
+# 128 x 256 x 64 tile; Ampere's largest is 256 x 128, the same area): a matrix whose rows or columns do not fill whole
+# tiles computes the padding too (tile quantisation).
+GEMM_TILE = (128, 256)
+
+
+def gemm_seconds(m: float, k: float, n: float, gpu: GPU, efficiency: float, float8: bool = False) -> float:
+    """Seconds of one (m x k) @ (k x n) product, by its shape, from first principles and no constant of its own:
+
+    - the tensor cores compute whole output tiles (GEMM_TILE), padding included, at `efficiency` of the peak (the
+      fitted level of a large, well-shaped GEMM);
+    - they cannot run faster than HBM delivers the two inputs (each read once: bf16 2 bytes, float8 1): a thin
+      matrix (a TP 8 shard of a 1,024-wide projection has 128 columns) is bound by reading the other one;
+    - each tile's output (bf16) is written after its K loop, not under it: an additive m x n store, which is what
+      makes a short K slow (at K = 128 the store costs as much as the multiply on an H100).
+
+    Measured on one H100 SXM (docs/scaling.md, 208 shapes of the 8B, 70B and 405B blocks at TP 1-8, forward and
+    both backward products): the block's rate at TP 8 within 5% of the measurement, where one efficiency for every
+    shape was 15% off. Where the GPU was calibrated (scripts/calibrate_gpu.py), a shape it timed takes its time."""
+    if gpu.gemm_shapes and not float8:
+        measured = gpu.gemm_measured.get((round(m), round(k), round(n)))
+        if measured:
+            return 2 * m * k * n / measured
+    tile_m, tile_n = GEMM_TILE
+    padded = math.ceil(m / tile_m) * tile_m * math.ceil(n / tile_n) * tile_n
+    peak = gpu.fp8_flops if float8 else gpu.bf16_flops
+    multiply = 2 * padded * k / (peak * efficiency)
+    read = (m * k + k * n) * (1 if float8 else 2) / gpu.hbm_bytes_per_s
+    return max(multiply, read) + m * n * 2 / gpu.hbm_bytes_per_s
+
+
+def linear_gemms(args: TransformerModelArgs, layout: Layout,
+                 seq_len: int) -> list[tuple[float, int, int, int, bool, bool]]:
+    """The matrix products of one step of a rank's linear layers: (count, m, k, n, float8, forward).
+
+    Each linear layer of in x out (its TP shard: column-parallel layers split out, row-parallel ones in) runs, per
+    micro-batch of M tokens (the whole gathered sequence under sequence-parallel TP, its 1/cp share under CP), its
+    forward (M x in) @ (in x out), the input gradient (M x out) @ (out x in) and the weight gradient
+    (out x M) @ (M x in). Full AC runs every forward again, per-op AC those of wk, wo and w3. Float8 runs the blocks'
+    products in float8 (torchao casts all three); the output layer stays bf16, on the last pipeline stage."""
+    t, c = layout.tp, layout.cp
+    d, q, kv, f = args.dim, args.n_heads * args.head_dim, args.kv_heads * args.head_dim, args.ffn_hidden_dim
+    m = round(layout.microbatch * seq_len / c)
+    blocks = args.n_layers / layout.pp * (layout.local_batch // layout.microbatch)
+    recomputed = {"full": {"wq", "wk", "wv", "wo", "w1", "w3", "w2"}, "op": {"wk", "wo", "w3"}}.get(layout.ac, set())
+    layers = {"wq": (d, q // t), "wk": (d, kv // t), "wv": (d, kv // t), "wo": (q // t, d), "w1": (d, f // t),
+              "w3": (d, f // t), "w2": (f // t, d)}
+    gemms = []
+    for name, (fan_in, fan_out) in layers.items():
+        forwards = blocks * (2 if name in recomputed else 1)
+        gemms += [(forwards, m, fan_in, fan_out, layout.float8, True),
+                  (blocks, m, fan_out, fan_in, layout.float8, False),
+                  (blocks, fan_out, m, fan_in, layout.float8, False)]
+    outputs = layout.local_batch // layout.microbatch
+    vocab = args.vocab_size // t
+    gemms += [(outputs, m, d, vocab, False, True), (outputs, m, vocab, d, False, False),
+              (outputs, vocab, m, d, False, False)]
+    return gemms
+
+
 def step_time(args: TransformerModelArgs, layout: Layout, seq_len: int, gpu: GPU,
               efficiency: float = EFFICIENCY, memory_bound_bytes: float = MEMORY_BOUND_BYTES,
               compiled_fraction: float = COMPILED_FRACTION) -> StepTime:
@@ -371,23 +433,13 @@ def step_time(args: TransformerModelArgs, layout: Layout, seq_len: int, gpu: GPU
     tokens = layout.local_batch * seq_len / (t * c)
     recompute = layout.ac == "full"
     block_weights = block_linear_params(args)
-    # Linear layers: 2 FLOPs per weight forward, 4 backward.
-    linear_forward = 2 * block_weights * layers * tokens
-    linear = 3 * linear_forward
-    if recompute:  # the whole block forward again
-        linear += linear_forward
-    elif layout.ac == "op":  # every other matmul again: wk, wo and w3 (the policy saves SDPA's output)
-        linear += 2 * recomputed_op_weights(args) * layers * tokens
-    # The output layer sits on the last pipeline stage only: that rank is the slowest.
-    output = 6 * args.dim * args.vocab_size * tokens
     if layout.float8 and not gpu.fp8_flops:
         raise UserError(f"option model.converters: float8 needs a GPU with float8 tensor cores, and {gpu.name} "
                         f"has none: leave quantize.linear.float8 out of model.converters")
-    efficiency = gpu.gemm_efficiency or efficiency
-    bf16 = output + (0 if layout.float8 else linear)
-    matmul_s = bf16 / (gpu.bf16_flops * efficiency)
-    if layout.float8:
-        matmul_s += linear / (gpu.fp8_flops * efficiency)
+    if gpu.gemm_efficiency:  # the calibrated GPU's own level
+        efficiency = gpu.gemm_efficiency
+    gemms = linear_gemms(args, layout, seq_len)
+    matmul_s = sum(count * gemm_seconds(m, k, n, gpu, efficiency, float8) for count, m, k, n, float8, _ in gemms)
     attention = attention_step(args, layout, seq_len, gpu)
     hidden_elements = tokens * args.dim * layers * (4 / 3 if recompute else 1.0)
     memory_bound = memory_bound_bytes * hidden_elements
@@ -428,8 +480,8 @@ def step_time(args: TransformerModelArgs, layout: Layout, seq_len: int, gpu: GPU
             # overlap it: the two such all-gathers of every forward (and recomputed forward) hide, as far as the
             # forward matmuls last; backward's stay exposed.
             hidden_calls = (2 + (2 if recompute else 0)) * layers * microbatches
-            forward_matmul_s = linear_forward * (2 if recompute else 1) / (
-                (gpu.fp8_flops if layout.float8 else gpu.bf16_flops) * efficiency)
+            forward_matmul_s = sum(count * gemm_seconds(m, k, n, gpu, efficiency, float8)
+                                   for count, m, k, n, float8, forward in gemms if forward)
             tp_exposed = tp_s - min(tp_s * hidden_calls / (gather_calls + reduce_calls), forward_matmul_s)
     # Context parallelism: a ring all-gather (or reduce-scatter) moves (c - 1) / c of its buffer, an all-to-all
     # rotation or gradient exchange its whole buffer to the next rank.

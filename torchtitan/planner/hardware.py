@@ -5,6 +5,7 @@ direction: NVLink within a host, the RDMA network card(s) between hosts.
 """
 
 import dataclasses
+import functools
 import json
 from dataclasses import dataclass
 from pathlib import Path
@@ -28,13 +29,24 @@ class GPU:
     """Attention kernel speeds measured on this GPU (scripts/calibrate_gpu.py); None: FlashAttention-2's
     published ones, scaled to the peak (planner/attention.py)."""
     gemm_efficiency: float | None = None
-    """The fraction of the bf16 peak large GEMMs reached when measured (scripts/calibrate_gpu.py); None: the
-    model's fitted efficiency."""
+    """The fraction of the bf16 peak a large, well-shaped GEMM reaches on this GPU, from what
+    scripts/calibrate_gpu.py measured (planner/cost.py, gemm_seconds); None: the model's fitted efficiency."""
+    gemm_shapes: tuple[tuple[int, int, int, float], ...] = ()
+    """bf16 GEMMs timed on this GPU (scripts/calibrate_gpu.py): (m, k, n, FLOP/s); a product of that shape takes
+    the measured time (the mean, if timed more than once)."""
     allocator_fraction: float | None = None
     """What the caching allocator reserved beyond the live tensors when measured; None: the published figure
     (ALLOCATOR_FRAGMENTATION)."""
     calibration: str = ""
     """The calibration file whose figures these are; empty: datasheet and published figures."""
+
+    @functools.cached_property
+    def gemm_measured(self) -> dict[tuple[int, int, int], float]:
+        """FLOP/s by timed shape; a shape timed more than once at the mean of its times."""
+        inverse: dict[tuple[int, int, int], list[float]] = {}
+        for m, k, n, flops in self.gemm_shapes:
+            inverse.setdefault((m, k, n), []).append(1 / flops)
+        return {shape: len(values) / sum(values) for shape, values in inverse.items()}
 
     def attention_rates(self, head_dim: int) -> AttentionRates:
         return self.attention or published_rates(self.bf16_flops, head_dim)
@@ -127,9 +139,30 @@ CALIBRATION_FORMAT = "torchtitan-gpu-calibration/1"
 ATTENTION_CURVES = (("forward", "causal"), ("forward", "full"), ("backward", "causal"), ("backward", "full"))
 
 
+def gemm_level(gpu: GPU, measured: list[tuple[int, int, int, float]]) -> float:
+    """The efficiency (fraction of the bf16 peak a large, well-shaped GEMM reaches) at which the shape model
+    (planner/cost.py, gemm_seconds) takes as long over the `measured` products, (m, k, n, FLOP/s), as they took:
+    by bisection, at most 1 (a CPU's --quick figures give a level far below any GPU's)."""
+    from torchtitan.planner.cost import gemm_seconds  # cost.py imports this module
+
+    bare = dataclasses.replace(gpu, gemm_shapes=())
+    seconds = sum(2 * m * k * n / flops for m, k, n, flops in measured)
+    low, high = 0.0, 1.0
+    if sum(gemm_seconds(m, k, n, bare, high) for m, k, n, _ in measured) >= seconds:
+        return high
+    for _ in range(200):
+        middle = (low + high) / 2
+        if sum(gemm_seconds(m, k, n, bare, middle) for m, k, n, _ in measured) > seconds:
+            low = middle
+        else:
+            high = middle
+    return high
+
+
 def calibrated_gpu(path: str, gpu: GPU) -> tuple[GPU, str]:
     """`gpu` with the figures measured in a calibration file in place of the datasheet's and the published ones:
-    the bf16 GEMM speed (as the efficiency, replacing the fitted one), the Float8 GEMM speed-up, attention's speed
+    the bf16 GEMMs by shape (each timed shape its time; the level of the shape model, replacing the fitted
+    efficiency, from all of them), the Float8 GEMM speed-up, attention's speed
     by length and mask, the allocator's reserve. Returns a note for a file measured on the CPU (`--device cpu
     --quick`: a check of the format, not figures of any GPU)."""
     option = "option --calibrate"
@@ -147,12 +180,16 @@ def calibrated_gpu(path: str, gpu: GPU) -> tuple[GPU, str]:
         curves = tuple((direction, mask, tuple(float(x) for x in attention[f"{direction}_{mask}_flops"]))
                        for direction, mask in ATTENTION_CURVES)
         gemm_flops = float(record["gemm_bf16_flops"])
+        # "gemm_grid" (optional): more shapes (every flavor's layers at each TP degree and two token counts).
+        shapes = tuple((int(g["m"]), int(g["k"]), int(g["n"]), float(g["flops_per_s"]))
+                       for g in [*record["gemm"], *record.get("gemm_grid", [])])
         speedup = record["float8_speedup"]
         allocator = record["allocator_fraction"]
         device_type, device = record["device_type"], record["device_name"]
     except (KeyError, TypeError, ValueError) as e:
         raise UserError(f"{option}: {path} lacks or garbles {e} (rerun scripts/calibrate_gpu.py)") from None
-    if any(len(values) != len(seq_lens) or min(values) <= 0 for _, _, values in curves) or gemm_flops <= 0:
+    if any(len(values) != len(seq_lens) or min(values) <= 0 for _, _, values in curves) or gemm_flops <= 0 \
+            or not shapes or min(flops for *_, flops in shapes) <= 0:
         raise UserError(f"{option}: {path} has an attention curve of the wrong length or a speed that is not "
                         f"positive (rerun scripts/calibrate_gpu.py)")
     note = ""
@@ -164,5 +201,5 @@ def calibrated_gpu(path: str, gpu: GPU) -> tuple[GPU, str]:
     fp8_flops = gpu.bf16_flops * float(speedup) if speedup and gpu.fp8_flops else gpu.fp8_flops
     return dataclasses.replace(
         gpu, attention=AttentionRates(seq_lens=seq_lens, curves=curves, source=f"measured ({path})"),
-        gemm_efficiency=min(1.0, gemm_flops / gpu.bf16_flops), fp8_flops=fp8_flops,
+        gemm_efficiency=gemm_level(gpu, list(shapes)), gemm_shapes=shapes, fp8_flops=fp8_flops,
         allocator_fraction=None if allocator is None else float(allocator), calibration=str(path)), note

@@ -103,8 +103,8 @@ Peak = parameters + optimizer + max over the phases of the step:
   backward of      activations of blocks 0..i + block(i) + buffers + gradients of the head and of the blocks
     block i        after i (all gradients when accumulating); the largest over i
   optimizer step   gradients + optimizer temporaries
-plus a fixed overhead (--overhead_gib; default 2 GiB on GPUs for the CUDA context, NCCL and cuBLAS workspaces,
-not validated here; 0 for the CPU validation, which counts tensors only).
+Tensors only: what a GPU holds beyond them (the allocator's reserve, the CUDA context, NCCL's buffers) is
+hardware.headroom, which the planner, the dry run's out-of-memory verdict and scripts/estimate_memory.py all add.
 
 Compiled blocks with AC: per-op AC saves what its policy names and backward reads (above), full AC the block
 input; the backward of a checkpointed block holds what the eager `none` set does (measured, one block
@@ -159,14 +159,13 @@ class Estimate:
     activations: int
     transient: int
     buffers: int
-    overhead: int
     phase: str
     rank: int
 
     @property
     def total(self) -> int:
         return (self.parameters + self.optimizer + self.gradients + self.activations + self.transient
-                + self.buffers + self.overhead)
+                + self.buffers)
 
 
 @dataclass(frozen=True)
@@ -218,7 +217,7 @@ def _compensation_state(config: JobConfig, dims: ParallelDims, params: float) ->
     return params * compensation_bytes_per_value(config) if dims.fsdp_enabled else 0.0
 
 
-def estimate(config: JobConfig, ngpu: int, overhead_bytes: int = 0, device: str = "cuda",
+def estimate(config: JobConfig, ngpu: int, device: str = "cuda",
              row_split_embedding: bool = False) -> Estimate:
     """The peak over the pipeline ranks (every rank of a pipeline stage group holds the same) on `device` devices
     ("cuda" or "cpu": attention saves different tensors on each). `row_split_embedding` models a TP plan that
@@ -227,7 +226,7 @@ def estimate(config: JobConfig, ngpu: int, overhead_bytes: int = 0, device: str 
     dims = ParallelDims.from_config(config.parallelism, ngpu)
     args = model_args_for(config.model.flavor, config.training.seq_len, overrides=shape_overrides(config.model))
     stages_of_rank, in_flight = _pipeline_layout(config, args, dims)
-    estimates = [_estimate_rank(config, args, dims, rank, stages, in_flight, overhead_bytes, device,
+    estimates = [_estimate_rank(config, args, dims, rank, stages, in_flight, device,
                                 row_split_embedding) for rank, stages in enumerate(stages_of_rank)]
     return max(estimates, key=lambda e: e.total)
 
@@ -352,7 +351,7 @@ def _ac_modes(config: JobConfig, n_blocks: int) -> list[str]:
 
 
 def _estimate_rank(config: JobConfig, args: TransformerModelArgs, dims: ParallelDims, rank: int,
-                   stages: list[tuple[int, bool, bool]], in_flight, overhead: int, device: str,
+                   stages: list[tuple[int, bool, bool]], in_flight, device: str,
                    row_split_embedding: bool = False) -> Estimate:
     s = _Shapes.of(args)
     t, fsdp = dims.tp, dims.dp_shard * dims.cp
@@ -543,5 +542,5 @@ def _estimate_rank(config: JobConfig, args: TransformerModelArgs, dims: Parallel
     phase, (acts, transient, buffers, grads) = max(phases.items(), key=lambda item: sum(item[1]))
     optimizer += _compensation_state(config, dims, params)
     return Estimate(parameters=round(parameters), optimizer=round(optimizer), gradients=round(grads),
-                    activations=round(acts), transient=round(transient), buffers=round(buffers), overhead=overhead,
+                    activations=round(acts), transient=round(transient), buffers=round(buffers),
                     phase=phase, rank=rank)

@@ -28,6 +28,9 @@ PUBLISHED = Path(__file__).resolve().parent / "data" / "torchtitan_llama3_h100.c
 # TorchTitan's long-context rows (8B with CP at 32k-256k): held out, and outside the envelope, which the rows of
 # PUBLISHED alone make: the model misses them (docs/scaling.md), so they bound nothing.
 LONG_CONTEXT = PUBLISHED.with_name("torchtitan_llama3_h100_long_context.csv")
+# Published runs of other sources (TorchTitan on H200, Megatron-Bridge on H100): held out, each row with its source,
+# GPU, software and method; outside the envelope, which the rows of PUBLISHED alone make.
+OTHER = PUBLISHED.with_name("other_llama3_runs.csv")
 GPU = GPUS["h100_96gb"]
 # The 8B rows on one host: eager, compiled, compiled + float8.
 FIT_ROWS = (0, 1, 2)
@@ -44,13 +47,17 @@ class Row:
     peak_memory_gib: float
     fitted: bool = False
     """One of FIT_ROWS of PUBLISHED: the constants were fitted on it."""
+    gpu: GPUSpec = GPU
+    source: str = ""
+    """Where the row was published, the software that ran it and how it was read (OTHER's rows)."""
 
     @property
     def name(self) -> str:
         l = self.layout
         parts = [f"{self.flavor} on {self.gpus}", f"FSDP {l.dp_shard}"]
         parts += [f"TP {l.tp}"] if l.tp > 1 else []
-        parts += [f"PP {l.pp} {l.schedule}"] if l.pp > 1 else []
+        parts += [f"PP {l.pp} {l.schedule}" + (f" VP {l.stages_per_rank}" if l.stages_per_rank > 2 else "")] \
+            if l.pp > 1 else []
         parts += [f"CP {l.cp}"] if l.cp > 1 else []
         parts += [f"seq {self.seq_len:,}"] if self.seq_len != 8192 else []
         parts += ["compile"] if l.compile else []
@@ -79,6 +86,41 @@ def published_rows(path: Path = PUBLISHED) -> list[Row]:
                         peak_memory_gib=float(record["peak_mem_gib"]),
                         fitted=path == PUBLISHED and index in FIT_ROWS))
     return rows
+
+
+def other_rows(path: Path = OTHER) -> list[Row]:
+    """OTHER's rows: their own GPU, micro-batch and virtual stages; peak memory 0 where the source gives none."""
+    lines = [line for line in path.read_text().splitlines() if not line.startswith("#")]
+    rows = []
+    for index, record in enumerate(csv.DictReader(lines)):
+        schedule = record["pp_schedule"] or None
+        layout = Layout(dp_replicate=1, dp_shard=int(record["dp_shard"]), tp=int(record["tp"]), pp=int(record["pp"]),
+                        cp=int(record["cp"]), schedule=schedule, stages_per_rank=int(record["vp"]),
+                        local_batch=int(record["local_batch"]), microbatch=int(record["mbs"]), ac=record["ac"],
+                        float8=record["float8"] == "true", compile=record["compile"] == "true",
+                        async_tp=record["async_tp"] == "true")
+        rows.append(Row(index=index, flavor=record["flavor"], gpus=int(record["gpus"]), seq_len=int(record["seq_len"]),
+                        layout=layout, tps_per_gpu=float(record["tps_per_gpu"]),
+                        peak_memory_gib=float(record["peak_mem_gib"] or 0), gpu=GPUS[record["gpu"]],
+                        source=f"{record['source']}; {record['software']}; {record['method']}"))
+    return rows
+
+
+def other_table(rows: list[Row] | None = None) -> list[dict]:
+    """Published vs predicted tokens/s per GPU of OTHER's rows, and peak memory where published. The speed is the
+    performance model's alone (a Megatron virtual-pipeline split this framework's trainer does not express still
+    has a step time); the memory is the planner's (tensors plus the allocator's reserve)."""
+    rows = rows if rows is not None else other_rows()
+    table = []
+    for row in rows:
+        tps = tokens_per_second_per_gpu(model_args_for(row.flavor, row.seq_len), row.layout, row.seq_len, row.gpu)
+        memory = predict(row.flavor, row.layout, row.seq_len, row.gpu).peak_memory_gib if row.peak_memory_gib else 0.0
+        table.append({"row": row.index, "name": row.name, "gpu": row.gpu.name, "source": row.source,
+                      "tps_published": row.tps_per_gpu, "tps_predicted": tps, "tps_error": tps / row.tps_per_gpu - 1,
+                      "memory_published_gib": row.peak_memory_gib or None,
+                      "memory_predicted_gib": memory or None,
+                      "memory_error": memory / row.peak_memory_gib - 1 if row.peak_memory_gib else None})
+    return table
 
 
 @dataclass(frozen=True)
