@@ -27,6 +27,11 @@ from torchtitan.tools.logging import logger
 LIGHTHOUSE_ENV = "TORCHFT_LIGHTHOUSE"
 
 
+class QuorumError(RuntimeError):
+    """A step's quorum was not formed: the trainer stops with one line and the exit code of a communication failure
+    (EXIT_COMM_FAILURE), so that the group's torchrun restarts it."""
+
+
 def lighthouse_address(config: FaultToleranceConfig, environ: dict[str, str]) -> str:
     """fault_tolerance.lighthouse, else $TORCHFT_LIGHTHOUSE (the variable torchft and TorchTitan read)."""
     address = config.lighthouse or environ.get(LIGHTHOUSE_ENV, "")
@@ -37,18 +42,23 @@ def lighthouse_address(config: FaultToleranceConfig, environ: dict[str, str]) ->
     return address
 
 
-def wait_for_lighthouse(address: str, timeout_s: float) -> None:
-    """Return once the lighthouse accepts a TCP connection; one error line if it does not within `timeout_s`.
-    torchft itself would retry its heartbeats forever and fail only at the first quorum's timeout."""
+def connect_to_lighthouse(address: str, timeout_s: float) -> None:
+    """Open and close a TCP connection to the lighthouse (OSError if none is accepted)."""
     url = urlparse(address if "://" in address else f"http://{address}")
     if url.hostname is None or url.port is None:
         raise UserError(f"option fault_tolerance.lighthouse: {address!r} is not an address of the form "
                         f"http://host:port")
+    socket.create_connection((url.hostname, url.port), timeout=timeout_s).close()
+
+
+def wait_for_lighthouse(address: str, timeout_s: float) -> None:
+    """Return once the lighthouse accepts a TCP connection; one error line if it does not within `timeout_s`.
+    torchft itself would retry its heartbeats forever and fail only at the first quorum's timeout."""
     deadline = time.monotonic() + timeout_s
     while True:
         try:
-            with socket.create_connection((url.hostname, url.port), timeout=min(5.0, timeout_s)):
-                return
+            connect_to_lighthouse(address, min(5.0, timeout_s))
+            return
         except OSError as e:
             if time.monotonic() >= deadline:
                 raise UserError(f"option fault_tolerance.lighthouse: no torchft lighthouse reachable at {address} "
@@ -70,7 +80,7 @@ class ReplicaGroup:
         self.config = config
         self.states = states
         self.healed = False
-        address = lighthouse_address(config, environ)
+        self.address = address = lighthouse_address(config, environ)
         wait_for_lighthouse(address, config.connect_timeout_seconds)
         timeout = timedelta(milliseconds=config.process_group_timeout_ms)
         backend = ProcessGroupGloo if config.process_group == "gloo" else ProcessGroupNCCL
@@ -122,7 +132,22 @@ class ReplicaGroup:
         """Join this step's quorum; True if this group was behind and loaded a peer's state (the data iterator must
         then restart from the loaded position)."""
         self.healed = False
-        self.manager.start_quorum()
+        try:
+            self.manager.start_quorum()
+        except TimeoutError as e:
+            # torchft's manager asks the lighthouse once per quorum: a request the lighthouse failed (it was down,
+            # even briefly) is not retried, and the manager's next quorum re-raises this one's error. So the group
+            # stops; its torchrun restarts it, and it resumes from its checkpoint or heals from a live peer.
+            try:
+                connect_to_lighthouse(self.address, 5.0)
+                now = "accepts connections now (it was restarted, or the other groups did not reach this step)"
+            except OSError:
+                now = "is unreachable"
+            raise QuorumError(
+                f"replica group {self.config.replica_id}: no quorum for step {self.manager.current_step() + 1} "
+                f"within fault_tolerance.quorum_timeout_seconds = {self.config.quorum_timeout_seconds:g} s; the "
+                f"lighthouse at {self.address} {now} ({e}); this group stops so that its torchrun restarts it "
+                f"(from its checkpoint, or healing from a live group)") from None
         if self.healed:
             logger.warning(f"replica group {self.config.replica_id}: recovered the state of step "
                            f"{self.manager.current_step()} from a live peer ({self.manager.num_participants()} "
