@@ -604,7 +604,7 @@ class FaultTolerance:
     """Stop with an error if the lighthouse cannot be reached within this many seconds at start."""
 
     quorum_timeout_seconds: float = 300.0
-    """Longest wait for a step's quorum (the other groups reaching the step, a restarted group healing)."""
+    """Longest wait for a step's quorum (the other groups reaching the step, a restarted group healing); past it the group stops with exit code 4, for its torchrun to restart it."""
 
 
 @dataclass
