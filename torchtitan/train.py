@@ -166,7 +166,8 @@ class Trainer:
         self.preempted = False
         self.fault_tolerance = setup_fault_tolerance(config.fault_tolerance, {
             "model": self.checkpointer.model, "optimizer": self.optimizers, "lr_scheduler": self.lr_schedulers,
-            "dataloader": self.dataloader, "train_state": self.train_state}, dict(os.environ))
+            "dataloader": self.dataloader, "train_state": self.train_state}, dict(os.environ),
+            torch.nn.ModuleList(self.model_parts))
 
     # ----------------------------------------------------------------------------------------------------------
     # Building blocks
@@ -434,6 +435,11 @@ class Trainer:
                     continue
                 self.train_state.step = step
                 self.train_state.tokens_seen += batch_tokens
+                if self.fault_tolerance is not None and self.fault_tolerance.sync(step):
+                    # LocalSGD healed this group from a peer at a sync: go on from the peer's step and data position.
+                    data_iterator = iter(self.dataloader)
+                    step = self.train_state.step
+                    self.health.healed(step)
                 window["steps"] += 1
                 if step == first_step:
                     dist_utils.set_train_timeout(config.comm.train_timeout_seconds)

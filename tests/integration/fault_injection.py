@@ -35,7 +35,8 @@ Environment:
     FAULT_SLOW_SECONDS   extra data-loading time per step of a `slow` rank (default 0.2)
     FAULT_REPORT_DIR  if set, each rank appends JSON lines to events-rank<R>-attempt<A>.jsonl there: every fault
                       it injects (written before acting, so a SIGKILL is recorded too), a digest of its local
-                      parameter shards after each step (and whether torchft committed it), and its exit code
+                      parameter shards after each step (and whether torchft committed it) and at each logged step (after the
+                      step's end), and its exit code
 """
 
 import hashlib
@@ -150,6 +151,13 @@ def install(faults: dict[int, str]) -> None:
                 "digest": parameter_digest(self), "committed": committed})
         return result
 
+    log_step = train.Trainer._log_step
+
+    def reporting_log_step(self, step, *args):
+        # Logged steps are past the step's end (LocalSGD's averaging included): the weights as the step left them.
+        report({"event": "logged", "step": step, "digest": parameter_digest(self)})
+        return log_step(self, step, *args)
+
     slow_from = min((step for step, kind in faults.items() if kind == "slow"), default=None)
     next_batches = train.Trainer._next_batches
 
@@ -166,6 +174,7 @@ def install(faults: dict[int, str]) -> None:
     dcp.save = faulty_dcp_save
     if os.environ.get("FAULT_REPORT_DIR"):
         train.Trainer.train_step = reporting_train_step
+        train.Trainer._log_step = reporting_log_step
 
 
 def kill_in_next_save(signum, frame) -> None:

@@ -309,6 +309,42 @@ def test_group_killed_during_a_checkpoint_save(tmp_path):
     print(f"killed in the save of step {killed_in}; {kept.name} kept; resumed at step {after[0]}")
 
 
+def test_local_sgd_averages_the_weights_every_sync_steps(tmp_path):
+    """fault_tolerance.semi_sync_method = local_sgd, sync_steps 3 (torchft's LocalSGD): each group takes optimizer
+    steps of its own on its own slice of the data, so the groups' weights differ after every step between syncs,
+    and are the same right after each sync (the average over the groups). Group 1 starts later and heals from
+    group 0 at its first sync."""
+    from torchft.coordination import LighthouseServer
+
+    lighthouse = LighthouseServer(bind="[::]:0", min_replicas=1, join_timeout_ms=1000)
+    groups = Groups(tmp_path, lighthouse.address())
+    options = ("--fault_tolerance.semi_sync_method", "local_sgd", "--fault_tolerance.sync_steps", "3")
+    try:
+        groups.start("group0", 0, options)
+        groups.wait_until(lambda: last_step(tmp_path / "group0") >= 1, "group 0 trained a step", ("group0",))
+        groups.start("group1", 1, options)
+        groups.wait()
+    finally:
+        groups.stop()
+        lighthouse.shutdown()
+    groups.assert_finished("group0", "group1")
+    logged = [{row["step"]: row["digest"] for row in events(tmp_path / name) if row["event"] == "logged"}
+              for name in ("group0", "group1")]
+    assert sorted(logged[0]) == list(range(1, STEPS + 1))
+    # Group 1 took steps 1 and 2 of its own, then at its first sync healed to group 0's step and synced with it on.
+    healed_to = min(step for step in logged[1] if step % 3 == 0)
+    assert sorted(logged[1]) == [1, 2, *range(healed_to, STEPS + 1)], sorted(logged[1])
+    both = list(range(healed_to, STEPS + 1))
+    synced = [step for step in both if step % 3 == 0]
+    between = [step for step in both if step % 3]
+    assert len(synced) >= 10 and len(between) >= 20, both
+    assert all(logged[0][step] == logged[1][step] for step in synced), synced
+    assert all(logged[0][step] != logged[1][step] for step in between), between
+    assert groups.output("group1").count("recovered the state of step") == 1
+    print(f"group 1 healed to step {both[0]}; equal at {len(synced)} syncs, different at {len(between)} steps "
+          f"between")
+
+
 def test_group_with_no_live_peer_resumes_from_its_checkpoint(tmp_path):
     """The only live group (of 2 configured) is killed in step 8; its torchrun restarts it, no peer holds a newer
     state, so it resumes from its own checkpoint of step 5 and replays steps 6-7 exactly."""

@@ -29,6 +29,8 @@ FT = ["--fault_tolerance.enable", "--fault_tolerance.group_size", "3"]
      "option fault_tolerance.min_replica_size: 4 must be in [1, group_size = 3]"),
     ([*FT, "--fault_tolerance.quorum_timeout_seconds", "0"],
      "option fault_tolerance.quorum_timeout_seconds: 0.0 must be positive"),
+    ([*FT, "--fault_tolerance.semi_sync_method", "local_sgd", "--fault_tolerance.sync_steps", "0"],
+     "option fault_tolerance.sync_steps: 0 must be positive"),
     ([*FT, "--health.spike_sigma", "3"], "option health.spike_sigma: 3.0 cannot be used with fault_tolerance.enable"),
     ([*FT, "--fault_tolerance.process_group", "mpi"], "option fault_tolerance.process_group: 'mpi' is not one of"),
 ])
@@ -102,6 +104,7 @@ def test_a_failed_quorum_is_one_error_saying_whether_the_lighthouse_is_back():
     group = ReplicaGroup.__new__(ReplicaGroup)
     group.config = FaultTolerance(enable=True, group_size=2, replica_id=1, quorum_timeout_seconds=15)
     group.manager = FailedQuorumManager()
+    group.local_sgd = None
     with socket.socket() as listening:
         listening.bind(("localhost", 0))
         listening.listen()
