@@ -39,7 +39,7 @@ from torchtitan.distributed.compression import (compensation_state_bytes, compre
                                                 require_compensation_fits)
 from torchtitan.distributed.context_parallel import context_parallel_context, shard_documents
 from torchtitan.distributed.fake import host_values
-from torchtitan.distributed.fault_tolerance import data_slice, setup_fault_tolerance
+from torchtitan.distributed.fault_tolerance import QuorumError, data_slice, setup_fault_tolerance
 from torchtitan.distributed.fsdp import TORCH_DTYPES
 from torchtitan.distributed.parallel_dims import ParallelDims
 from torchtitan.distributed.pipeline_parallel import pipeline_llama
@@ -166,7 +166,8 @@ class Trainer:
         self.preempted = False
         self.fault_tolerance = setup_fault_tolerance(config.fault_tolerance, {
             "model": self.checkpointer.model, "optimizer": self.optimizers, "lr_scheduler": self.lr_schedulers,
-            "dataloader": self.dataloader, "train_state": self.train_state}, dict(os.environ))
+            "dataloader": self.dataloader, "train_state": self.train_state}, dict(os.environ),
+            torch.nn.ModuleList(self.model_parts))
 
     # ----------------------------------------------------------------------------------------------------------
     # Building blocks
@@ -318,6 +319,7 @@ class Trainer:
                                  f"stop). Lower optimizer.lr, check the data, or set debug.on_nonfinite = skip")
         if self.fault_tolerance is not None and not self.fault_tolerance.should_commit():
             self.optimizers.zero_grad()
+            self.health.not_committed()
             return global_loss, grad_norm_host, self.lr_schedulers.last_lr
         # The loss and gradient norm are global (the same on every rank), so every rank takes the same decision.
         if not self.dry_run and self.health.skip_update(step, global_loss, grad_norm_host, any_nonfinite > 0):
@@ -419,6 +421,7 @@ class Trainer:
                 if self.fault_tolerance is not None and self.fault_tolerance.start_step():
                     # Recovered from a peer: read on from its data position.
                     data_iterator = iter(self.dataloader)
+                    self.health.healed(self.train_state.step)
                 step = self.train_state.step + 1
                 if step % config.training.gc_freq == 0 or config.training.gc_debug:
                     gc.collect(1)
@@ -432,6 +435,11 @@ class Trainer:
                     continue
                 self.train_state.step = step
                 self.train_state.tokens_seen += batch_tokens
+                if self.fault_tolerance is not None and self.fault_tolerance.sync(step):
+                    # LocalSGD healed this group from a peer at a sync: go on from the peer's step and data position.
+                    data_iterator = iter(self.dataloader)
+                    step = self.train_state.step
+                    self.health.healed(step)
                 window["steps"] += 1
                 if step == first_step:
                     dist_utils.set_train_timeout(config.comm.train_timeout_seconds)
@@ -593,6 +601,9 @@ def main(argv: list[str] | None = None) -> int:
     except torch.OutOfMemoryError as e:
         logger.error(f"error: {out_of_memory_message(e, _failed_during(trainer))}")
         return EXIT_USER_ERROR
+    except QuorumError as e:
+        logger.error(f"error: {e}")
+        return EXIT_COMM_FAILURE
     except KeyboardInterrupt:
         # Ctrl-C reaches every process of the terminal's process group: one line each, not a traceback each.
         logger.warning(f"interrupted (SIGINT) during {_failed_during(trainer)}; stopped without saving a checkpoint")

@@ -24,13 +24,19 @@ Environment:
                       and one in that step's checkpoint save:
                         sigkill_in_save  the rank SIGKILLs itself once DCP has written the checkpoint, before it
                                          is published (renamed from step-N.incomplete to step-N)
+    SIGUSR1 sent to a rank from outside stalls it for FAULT_SLEEP_SECONDS wherever its main thread is (a hang at
+    a moment chosen by the test, not by step number; the process's other threads, torchft's heartbeats among them,
+    run on). Installed on every rank.
+    SIGUSR2 sent to a rank from outside makes it SIGKILL itself in its next checkpoint save, as sigkill_in_save
+    does (a kill during a save, whichever step the test finds it at).
     FAULT_ATTEMPT     inject only in this torchrun attempt (TORCHELASTIC_RESTART_COUNT); default: every attempt
     FAULT_SPIKE_FACTOR   the loss factor of a `spike` (default 100)
     FAULT_SLEEP_SECONDS  length of a `sleep` stall (default 60)
     FAULT_SLOW_SECONDS   extra data-loading time per step of a `slow` rank (default 0.2)
     FAULT_REPORT_DIR  if set, each rank appends JSON lines to events-rank<R>-attempt<A>.jsonl there: every fault
                       it injects (written before acting, so a SIGKILL is recorded too), a digest of its local
-                      parameter shards after each step, and its exit code
+                      parameter shards after each step (and whether torchft committed it) and at each logged step (after the
+                      step's end), and its exit code
 """
 
 import hashlib
@@ -49,6 +55,7 @@ from torchtitan import train
 RANK = int(os.environ.get("RANK", "0"))
 ATTEMPT = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
 STEP_KINDS = ("nan", "inf", "spike", "inf_grad", "sleep", "sigkill", "sigterm", "sigint", "sigterm_agent")
+KILL_IN_NEXT_SAVE = False
 KINDS = (*STEP_KINDS, "sigkill_in_save", "slow")
 
 
@@ -131,16 +138,25 @@ def install(faults: dict[int, str]) -> None:
 
     def faulty_dcp_save(*args, **kwargs):
         result = dcp_save(*args, **kwargs)
-        if faults.get(current["step"]) == "sigkill_in_save":
+        if faults.get(current["step"]) == "sigkill_in_save" or KILL_IN_NEXT_SAVE:
             report({"event": "inject", "kind": "sigkill_in_save", "step": current["step"]})
             os.kill(os.getpid(), signal.SIGKILL)
         return result
 
     def reporting_train_step(self, batches):
         result = train_step(self, batches)
+        # A replica group's step that torchft did not commit left the weights as they were; it is run again.
+        committed = self.fault_tolerance is None or self.fault_tolerance.committed
         report({"event": "step", "step": self.train_state.step + 1, "loss": result[0],
-                "digest": parameter_digest(self)})
+                "digest": parameter_digest(self), "committed": committed})
         return result
+
+    log_step = train.Trainer._log_step
+
+    def reporting_log_step(self, step, *args):
+        # Logged steps are past the step's end (LocalSGD's averaging included): the weights as the step left them.
+        report({"event": "logged", "step": step, "digest": parameter_digest(self)})
+        return log_step(self, step, *args)
 
     slow_from = min((step for step, kind in faults.items() if kind == "slow"), default=None)
     next_batches = train.Trainer._next_batches
@@ -158,6 +174,18 @@ def install(faults: dict[int, str]) -> None:
     dcp.save = faulty_dcp_save
     if os.environ.get("FAULT_REPORT_DIR"):
         train.Trainer.train_step = reporting_train_step
+        train.Trainer._log_step = reporting_log_step
+
+
+def kill_in_next_save(signum, frame) -> None:
+    global KILL_IN_NEXT_SAVE
+    KILL_IN_NEXT_SAVE = True
+
+
+def stall(signum, frame) -> None:
+    report({"event": "inject", "kind": "stall"})
+    time.sleep(float(os.environ.get("FAULT_SLEEP_SECONDS", "60")))
+    report({"event": "stall_end"})
 
 
 def main() -> int:
@@ -166,6 +194,8 @@ def main() -> int:
     if wanted_attempt is not None and int(wanted_attempt) != ATTEMPT:
         faults = {}
     install(faults)
+    signal.signal(signal.SIGUSR1, stall)
+    signal.signal(signal.SIGUSR2, kill_in_next_save)
     code = train.main(sys.argv[1:])
     report({"event": "exit", "code": code})
     return code

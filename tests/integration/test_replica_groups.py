@@ -11,7 +11,9 @@ before its first step. So after the run both groups hold bitwise the same weight
 import contextlib
 import json
 import os
+import re
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -20,20 +22,23 @@ from pathlib import Path
 import pytest
 
 from tests.integration.harness import REPO, TINY
+from torchtitan.distributed.fault_tolerance import wait_for_lighthouse
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
 GROUPS = 2
 STEPS = 200
+QUORUM_TIMEOUT_S = 15
+STALL_S = 20
 INJECTOR = "tests.integration.fault_injection"
 
 
 def group_command(replica_id: int, lighthouse: str, dump: Path, steps: int = STEPS,
-                  extra: tuple[str, ...] = ()) -> list[str]:
+                  torchrun: tuple[str, ...] = (), groups: int = GROUPS) -> list[str]:
     return [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=1", "--rdzv-backend=c10d",
-            "--rdzv-endpoint=localhost:0", *extra, "-m", INJECTOR, *TINY,
+            "--rdzv-endpoint=localhost:0", *torchrun, "-m", INJECTOR, *TINY,
             "--training.steps", str(steps), "--training.local_batch_size", "2", "--job.dump_folder", str(dump),
-            "--fault_tolerance.enable", "--fault_tolerance.group_size", str(GROUPS),
+            "--fault_tolerance.enable", "--fault_tolerance.group_size", str(groups),
             "--fault_tolerance.replica_id", str(replica_id), "--fault_tolerance.lighthouse", lighthouse,
             "--fault_tolerance.process_group_timeout_ms", "5000", "--fault_tolerance.quorum_timeout_seconds", "120"]
 
@@ -46,10 +51,9 @@ def events(folder: Path) -> list[dict]:
 def kill(proc: subprocess.Popen, workers_only: bool = False) -> None:
     """SIGKILL a group's torchrun workers (each in a session of its own: killing the agent's session leaves them),
     then, unless `workers_only`, its agent."""
-    children = Path(f"/proc/{proc.pid}/task/{proc.pid}/children")
-    for pid in (children.read_text().split() if children.exists() else []):
+    for pid in workers(proc):
         with contextlib.suppress(ProcessLookupError):
-            os.kill(int(pid), signal.SIGKILL)
+            os.kill(pid, signal.SIGKILL)
     if not workers_only:
         with contextlib.suppress(ProcessLookupError):
             os.killpg(proc.pid, signal.SIGKILL)
@@ -59,83 +63,286 @@ def last_step(folder: Path) -> int:
     return max((row["step"] for row in events(folder) if row["event"] == "step"), default=0)
 
 
+class Groups:
+    """The replica groups of one test, each a torchrun job started by `start(name, ...)`: its output in
+    `<tmp>/<name>.log`, its fault reports in `<tmp>/<name>/`, its dump folder `<tmp>/dump` (each group writes under
+    `replica_<id>`). Every group's data loading takes 0.2 s more per step, so that a run outlasts a group's start-up
+    (seconds each, more under load) and the others are still training when a failed group comes back."""
+
+    def __init__(self, tmp_path: Path, lighthouse: str, timeout_s: float = 600, size: int = GROUPS):
+        self.size = size
+        self.tmp = tmp_path
+        self.lighthouse = lighthouse
+        self.procs: dict[str, subprocess.Popen] = {}
+        self.logs = []
+        self.deadline = time.monotonic() + timeout_s
+
+    def start(self, name: str, replica_id: int, extra: tuple[str, ...] = (), steps: int = STEPS,
+              torchrun: tuple[str, ...] = (), **env: str) -> None:
+        report = self.tmp / name
+        report.mkdir()
+        env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO), "FAULT_REPORT_DIR": str(report),
+               "FAULT_PLAN": "slow@1:0", "FAULT_SLOW_SECONDS": "0.2", **env}
+        self.logs.append(open(self.tmp / f"{name}.log", "w"))
+        command = group_command(replica_id, self.lighthouse, self.tmp / "dump", steps, torchrun, self.size) + \
+            list(extra)
+        self.procs[name] = subprocess.Popen(command, cwd=REPO, env=env, stdout=self.logs[-1],
+                                            stderr=subprocess.STDOUT, start_new_session=True)
+
+    def wait_until(self, condition, what: str, running: tuple[str, ...] = ("survivor",)) -> None:
+        while not condition():
+            for name in running:
+                assert self.procs[name].poll() is None, f"{name} stopped while waiting until {what}"
+            assert time.monotonic() < self.deadline, f"timed out waiting until {what}"
+            time.sleep(0.1)
+
+    def wait(self) -> None:
+        for proc in self.procs.values():
+            proc.wait(timeout=max(1.0, self.deadline - time.monotonic()))
+
+    def stop(self) -> None:
+        for proc in self.procs.values():
+            if proc.poll() is None:
+                kill(proc)
+                proc.wait()
+        for log in self.logs:
+            log.close()
+
+    def output(self, name: str) -> str:
+        return (self.tmp / f"{name}.log").read_text(errors="replace")
+
+    def steps(self, name: str) -> list[dict]:
+        """The group's committed steps (one record each; a step run again after a failed one has two)."""
+        return [row for row in events(self.tmp / name) if row["event"] == "step" and row["committed"]]
+
+    def assert_finished(self, *names: str) -> None:
+        for name in names:
+            assert self.procs[name].returncode == 0, self.output(name)[-6000:]
+
+    def replica_groups(self, replica_id: int) -> dict[int, int]:
+        """Step -> the number of groups in its quorum, from the group's metrics (its last record of a step)."""
+        path = self.tmp / "dump" / f"replica_{replica_id}" / "metrics.jsonl"
+        return {row["step"]: row["replica_groups"] for row in map(json.loads, path.read_text().splitlines())
+                if "replica_groups" in row}
+
+
+def workers(proc: subprocess.Popen) -> list[int]:
+    """The worker processes of a group's torchrun agent."""
+    children = Path(f"/proc/{proc.pid}/task/{proc.pid}/children")
+    return [int(pid) for pid in (children.read_text().split() if children.exists() else [])]
+
+
+def assert_survivor_never_stopped(folder: Path, joined_late: bool = False) -> None:
+    """The survivor ran one process to the end, committing every step once from step 1 (or, if it `joined_late`,
+    from the step it healed to). A step during which its peer failed is not committed (its all-reduce failed) and
+    is run again with the next batch: at most that one."""
+    rows = [row for row in events(folder) if row["event"] == "step"]
+    committed = [row["step"] for row in rows if row["committed"]]
+    assert {row["attempt"] for row in rows} == {0}
+    assert committed == list(range(committed[0] if joined_late else 1, STEPS + 1)), committed
+    assert len(rows) - len(committed) <= 1, [row["step"] for row in rows]
+
+
+def assert_same_weights(reference: list[dict], *others: list[dict]) -> None:
+    """The same weights in every group after every step both committed (at least one)."""
+    digests = {row["step"]: row["digest"] for row in reference}
+    for group in others:
+        common = [row for row in group if row["step"] in digests]
+        assert common
+        for row in common:
+            assert row["digest"] == digests[row["step"]], f"step {row['step']}"
+
+
 def test_killed_replica_group_heals_from_a_live_peer_while_the_other_trains_on(tmp_path):
     from torchft.coordination import LighthouseServer
 
     lighthouse = LighthouseServer(bind="[::]:0", min_replicas=1, join_timeout_ms=1000)
-    procs: dict[str, subprocess.Popen] = {}
-    logs = []
-
-    def start(name: str, replica_id: int) -> None:
-        report = tmp_path / name
-        report.mkdir()
-        # Every step takes 0.2 s more, so that the run outlasts two start-ups of a group (seconds each, more under
-        # load) and the survivor is still training when the killed group comes back.
-        env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO), "FAULT_REPORT_DIR": str(report),
-               "FAULT_PLAN": "slow@1:0", "FAULT_SLOW_SECONDS": "0.2"}
-        logs.append(open(tmp_path / f"{name}.log", "w"))
-        procs[name] = subprocess.Popen(group_command(replica_id, lighthouse.address(), tmp_path / "dump"), cwd=REPO,
-                                       env=env, stdout=logs[-1], stderr=subprocess.STDOUT, start_new_session=True)
-
-    def wait_until(condition, what: str) -> None:
-        while not condition():
-            assert procs["survivor"].poll() is None, f"the survivor stopped while waiting until {what}"
-            assert time.monotonic() < deadline, f"timed out waiting until {what}"
-            time.sleep(0.1)
-
-    deadline = time.monotonic() + 600
+    groups = Groups(tmp_path, lighthouse.address())
     try:
         # Group 0 first: group 1 then joins by healing from it, so group 0 holds the whole history.
-        start("survivor", 0)
-        wait_until(lambda: last_step(tmp_path / "survivor") >= 1, "group 0 trained a step")
-        start("killed", 1)
-        wait_until(lambda: len([r for r in events(tmp_path / "killed") if r["event"] == "step"]) >= 3,
-                   "group 1 trained 3 steps with group 0")
+        groups.start("survivor", 0)
+        groups.wait_until(lambda: last_step(tmp_path / "survivor") >= 1, "group 0 trained a step")
+        groups.start("killed", 1)
+        groups.wait_until(lambda: len(groups.steps("killed")) >= 3, "group 1 trained 3 steps with group 0")
         # Its process killed, mid-step or between steps; its torchrun (no restarts left) then ends the group.
-        kill(procs["killed"], workers_only=True)
-        assert procs["killed"].wait(timeout=60) != 0
+        kill(groups.procs["killed"], workers_only=True)
+        assert groups.procs["killed"].wait(timeout=60) != 0
         killed_at = last_step(tmp_path / "killed")
-        wait_until(lambda: last_step(tmp_path / "survivor") >= killed_at + 8, "group 0 trained on alone")
-        start("restarted", 1)
-        for proc in procs.values():
-            proc.wait(timeout=max(1.0, deadline - time.monotonic()))
+        groups.wait_until(lambda: last_step(tmp_path / "survivor") >= killed_at + 8, "group 0 trained on alone")
+        groups.start("restarted", 1)
+        groups.wait()
     finally:
-        for proc in procs.values():
-            if proc.poll() is None:
-                kill(proc)
-                proc.wait()
-        for log in logs:
-            log.close()
+        groups.stop()
         lighthouse.shutdown()
-    outputs = {name: (tmp_path / f"{name}.log").read_text(errors="replace") for name in procs}
-    for name in ("survivor", "restarted"):
-        assert procs[name].returncode == 0, outputs[name][-6000:]
-
-    survivor, killed, restarted = (events(tmp_path / name) for name in ("survivor", "killed", "restarted"))
-    # The survivor ran one process to the end. A step its peer died in is not committed (its all-reduce failed)
-    # and is run again with the next batch: at most that one step twice.
-    survivor_steps = [row["step"] for row in survivor if row["event"] == "step"]
-    assert sorted(set(survivor_steps)) == list(range(1, STEPS + 1)), survivor_steps
-    assert len(survivor_steps) - STEPS <= 1, survivor_steps
+    groups.assert_finished("survivor", "restarted")
+    survivor, killed, restarted = (groups.steps(name) for name in ("survivor", "killed", "restarted"))
+    assert_survivor_never_stopped(tmp_path / "survivor")
     # The restarted group began where the survivor was, well past where it died, not at step 1: it took the
     # survivor's state (no checkpoint was written to read), and finished the run.
-    resumed = [row["step"] for row in restarted if row["event"] == "step"]
+    resumed = [row["step"] for row in restarted]
     assert resumed and resumed[0] > killed_at + 8 and resumed[-1] == STEPS, resumed
-    assert "recovered the state of step" in outputs["restarted"]
+    assert "recovered the state of step" in groups.output("restarted")
     assert not (tmp_path / "dump" / "replica_1" / "checkpoint").exists()
-    # The same weights in both groups after every step both finished (the survivor's last record of a step is its
-    # committed one), the killed group's first step and the restarted group's first included.
-    digests = {row["step"]: row["digest"] for row in survivor if row["event"] == "step"}
-    for group in (killed, restarted):
-        for row in group:
-            if row["event"] == "step":
-                assert row["digest"] == digests[row["step"]], f"step {row['step']}"
+    # The killed group's first step and the restarted group's first included.
+    assert_same_weights(survivor, killed, restarted)
     # While group 1 was down the survivor trained alone (one group in its quorums); both at the end.
-    metrics = [json.loads(line) for line in
-               (tmp_path / "dump" / "replica_0" / "metrics.jsonl").read_text().splitlines()]
-    groups = {row["step"]: row["replica_groups"] for row in metrics if "replica_groups" in row}
-    assert all(groups[step] == 1 for step in range(killed_at + 2, resumed[0])), groups
-    assert groups[STEPS] == 2, groups
+    replica_groups = groups.replica_groups(0)
+    assert all(replica_groups[step] == 1 for step in range(killed_at + 2, resumed[0])), replica_groups
+    assert replica_groups[STEPS] == 2, replica_groups
+
+
+@pytest.mark.parametrize("size", [2, 3])
+def test_hung_group(tmp_path, size):
+    """Group 1's process stalls for STALL_S (SIGUSR1 to the fault injector: its main thread sleeps while torchft's
+    heartbeat threads run on, as in a hung kernel or a deadlock, so the lighthouse still counts it as alive). The
+    others' collective with it fails after process_group_timeout_ms (5 s) and they run that step again.
+
+    torchft's lighthouse forms a quorum only of more than half of the heartbeating groups. With 3 groups, the two
+    others carry on once it stops waiting for the stalled one (join_timeout_ms, 1 s); awake, group 1 fails the step
+    it was in, finds itself behind at its next quorum and heals from them, in the same process. With 2, the other
+    group waits the stall out (at most fault_tolerance.quorum_timeout_seconds), then both go on together."""
+    from torchft.coordination import LighthouseServer
+
+    lighthouse = LighthouseServer(bind="[::]:0", min_replicas=1, join_timeout_ms=1000)
+    groups = Groups(tmp_path, lighthouse.address(), size=size)
+    others = ["survivor", "peer"][:size - 1]
+    try:
+        groups.start("survivor", 0)
+        groups.wait_until(lambda: last_step(tmp_path / "survivor") >= 1, "group 0 trained a step")
+        groups.start("hung", 1, FAULT_SLEEP_SECONDS=str(STALL_S))
+        if size == 3:
+            groups.start("peer", 2)
+        groups.wait_until(lambda: all(len(groups.steps(name)) >= 3 for name in ["hung", *others[1:]]),
+                          "the other groups trained 3 steps with group 0", ("survivor", "hung", *others[1:]))
+        os.kill(workers(groups.procs["hung"])[0], signal.SIGUSR1)
+        groups.wait()
+    finally:
+        groups.stop()
+        lighthouse.shutdown()
+    groups.assert_finished("hung", *others)
+    for name in others:
+        assert_survivor_never_stopped(tmp_path / name, joined_late=name == "peer")
+    survivor, hung = groups.steps("survivor"), groups.steps("hung")
+    reports = events(tmp_path / "hung")
+    stalled = next(row["time"] for row in reports if row["event"] == "inject")
+    woke = next(row["time"] for row in reports if row["event"] == "stall_end")
+    times = [row["time"] for row in survivor]
+    pause = max(b - a for a, b in zip(times, times[1:]))
+    during = [row["step"] for row in survivor if stalled < row["time"] < woke]
+    before = [row["step"] for row in hung if row["time"] < stalled]
+    after = [row["step"] for row in hung if row["time"] > woke]
+    # The stalled group went on in the same process, to the end.
+    assert {row["attempt"] for row in reports} == {0}
+    assert after[-1] == STEPS
+    for name in ["hung", *others[1:]]:
+        assert_same_weights(survivor, groups.steps(name))
+    replica_groups = groups.replica_groups(0)
+    assert replica_groups[STEPS] == size
+    if size == 3:
+        # The others did not wait for the stalled group: their longest pause is far below the stall.
+        assert pause < STALL_S - 5, pause
+        assert len(during) >= 10, during
+        assert all(replica_groups[step] == 2 for step in during[1:]), replica_groups
+        # Group 1 healed past the steps it missed, on joining and after the stall.
+        assert after[0] > max(during), (before, after)
+        assert groups.output("hung").count("recovered the state of step") == 2
+    else:
+        # The survivor waited for the stalled group (its pause is the stall, less the time the stall began before
+        # the survivor's last step), trained nothing meanwhile, and both went on from the step it stalled in.
+        assert pause > STALL_S - 5 and not during, (pause, during)
+        assert after[0] == before[-1] + 1
+    print(f"{size} groups; stall of {woke - stalled:.1f} s: group 0's longest pause {pause:.1f} s, {len(during)} "
+          f"steps meanwhile; group 1 stalled after step {before[-1]}, went on at step {after[0]} "
+          f"({next(row['time'] for row in hung if row['time'] > woke) - woke:.1f} s after waking)")
+
+
+def test_group_killed_during_a_checkpoint_save(tmp_path):
+    """Both groups checkpoint every 10 steps. Group 1's process is SIGKILLed inside a save (SIGUSR2 to the fault
+    injector: once DCP has written step-N.incomplete, before it is published) and its torchrun restarts it. Group 0
+    trains on; group 1 loads its last published checkpoint, which is as it was before the kill, is behind group 0
+    and heals from it; the interrupted save is never published and the next save removes it; no published
+    checkpoint of either group is lost."""
+    from torchft.coordination import LighthouseServer
+
+    lighthouse = LighthouseServer(bind="[::]:0", min_replicas=1, join_timeout_ms=1000)
+    groups = Groups(tmp_path, lighthouse.address())
+    options = ("--checkpoint.enable", "--checkpoint.interval", "10", "--checkpoint.keep_latest_k", "0")
+    folder = tmp_path / "dump" / "replica_1" / "checkpoint"
+
+    def published(where: Path = folder) -> list[Path]:
+        return sorted((path for path in where.glob("step-*") if "." not in path.name),
+                      key=lambda path: int(path.name.split("-")[1]))
+
+    try:
+        groups.start("survivor", 0, options)
+        groups.wait_until(lambda: last_step(tmp_path / "survivor") >= 1, "group 0 trained a step")
+        groups.start("killed", 1, options, torchrun=("--max-restarts=1",))
+        groups.wait_until(lambda: published(), "group 1 published a checkpoint", ("survivor", "killed"))
+        kept = published()[-1]
+        files = {path.relative_to(kept): path.read_bytes() for path in kept.rglob("*") if path.is_file()}
+        os.kill(workers(groups.procs["killed"])[0], signal.SIGUSR2)
+        groups.wait()
+    finally:
+        groups.stop()
+        lighthouse.shutdown()
+    groups.assert_finished("survivor", "killed")
+    assert_survivor_never_stopped(tmp_path / "survivor")
+    reports = events(tmp_path / "killed")
+    killed_in = next(row["step"] for row in reports if row["event"] == "inject" and row["kind"] == "sigkill_in_save")
+    steps = groups.steps("killed")
+    after = [row["step"] for row in steps if row["attempt"] == 1]
+    output = groups.output("killed")
+    restart = output[output.index("failed (exitcode: -9)"):]
+    # The restarted group read the checkpoint published before the kill, then took the live group's newer state.
+    loaded = re.search(r"Loaded model, optimizer.* from (\S+)", restart)
+    assert loaded and loaded[1] == str(kept), restart[:3000]
+    assert "recovered the state of step" in restart[loaded.end():]
+    assert after[0] > killed_in + 1 and after[-1] == STEPS, after
+    assert {path.relative_to(kept): path.read_bytes() for path in kept.rglob("*") if path.is_file()} == files
+    # Not published, and removed by the next save; every save of both groups is there.
+    names = [path.name for path in published()]
+    assert f"step-{killed_in}" not in names and not list(folder.glob("*.incomplete"))
+    assert names == [kept.name] + [f"step-{step}" for step in range(10, STEPS + 1, 10) if step >= after[0]], names
+    assert [path.name for path in published(tmp_path / "dump" / "replica_0" / "checkpoint")] == [
+        f"step-{step}" for step in range(10, STEPS + 1, 10)]
+    assert_same_weights(groups.steps("survivor"), steps)
+    print(f"killed in the save of step {killed_in}; {kept.name} kept; resumed at step {after[0]}")
+
+
+def test_local_sgd_averages_the_weights_every_sync_steps(tmp_path):
+    """fault_tolerance.semi_sync_method = local_sgd, sync_steps 3 (torchft's LocalSGD): each group takes optimizer
+    steps of its own on its own slice of the data, so the groups' weights differ after every step between syncs,
+    and are the same right after each sync (the average over the groups). Group 1 starts later and heals from
+    group 0 at its first sync."""
+    from torchft.coordination import LighthouseServer
+
+    lighthouse = LighthouseServer(bind="[::]:0", min_replicas=1, join_timeout_ms=1000)
+    groups = Groups(tmp_path, lighthouse.address())
+    options = ("--fault_tolerance.semi_sync_method", "local_sgd", "--fault_tolerance.sync_steps", "3")
+    try:
+        groups.start("group0", 0, options)
+        groups.wait_until(lambda: last_step(tmp_path / "group0") >= 1, "group 0 trained a step", ("group0",))
+        groups.start("group1", 1, options)
+        groups.wait()
+    finally:
+        groups.stop()
+        lighthouse.shutdown()
+    groups.assert_finished("group0", "group1")
+    logged = [{row["step"]: row["digest"] for row in events(tmp_path / name) if row["event"] == "logged"}
+              for name in ("group0", "group1")]
+    assert sorted(logged[0]) == list(range(1, STEPS + 1))
+    # Group 1 took steps 1 and 2 of its own, then at its first sync healed to group 0's step and synced with it on.
+    healed_to = min(step for step in logged[1] if step % 3 == 0)
+    assert sorted(logged[1]) == [1, 2, *range(healed_to, STEPS + 1)], sorted(logged[1])
+    both = list(range(healed_to, STEPS + 1))
+    synced = [step for step in both if step % 3 == 0]
+    between = [step for step in both if step % 3]
+    assert len(synced) >= 10 and len(between) >= 20, both
+    assert all(logged[0][step] == logged[1][step] for step in synced), synced
+    assert all(logged[0][step] != logged[1][step] for step in between), between
+    assert groups.output("group1").count("recovered the state of step") == 1
+    print(f"group 1 healed to step {both[0]}; equal at {len(synced)} syncs, different at {len(between)} steps "
+          f"between")
 
 
 def test_group_with_no_live_peer_resumes_from_its_checkpoint(tmp_path):
@@ -146,7 +353,7 @@ def test_group_with_no_live_peer_resumes_from_its_checkpoint(tmp_path):
     lighthouse = LighthouseServer(bind="[::]:0", min_replicas=1, join_timeout_ms=1000)
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO), "FAULT_REPORT_DIR": str(tmp_path),
            "FAULT_PLAN": "sigkill@8:0", "FAULT_ATTEMPT": "0"}
-    command = group_command(0, lighthouse.address(), tmp_path / "dump", steps=10, extra=("--max-restarts=1",))
+    command = group_command(0, lighthouse.address(), tmp_path / "dump", steps=10, torchrun=("--max-restarts=1",))
     command += ["--checkpoint.enable", "--checkpoint.interval", "5"]
     try:
         with subprocess.Popen(command, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
@@ -166,3 +373,71 @@ def test_group_with_no_live_peer_resumes_from_its_checkpoint(tmp_path):
     assert "recovered the state" not in output
     # Weights, optimizer state and data position came back from the checkpoint: the replayed steps are identical.
     assert [row["digest"] for row in second[:2]] == [row["digest"] for row in first[5:7]]
+
+
+def start_lighthouse(port: int, log) -> subprocess.Popen:
+    """torchft's lighthouse as a process of its own, as run_train.sh starts it; returns once it accepts connections."""
+    proc = subprocess.Popen([str(Path(sys.executable).with_name("torchft_lighthouse")), "--min_replicas", "1",
+                             "--join_timeout_ms", "1000", "--bind", f"[::]:{port}"], stdout=log,
+                            stderr=subprocess.STDOUT)
+    wait_for_lighthouse(f"http://localhost:{port}", 30)
+    return proc
+
+
+def test_lighthouse_killed_and_restarted(tmp_path):
+    """The lighthouse is SIGKILLed while two groups train and started again on its port 5 s later. torchft 0.2.0's
+    managers do not retry a quorum request the lighthouse failed, so both groups stop at the quorum timeout with
+    one error line (exit code 4, a communication failure) and no traceback; their torchruns restart them, they
+    resume from their checkpoints (the later one to restart may heal from the earlier) against the new lighthouse
+    and finish, with the same weights in both groups."""
+    with socket.socket() as probe:
+        probe.bind(("", 0))
+        port = probe.getsockname()[1]
+    log = open(tmp_path / "lighthouse.log", "w")
+    lighthouse = start_lighthouse(port, log)
+    groups = Groups(tmp_path, f"http://localhost:{port}")
+    options = ("--checkpoint.enable", "--checkpoint.interval", "10", "--fault_tolerance.quorum_timeout_seconds",
+               str(QUORUM_TIMEOUT_S))
+    try:
+        groups.start("group0", 0, options, torchrun=("--max-restarts=1",))
+        groups.wait_until(lambda: last_step(tmp_path / "group0") >= 1, "group 0 trained a step", ("group0",))
+        groups.start("group1", 1, options, torchrun=("--max-restarts=1",))
+        groups.wait_until(lambda: len(groups.steps("group1")) >= 3, "group 1 trained 3 steps with group 0",
+                          ("group0", "group1"))
+        lighthouse.kill()
+        lighthouse.wait()
+        killed_at = time.time()
+        time.sleep(5)
+        lighthouse = start_lighthouse(port, log)
+        groups.wait()
+    finally:
+        groups.stop()
+        lighthouse.kill()
+        lighthouse.wait()
+        log.close()
+    groups.assert_finished("group0", "group1")
+    first = {}
+    for name in ("group0", "group1"):
+        output = groups.output(name)
+        assert len(re.findall(r"error: replica group \d: no quorum for step \d+ within "
+                              r"fault_tolerance.quorum_timeout_seconds = 15 s; the lighthouse at \S+ accepts "
+                              r"connections now", output)) == 1, output[-6000:]
+        assert "Traceback" not in output, output[-6000:]
+        steps = groups.steps(name)
+        before, after = ([row for row in steps if row["attempt"] == attempt] for attempt in (0, 1))
+        # The stop came at the quorum timeout after the kill (not before: nothing else failed).
+        assert max(row["time"] for row in before) < killed_at + QUORUM_TIMEOUT_S
+        # Restarted, it resumed from its last checkpoint (a multiple of the interval, at or before the last step it
+        # finished), or from the other group, if that one had resumed first and trained on (it heals from it).
+        first[name] = after[0]["step"]
+        restarted = output[output.index("error: replica group"):]
+        assert (first[name] - 1) % 10 == 0 or "recovered the state of step" in restarted, first[name]
+        assert first[name] - 1 <= before[-1]["step"] or "recovered the state of step" in restarted, first[name]
+        assert after[-1]["step"] == STEPS
+    survivor = [row for row in groups.steps("group0") if row["attempt"] == 1]
+    assert_same_weights(survivor, [row for row in groups.steps("group1") if row["attempt"] == 1])
+    print(f"lighthouse killed at {killed_at:.1f}; " + "; ".join(
+        f"{name}: last step {max(r['step'] for r in groups.steps(name) if r['attempt'] == 0)} at "
+        f"{max(r['time'] for r in groups.steps(name) if r['attempt'] == 0) - killed_at:+.1f} s, resumed at step "
+        f"{first[name]}, first step after {min(r['time'] for r in groups.steps(name) if r['attempt'] == 1) - killed_at:.1f} s"
+        for name in ("group0", "group1")))

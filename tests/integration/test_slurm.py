@@ -38,13 +38,23 @@ if [ "$1 $2" = "show hostnames" ]; then printf 'node-a\\nnode-b\\n'; fi
 echo "scancel $*" >> "$FAKE_DIR/calls"
 kill -TERM "$(cat "$FAKE_DIR/launcher.pid")"
 """,
+    # Records its own options, if any (the replica groups' job steps have some).
     "srun": """#!/bin/bash
+options=()
+while [[ "$1" == -* ]]; do options+=("$1" "$2"); shift 2; done
+if [ ${#options[@]} -gt 0 ]; then echo "srun ${options[*]}" >> "$FAKE_DIR/calls"; fi
 exec "$@"
 """,
-    # The launcher (`python -m torchtitan.launch ...`): records its arguments one per line; with FAKE_TRAIN_SECONDS
-    # it trains until then or until SIGTERM.
+    "torchft_lighthouse": """#!/bin/bash
+echo "torchft_lighthouse $*" >> "$FAKE_DIR/calls"
+exec sleep 60
+""",
+    # The launcher (`python -m torchtitan.launch ...`): records its arguments one per line in launcher.args (the
+    # last launch) and in a launch.* file of its own (with the lighthouse it was given); with FAKE_TRAIN_SECONDS it
+    # trains until then or until SIGTERM.
     "python": """#!/bin/bash
 printf '%s\\n' "$@" > "$FAKE_DIR/launcher.args"
+{ printf '%s\\n' "$@"; echo "TORCHFT_LIGHTHOUSE=${TORCHFT_LIGHTHOUSE:-}"; } > "$(mktemp "$FAKE_DIR/launch.XXXXXX")"
 if [ -n "${FAKE_TRAIN_SECONDS:-}" ]; then
   trap 'echo "launcher SIGTERM" >> "$FAKE_DIR/calls"; kill $!; exit 143' TERM
   echo $$ > "$FAKE_DIR/launcher.pid"
@@ -151,11 +161,34 @@ def test_cancelled_job_is_not_requeued(fake_slurm):
     assert made == ["scontrol show hostnames node-[a-b]"]
 
 
+def test_replica_groups_command_lines(fake_slurm):
+    """FT_GROUPS=2 on 2 nodes: a lighthouse on the first node and one job step per group, each a torchrun of its own
+    node with its own rendezvous, restarting its workers, told its group and the lighthouse."""
+    folder, env = fake_slurm
+    proc = dry_run({**env, "FT_GROUPS": "2"}, "--training.steps", "5")
+    assert proc.returncode == 0, proc.stderr
+    assert calls(folder)[0] == "scontrol show hostnames node-[a-b]"
+    assert sorted(calls(folder)[1:]) == [f"srun --nodes 1 --ntasks 1 --relative {i}" for i in (0, 1)] + [
+        "torchft_lighthouse --min_replicas 1 --bind [::]:29510"]
+    launches = sorted((path.read_text().splitlines() for path in folder.glob("launch.*")), key=lambda a: a[7])
+    for group, (args, host) in enumerate(zip(launches, ("node-a", "node-b"))):
+        assert args == [
+            "-m", "torchtitan.launch", "--nnodes", "1", "--nproc_per_node", "1", "--rdzv_id", f"{JOB_ID}_{group}",
+            "--rdzv_backend", "c10d", "--rdzv_endpoint", f"{host}:29500", "--shutdown_timeout", "110",
+            "--local-ranks-filter", "0", "--role", "rank", "--tee", "3", "--max-restarts", "3", "-m",
+            "torchtitan.train", "--job.config_file", "train_configs/debug_model.toml", "--fault_tolerance.enable",
+            "--fault_tolerance.group_size", "2", "--fault_tolerance.replica_id", str(group),
+            "--fault_tolerance.min_replica_size", "1", "--training.steps", "5",
+            "TORCHFT_LIGHTHOUSE=http://node-a:29510"]
+
+
 @pytest.mark.parametrize("change,message", [
     ({"SLURM_JOB_ID": ""}, "submit this script with sbatch"),
     ({"CONFIG_FILE": "missing.toml"}, "CONFIG_FILE missing.toml does not exist"),
     ({"GPUS_PER_NODE": "two"}, "GPUS_PER_NODE=two must be a positive integer"),
-], ids=["outside_slurm", "missing_config", "bad_gpus"])
+    ({"FT_GROUPS": "two"}, "FT_GROUPS=two must be a positive integer that divides the job's 2 node(s)"),
+    ({"FT_GROUPS": "3"}, "FT_GROUPS=3 must be a positive integer that divides the job's 2 node(s)"),
+], ids=["outside_slurm", "missing_config", "bad_gpus", "bad_ft_groups", "ft_groups_not_dividing"])
 def test_errors(fake_slurm, change, message):
     folder, env = fake_slurm
     proc = dry_run({**env, **change})

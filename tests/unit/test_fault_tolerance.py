@@ -11,7 +11,8 @@ import pytest
 
 from torchtitan.config import parse_args
 from torchtitan.config.job_config import FaultTolerance
-from torchtitan.distributed.fault_tolerance import data_slice, lighthouse_address, wait_for_lighthouse
+from torchtitan.distributed.fault_tolerance import (QuorumError, ReplicaGroup, data_slice, lighthouse_address,
+                                                   wait_for_lighthouse)
 from torchtitan.errors import UserError
 
 REPO = Path(__file__).resolve().parents[2]
@@ -28,6 +29,8 @@ FT = ["--fault_tolerance.enable", "--fault_tolerance.group_size", "3"]
      "option fault_tolerance.min_replica_size: 4 must be in [1, group_size = 3]"),
     ([*FT, "--fault_tolerance.quorum_timeout_seconds", "0"],
      "option fault_tolerance.quorum_timeout_seconds: 0.0 must be positive"),
+    ([*FT, "--fault_tolerance.semi_sync_method", "local_sgd", "--fault_tolerance.sync_steps", "0"],
+     "option fault_tolerance.sync_steps: 0 must be positive"),
     ([*FT, "--health.spike_sigma", "3"], "option health.spike_sigma: 3.0 cannot be used with fault_tolerance.enable"),
     ([*FT, "--fault_tolerance.process_group", "mpi"], "option fault_tolerance.process_group: 'mpi' is not one of"),
 ])
@@ -83,3 +86,34 @@ def test_run_train_sh_refuses_bad_group_settings(env, message):
                           capture_output=True, text=True, timeout=30)
     assert proc.returncode == 2 and proc.stderr.strip() == proc.stderr.strip().splitlines()[0]
     assert proc.stderr.startswith(message), proc.stderr
+
+
+class FailedQuorumManager:
+    """torchft's Manager when the lighthouse failed the step's quorum request: start_quorum raises its timeout."""
+
+    def start_quorum(self):
+        raise TimeoutError('status: Cancelled, message: "Timeout expired"')
+
+    def current_step(self):
+        return 45
+
+
+def test_a_failed_quorum_is_one_error_saying_whether_the_lighthouse_is_back():
+    """The group stops (QuorumError: exit code 4, for its torchrun to restart it) with one line naming the option
+    and the lighthouse, reachable again or not."""
+    group = ReplicaGroup.__new__(ReplicaGroup)
+    group.config = FaultTolerance(enable=True, group_size=2, replica_id=1, quorum_timeout_seconds=15)
+    group.manager = FailedQuorumManager()
+    group.local_sgd = None
+    with socket.socket() as listening:
+        listening.bind(("localhost", 0))
+        listening.listen()
+        group.address = f"http://localhost:{listening.getsockname()[1]}"
+        with pytest.raises(QuorumError) as back:
+            group.start_step()
+    with pytest.raises(QuorumError) as gone:
+        group.start_step()
+    for error, state in ((back, "accepts connections now"), (gone, "is unreachable")):
+        assert str(error.value).startswith(
+            f"replica group 1: no quorum for step 46 within fault_tolerance.quorum_timeout_seconds = 15 s; the "
+            f"lighthouse at {group.address} {state}"), str(error.value)

@@ -5,15 +5,17 @@ import json
 import logging
 import math
 import statistics
+import time
 
 import pytest
+import torch
 
-from torchtitan.components.health import (JOB_CATEGORIES, Goodput, RunningStats, RunRecord, SpikeGuard,
-                                          TrainingDiverged, find_stragglers, goodput_summary, job_goodput,
+from torchtitan.components.health import (JOB_CATEGORIES, Goodput, Health, RunningStats, RunRecord,
+                                          SpikeGuard, TrainingDiverged, find_stragglers, goodput_summary, job_goodput,
                                           read_records)
 from torchtitan.components.metrics import MetricsLogger
 from torchtitan.config import parse_args
-from torchtitan.config.job_config import Health, Metrics
+from torchtitan.config.job_config import Health as HealthConfig, Metrics
 from torchtitan.errors import UserError
 from torchtitan.tools.logging import logger
 
@@ -189,7 +191,7 @@ def test_running_stats_measure_standard_deviations_above_the_mean():
 
 
 def guard(**options) -> SpikeGuard:
-    return SpikeGuard(Health(**{"spike_sigma": 4.0, "spike_window": 8, "spike_warmup": 4, **options}))
+    return SpikeGuard(HealthConfig(**{"spike_sigma": 4.0, "spike_window": 8, "spike_warmup": 4, **options}))
 
 
 def test_spike_guard_waits_for_warmup_then_skips_spikes_of_loss_or_grad_norm():
@@ -280,3 +282,55 @@ def test_console_line_leaves_out_grouped_keys(tmp_path):
     assert messages == ["step:   1  loss:  2.0000  goodput: 42.0%"]
     rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     assert rows[0]["goodput/lost_s"] == 1.0 and rows[1]["stragglers/slowest_rank"] == 1
+
+
+def test_a_group_healed_from_a_peer_redoes_nothing(tmp_path):
+    """Replica groups (torchft): run 1 trains steps 1-6 (saved at 4) with its peers and is killed; run 2 loads the
+    checkpoint of step 4, then at its first quorum takes a live group's state of step 20 (3 s: start-up too) and
+    trains steps 21-24. Steps 5-6 were not redone (the peers went on from them): nothing is lost; the gap, run 2's
+    start-up and the transfer are restart time."""
+    clock = Clock(0.0)
+    first = Goodput(str(tmp_path), write_records=True, stalls=(stalls := []), start=0.0, clock=clock)
+    clock.advance(2.0)
+    first.begin(0)
+    run_steps(first, clock, range(1, 7), 1.0, stalls=stalls, save_every=4)
+    first.snapshot()
+    clock.advance(3.0)
+    second = Goodput(str(tmp_path), write_records=True, stalls=[], start=clock.now, clock=clock)
+    clock.advance(2.0)
+    second.begin(4)
+    clock.advance(3.0)
+    second.healed(20)
+    run_steps(second, clock, range(21, 25), 1.0)
+    account = second.snapshot("finished")
+    assert (account["lost_steps"], account["lost_s"]) == (0, 0.0)
+    assert account["productive_s"] == pytest.approx(6.0 + 4.0)
+    assert account["restart_s"] == pytest.approx(3.0 + 2.0 + 3.0)
+    assert [record.first_step for record in read_records(tmp_path)] == [0, 20]
+    account_sums_to_wall(account)
+
+
+def test_a_group_that_fell_behind_and_healed_did_no_work_for_the_steps_it_skipped():
+    """A group hangs after step 5 and heals to step 12 in the same run (2 s): steps 6-12 took this run no productive
+    time, so a later run resuming anywhere in 5-12 loses none of them; the transfer is start-up."""
+    clock = Clock(0.0)
+    goodput = Goodput("unused", write_records=False, stalls=[], start=0.0, clock=clock)
+    goodput.begin(0)
+    run_steps(goodput, clock, range(1, 6), 1.0)
+    clock.advance(2.0)
+    goodput.healed(12)
+    run_steps(goodput, clock, range(13, 16), 1.0)
+    goodput.snapshot()
+    run = goodput.run
+    assert (run.first_step, run.last_step) == (0, 15)
+    assert [run.productive_until(step) for step in (5, 8, 12, 14, 15)] == [5.0, 5.0, 5.0, 7.0, 8.0]
+    assert run.seconds["startup"] == pytest.approx(2.0)
+
+
+def test_a_step_the_quorum_did_not_commit_is_skipped_time(tmp_path):
+    health = Health(HealthConfig(), str(tmp_path), rank=1, device=torch.device("cpu"), checkpoint_stalls=[])
+    health.begin(0)
+    with health.timed("step", 1):
+        health.not_committed()
+        time.sleep(0.01)
+    assert health.goodput.run.seconds["skipped"] >= 0.01 and health.goodput.run.seconds["productive"] == 0.0

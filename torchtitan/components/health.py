@@ -77,8 +77,9 @@ class RunRecord:
     """One run (one process lifetime of rank 0) of a dump folder, as `<dump_folder>/health/run-*.json` holds it.
 
     `seconds` attributes the run's wall time from `start` to `end` (unix times of its process start and of the last
-    update of the record); `productive_at` maps each step the run checkpointed to the productive seconds it had
-    accumulated by then, so that a later run resuming from one of those steps knows how much work it redoes.
+    update of the record); `productive_at` maps each step the run checkpointed (and, for a replica group that fell
+    behind and healed, the steps it healed from and to) to the productive seconds it had accumulated by then, so
+    that a later run resuming from one of those steps knows how much work it redoes.
     `ended`: "finished", "preempted", or "" while running (or after it crashed, was killed or stopped on an error:
     the record is then as of its last update)."""
 
@@ -173,6 +174,21 @@ class Goodput:
         if self.writes_records:
             self._earlier = read_records(self._folder.parent)
         self.run.first_step = self.run.last_step = step
+        self.add("startup")
+
+    def healed(self, step: int) -> None:
+        """This group's state was replaced by a live replica group's state of `step` (torchft healing). The steps up
+        to `step` stand: this group's earlier runs committed theirs with the quorum, and the others did the rest
+        without it. So, unlike a resume from an older checkpoint, no step of the folder's earlier runs is redone:
+        on the run's first step, the run starts at `step` (an earlier run's steps after its own checkpoint are not
+        lost); later (a group that hung and fell behind), the steps it skipped add no productive time. The time to
+        here (start-up, the transfer) is start-up, hence restart time for any run but the folder's first."""
+        if self.run.last_step == self.run.first_step:
+            self.run.first_step = step
+        else:
+            productive = self.run.seconds["productive"]
+            self.run.productive_at.update({self.run.last_step: productive, step: productive})
+        self.run.last_step = step
         self.add("startup")
 
     def add(self, category: str, step: int | None = None) -> float:
@@ -426,6 +442,13 @@ class Health:
     def skip_update(self, step: int, loss: float, grad_norm: float, nonfinite: bool) -> bool:
         self._applied = not self.guard.skip_update(step, loss, grad_norm, nonfinite)
         return not self._applied
+
+    def not_committed(self) -> None:
+        """The replica groups' quorum did not commit this step (torchft): its time is skipped, not productive."""
+        self._applied = False
+
+    def healed(self, step: int) -> None:
+        self.goodput.healed(step)
 
     def waiting_for_peers(self):
         return self.stragglers.waiting_for_peers()

@@ -603,8 +603,14 @@ class FaultTolerance:
     connect_timeout_seconds: float = 60.0
     """Stop with an error if the lighthouse cannot be reached within this many seconds at start."""
 
+    semi_sync_method: Literal["none", "local_sgd"] = "none"
+    """none: every step's gradients are averaged over the groups (per-step mode). local_sgd: torchft's LocalSGD, each group takes sync_steps optimizer steps of its own, then the groups' weights are averaged (one quorum per sync; a recovering group heals then)."""
+
+    sync_steps: int = 5
+    """With semi_sync_method = local_sgd: optimizer steps between two averagings of the weights."""
+
     quorum_timeout_seconds: float = 300.0
-    """Longest wait for a step's quorum (the other groups reaching the step, a restarted group healing)."""
+    """Longest wait for a step's quorum (the other groups reaching the step, a restarted group healing); past it the group stops with exit code 4, for its torchrun to restart it."""
 
 
 @dataclass

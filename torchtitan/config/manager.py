@@ -83,9 +83,7 @@ UNSUPPORTED_TORCHTITAN_OPTIONS: dict[str, Any] = {
     "comm.save_traces_folder": "comm_traces",
     "comm.save_traces_file_prefix": "rank_",
     "debug.moe_force_load_balance": False,
-    # torchft's semi-synchronous modes (LocalSGD, DiLoCo): only the per-step mode is implemented.
-    "fault_tolerance.semi_sync_method": None,
-    "fault_tolerance.sync_steps": 5,
+    # torchft's DiLoCo (semi_sync_method = "diloco") is not implemented: its options keep their defaults.
     "fault_tolerance.should_quantize": False,
     "fault_tolerance.fragment_sync_delay": 0,
     "fault_tolerance.fragment_update_alpha": 0.0,
@@ -639,7 +637,7 @@ def _validate_fault_tolerance(config: JobConfig) -> None:
         raise UserError(f"option fault_tolerance.min_replica_size: {ft.min_replica_size} must be in [1, group_size = "
                         f"{ft.group_size}]")
     for key in ("fault_tolerance.process_group_timeout_ms", "fault_tolerance.connect_timeout_seconds",
-                "fault_tolerance.quorum_timeout_seconds"):
+                "fault_tolerance.quorum_timeout_seconds", "fault_tolerance.sync_steps"):
         if get_option(config, key) <= 0:
             raise UserError(f"option {key}: {get_option(config, key)} must be positive")
     if config.health.spike_sigma > 0:

@@ -27,6 +27,11 @@ from torchtitan.tools.logging import logger
 LIGHTHOUSE_ENV = "TORCHFT_LIGHTHOUSE"
 
 
+class QuorumError(RuntimeError):
+    """A step's quorum was not formed: the trainer stops with one line and the exit code of a communication failure
+    (EXIT_COMM_FAILURE), so that the group's torchrun restarts it."""
+
+
 def lighthouse_address(config: FaultToleranceConfig, environ: dict[str, str]) -> str:
     """fault_tolerance.lighthouse, else $TORCHFT_LIGHTHOUSE (the variable torchft and TorchTitan read)."""
     address = config.lighthouse or environ.get(LIGHTHOUSE_ENV, "")
@@ -37,18 +42,23 @@ def lighthouse_address(config: FaultToleranceConfig, environ: dict[str, str]) ->
     return address
 
 
-def wait_for_lighthouse(address: str, timeout_s: float) -> None:
-    """Return once the lighthouse accepts a TCP connection; one error line if it does not within `timeout_s`.
-    torchft itself would retry its heartbeats forever and fail only at the first quorum's timeout."""
+def connect_to_lighthouse(address: str, timeout_s: float) -> None:
+    """Open and close a TCP connection to the lighthouse (OSError if none is accepted)."""
     url = urlparse(address if "://" in address else f"http://{address}")
     if url.hostname is None or url.port is None:
         raise UserError(f"option fault_tolerance.lighthouse: {address!r} is not an address of the form "
                         f"http://host:port")
+    socket.create_connection((url.hostname, url.port), timeout=timeout_s).close()
+
+
+def wait_for_lighthouse(address: str, timeout_s: float) -> None:
+    """Return once the lighthouse accepts a TCP connection; one error line if it does not within `timeout_s`.
+    torchft itself would retry its heartbeats forever and fail only at the first quorum's timeout."""
     deadline = time.monotonic() + timeout_s
     while True:
         try:
-            with socket.create_connection((url.hostname, url.port), timeout=min(5.0, timeout_s)):
-                return
+            connect_to_lighthouse(address, min(5.0, timeout_s))
+            return
         except OSError as e:
             if time.monotonic() >= deadline:
                 raise UserError(f"option fault_tolerance.lighthouse: no torchft lighthouse reachable at {address} "
@@ -64,13 +74,15 @@ class ReplicaGroup:
     schedulers, data loader, train state).
     """
 
-    def __init__(self, config: FaultToleranceConfig, states: dict[str, Stateful], environ: dict[str, str]):
+    def __init__(self, config: FaultToleranceConfig, states: dict[str, Stateful], environ: dict[str, str],
+                 model: torch.nn.Module):
         from torchft import Manager, ProcessGroupGloo, ProcessGroupNCCL
+        from torchft.local_sgd import LocalSGD
 
         self.config = config
         self.states = states
         self.healed = False
-        address = lighthouse_address(config, environ)
+        self.address = address = lighthouse_address(config, environ)
         wait_for_lighthouse(address, config.connect_timeout_seconds)
         timeout = timedelta(milliseconds=config.process_group_timeout_ms)
         backend = ProcessGroupGloo if config.process_group == "gloo" else ProcessGroupNCCL
@@ -104,6 +116,10 @@ class ReplicaGroup:
         if rank != 0:
             self.manager = manager()
         self.committed = True
+        # LocalSGD's optimizer hooks are not used (the trainer calls sync() after its optimizer step), so it needs
+        # no optimizer of its own.
+        self.local_sgd = (LocalSGD(self.manager, model, optimizer=None, sync_every=config.sync_steps)
+                          if config.semi_sync_method == "local_sgd" else None)
 
     def _state_dict(self) -> dict[str, Any]:
         return {name: state.state_dict() for name, state in self.states.items()}
@@ -114,25 +130,69 @@ class ReplicaGroup:
         self.healed = True
 
     def resume(self, step: int) -> None:
-        """After a checkpoint load: the quorum compares steps, so a group resumed at `step` is not taken for one at
-        step 0 (which would heal from a peer, or make its peers heal from it)."""
-        self.manager.load_state_dict({"step": step, "batches_committed": self.manager.batches_committed()})
+        """After a checkpoint load: the quorum compares steps (torchft counts committed quorums: every step, or with
+        LocalSGD every sync), so a group resumed at `step` is not taken for one at step 0 (which would heal from a
+        peer, or make its peers heal from it)."""
+        syncs = step // self.config.sync_steps if self.local_sgd is not None else step
+        self.manager.load_state_dict({"step": syncs, "batches_committed": self.manager.batches_committed()})
 
     def start_step(self) -> bool:
-        """Join this step's quorum; True if this group was behind and loaded a peer's state (the data iterator must
-        then restart from the loaded position)."""
+        """Join this step's quorum (per-step mode; LocalSGD joins one per sync); True if this group was behind and
+        loaded a peer's state (the data iterator must then restart from the loaded position)."""
+        if self.local_sgd is not None:
+            return False
         self.healed = False
-        self.manager.start_quorum()
+        try:
+            self.manager.start_quorum()
+        except TimeoutError as e:
+            raise self._quorum_failed(e) from None
+        self._log_healed()
+        return self.healed
+
+    def sync(self, step: int) -> bool:
+        """LocalSGD, after the optimizer step of `step`: every sync_steps steps, join a quorum and average the
+        weights over its groups (torchft's LocalSGD.sync; a failed averaging keeps this group's own weights). True
+        if this group was behind and loaded a peer's state instead (its train state is then the peer's)."""
+        if self.local_sgd is None or step % self.config.sync_steps:
+            return False
+        self.healed = False
+        try:
+            self.local_sgd.sync()
+        except TimeoutError as e:
+            raise self._quorum_failed(e) from None
+        self._log_healed()
+        return self.healed
+
+    def _log_healed(self) -> None:
         if self.healed:
             logger.warning(f"replica group {self.config.replica_id}: recovered the state of step "
-                           f"{self.manager.current_step()} from a live peer ({self.manager.num_participants()} "
+                           f"{self.states['train_state'].step} from a live peer ({self.manager.num_participants()} "
                            f"group(s) in the quorum)")
-        return self.healed
+
+    def _quorum_failed(self, error: TimeoutError) -> QuorumError:
+        # torchft's manager asks the lighthouse once per quorum: a request the lighthouse failed (it was down, even
+        # briefly) is not retried, and the manager's next quorum re-raises this one's error. So the group stops;
+        # its torchrun restarts it, and it resumes from its checkpoint or heals from a live peer.
+        try:
+            connect_to_lighthouse(self.address, 5.0)
+            now = "accepts connections now (it was restarted, or the other groups did not reach this step)"
+        except OSError:
+            now = "is unreachable"
+        # torchft counts committed quorums: steps, or with LocalSGD syncs.
+        when = (f"step {self.manager.current_step() + 1}" if self.local_sgd is None
+                else f"sync {self.manager.current_step() + 1}")
+        return QuorumError(
+            f"replica group {self.config.replica_id}: no quorum for {when} within "
+            f"fault_tolerance.quorum_timeout_seconds = {self.config.quorum_timeout_seconds:g} s; the lighthouse at "
+            f"{self.address} {now} ({error}); this group stops so that its torchrun restarts it (from its "
+            f"checkpoint, or healing from a live group)")
 
     def average_gradients(self, parameters: list[torch.Tensor]) -> None:
         """Average every gradient over the groups of the quorum (each rank its own shard: the groups' layouts are
         the same). torchft divides by the number of participants; a failed collective is recorded by the manager
-        and makes should_commit() false."""
+        and makes should_commit() false. LocalSGD averages weights at its syncs instead."""
+        if self.local_sgd is not None:
+            return
         grads = [p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad
                  for p in parameters if p.grad is not None]
         for work in [self.manager.allreduce(grad) for grad in grads]:
@@ -140,7 +200,10 @@ class ReplicaGroup:
 
     def should_commit(self) -> bool:
         """Whether this step's update is taken (torchft's commit vote within the group; enough groups took part and
-        none of this group's collectives failed). When not, the step is redone with the next batch."""
+        none of this group's collectives failed). When not, the step is redone with the next batch. With LocalSGD,
+        every step is this group's own and is taken."""
+        if self.local_sgd is not None:
+            return True
         self.committed = self.manager.should_commit()
         if not self.committed:
             logger.warning(f"replica group {self.config.replica_id}: step {self.manager.current_step() + 1} not "
@@ -163,7 +226,8 @@ def data_slice(config: FaultToleranceConfig, dp_rank: int, dp_degree: int) -> tu
     return config.replica_id * dp_degree + dp_rank, config.group_size * dp_degree
 
 
-def setup_fault_tolerance(config: FaultToleranceConfig, states: dict[str, Stateful],
-                          environ: dict[str, str]) -> ReplicaGroup | None:
-    """This process's replica group, or None when fault_tolerance.enable is off."""
-    return ReplicaGroup(config, states, environ) if config.enable else None
+def setup_fault_tolerance(config: FaultToleranceConfig, states: dict[str, Stateful], environ: dict[str, str],
+                          model: torch.nn.Module) -> ReplicaGroup | None:
+    """This process's replica group, or None when fault_tolerance.enable is off. `model` holds every parameter
+    (LocalSGD averages them)."""
+    return ReplicaGroup(config, states, environ, model) if config.enable else None
