@@ -183,15 +183,25 @@ class FlexDeMo(torch.optim.Optimizer):
         return (total.div_(replicas) @ self._dct).sign_()
 
     def state_dict(self):
-        """Before saving, the replicas' momenta are replaced by their mean (the total, what the exchange averages,
-        is kept): every replica saves the same values, so the checkpoint holds one momentum per parameter, sharded
-        and resharded like any optimizer state, and the run continues from exactly the state it saved."""
-        for state in self.state.values():
+        """The replicas' mean momentum (the total, what the exchange averages, divided by the replicas), in a new
+        tensor: every replica saves the same values, so the checkpoint holds one momentum per parameter, sharded and
+        resharded like any optimizer state. The live momenta are left as they are (saving must not change training);
+        OptimizersContainer also saves each replica's own (`replica_state`) for an exact resume."""
+        saved = super().state_dict()
+        replicas = dist.get_world_size(self.replicate_group)
+        # torch's state_dict() holds the live per-parameter dicts: copied before one of their entries is replaced.
+        saved["state"] = {index: dict(state) for index, state in saved["state"].items()}
+        for state in saved["state"].values():
             if "momentum" in state:
-                momentum = self._local(state["momentum"])
-                dist.all_reduce(momentum, group=self.replicate_group)
-                momentum.div_(dist.get_world_size(self.replicate_group))
-        return super().state_dict()
+                mean = state["momentum"].detach().clone()
+                dist.all_reduce(self._local(mean), group=self.replicate_group)
+                self._local(mean).div_(replicas)
+                state["momentum"] = mean
+        return saved
+
+    def replica_state(self) -> dict[torch.Tensor, dict[str, torch.Tensor]]:
+        """The state that differs between replicas, live: each replica's own momentum."""
+        return {param: {"momentum": state["momentum"]} for param, state in self.state.items() if "momentum" in state}
 
 
 def _momentum_bytes(shape: tuple[int, ...], local_shape: tuple[float, ...], config: OptimizerConfig,

@@ -74,6 +74,14 @@ class ErrorFeedback:
         _used_on_current_stream(self._error)
         self._error, self._adopt = value, True
 
+    # What a checkpoint saves verbatim for an exact resume: the residual itself.
+    raw = residual
+
+    @staticmethod
+    def raw_template(world: int, segments: list[int], device: torch.device) -> torch.Tensor:
+        """A zero raw state: what a rank holds before its first step."""
+        return torch.zeros(world, sum(segments), device=device)
+
 
 class LoCo:
     """LoCo's compensation: a moving average of the compensation errors, stored as 8-bit codes, periodically reset.
@@ -124,6 +132,22 @@ class LoCo:
         _used_on_current_stream(self._codes)
         self._codes = None if value is None else encode(value, LOCO_ERROR_BITS, segments=self.segments)
         self._adopt = True
+
+    @property
+    def raw(self) -> torch.Tensor | None:
+        """What a checkpoint saves verbatim for an exact resume: the error's codes (decoding and encoding them again
+        need not give the same codes)."""
+        return self._codes
+
+    @raw.setter
+    def raw(self, value: torch.Tensor | None) -> None:
+        _used_on_current_stream(self._codes)
+        self._codes, self._adopt = value, True
+
+    @staticmethod
+    def raw_template(world: int, segments: list[int], device: torch.device) -> torch.Tensor:
+        """Zero codes (they decode to a zero error): what a rank holds before its first step."""
+        return torch.zeros(world, payload_bytes(segments, LOCO_ERROR_BITS), dtype=torch.uint8, device=device)
 
 
 class CompressedReduceScatter(ReduceScatter):
