@@ -17,6 +17,8 @@ bucket's size rather than the model's.
 import functools
 import math
 from collections.abc import Callable
+from dataclasses import dataclass
+from typing import ClassVar
 
 import torch
 import torch.distributed as dist
@@ -24,6 +26,23 @@ from torch.distributed.tensor import DTensor
 
 from torchtitan.components.optimizers import BuildContext, register_optimizer
 from torchtitan.config.job_config import Optimizer as OptimizerConfig
+
+
+@dataclass
+class FlexDeMoOptions:
+    """[optimizer.flexdemo]"""
+
+    TABLE: ClassVar[str] = "flexdemo"
+    OLD_PREFIX: ClassVar[str] = "demo_"  # optimizer.demo_<option>, deprecated
+
+    chunk_size: int = 64
+    """FlexDeMo: values per DCT chunk of the momentum (at most 256)."""
+
+    topk: int = 8
+    """FlexDeMo: DCT coefficients per chunk sent to the other replicas each step (at most chunk_size)."""
+
+    momentum_decay: float = 0.999
+    """FlexDeMo: decay of the local momentum, which accumulates gradients and keeps what was not sent."""
 
 
 def bucket_values(device: torch.device) -> int:
@@ -209,8 +228,9 @@ def _momentum_bytes(shape: tuple[int, ...], local_shape: tuple[float, ...], conf
     return 4 * math.prod(local_shape)
 
 
-@register_optimizer("FlexDeMo", state_bytes=_momentum_bytes)
+@register_optimizer("FlexDeMo", state_bytes=_momentum_bytes, options=FlexDeMoOptions)
 def build_flexdemo(groups: list[dict], config: OptimizerConfig, context: BuildContext) -> torch.optim.Optimizer:
-    return FlexDeMo(groups, lr=config.lr, weight_decay=config.weight_decay, chunk_size=config.demo_chunk_size,
-                    topk=config.demo_topk, momentum_decay=config.demo_momentum_decay,
+    options = config.flexdemo
+    return FlexDeMo(groups, lr=config.lr, weight_decay=config.weight_decay, chunk_size=options.chunk_size,
+                    topk=options.topk, momentum_decay=options.momentum_decay,
                     replicate_group=context.replicate_group)

@@ -19,7 +19,8 @@ from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor, Shard
 
 from torchtitan.config.job_config import Comm, JobConfig
-from torchtitan.distributed.compression.loco import LOCO_ERROR_BITS, CompressedReduceScatter, ErrorFeedback, LoCo
+from torchtitan.distributed.compression.loco import (LOCO_ERROR_BITS, CompressedReduceScatter, ErrorFeedback, LoCo,
+                                                     LoCoOptions)
 from torchtitan.distributed.compression.qsdp import QuantizedAllGather
 from torchtitan.distributed.compression.quantize import BLOCK, VALID_BITS
 from torchtitan.distributed.parallel_dims import ParallelDims
@@ -30,22 +31,30 @@ from torchtitan.errors import UserError
 class GradientMethod:
     """One `comm.gradient_compression` method: its rounding, the compensation state it keeps per FSDP module (None:
     none), and that state's bytes per value of the module's unsharded gradient, on every rank (what memory
-    predictions add: the state covers everything a rank sends, so it is not divided by the FSDP degree)."""
+    predictions add: the state covers everything a rank sends, so it is not divided by the FSDP degree), and the
+    dataclass of its own options ([comm.<options.TABLE>], read as `comm.<TABLE>`; None: it has none)."""
     stochastic: bool
     compensation: Callable[[Comm, list[int]], ErrorFeedback | LoCo] | None
     state_bytes_per_value: float
+    options: type | None = None
 
 
 GRADIENT_COMPRESSION: dict[str, GradientMethod] = {
     "loco": GradientMethod(stochastic=False,
-                           compensation=lambda comm, segments: LoCo(comm.loco_beta, comm.loco_reset_interval,
+                           compensation=lambda comm, segments: LoCo(comm.loco.beta, comm.loco.reset_interval,
                                                                     segments),
                            # 8-bit codes and one bfloat16 scale per block
-                           state_bytes_per_value=LOCO_ERROR_BITS / 8 + 2 / BLOCK),
+                           state_bytes_per_value=LOCO_ERROR_BITS / 8 + 2 / BLOCK, options=LoCoOptions),
     "error_feedback": GradientMethod(stochastic=False, compensation=lambda comm, segments: ErrorFeedback(),
                                      state_bytes_per_value=4.0),
     "qsdp": GradientMethod(stochastic=True, compensation=None, state_bytes_per_value=0.0),
 }
+
+
+def method_options() -> dict[str, type]:
+    """{table: options dataclass} of the gradient compression methods: the config's [comm.<table>] tables."""
+    return {method.options.TABLE: method.options for method in GRADIENT_COMPRESSION.values()
+            if method.options is not None}
 
 
 def compensation_bytes_per_value(config: JobConfig) -> float:
@@ -63,20 +72,20 @@ def validate_compression(config: JobConfig, parallel_dims: ParallelDims) -> None
             raise UserError("option optimizer.name: FlexDeMo exchanges momentum components across replicas, and "
                             "this layout has one (data_parallel_replicate_degree = 1); set it to 2 or more (HSDP, "
                             "or DDP when data_parallel_shard_degree = 1)")
-        if not 1 <= optimizer.demo_chunk_size <= 256:
-            raise UserError(f"option optimizer.demo_chunk_size: {optimizer.demo_chunk_size} must be in [1, 256] "
+        demo = optimizer.flexdemo
+        if not 1 <= demo.chunk_size <= 256:
+            raise UserError(f"option optimizer.flexdemo.chunk_size: {demo.chunk_size} must be in [1, 256] "
                             f"(coefficient indices travel as one byte)")
-        if not 1 <= optimizer.demo_topk <= optimizer.demo_chunk_size:
-            raise UserError(f"option optimizer.demo_topk: {optimizer.demo_topk} must be in [1, demo_chunk_size = "
-                            f"{optimizer.demo_chunk_size}]")
-        if not 0.0 <= optimizer.demo_momentum_decay < 1.0:
-            raise UserError(f"option optimizer.demo_momentum_decay: {optimizer.demo_momentum_decay} must be in "
-                            f"[0, 1)")
+        if not 1 <= demo.topk <= demo.chunk_size:
+            raise UserError(f"option optimizer.flexdemo.topk: {demo.topk} must be in [1, chunk_size = "
+                            f"{demo.chunk_size}]")
+        if not 0.0 <= demo.momentum_decay < 1.0:
+            raise UserError(f"option optimizer.flexdemo.momentum_decay: {demo.momentum_decay} must be in [0, 1)")
     comm = config.comm
-    if not 0.0 <= comm.loco_beta < 1.0:
-        raise UserError(f"option comm.loco_beta: {comm.loco_beta} must be in [0, 1)")
-    if comm.loco_reset_interval < 0:
-        raise UserError(f"option comm.loco_reset_interval: {comm.loco_reset_interval} must be 0 (never) or a "
+    if not 0.0 <= comm.loco.beta < 1.0:
+        raise UserError(f"option comm.loco.beta: {comm.loco.beta} must be in [0, 1)")
+    if comm.loco.reset_interval < 0:
+        raise UserError(f"option comm.loco.reset_interval: {comm.loco.reset_interval} must be 0 (never) or a "
                         f"positive number of steps")
     for option, bits in (("gradient_bits", comm.gradient_bits), ("weight_bits", comm.weight_bits)):
         if bits not in VALID_BITS:

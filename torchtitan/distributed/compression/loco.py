@@ -19,6 +19,9 @@ Compensation (`comp_t` is what is added to step t's gradient before quantizing; 
 QSDP's gradients use the same exchange with stochastic rounding and no compensation.
 """
 
+from dataclasses import dataclass
+from typing import ClassVar
+
 import torch
 import torch.distributed as dist
 from torch.distributed.fsdp._fully_shard._fsdp_api import ReduceScatter
@@ -27,6 +30,20 @@ from torchtitan.distributed.compression.quantize import decode, encode, encode_a
 
 # LoCo stores its error in 8-bit codes, as the paper does.
 LOCO_ERROR_BITS = 8
+
+
+@dataclass
+class LoCoOptions:
+    """[comm.loco]"""
+
+    TABLE: ClassVar[str] = "loco"
+    OLD_PREFIX: ClassVar[str] = "loco_"  # comm.loco_<option>, deprecated
+
+    beta: float = 0.8
+    """gradient_compression = loco: weight of the previous error in the moving average e <- beta * e + (1 - beta) * (h - Q(h)), in [0, 1)."""
+
+    reset_interval: int = 1024
+    """gradient_compression = loco: the error is reset to zero every this many steps; 0 = never."""
 
 
 def _used_on_current_stream(tensor: torch.Tensor | None) -> None:
