@@ -17,6 +17,7 @@ from tests.unit.forked_ranks import run_ranks
 from torchtitan.components.checkpoint import read_metadata
 from torchtitan.components.checkpoint.manager import exact_where_it_fits
 from torchtitan.config.job_config import JobConfig
+from torchtitan.config.manager import get_option
 from torchtitan.distributed.compression import (EXACT, CompressionState, _param_groups, apply_compression,
                                                 compensation_state_bytes, compression_stats,
                                                 require_compensation_fits, validate_compression)
@@ -195,9 +196,11 @@ def layout(replicate: int = 1, shard: int = 2) -> ParallelDims:
 
 
 def config_with(**comm) -> JobConfig:
+    """`comm` options by name, a method's own as `table.option` (loco.beta)."""
     config = JobConfig()
     for key, value in comm.items():
-        setattr(config.comm, key, value)
+        table, _, name = f"comm.{key}".rpartition(".")
+        setattr(get_option(config, table), name, value)
     return config
 
 
@@ -208,8 +211,8 @@ def config_with(**comm) -> JobConfig:
     ({"gradient_compression": "loco"}, layout(shard=1), r"gradient_compression = loco: .* no FSDP"),
     ({"gradient_compression": "loco"}, layout(replicate=2), r"does not compose with data_parallel_replicate"),
     ({"weight_quantization": "qsdp"}, layout(replicate=2, shard=1), r"weight_quantization = qsdp: .* no FSDP"),
-    ({"gradient_compression": "loco", "loco_beta": 1.0}, layout(), r"comm.loco_beta: 1.0 must be in \[0, 1\)"),
-    ({"gradient_compression": "loco", "loco_reset_interval": -1}, layout(), r"comm.loco_reset_interval: -1 must"),
+    ({"gradient_compression": "loco", "loco.beta": 1.0}, layout(), r"comm.loco.beta: 1.0 must be in \[0, 1\)"),
+    ({"gradient_compression": "loco", "loco.reset_interval": -1}, layout(), r"comm.loco.reset_interval: -1 must"),
 ])
 def test_bad_values_and_combinations_are_refused(comm, dims, message):
     with pytest.raises(UserError, match=message):
@@ -220,15 +223,15 @@ def flexdemo(**options) -> JobConfig:
     config = JobConfig()
     config.optimizer.name = "FlexDeMo"
     for key, value in options.items():
-        setattr(config.optimizer, key, value)
+        setattr(config.optimizer.flexdemo, key, value)
     return config
 
 
 @pytest.mark.parametrize("options,dims,message", [
     ({}, layout(), r"optimizer.name: FlexDeMo .*\(data_parallel_replicate_degree = 1\)"),
-    ({"demo_chunk_size": 512}, layout(replicate=2), r"demo_chunk_size: 512 must be in \[1, 256\]"),
-    ({"demo_topk": 65}, layout(replicate=2), r"demo_topk: 65 must be in \[1, demo_chunk_size = 64\]"),
-    ({"demo_momentum_decay": 1.0}, layout(replicate=2), r"demo_momentum_decay: 1.0 must be in \[0, 1\)"),
+    ({"chunk_size": 512}, layout(replicate=2), r"optimizer.flexdemo.chunk_size: 512 must be in \[1, 256\]"),
+    ({"topk": 65}, layout(replicate=2), r"optimizer.flexdemo.topk: 65 must be in \[1, chunk_size = 64\]"),
+    ({"momentum_decay": 1.0}, layout(replicate=2), r"optimizer.flexdemo.momentum_decay: 1.0 must be in \[0, 1\)"),
 ])
 def test_bad_flexdemo_options_are_refused(options, dims, message):
     with pytest.raises(UserError, match=message):
