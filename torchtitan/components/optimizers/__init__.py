@@ -47,6 +47,12 @@ like the parameter (a DTensor sharded like it, e.g. `torch.zeros_like(param)`) a
 state of another shape (a projection matrix) must be a DTensor whose placements say how it reshards, or be rebuilt
 on load. `local(t)` and `gradient(param)` below give the local shard and the gradient sharded like its parameter, for
 elementwise updates.
+
+Saving must not change training (checkpoint.interval is no hyperparameter): `state_dict()` reads the state and
+changes none of it (tests/unit/test_optimizer_registry.py checks every registered method). State that differs between
+data-parallel replicas (FlexDeMo's local momenta), which DCP would keep once for all replicas, is returned by a
+`replica_state()` method ({param: {name: live tensor}}): the container saves it per replica for an exact resume, and
+the optimizer's own state_dict() saves a form that reshards (FlexDeMo: the replicas' mean, in a new tensor).
 """
 
 from collections.abc import Callable
