@@ -62,8 +62,9 @@ def test_saving_changes_nothing_and_loco_resumes_bitwise(tmp_path, corpus, strai
 
 def test_loco_checkpoint_reshards_to_four_ranks(tmp_path, corpus, straight, saved):
     """The residuals are saved per parameter, sharded like it: 4 ranks resume 2 ranks' step-4 checkpoint and follow
-    the 2-rank run closely (4-bit codes of other shards: not bitwise). A smoke test of the trainer's path: that the
-    residuals reach the new ranks exactly is tests/unit/test_compression.py's
+    the 2-rank run closely (4-bit codes of other shards: not bitwise). A smoke test of the trainer's path only: with
+    the residuals dropped on the reshard, steps 5-8 stay as close (1.6e-5, against 1.9e-5 with them, 2026-11-26),
+    so that the residuals reach the new ranks exactly is tests/unit/test_compression.py's
     test_residuals_reshard_from_two_to_four_ranks_exactly."""
     shutil.copytree(saved / "checkpoint" / f"step-{SAVED_STEP}", tmp_path / "checkpoint" / f"step-{SAVED_STEP}")
     rows = train(tmp_path, 4, [*fsdp(4, corpus), *LOCO, *CHECKPOINT])
