@@ -135,4 +135,6 @@ def test_flexdemo_checkpoint_reshards_from_ddp_to_hsdp(tmp_path, corpus):
     hsdp = train(tmp_path / "hsdp", 4, [*args, "--training.local_batch_size", "1",
                                         "--parallelism.data_parallel_shard_degree", "2"])
     assert [row["step"] for row in hsdp if "loss" in row] == list(range(SAVED_STEP + 1, STEPS + 1))
-    assert max_relative_difference(losses(hsdp), losses(after_save(ddp))) < 1e-3
+    difference = max_relative_difference(losses(hsdp), losses(after_save(ddp)))
+    print(f"FlexDeMo DDP 2 -> HSDP 2 x 2: max relative loss difference of steps 5-8 {difference:.2e}")
+    assert difference < 1e-3
