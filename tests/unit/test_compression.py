@@ -393,11 +393,19 @@ def worker(rank: int, out_dir: str) -> None:
         totals = [comm.compensation.residual.clone() for comm, _, _ in state.entries]
         results["state"] = (raw_before, raw_after, restored, owed, totals, sorted(saved))
 
-        # A checkpoint of error feedback's (fp32) residuals, which 4 ranks reshard (see test_residuals_reshard...).
+        # A checkpoint of error feedback's (fp32) residuals, which 4 ranks reshard (see test_residuals_reshard...);
+        # saving them changes nothing either, and loading restores them bit for bit.
         error_feedback = tiny_fsdp(mesh, {"gradient_compression": "error_feedback"})
         for seed in range(2):
             backward(error_feedback, rank, seed)
-        saved = CompressionState([error_feedback]).state_dict()
+        state = CompressionState([error_feedback])
+        raw_before = [comm.compensation.raw.clone() for comm, _, _ in state.entries]
+        saved = state.state_dict()
+        raw_after = [comm.compensation.raw.clone() for comm, _, _ in state.entries]
+        for comm, _, _ in state.entries:
+            comm.compensation.raw = None
+        state.load_state_dict(saved)
+        results["ef_state"] = (raw_before, raw_after, [comm.compensation.raw.clone() for comm, _, _ in state.entries])
         dcp.save({"optimizer": saved}, checkpoint_id=Path(out_dir) / "error_feedback")
         results["ef_totals"] = {key: value.full_tensor() for key, value in saved.items() if not key.startswith(EXACT)}
         torch.save(results, Path(out_dir) / f"rank{rank}.pt")
@@ -502,14 +510,17 @@ def test_qsdp_encodes_each_weight_shard_once_per_step(results):
 
 
 def test_saving_leaves_the_residuals_and_what_is_saved_restores_them(results):
-    """Saving changes no live state (a run that saves trains as one that does not); the verbatim state restores it
+    """LoCo's codes and error feedback's residuals: saving changes no live state (a run that saves trains as one that does not); the verbatim state restores it
     bit for bit (an exact resume); the per-parameter totals alone give each shard's owner what all ranks owed it."""
     for rank, rank_results in enumerate(results):
         raw_before, raw_after, restored, owed, totals, keys = rank_results["state"]
         assert "layers.0.attention.wq.weight" in keys
         assert any(key.startswith(EXACT) for key in keys)
         assert any(total.abs().sum() > 0 for total in owed)
-        for before, after, back in zip(raw_before, raw_after, restored):
+        ef_before, ef_after, ef_restored = rank_results["ef_state"]
+        assert any(before.any() for before in ef_before)
+        for before, after, back in zip([*raw_before, *ef_before], [*raw_after, *ef_after],
+                                       [*restored, *ef_restored]):
             assert torch.equal(after, before)
             assert torch.equal(back, before)
         for total, loaded in zip(owed, totals):
