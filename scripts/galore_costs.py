@@ -71,7 +71,8 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=5)
     args = parser.parse_args()
 
-    galore = OptimizerConfig(name="GaLore-AdamW", galore_rank=args.rank)
+    galore = OptimizerConfig(name="GaLore-AdamW")
+    galore.galore.rank = args.rank
     galore_bytes, adamw_bytes = optimizer_spec("GaLore-AdamW").state_bytes, optimizer_spec("AdamW").state_bytes
     hidden, other = matrix_shapes(args.flavor, args.dim)
     print(f"flavor {args.flavor}{f' with dim {args.dim}' if args.dim else ''}, device {args.device} ({torch.get_num_threads()} threads), "

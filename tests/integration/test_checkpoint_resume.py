@@ -199,8 +199,8 @@ OPTIMIZERS = {
     # the relative gap between the r-th and next singular values; the randomized SVD's power iterations amplify it
     # further (step 8 within 1.0e-5 to 2.9e-5 on different days), the exact SVD does not (1.2e-7 for TP 2, 1.1e-7
     # for one process, 2026-11-25): this test refreshes by the exact SVD, within the default bound.
-    "GaLore-AdamW": ("--optimizer.name", "GaLore-AdamW", "--optimizer.galore_update_gap", "3",
-                     "--optimizer.galore_svd", "exact"),
+    "GaLore-AdamW": ("--optimizer.name", "GaLore-AdamW", "--optimizer.galore.update_gap", "3",
+                     "--optimizer.galore.svd", "exact"),
     "Muon": ("--optimizer.name", "Muon"),
 }
 # (optimizer, layout that resumes FSDP 2's checkpoint). torchao's 8-/4-bit state is saved dequantized and quantized

@@ -5,6 +5,7 @@ import shutil
 from pathlib import Path
 
 import pytest
+import torch
 
 from tests.integration.harness import TINY, losses, max_relative_difference, train
 from tests.integration.test_checkpoint_resume import write_corpus
@@ -30,41 +31,55 @@ def corpus(tmp_path_factory) -> Path:
 
 
 @pytest.fixture(scope="module")
-def straight(tmp_path_factory, corpus) -> tuple[Path, list[dict]]:
-    """An uninterrupted 8-step LoCo run on 2 ranks that checkpoints every 2 steps."""
-    dump = tmp_path_factory.mktemp("straight")
-    return dump, train(dump, 2, [*fsdp(2, corpus), *LOCO, *CHECKPOINT])
+def straight(corpus, tmp_path_factory) -> list[dict]:
+    """An uninterrupted 8-step LoCo run on 2 ranks that never saves."""
+    return train(tmp_path_factory.mktemp("straight"), 2, [*fsdp(2, corpus), *LOCO])
+
+
+@pytest.fixture(scope="module")
+def saved(corpus, tmp_path_factory) -> Path:
+    """The dump folder of the same run stopped after step 4, saving every 2 steps."""
+    dump = tmp_path_factory.mktemp("saved")
+    train(dump, 2, [*fsdp(2, corpus), *LOCO, *CHECKPOINT, "--training.steps", str(SAVED_STEP)])
+    return dump
 
 
 def after_save(rows: list[dict]) -> list[dict]:
     return [row for row in rows if "loss" in row and row["step"] > SAVED_STEP]
 
 
-def test_loco_resume_is_bitwise_exact(tmp_path, corpus, straight):
-    args = [*fsdp(2, corpus), *LOCO, *CHECKPOINT]
-    train(tmp_path, 2, [*args, "--training.steps", str(SAVED_STEP)])
-    rows = train(tmp_path, 2, args)
-    assert [row["step"] for row in rows if "loss" in row] == list(range(1, STEPS + 1))
-    resumed, uninterrupted = after_save(rows), after_save(straight[1])
-    assert [row["loss"] for row in resumed] == [row["loss"] for row in uninterrupted]
-    assert [row["grad_norm"] for row in resumed] == [row["grad_norm"] for row in uninterrupted]
+def test_saving_changes_nothing_and_loco_resumes_bitwise(tmp_path, corpus, straight, saved):
+    """A run that saves at steps 2 and 4, resumes from step 4 and saves at 6 and 8 has, at every step, the loss and
+    gradient norm of the run that never saves: saving changes no state, and the checkpoint restores it exactly."""
+    shutil.copytree(saved, tmp_path, dirs_exist_ok=True)
+    rows = train(tmp_path, 2, [*fsdp(2, corpus), *LOCO, *CHECKPOINT])
+    rows = [row for row in rows if "loss" in row]
+    assert [row["step"] for row in rows] == list(range(1, STEPS + 1))
+    uninterrupted = [row for row in straight if "loss" in row]
+    assert [row["loss"] for row in rows] == [row["loss"] for row in uninterrupted]
+    assert [row["grad_norm"] for row in rows] == [row["grad_norm"] for row in uninterrupted]
 
 
-def test_loco_checkpoint_reshards_to_four_ranks(tmp_path, corpus, straight):
+def test_loco_checkpoint_reshards_to_four_ranks(tmp_path, corpus, straight, saved):
     """The residuals are saved per parameter, sharded like it: 4 ranks resume 2 ranks' step-4 checkpoint and follow
-    the 2-rank run closely (4-bit codes of other shards: not bitwise)."""
-    shutil.copytree(straight[0] / "checkpoint" / f"step-{SAVED_STEP}", tmp_path / "checkpoint" / f"step-{SAVED_STEP}")
+    the 2-rank run closely (4-bit codes of other shards: not bitwise). A smoke test of the trainer's path only: with
+    the residuals dropped on the reshard, steps 5-8 stay as close (1.6e-5, against 1.9e-5 with them, 2026-11-26),
+    so that the residuals reach the new ranks exactly is tests/unit/test_compression.py's
+    test_residuals_reshard_from_two_to_four_ranks_exactly."""
+    shutil.copytree(saved / "checkpoint" / f"step-{SAVED_STEP}", tmp_path / "checkpoint" / f"step-{SAVED_STEP}")
     rows = train(tmp_path, 4, [*fsdp(4, corpus), *LOCO, *CHECKPOINT])
     assert [row["step"] for row in rows if "loss" in row] == list(range(SAVED_STEP + 1, STEPS + 1))
-    difference = max_relative_difference(losses(rows), losses(after_save(straight[1])))
+    difference = max_relative_difference(losses(rows), losses(after_save(straight)))
     print(f"LoCo 2 -> 4 ranks: max relative loss difference of steps 5-8 {difference:.2e}")
     assert difference < 1e-3
 
 
-def test_the_checkpoint_holds_the_residuals_per_parameter(straight):
-    state = read_full_checkpoint(straight[0] / "checkpoint" / f"step-{SAVED_STEP}")["optimizer"]
+def test_the_checkpoint_holds_the_residuals_per_parameter(saved):
+    state = read_full_checkpoint(saved / "checkpoint" / f"step-{SAVED_STEP}")["optimizer"]
     residuals = {key: value for key, value in state.items()
                  if key.startswith("compression.") and key != "compression.loco_steps"}
+    # Each rank's own codes verbatim too, one block per rank, per FSDP module (named by its first parameter).
+    assert state["exact.compression.layers.0.attention_norm.weight.replica0of1"].shape[0] == 2
     assert int(state["compression.loco_steps"]) == SAVED_STEP  # LoCo's reset counts steps across a resume
     weight = state["state.layers.0.attention.wq.weight.exp_avg"]
     assert residuals["compression.layers.0.attention.wq.weight"].shape == weight.shape
@@ -72,19 +87,23 @@ def test_the_checkpoint_holds_the_residuals_per_parameter(straight):
     assert any(value.abs().sum() > 0 for value in residuals.values())
 
 
-def test_flexdemo_resume_is_bitwise_exact(tmp_path, corpus):
-    """Two DDP replicas under FlexDeMo: their local momenta are saved (averaged, as the run that saves continues)
-    and a resumed run repeats the uninterrupted one."""
+def test_saving_changes_nothing_and_flexdemo_resumes_bitwise(tmp_path, corpus):
+    """Two DDP replicas under FlexDeMo: a run that saves every 2 steps and resumes from step 4 has the losses of one
+    that never saves. The checkpoint holds the replicas' mean momentum (for another layout) and each replica's own
+    (for an exact resume); saving leaves the live momenta as they are."""
     args = [*BASE, "--training.dataset_path", str(corpus), "--training.local_batch_size", "2",
-            "--parallelism.data_parallel_replicate_degree", "2", "--optimizer.name", "FlexDeMo", *CHECKPOINT]
+            "--parallelism.data_parallel_replicate_degree", "2", "--optimizer.name", "FlexDeMo"]
     straight = train(tmp_path / "straight", 2, args)
-    train(tmp_path / "resumed", 2, [*args, "--training.steps", str(SAVED_STEP)])
-    rows = train(tmp_path / "resumed", 2, args)
+    train(tmp_path / "resumed", 2, [*args, *CHECKPOINT, "--training.steps", str(SAVED_STEP)])
+    rows = train(tmp_path / "resumed", 2, [*args, *CHECKPOINT])
     assert [row["step"] for row in rows if "loss" in row] == list(range(1, STEPS + 1))
-    assert losses(after_save(rows)) == losses(after_save(straight))
+    assert losses(rows) == losses(straight)
     state = read_full_checkpoint(tmp_path / "resumed" / "checkpoint" / f"step-{SAVED_STEP}")["optimizer"]
-    momentum = state["state.layers.0.attention.wq.weight.momentum"]
-    assert momentum.shape == (64, 64) and momentum.abs().sum() > 0
+    momenta = [state[f"exact.layers.0.attention.wq.weight.momentum.replica{r}of2"] for r in range(2)]
+    mean = state["state.layers.0.attention.wq.weight.momentum"]
+    assert mean.shape == (64, 64) and mean.abs().sum() > 0
+    assert not torch.equal(momenta[0], momenta[1])
+    assert torch.allclose(mean, (momenta[0] + momenta[1]) / 2, atol=1e-6)
 
 
 @pytest.mark.slow
@@ -116,4 +135,6 @@ def test_flexdemo_checkpoint_reshards_from_ddp_to_hsdp(tmp_path, corpus):
     hsdp = train(tmp_path / "hsdp", 4, [*args, "--training.local_batch_size", "1",
                                         "--parallelism.data_parallel_shard_degree", "2"])
     assert [row["step"] for row in hsdp if "loss" in row] == list(range(SAVED_STEP + 1, STEPS + 1))
-    assert max_relative_difference(losses(hsdp), losses(after_save(ddp))) < 1e-3
+    difference = max_relative_difference(losses(hsdp), losses(after_save(ddp)))
+    print(f"FlexDeMo DDP 2 -> HSDP 2 x 2: max relative loss difference of steps 5-8 {difference:.2e}")
+    assert difference < 1e-3

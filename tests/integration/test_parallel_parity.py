@@ -76,7 +76,7 @@ OPTIMIZERS = {
     "AdamW-bf16": ["--optimizer.name", "AdamW-bf16"],
     "AdamW-8bit": ["--optimizer.name", "AdamW-8bit"],
     "AdamW-4bit": ["--optimizer.name", "AdamW-4bit"],
-    "GaLore-AdamW": ["--optimizer.name", "GaLore-AdamW", "--optimizer.galore_update_gap", "4"],
+    "GaLore-AdamW": ["--optimizer.name", "GaLore-AdamW", "--optimizer.galore.update_gap", "4"],
     "Muon": ["--optimizer.name", "Muon"],
 }
 # torchao quantizes a rank's local shard in its own blocks (128 values for 4-bit): under TP the embedding's state is

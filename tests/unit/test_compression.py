@@ -7,14 +7,18 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
 import torch.nn.functional as F
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import FSDPModule
 from torch.distributed.fsdp._fully_shard._fsdp_api import AllGather
 
 from tests.unit.forked_ranks import run_ranks
+from torchtitan.components.checkpoint import read_metadata
+from torchtitan.components.checkpoint.manager import exact_where_it_fits
 from torchtitan.config.job_config import JobConfig
-from torchtitan.distributed.compression import (CompressionState, _param_groups, apply_compression,
+from torchtitan.config.manager import get_option
+from torchtitan.distributed.compression import (EXACT, CompressionState, _param_groups, apply_compression,
                                                 compensation_state_bytes, compression_stats,
                                                 require_compensation_fits, validate_compression)
 from torchtitan.distributed.compression.hadamard import hadamard_rotate
@@ -192,9 +196,11 @@ def layout(replicate: int = 1, shard: int = 2) -> ParallelDims:
 
 
 def config_with(**comm) -> JobConfig:
+    """`comm` options by name, a method's own as `table.option` (loco.beta)."""
     config = JobConfig()
     for key, value in comm.items():
-        setattr(config.comm, key, value)
+        table, _, name = f"comm.{key}".rpartition(".")
+        setattr(get_option(config, table), name, value)
     return config
 
 
@@ -205,8 +211,8 @@ def config_with(**comm) -> JobConfig:
     ({"gradient_compression": "loco"}, layout(shard=1), r"gradient_compression = loco: .* no FSDP"),
     ({"gradient_compression": "loco"}, layout(replicate=2), r"does not compose with data_parallel_replicate"),
     ({"weight_quantization": "qsdp"}, layout(replicate=2, shard=1), r"weight_quantization = qsdp: .* no FSDP"),
-    ({"gradient_compression": "loco", "loco_beta": 1.0}, layout(), r"comm.loco_beta: 1.0 must be in \[0, 1\)"),
-    ({"gradient_compression": "loco", "loco_reset_interval": -1}, layout(), r"comm.loco_reset_interval: -1 must"),
+    ({"gradient_compression": "loco", "loco.beta": 1.0}, layout(), r"comm.loco.beta: 1.0 must be in \[0, 1\)"),
+    ({"gradient_compression": "loco", "loco.reset_interval": -1}, layout(), r"comm.loco.reset_interval: -1 must"),
 ])
 def test_bad_values_and_combinations_are_refused(comm, dims, message):
     with pytest.raises(UserError, match=message):
@@ -217,15 +223,15 @@ def flexdemo(**options) -> JobConfig:
     config = JobConfig()
     config.optimizer.name = "FlexDeMo"
     for key, value in options.items():
-        setattr(config.optimizer, key, value)
+        setattr(config.optimizer.flexdemo, key, value)
     return config
 
 
 @pytest.mark.parametrize("options,dims,message", [
     ({}, layout(), r"optimizer.name: FlexDeMo .*\(data_parallel_replicate_degree = 1\)"),
-    ({"demo_chunk_size": 512}, layout(replicate=2), r"demo_chunk_size: 512 must be in \[1, 256\]"),
-    ({"demo_topk": 65}, layout(replicate=2), r"demo_topk: 65 must be in \[1, demo_chunk_size = 64\]"),
-    ({"demo_momentum_decay": 1.0}, layout(replicate=2), r"demo_momentum_decay: 1.0 must be in \[0, 1\)"),
+    ({"chunk_size": 512}, layout(replicate=2), r"optimizer.flexdemo.chunk_size: 512 must be in \[1, 256\]"),
+    ({"topk": 65}, layout(replicate=2), r"optimizer.flexdemo.topk: 65 must be in \[1, chunk_size = 64\]"),
+    ({"momentum_decay": 1.0}, layout(replicate=2), r"optimizer.flexdemo.momentum_decay: 1.0 must be in \[0, 1\)"),
 ])
 def test_bad_flexdemo_options_are_refused(options, dims, message):
     with pytest.raises(UserError, match=message):
@@ -369,31 +375,52 @@ def worker(rank: int, out_dir: str) -> None:
             phases.append(list(calls))
         results["qsdp_reuse"] = (len(param_groups), phases)
 
-        # The checkpointed residuals: saving rebalances them onto the shards' owners without changing what is owed
-        # to each shard, and loading what was saved restores the live state bit for bit.
+        # The checkpointed residuals: saving changes nothing live; the verbatim state restores it bit for bit, and
+        # without it (another layout) each shard's owner gets what all ranks owed the shard.
         backward(loco, rank, seed=1)
         state = CompressionState([loco])
-        owed_before = [comm.compensation.residual.clone() for comm, _, _ in state.entries]
-        for owed in owed_before:
-            dist.all_reduce(owed)
+        raw_before = [comm.compensation.raw.clone() for comm, _, _ in state.entries]
+        owed = [comm.compensation.residual.clone() for comm, _, _ in state.entries]
+        for total in owed:
+            dist.all_reduce(total)
         saved = state.state_dict()
-        live = [comm.compensation.residual.clone() for comm, _, _ in state.entries]
-        owed_after = [residual.clone() for residual in live]
-        for owed in owed_after:
-            dist.all_reduce(owed)
+        raw_after = [comm.compensation.raw.clone() for comm, _, _ in state.entries]
         for comm, _, _ in state.entries:
-            comm.compensation.residual = None
+            comm.compensation.raw = None
         state.load_state_dict(saved)
-        restored = [comm.compensation.residual for comm, _, _ in state.entries]
-        results["state"] = (owed_before, owed_after, live, restored, sorted(saved))
+        restored = [comm.compensation.raw.clone() for comm, _, _ in state.entries]
+        state.load_state_dict({key: value for key, value in saved.items() if not key.startswith(EXACT)})
+        totals = [comm.compensation.residual.clone() for comm, _, _ in state.entries]
+        results["state"] = (raw_before, raw_after, restored, owed, totals, sorted(saved))
+
+        # A checkpoint of error feedback's (fp32) residuals, which 4 ranks reshard (see test_residuals_reshard...);
+        # saving them changes nothing either, and loading restores them bit for bit.
+        error_feedback = tiny_fsdp(mesh, {"gradient_compression": "error_feedback"})
+        for seed in range(2):
+            backward(error_feedback, rank, seed)
+        state = CompressionState([error_feedback])
+        raw_before = [comm.compensation.raw.clone() for comm, _, _ in state.entries]
+        saved = state.state_dict()
+        raw_after = [comm.compensation.raw.clone() for comm, _, _ in state.entries]
+        for comm, _, _ in state.entries:
+            comm.compensation.raw = None
+        state.load_state_dict(saved)
+        results["ef_state"] = (raw_before, raw_after, [comm.compensation.raw.clone() for comm, _, _ in state.entries])
+        dcp.save({"optimizer": saved}, checkpoint_id=Path(out_dir) / "error_feedback")
+        results["ef_totals"] = {key: value.full_tensor() for key, value in saved.items() if not key.startswith(EXACT)}
         torch.save(results, Path(out_dir) / f"rank{rank}.pt")
     finally:
         dist.destroy_process_group()
 
 
 @pytest.fixture(scope="module")
-def results(tmp_path_factory) -> list[dict]:
-    return run_ranks(worker, tmp_path_factory.mktemp("compression"), WORLD, 120, "compression")
+def compression_dir(tmp_path_factory) -> Path:
+    return tmp_path_factory.mktemp("compression")
+
+
+@pytest.fixture(scope="module")
+def results(compression_dir) -> list[dict]:
+    return run_ranks(worker, compression_dir, WORLD, 120, "compression")
 
 
 @pytest.mark.parametrize("rotate", [False, True])
@@ -482,18 +509,71 @@ def test_qsdp_encodes_each_weight_shard_once_per_step(results):
             assert all(identical for _, identical in calls)
 
 
-def test_saved_residuals_keep_what_is_owed_and_restore_bitwise(results):
+def test_saving_leaves_the_residuals_and_what_is_saved_restores_them(results):
+    """LoCo's codes and error feedback's residuals: saving changes no live state (a run that saves trains as one that does not); the verbatim state restores it
+    bit for bit (an exact resume); the per-parameter totals alone give each shard's owner what all ranks owed it."""
     for rank, rank_results in enumerate(results):
-        owed_before, owed_after, live, restored, keys = rank_results["state"]
+        raw_before, raw_after, restored, owed, totals, keys = rank_results["state"]
         assert "layers.0.attention.wq.weight" in keys
-        assert any(before.abs().sum() > 0 for before in owed_before)
-        for before, after, now, back in zip(owed_before, owed_after, live, restored):
+        assert any(key.startswith(EXACT) for key in keys)
+        assert any(total.abs().sum() > 0 for total in owed)
+        ef_before, ef_after, ef_restored = rank_results["ef_state"]
+        assert any(before.any() for before in ef_before)
+        for before, after, back in zip([*raw_before, *ef_before], [*raw_after, *ef_after],
+                                       [*restored, *ef_restored]):
+            assert torch.equal(after, before)
+            assert torch.equal(back, before)
+        for total, loaded in zip(owed, totals):
             # LoCo keeps its state as 8-bit codes: the owner's total is re-encoded, within half a code (the block's
             # maximum / 127, its bfloat16 scale rounded up by at most 2^-8) of the sum.
-            assert torch.allclose(after, before, atol=float(before.abs().max()) / 254 * (1 + 2 ** -8) + 1e-7)
-            assert torch.equal(now, back)
+            atol = float(total.abs().max()) / 254 * (1 + 2 ** -8) + 1e-7
+            assert torch.allclose(loaded[rank], total[rank], atol=atol)
             others = [r for r in range(WORLD) if r != rank]
-            assert not now[others].any()  # each rank owes only its own shard after saving
+            assert not loaded[others].any()  # each rank owes only its own shard after loading the totals
+
+
+RESHARDED = 4
+
+
+def reshard_worker(rank: int, out_dir: str) -> None:
+    """4 ranks load the 2 ranks' error-feedback checkpoint as the trainer does: the verbatim state does not fit this
+    layout, so each rank's row of its own shards holds the totals."""
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", store=dist.FileStore(f"{out_dir}/store4", RESHARDED), rank=rank,
+                            world_size=RESHARDED, timeout=datetime.timedelta(seconds=60))
+    try:
+        model = tiny_fsdp(init_device_mesh("cpu", (RESHARDED,)), {"gradient_compression": "error_feedback"})
+        state = CompressionState([model])
+        checkpoint = Path(out_dir) / "error_feedback"
+        template = exact_where_it_fits(state.state_dict(), read_metadata(checkpoint).state_dict_metadata,
+                                       "optimizer.")
+        loaded = {"optimizer": template}
+        dcp.load(loaded, checkpoint_id=checkpoint)
+        state.load_state_dict(loaded["optimizer"])
+        own, others = {}, []
+        for comm, group, fqns in state.entries:
+            residual = comm.compensation.residual
+            others.append(residual[[r for r in range(RESHARDED) if r != rank]].clone())
+            for fqn, (fsdp_param, offset, size) in zip(fqns, state._layout(group)):
+                own[fqn] = residual[rank, offset:offset + size.numel()].view(size)[:fsdp_param.sharded_size[0]].clone()
+        torch.save({"loaded_keys": sorted(template), "own": own, "others": others}, Path(out_dir) / f"rank{rank}.pt")
+    finally:
+        dist.destroy_process_group()
+
+
+def test_residuals_reshard_from_two_to_four_ranks_exactly(results, compression_dir):
+    """Each of the 4 ranks holds, for its shard of every parameter, exactly the total the 2 ranks saved (fp32: no
+    rounding anywhere on the way), and nothing for the other ranks' shards. Dropping the residuals on a reshard
+    leaves zeros, which fails here."""
+    totals = results[0]["ef_totals"]
+    assert sum(bool(total.any()) for total in totals.values()) >= len(totals) - 1  # nearly all gradients non-zero
+    resharded = run_ranks(reshard_worker, compression_dir, RESHARDED, 120, "reshard")
+    for rank, rank_results in enumerate(resharded):
+        assert not any(key.startswith(EXACT) for key in rank_results["loaded_keys"])
+        assert set(rank_results["own"]) == set(totals)
+        for fqn, own in rank_results["own"].items():
+            assert torch.equal(own, totals[fqn].chunk(RESHARDED)[rank]), fqn
+        assert not any(other.any() for other in rank_results["others"])
 
 
 def test_parameter_groups_of_torch_before_2_13():

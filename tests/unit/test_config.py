@@ -643,3 +643,79 @@ def test_validate_also_checks_toml_values(tmp_path):
     path = write_toml(tmp_path, "[training]\nlocal_batch_size = 0\n")
     with raises(r"option training\.local_batch_size: 0 must be a positive integer"):
         parse_args(["--job.config_file", path])
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Each method's own table ([optimizer.muon], [comm.loco], ...), declared next to its implementation
+
+def test_every_method_table_is_an_option_table_with_help(capsys):
+    """The registered methods' tables are sections like any other: --help lists them with their docstrings."""
+    from torchtitan.components.optimizers import method_options as optimizer_tables
+    from torchtitan.distributed.compression import method_options as comm_tables
+
+    specs = option_specs()
+    tables = [f"optimizer.{t}" for t in optimizer_tables()] + [f"comm.{t}" for t in comm_tables()]
+    assert {"optimizer.flexdemo", "optimizer.galore", "optimizer.muon", "optimizer.ranger21", "comm.loco"} <= set(tables)
+    with pytest.raises(SystemExit):
+        parse_args(["--help"])
+    text = capsys.readouterr().out
+    for table in tables:
+        assert f"[{table}]" in text
+        keys = [key for key in specs if key.rpartition(".")[0] == table]
+        assert keys and all(specs[key].doc for key in keys), table
+    assert "--optimizer.muon.ns_steps (int, default: 5)" in text
+    assert not any(key.startswith(("optimizer.muon_", "optimizer.methods", "comm.loco_")) for key in specs)
+
+
+def test_method_options_by_their_table_in_toml_and_on_the_command_line(tmp_path):
+    path = write_toml(tmp_path, "[optimizer]\nname = \"Muon\"\n[optimizer.muon]\nns_steps = 3\n"
+                                "[comm.loco]\nbeta = 0.5\n[optimizer.ranger21]\ngradient_centralization = false\n")
+    config = parse_args(["--job.config_file", path, "--optimizer.muon.momentum", "0.9",
+                         "--optimizer.galore.svd", "exact", "--comm.loco.reset_interval=8"])
+    assert (config.optimizer.muon.ns_steps, config.optimizer.muon.momentum) == (3, 0.9)
+    assert (config.comm.loco.beta, config.comm.loco.reset_interval) == (0.5, 8)
+    assert config.optimizer.galore.svd == "exact" and config.optimizer.ranger21.gradient_centralization is False
+    assert parse_args(["--optimizer.ranger21.no_gradient_centralization"]).optimizer.ranger21.gradient_centralization \
+        is False
+    # The saved config reads back to the same one, tables included.
+    assert parse_args(["--job.config_file", write_toml(tmp_path, to_toml(config), "again.toml")]).optimizer == \
+        config.optimizer
+    with raises(r"option optimizer\.muon\.ns_steps: 'many' is not a valid value; expected int"):
+        parse_args(["--optimizer.muon.ns_steps", "many"])
+
+
+@pytest.mark.parametrize("argv, where", [
+    (["--optimizer.muon_ns_steps", "3"], "command line"),
+    (["--optimizer.muon_ns_steps=3"], "command line"),
+    (None, "config file"),
+])
+def test_old_flat_method_options_still_work_with_one_deprecation_line(argv, where, tmp_path, monkeypatch):
+    warnings = []
+    monkeypatch.setattr(manager, "warn_once", warnings.append)
+    if argv is None:
+        path = write_toml(tmp_path, "[optimizer]\nmuon_ns_steps = 3\n")
+        argv, where = ["--job.config_file", path], f"config file {path}"
+    assert parse_args(argv).optimizer.muon.ns_steps == 3
+    assert warnings == [f"{where}: option optimizer.muon_ns_steps is deprecated; it is now optimizer.muon.ns_steps "
+                        f"(each method's options are in its own table, [optimizer.muon]; the old name goes in the "
+                        f"next release)"]
+
+
+def test_every_old_flat_method_option_names_its_table_option():
+    old = {key: new for key, (new, _) in manager.deprecated_aliases().items() if key != "job.print_args"}
+    assert {"optimizer.demo_chunk_size": "optimizer.flexdemo.chunk_size", "optimizer.galore_rank": "optimizer.galore.rank",
+            "optimizer.ranger_agc_clip": "optimizer.ranger21.agc_clip", "comm.loco_beta": "comm.loco.beta",
+            "optimizer.muon_momentum": "optimizer.muon.momentum"}.items() <= old.items()
+    # flexdemo 3, ranger21 7, galore 5, muon 2, loco 2: the flat options job_config.py held before the tables
+    assert len(old) == 19 and set(old.values()) <= set(option_specs())
+    parse_args(["--optimizer.no_ranger_gradient_centralization", "--comm.loco_reset_interval", "0"])
+
+
+@pytest.mark.parametrize("argv, hint", [
+    (["--optimizer.muon.ns_step", "3"], "optimizer.muon.ns_steps"),
+    (["--optimizer.ns_steps", "3"], "optimizer.muon.ns_steps"),
+    (["--comm.loco.betta", "0.5"], "comm.loco.beta"),
+])
+def test_did_you_mean_covers_the_method_tables(argv, hint):
+    with raises(rf"unknown option {re.escape(argv[0][2:])}; did you mean {re.escape(hint)}\?"):
+        parse_args(argv)

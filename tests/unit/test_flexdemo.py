@@ -76,7 +76,9 @@ def worker(rank: int, out_dir: str) -> None:
         momentum = optimizer.state[weight]["momentum"].clone()
         saved = optimizer.state_dict()
         torch.save({"weight": weight.detach().clone(), "start": start, "momentum": momentum,
-                    "saved_momentum": saved["state"][0]["momentum"].clone(), "sent_bytes": optimizer.sent_bytes},
+                    "saved_momentum": saved["state"][0]["momentum"].clone(), "sent_bytes": optimizer.sent_bytes,
+                    "live_after_save": optimizer.state[weight]["momentum"].clone(),
+                    "replica_state": optimizer.replica_state()[weight]["momentum"].clone()},
                    Path(out_dir) / f"rank{rank}.pt")
     finally:
         dist.destroy_process_group()
@@ -96,10 +98,14 @@ def test_replicas_stay_identical_while_their_momenta_differ(results):
     assert (first["weight"] - first["start"]).abs().max() <= 3 * 0.01 + 1e-6
 
 
-def test_saving_averages_the_momenta(results):
+def test_saving_saves_the_mean_momentum_and_leaves_each_replicas_own(results):
+    """The mean reshards to any layout; the live momenta are not touched (saving must not change training), and
+    each replica's own is what the checkpoint keeps for an exact resume."""
     mean = (results[0]["momentum"] + results[1]["momentum"]) / 2
     for rank_results in results:
         assert torch.allclose(rank_results["saved_momentum"], mean, atol=1e-6)
+        assert torch.equal(rank_results["live_after_save"], rank_results["momentum"])
+        assert torch.equal(rank_results["replica_state"], rank_results["momentum"])
     assert torch.equal(results[0]["saved_momentum"], results[1]["saved_momentum"])
 
 

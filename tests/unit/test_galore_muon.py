@@ -144,22 +144,26 @@ def test_registry_state_bytes_match_the_state_after_a_step(name):
 
 
 @pytest.mark.parametrize("option,value,message", [
-    ("galore_rank", 65, r"^option optimizer.galore_rank: 65 must be in \[1, 32\]"),
-    ("galore_rank", 0, r"^option optimizer.galore_rank: 0 must be in \[1, 32\]"),
-    ("galore_update_gap", 0, r"^option optimizer.galore_update_gap: 0 must be at least 1"),
+    ("rank", 65, r"^option optimizer.galore.rank: 65 must be in \[1, 32\]"),
+    ("rank", 0, r"^option optimizer.galore.rank: 0 must be in \[1, 32\]"),
+    ("update_gap", 0, r"^option optimizer.galore.update_gap: 0 must be at least 1"),
 ])
 def test_galore_options_are_checked(option, value, message):
+    config = OptimizerConfig(name="GaLore-AdamW")
+    setattr(config.galore, option, value)
     with pytest.raises(UserError, match=message):
-        OptimizersContainer([tiny_model()], OptimizerConfig(name="GaLore-AdamW", **{option: value}))
+        OptimizersContainer([tiny_model()], config)
 
 
 @pytest.mark.parametrize("option,value,message", [
-    ("muon_momentum", 1.0, r"^option optimizer.muon_momentum: 1.0 must be in \[0, 1\)"),
-    ("muon_ns_steps", 0, r"^option optimizer.muon_ns_steps: 0 must be at least 1"),
+    ("momentum", 1.0, r"^option optimizer.muon.momentum: 1.0 must be in \[0, 1\)"),
+    ("ns_steps", 0, r"^option optimizer.muon.ns_steps: 0 must be at least 1"),
 ])
 def test_muon_options_are_checked(option, value, message):
+    config = OptimizerConfig(name="Muon")
+    setattr(config.muon, option, value)
     with pytest.raises(UserError, match=message):
-        OptimizersContainer([tiny_model()], OptimizerConfig(name="Muon", **{option: value}))
+        OptimizersContainer([tiny_model()], config)
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -262,9 +266,10 @@ def test_registry_state_bytes_count_a_ranks_share_of_the_state(sharded_results, 
     """The registry's state_bytes (what the memory planner sums over a rank's shards) given a matrix's whole and
     local shapes is what rank 0 keeps: GaLore's share of the whole matrix's moments and projector, not the state of
     a matrix shaped like the shard (another projected side and rank). The evenly sharded matrices are exact."""
-    configs = {"galore_randomized": OptimizerConfig(name="GaLore-AdamW", galore_rank=5),
-               "galore_exact": OptimizerConfig(name="GaLore-AdamW", galore_rank=5),
+    configs = {"galore_randomized": OptimizerConfig(name="GaLore-AdamW"),
+               "galore_exact": OptimizerConfig(name="GaLore-AdamW"),
                "muon": OptimizerConfig(name="Muon")}
+    configs["galore_randomized"].galore.rank = configs["galore_exact"].galore.rank = 5
     for name, config in configs.items():
         spec = optimizer_spec(config.name)
         for shape, (local_shape, kept) in zip(SHAPES[:2], sharded_results[layout, name, "local_state"]):

@@ -12,9 +12,12 @@ from torchtitan.components.optimizers import optimizer_spec
 from torchtitan.config.job_config import Optimizer
 
 
-def container(model: nn.Module, name: str, **changes) -> OptimizersContainer:
-    return OptimizersContainer([model], dataclasses.replace(Optimizer(name=name, lr=1e-2, implementation="for-loop"),
-                                                            **changes))
+def container(model: nn.Module, name: str, ranger21: dict | None = None, **changes) -> OptimizersContainer:
+    """`changes` to [optimizer], `ranger21` to [optimizer.ranger21]."""
+    config = dataclasses.replace(Optimizer(name=name, lr=1e-2, implementation="for-loop"), **changes)
+    for option, value in (ranger21 or {}).items():
+        setattr(config.ranger21, option, value)
+    return OptimizersContainer([model], config)
 
 
 def matrices(seed: int = 0) -> nn.Module:
@@ -126,7 +129,7 @@ def test_ranger21_state_and_lookahead():
     """Lookahead with alpha 0 brings the weights back to the slow weights at every k-th step."""
     model = matrices()
     initial = [p.detach().clone() for p in model.parameters()]
-    ranger = container(model, "Ranger21", ranger_lookahead_steps=2, ranger_lookahead_alpha=0.0)
+    ranger = container(model, "Ranger21", {"lookahead_steps": 2, "lookahead_alpha": 0.0})
     train_steps(model, ranger, 1)
     assert not torch.equal(model[0].weight, initial[0])
     train_steps(model, ranger, 1)
@@ -142,13 +145,13 @@ def test_ranger21_gradient_centralization_removes_row_constant_gradients():
     keep the mean exact; without clipping, which would scale them.)"""
     weight = nn.Parameter(torch.randn(4, 8))
     start = weight.detach().clone()
-    ranger = container(nn.ParameterList([weight]), "Ranger21", ranger_norm_loss=0.0, weight_decay=0.0,
-                       ranger_lookahead_steps=0, ranger_agc_clip=0.0)
+    ranger = container(nn.ParameterList([weight]), "Ranger21",
+                       {"norm_loss": 0.0, "lookahead_steps": 0, "agc_clip": 0.0}, weight_decay=0.0)
     weight.grad = torch.arange(4.0).view(4, 1).expand(4, 8).contiguous()
     ranger.step()
     torch.testing.assert_close(weight.detach(), start)
-    ranger = container(nn.ParameterList([weight]), "Ranger21", ranger_norm_loss=0.0, weight_decay=0.0,
-                       ranger_lookahead_steps=0, ranger_agc_clip=0.0, ranger_gradient_centralization=False)
+    ranger = container(nn.ParameterList([weight]), "Ranger21", {"norm_loss": 0.0, "lookahead_steps": 0, "agc_clip": 0.0,
+                                                                    "gradient_centralization": False}, weight_decay=0.0)
     weight.grad = torch.arange(4.0).view(4, 1).expand(4, 8).contiguous()
     ranger.step()
     assert not torch.allclose(weight.detach(), start)
@@ -158,8 +161,8 @@ def test_ranger21_adaptive_clipping_bounds_each_rows_gradient():
     """Row 0's gradient is 1000x its weight: clipped to 1% of the weight norm, while row 1's passes unchanged;
     Adam's first step is the sign either way, so the clipping shows in the momentum."""
     weight = nn.Parameter(torch.ones(2, 4))
-    ranger = container(nn.ParameterList([weight]), "Ranger21", ranger_gradient_centralization=False,
-                       ranger_lookahead_steps=0)
+    ranger = container(nn.ParameterList([weight]), "Ranger21",
+                       {"gradient_centralization": False, "lookahead_steps": 0})
     weight.grad = torch.tensor([[1000.0] * 4, [1e-4] * 4])
     ranger.step()
     beta1_squared = 0.9 ** 2

@@ -128,3 +128,29 @@ def test_torchao_optimizers_are_refused_in_a_dry_run_on_fake_tensors():
         parse_args(["--comm.mode", "fake_backend", "--optimizer.name", "AdamW-8bit"])
     # On real tensors its compiled step runs.
     parse_args(["--comm.mode", "fake_backend", "--comm.no_fake_tensors", "--optimizer.name", "AdamW-8bit"])
+
+
+# FlexDeMo needs replicas: tests/unit/test_flexdemo.py and tests/integration/test_compression.py check its saving.
+# torchao's compiles its step for every new shape (about 20 s here): slow.
+@pytest.mark.parametrize("name", [pytest.param(n, marks=pytest.mark.slow) if n in ("AdamW-8bit", "AdamW-4bit")
+                                  else n for n in optimizer_names() if n != "FlexDeMo"])
+def test_saving_changes_no_state(name):
+    """A run that takes its optimizer's state_dict() after every step trains bit for bit as one that never does:
+    saving reads the state and changes none of it (checkpoint.interval must not be a hyperparameter)."""
+    config = Optimizer(name=name, lr=1e-2, implementation="for-loop")
+    config.galore.update_gap = 2
+    runs = []
+    for save in (False, True):
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(32, 64, bias=False), nn.Linear(64, 32, bias=False))
+        optimizers = OptimizersContainer([model], config)
+        for step in range(4):
+            torch.manual_seed(10 + step)
+            optimizers.zero_grad()
+            model(torch.randn(4, 32)).square().mean().backward()
+            optimizers.step()
+            if save:
+                saved = optimizers.state_dict()
+                assert saved and all(torch.isfinite(v).all() for v in saved.values() if isinstance(v, torch.Tensor))
+        runs.append([p.detach().clone() for p in model.parameters()])
+    assert all(torch.equal(a, b) for a, b in zip(*runs))

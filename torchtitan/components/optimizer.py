@@ -11,9 +11,9 @@ from torch.distributed.checkpoint.stateful import Stateful
 from torch.distributed.tensor import DTensor
 
 from torchtitan.components.optimizer_groups import check_matrix_groups, log_groups, param_groups
-from torchtitan.components.optimizers import BuildContext, optimizer_spec
+from torchtitan.components.optimizers import BuildContext, local, optimizer_spec
 from torchtitan.config.job_config import Optimizer as OptimizerConfig
-from torchtitan.distributed.compression import CompressionState
+from torchtitan.distributed.compression import EXACT, CompressionState, replica_suffix
 
 _COMPRESSION = "compression."
 
@@ -36,7 +36,8 @@ class OptimizersContainer(Stateful):
         self.optimizers = [spec.build(groups, config, context) for groups in groups_per_part]
         self._options = StateDictOptions(flatten_optimizer_state_dict=True)
         # Error-feedback residuals of compressed gradient reductions: state of the update, saved with it.
-        self.compression = CompressionState(model_parts)
+        self.compression = CompressionState(model_parts, replicate_group)
+        self._replica_suffix = replica_suffix(replicate_group)
 
     def state_bytes(self) -> int:
         """Bytes of optimizer state this rank holds: local shards, quantized tensors by their codes and scales."""
@@ -52,20 +53,49 @@ class OptimizersContainer(Stateful):
             optimizer.zero_grad(set_to_none=True)
 
     def state_dict(self) -> dict:
+        """Reads the state, never changes it: a run that saves trains exactly as one that does not.
+
+        State that differs between data-parallel replicas (an optimizer's `replica_state()`, e.g. FlexDeMo's local
+        momenta) is also saved verbatim per replica, as `exact.<parameter>.<state><replica suffix>`: a resume into
+        the same number of replicas restores it bit for bit; any other layout loads what the optimizer's own
+        state_dict() saves (FlexDeMo: the replicas' mean)."""
         state: dict = {}
         for model, optimizer in zip(self.model_parts, self.optimizers):
             state.update(get_optimizer_state_dict(model, optimizer, options=self._options))
+            state.update({self._exact_key(fqn, name): value
+                          for fqn, name, value in self._replica_state(model, optimizer)})
         if self.compression:
-            state.update({_COMPRESSION + k: v for k, v in self.compression.state_dict().items()})
+            state.update({k if k.startswith(EXACT) else _COMPRESSION + k: v
+                          for k, v in self.compression.state_dict().items()})
         return state
 
     def load_state_dict(self, state_dict: dict) -> None:
+        """`state_dict` may lack the `exact.` entries (checkpoint.manager loads them only into the layout they were
+        saved from)."""
         if self.compression:
             self.compression.load_state_dict({k.removeprefix(_COMPRESSION): v for k, v in state_dict.items()
-                                              if k.startswith(_COMPRESSION)})
-            state_dict = {k: v for k, v in state_dict.items() if not k.startswith(_COMPRESSION)}
+                                              if k.startswith((_COMPRESSION, EXACT))})
+        optimizer_state = {k: v for k, v in state_dict.items()
+                           if not k.startswith(_COMPRESSION) and not k.startswith(EXACT)}
         for model, optimizer in zip(self.model_parts, self.optimizers):
-            set_optimizer_state_dict(model, optimizer, optim_state_dict=state_dict, options=self._options)
+            set_optimizer_state_dict(model, optimizer, optim_state_dict=optimizer_state, options=self._options)
+            for fqn, name, value in self._replica_state(model, optimizer):
+                saved = state_dict.get(self._exact_key(fqn, name))
+                if saved is not None:
+                    local(value).copy_(local(saved))
+
+    def _exact_key(self, fqn: str, name: str) -> str:
+        return f"{EXACT}{fqn}.{name}{self._replica_suffix}"
+
+    @staticmethod
+    def _replica_state(model: nn.Module, optimizer: torch.optim.Optimizer):
+        """(parameter name, state name, live tensor) of the optimizer's replica-local state."""
+        if not hasattr(optimizer, "replica_state"):
+            return
+        names = {param: fqn for fqn, param in model.named_parameters()}
+        for param, states in optimizer.replica_state().items():
+            for name, value in states.items():
+                yield names[param], name, value
 
 
 def _tensor_bytes(tensor: torch.Tensor) -> int:

@@ -4,8 +4,61 @@ Section and option names follow TorchTitan v0.2 so that its TOML files run here 
 option is its `--help` text and its entry in `docs/config_reference.md`.
 """
 
+import functools
+import importlib
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import Any, Literal
+
+# Where each section's methods register their tables, imported on first use (they import torch; the config does
+# not): each module has a function `method_options()` -> {table name: options dataclass}.
+METHOD_REGISTRIES = {
+    "optimizer": "torchtitan.components.optimizers",
+    "comm": "torchtitan.distributed.compression",
+}
+
+
+@functools.cache
+def method_options(section: str) -> dict[str, type]:
+    """{table: options dataclass} of the methods registered for `section` (optimizer, comm)."""
+    return importlib.import_module(METHOD_REGISTRIES[section]).method_options()
+
+
+class MethodTables:
+    """The tables of one section's methods ([optimizer.muon], [comm.loco], ...). Each method declares its options as
+    a small dataclass next to its implementation and registers it with its registry (the optimizer registry, the
+    gradient compression methods), so that adding a method edits no class here. A table is made, with its
+    defaults, when first read."""
+
+    def __init__(self, section: str):
+        self._section = section
+
+    def __getattr__(self, name: str) -> Any:
+        if name.startswith("_"):
+            raise AttributeError(name)
+        options = method_options(self._section)
+        if name not in options:
+            raise AttributeError(f"[{self._section}] has no option or method table {name!r}")
+        table = options[name]()
+        setattr(self, name, table)
+        return table
+
+    def tables(self) -> dict[str, Any]:
+        return {name: getattr(self, name) for name in method_options(self._section)}
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, MethodTables) and self._section == other._section and \
+            self.tables() == other.tables()
+
+    def __repr__(self) -> str:
+        return f"MethodTables({self._section!r}, {self.tables()!r})"
+
+
+def _method_table(section: Any, name: str) -> Any:
+    """`section.<name>` for a section's method table (config.optimizer.muon). Python calls this only for names that
+    are not fields; `methods` itself is missing only while an instance is being built (copy, unpickling)."""
+    if name.startswith("_") or name == "methods" or "methods" not in vars(section):
+        raise AttributeError(f"{type(section).__name__!r} object has no attribute {name!r}")
+    return getattr(section.methods, name)
 
 
 @dataclass
@@ -143,7 +196,7 @@ class OptimizerGroups:
 class Optimizer:
     name: Literal["AdamW", "Adam", "FlexDeMo", "AdamW-bf16", "AdamW-8bit", "AdamW-4bit", "Ranger21", "GaLore-AdamW",
                   "Muon"] = "AdamW"
-    """Optimizer: AdamW (decoupled weight decay), Adam (L2 penalty added to the gradient), FlexDeMo (replicas exchange only their momentum's top DCT components instead of all-reducing gradients; needs data_parallel_replicate_degree >= 2), AdamW-bf16 (AdamW with bfloat16 moments, fp32 weights and update; keep beta2 <= 0.99), AdamW-8bit / AdamW-4bit (torchao's AdamW with blockwise 8-/4-bit moments), Ranger21 (AdamW with gradient clipping and centralization, positive-negative momentum, stable weight decay, norm loss and Lookahead; see the ranger_* options), GaLore-AdamW (AdamW with the moments of matrix_method matrices kept for their gradient projected to low rank, galore_* options), Muon (orthogonalised Nesterov momentum for matrix_method matrices, AdamW for the other groups, muon_* options). See docs/recipes.md, Optimizers."""
+    """Optimizer: AdamW (decoupled weight decay), Adam (L2 penalty added to the gradient), FlexDeMo (replicas exchange only their momentum's top DCT components instead of all-reducing gradients; needs data_parallel_replicate_degree >= 2), AdamW-bf16 (AdamW with bfloat16 moments, fp32 weights and update; keep beta2 <= 0.99), AdamW-8bit / AdamW-4bit (torchao's AdamW with blockwise 8-/4-bit moments), Ranger21 (AdamW with gradient clipping and centralization, positive-negative momentum, stable weight decay, norm loss and Lookahead; options in [optimizer.ranger21]), GaLore-AdamW (AdamW with the moments of matrix_method matrices kept for their gradient projected to low rank, options in [optimizer.galore]), Muon (orthogonalised Nesterov momentum for matrix_method matrices, AdamW for the other groups, options in [optimizer.muon]). FlexDeMo's options are in [optimizer.flexdemo]. See docs/recipes.md, Optimizers."""
 
     lr: float = 8e-4
     """Peak learning rate."""
@@ -166,59 +219,14 @@ class Optimizer:
     implementation: Literal["for-loop", "foreach", "fused"] = "fused"
     """Optimizer kernel: fused (fastest, falls back to foreach where the device has no fused kernel), foreach, for-loop."""
 
-    demo_chunk_size: int = 64
-    """FlexDeMo: values per DCT chunk of the momentum (at most 256)."""
-
-    demo_topk: int = 8
-    """FlexDeMo: DCT coefficients per chunk sent to the other replicas each step (at most demo_chunk_size)."""
-
-    demo_momentum_decay: float = 0.999
-    """FlexDeMo: decay of the local momentum, which accumulates gradients and keeps what was not sent."""
-
-    ranger_agc_clip: float = 0.01
-    """Ranger21: adaptive gradient clipping, the largest ratio of a unit's gradient norm to its weight norm (a unit: a row of a matrix, a whole vector). 0 disables it."""
-
-    ranger_agc_eps: float = 1e-3
-    """Ranger21: weight norms below this count as this in adaptive gradient clipping (lets zero-initialised units move)."""
-
-    ranger_gradient_centralization: bool = True
-    """Ranger21: subtract from each row of a matrix's gradient its mean (vectors are left as they are)."""
-
-    ranger_pnm_momentum: float = 1.0
-    """Ranger21: positive-negative momentum's beta0, the weight of the difference between the two alternating momenta. 0 = plain momentum (of beta1^2 every other step)."""
-
-    ranger_norm_loss: float = 1e-4
-    """Ranger21: norm loss factor, pulling each unit's weight norm towards 1. 0 disables it."""
-
-    ranger_lookahead_steps: int = 5
-    """Ranger21: every this many steps the weights move back towards the slow (Lookahead) weights. 0 disables Lookahead."""
-
-    ranger_lookahead_alpha: float = 0.5
-    """Ranger21: Lookahead's step of the slow weights towards the fast ones (1 = keep the fast weights)."""
-
-    galore_rank: int | None = None
-    """GaLore-AdamW: rank of the gradient projection of each matrix_method matrix. None = a quarter of each matrix's smaller side."""
-
-    galore_update_gap: int = 200
-    """GaLore-AdamW: steps between refreshes of the projection subspace (an SVD of the current gradient)."""
-
-    galore_scale: float = 1.0
-    """GaLore-AdamW: factor of the projected-back step of the matrix_method matrices."""
-
-    galore_svd: Literal["randomized", "exact"] = "randomized"
-    """GaLore-AdamW: how a refresh finds the gradient's top singular subspace: randomized (GaLore 2: a range finder with 2 power iterations and 8 extra columns) or exact (a full SVD)."""
-
-    galore_moments: Literal["carry", "rotate"] = "carry"
-    """GaLore-AdamW: what a refresh does with the projected moments: carry them unchanged into the new subspace (the GaLore and GaLore 2 papers), or rotate them into it (first moment by the new basis' overlap with the old, second moment by its square; not in the papers)."""
-
-    muon_momentum: float = 0.95
-    """Muon: momentum of the matrix_method matrices (Nesterov); the other groups take AdamW's beta1/beta2."""
-
-    muon_ns_steps: int = 5
-    """Muon: Newton-Schulz iterations that orthogonalise each step of a matrix_method matrix."""
-
     groups: OptimizerGroups = field(default_factory=OptimizerGroups)
     """Per-group rules ([optimizer.groups.<group>]). Groups: hidden_matrices (2-D weights inside the blocks), output (the final projection to the vocabulary), embeddings, norms (normalisation weights), other (the rest, e.g. biases)."""
+
+    methods: "MethodTables" = field(default_factory=lambda: MethodTables("optimizer"), repr=False)
+    """Each optimizer's own table ([optimizer.muon], ...), reached as config.optimizer.muon."""
+
+    def __getattr__(self, name: str):
+        return _method_table(self, name)
 
 
 @dataclass
@@ -486,13 +494,7 @@ class Comm:
     """Dry run under PP: also dry-run the rank at the other end of the pipeline (a second process), whose stage differs."""
 
     gradient_compression: Literal["none", "loco", "error_feedback", "qsdp"] = "none"
-    """FSDP gradient reduce-scatter: none (full precision); loco (gradient_bits codes; LoCo's compensation: a moving average of the past compression errors, kept as 8-bit codes, about 1 byte per unsharded parameter on every rank, reset every loco_reset_interval steps); error_feedback (gradient_bits codes; classic error feedback: the whole last error, fp32, 4 bytes per unsharded parameter on every rank); or qsdp (gradient_bits codes, stochastic rounding, no residual). Needs FSDP without a replicate dimension (docs/recipes.md)."""
-
-    loco_beta: float = 0.8
-    """gradient_compression = loco: weight of the previous error in the moving average e <- beta * e + (1 - beta) * (h - Q(h)), in [0, 1)."""
-
-    loco_reset_interval: int = 1024
-    """gradient_compression = loco: the error is reset to zero every this many steps; 0 = never."""
+    """FSDP gradient reduce-scatter: none (full precision); loco (gradient_bits codes; LoCo's compensation: a moving average of the past compression errors, kept as 8-bit codes, about 1 byte per unsharded parameter on every rank, reset every comm.loco.reset_interval steps); error_feedback (gradient_bits codes; classic error feedback: the whole last error, fp32, 4 bytes per unsharded parameter on every rank); or qsdp (gradient_bits codes, stochastic rounding, no residual). Needs FSDP without a replicate dimension (docs/recipes.md)."""
 
     gradient_bits: int = 8
     """Bits per gradient value on the wire with gradient_compression: 4 or 8 (plus one bfloat16 scale per 128 values)."""
@@ -505,6 +507,12 @@ class Comm:
 
     quantization_rotation: Literal["none", "hadamard"] = "none"
     """Rotate each block of 128 values by a Walsh-Hadamard matrix before quantizing (spreads outliers); needs gradient_compression or weight_quantization."""
+
+    methods: "MethodTables" = field(default_factory=lambda: MethodTables("comm"), repr=False)
+    """Each compression method's own table ([comm.loco], ...), reached as config.comm.loco."""
+
+    def __getattr__(self, name: str):
+        return _method_table(self, name)
 
 
 @dataclass

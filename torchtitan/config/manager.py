@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 from torchtitan.config import job_config as job_config_module
-from torchtitan.config.job_config import JobConfig
+from torchtitan.config.job_config import METHOD_REGISTRIES, JobConfig, MethodTables, method_options
 from torchtitan.errors import UserError
 from torchtitan.tools.files import atomic_write
 from torchtitan.tools.logging import warn_once
@@ -119,6 +119,23 @@ DEPRECATED_ALIASES = {
     "job.print_args": "job.print_config",
 }
 
+
+@functools.cache
+def deprecated_aliases() -> dict[str, tuple[str, str]]:
+    """Every earlier name still accepted: {old key: (new key, why it changed)}. Besides DEPRECATED_ALIASES, each
+    method's options, once flat in their section (optimizer.muon_ns_steps), are accepted for one release beside
+    their table (optimizer.muon.ns_steps): a method table's OLD_PREFIX names them."""
+    aliases = {old: (new, "TorchTitan v0.2 naming") for old, new in DEPRECATED_ALIASES.items()}
+    for section in METHOD_REGISTRIES:
+        for table, options in method_options(section).items():
+            prefix = getattr(options, "OLD_PREFIX", None)
+            for option in dataclasses.fields(options) if prefix else ():
+                aliases[f"{section}.{prefix}{option.name}"] = (
+                    f"{section}.{table}.{option.name}",
+                    f"each method's options are in its own table, [{section}.{table}]; the old name goes in the "
+                    f"next release")
+    return aliases
+
 _TRUE = ("true", "1", "yes", "on")
 _FALSE = ("false", "0", "no", "off")
 
@@ -135,10 +152,15 @@ class OptionSpec:
 
 @functools.cache
 def _field_docs() -> dict[str, dict[str, str]]:
-    """Map class name -> option -> the docstring written under it in job_config.py."""
-    tree = ast.parse(inspect.getsource(job_config_module))
+    """Map class name -> option -> the docstring written under it in job_config.py, and in the modules that declare
+    the methods' tables."""
+    sources = {job_config_module.__name__: inspect.getsource(job_config_module)}
+    for section in METHOD_REGISTRIES:
+        for options in method_options(section).values():
+            module = sys.modules[options.__module__]
+            sources.setdefault(module.__name__, inspect.getsource(module))
     docs: dict[str, dict[str, str]] = {}
-    for node in tree.body:
+    for node in (node for source in sources.values() for node in ast.parse(source).body):
         if not isinstance(node, ast.ClassDef):
             continue
         class_docs = docs.setdefault(node.name, {})
@@ -170,6 +192,10 @@ def _option_specs(config_class: type) -> dict[str, OptionSpec]:
             key = f"{prefix}{f.name}"
             ftype = hints[f.name]
             default = getattr(defaults, f.name)
+            if ftype is MethodTables:  # the methods' own tables, [section.<table>]
+                for table, options in default.tables().items():
+                    walk(options, f"{prefix}{table}.")
+                continue
             if dataclasses.is_dataclass(ftype):
                 walk(default, key + ".")
                 continue
@@ -343,10 +369,11 @@ def _changes_nothing(key: str, value: Any, allowed: Any, from_cli: bool) -> bool
 
 def _alias(key: str, where: str) -> str:
     """The option that `key` names: itself, or what a deprecated alias stands for now (with a warning)."""
-    if key not in DEPRECATED_ALIASES:
+    if key not in deprecated_aliases():
         return key
-    warn_once(f"{where}: option {key} is deprecated; it is now {DEPRECATED_ALIASES[key]} (TorchTitan v0.2 naming)")
-    return DEPRECATED_ALIASES[key]
+    new, why = deprecated_aliases()[key]
+    warn_once(f"{where}: option {key} is deprecated; it is now {new} ({why})")
+    return new
 
 
 def _check_key(key: str, value: Any, specs: dict[str, OptionSpec], where: str, from_cli: bool = False) -> bool:
@@ -374,7 +401,7 @@ def _is_table(key: str, specs: dict[str, OptionSpec]) -> bool:
     """Whether `key` names a TOML table that holds options: a section of this project, one of TorchTitan's that this
     project does not implement (or a table inside it), or a table of renamed or unsupported options."""
     known = [*_sections(specs), *UNSUPPORTED_TORCHTITAN_SECTIONS, *UNSUPPORTED_TORCHTITAN_OPTIONS, *RENAMED_OPTIONS,
-             *DEPRECATED_ALIASES]
+             *deprecated_aliases()]
     return (key in _sections(specs) or _unsupported_section(key) is not None
             or any(k.startswith(key + ".") for k in known))
 
@@ -385,7 +412,7 @@ def _flatten_toml(data: dict, specs: dict[str, OptionSpec], where: str = "config
     for name, value in data.items():
         key = prefix + name
         is_option = any(key in names for names in (specs, UNSUPPORTED_TORCHTITAN_OPTIONS, RENAMED_OPTIONS,
-                                                    DEPRECATED_ALIASES))
+                                                    deprecated_aliases()))
         if isinstance(value, dict) and not is_option:
             if not _is_table(key, specs):
                 raise UserError(f"{where}: unknown section [{key}]{_closest_section(key, specs)}")
@@ -423,10 +450,10 @@ def _parse_cli(argv: list[str], specs: dict[str, OptionSpec]) -> dict[str, Any]:
             raise UserError(f"command line: unexpected argument {arg!r}; options look like --section.option value")
         key, has_value, raw = arg[2:].partition("=")
         section, _, name = key.rpartition(".")
-        if name.startswith("no_") and f"{section}.{name[3:]}" in DEPRECATED_ALIASES:  # e.g. --job.no_print_args
+        if name.startswith("no_") and f"{section}.{name[3:]}" in deprecated_aliases():  # e.g. --job.no_print_args
             section, _, name = _alias(f"{section}.{name[3:]}", "command line").rpartition(".")
             key, name = f"{section}.no_{name}", f"no_{name}"
-        elif key in DEPRECATED_ALIASES:
+        elif key in deprecated_aliases():
             key = _alias(key, "command line")
             section, _, name = key.rpartition(".")
         if key not in specs and name.startswith("no_") and f"{section}.{name[3:]}" in specs \

@@ -34,6 +34,7 @@ from torchtitan.components.checkpoint.integrity import ChecksummedFileWriter, fs
 from torchtitan.components.checkpoint.safe_io import (METADATA_FILE, FileWriter, dcp_load, describe, deserialize,
                                                       is_storage_error, read_metadata, serialize, without_collectives)
 from torchtitan.config.job_config import Checkpoint as CheckpointConfig
+from torchtitan.distributed.compression import EXACT
 from torchtitan.distributed.utils import collectives_bounded_by, new_group_with_own_timeout
 from torchtitan.errors import UserError
 from torchtitan.models.llama3.args import TransformerModelArgs
@@ -124,6 +125,18 @@ def _unpack_param_groups(packed: dict[str, Any]) -> dict[str, Any]:
         else:
             optimizer_state[key] = value
     return optimizer_state
+
+
+def exact_where_it_fits(template: dict[str, Any], saved: dict[str, Any], prefix: str) -> dict[str, Any]:
+    """`template` without the state saved verbatim for an exact resume (`exact.` keys: a replica's or a rank's own,
+    see OptimizersContainer) that the checkpoint (`saved`, its metadata; keys under `prefix`) lacks or holds in
+    another shape: it loads only into the layout that saved it, elsewhere its resharded form is used."""
+
+    def fits(key: str, value: Any) -> bool:
+        entry = saved.get(prefix + key)
+        return isinstance(entry, TensorStorageMetadata) and tuple(entry.size) == tuple(value.shape)
+
+    return {key: value for key, value in template.items() if not key.startswith(EXACT) or fits(key, value)}
 
 
 def _rank() -> int:
@@ -492,7 +505,7 @@ class CheckpointManager:
         if part == "dataloader":
             return b""
         if part == "optimizer":
-            return _pack_param_groups(self.optimizers.state_dict())
+            return exact_where_it_fits(_pack_param_groups(self.optimizers.state_dict()), saved, "optimizer.")
         if part == "rng":
             # Only generators saved by this rank: a CPU run's checkpoint resumes on CUDA and vice versa.
             return {name: state for name, state in self.rng.state_dict().items() if f"{self.rng_key}.{name}" in saved}

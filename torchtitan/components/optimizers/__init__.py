@@ -11,6 +11,19 @@ How to add an optimizer
        def build_my_opt(groups: list[dict], config: OptimizerConfig, context: BuildContext) -> torch.optim.Optimizer:
            return MyOpt(groups, lr=config.lr, ...)
 
+   A method with options of its own declares them next to its builder as a small dataclass, each field followed by
+   its docstring (the `--help` text), with `TABLE` (its TOML table: [optimizer.<TABLE>], flags
+   --optimizer.<TABLE>.<option>) as a ClassVar, and registers it with `options=`; the builder reads them as
+   `config.<TABLE>`:
+
+       @dataclass
+       class MyOptOptions:
+           TABLE: ClassVar[str] = "myopt"
+           beta: float = 0.9
+           '''MyOpt: the help text of beta.'''
+
+       @register_optimizer("MyOpt", state_bytes=my_state_bytes, options=MyOptOptions)
+
    `groups` are torch parameter groups, one per non-empty parameter group of the model part (see
    torchtitan/components/optimizer_groups.py): keys `params`, `lr` (optimizer.lr x the group's lr_scale),
    `weight_decay`, `group` (its name: hidden_matrices, output, embeddings, norms, other) and `matrix_method` (whether
@@ -34,6 +47,12 @@ like the parameter (a DTensor sharded like it, e.g. `torch.zeros_like(param)`) a
 state of another shape (a projection matrix) must be a DTensor whose placements say how it reshards, or be rebuilt
 on load. `local(t)` and `gradient(param)` below give the local shard and the gradient sharded like its parameter, for
 elementwise updates.
+
+Saving must not change training (checkpoint.interval is no hyperparameter): `state_dict()` reads the state and
+changes none of it (tests/unit/test_optimizer_registry.py checks every registered method). State that differs between
+data-parallel replicas (FlexDeMo's local momenta), which DCP would keep once for all replicas, is returned by a
+`replica_state()` method ({param: {name: live tensor}}): the container saves it per replica for an exact resume, and
+the optimizer's own state_dict() saves a form that reshards (FlexDeMo: the replicas' mean, in a new tensor).
 """
 
 from collections.abc import Callable
@@ -68,21 +87,29 @@ class OptimizerSpec:
     given whether matrix_method applies."""
     needs_matrices: bool = False
     """The method needs at least one group of 2-D weights with matrix_method = true."""
+    options: type | None = None
+    """The dataclass of the method's own options, [optimizer.<options.TABLE>]; None: it has none."""
 
 
 _REGISTRY: dict[str, OptimizerSpec] = {}
 
 
-def register_optimizer(name: str, *, state_bytes: StateBytes, needs_matrices: bool = False):
+def register_optimizer(name: str, *, state_bytes: StateBytes, needs_matrices: bool = False,
+                       options: type | None = None):
     """Decorator: registers `build` under the config name `name`."""
 
     def register(build: Builder) -> Builder:
         if name in _REGISTRY:
             raise ValueError(f"optimizer {name!r} is registered twice")
-        _REGISTRY[name] = OptimizerSpec(name, build, state_bytes, needs_matrices)
+        _REGISTRY[name] = OptimizerSpec(name, build, state_bytes, needs_matrices, options)
         return build
 
     return register
+
+
+def method_options() -> dict[str, type]:
+    """{table: options dataclass} of the registered optimizers: the config's [optimizer.<table>] tables."""
+    return {spec.options.TABLE: spec.options for spec in _REGISTRY.values() if spec.options is not None}
 
 
 def optimizer_names() -> list[str]:

@@ -17,6 +17,8 @@ bucket's size rather than the model's.
 import functools
 import math
 from collections.abc import Callable
+from dataclasses import dataclass
+from typing import ClassVar
 
 import torch
 import torch.distributed as dist
@@ -24,6 +26,23 @@ from torch.distributed.tensor import DTensor
 
 from torchtitan.components.optimizers import BuildContext, register_optimizer
 from torchtitan.config.job_config import Optimizer as OptimizerConfig
+
+
+@dataclass
+class FlexDeMoOptions:
+    """[optimizer.flexdemo]"""
+
+    TABLE: ClassVar[str] = "flexdemo"
+    OLD_PREFIX: ClassVar[str] = "demo_"  # optimizer.demo_<option>, deprecated
+
+    chunk_size: int = 64
+    """FlexDeMo: values per DCT chunk of the momentum (at most 256)."""
+
+    topk: int = 8
+    """FlexDeMo: DCT coefficients per chunk sent to the other replicas each step (at most chunk_size)."""
+
+    momentum_decay: float = 0.999
+    """FlexDeMo: decay of the local momentum, which accumulates gradients and keeps what was not sent."""
 
 
 def bucket_values(device: torch.device) -> int:
@@ -183,15 +202,25 @@ class FlexDeMo(torch.optim.Optimizer):
         return (total.div_(replicas) @ self._dct).sign_()
 
     def state_dict(self):
-        """Before saving, the replicas' momenta are replaced by their mean (the total, what the exchange averages,
-        is kept): every replica saves the same values, so the checkpoint holds one momentum per parameter, sharded
-        and resharded like any optimizer state, and the run continues from exactly the state it saved."""
-        for state in self.state.values():
+        """The replicas' mean momentum (the total, what the exchange averages, divided by the replicas), in a new
+        tensor: every replica saves the same values, so the checkpoint holds one momentum per parameter, sharded and
+        resharded like any optimizer state. The live momenta are left as they are (saving must not change training);
+        OptimizersContainer also saves each replica's own (`replica_state`) for an exact resume."""
+        saved = super().state_dict()
+        replicas = dist.get_world_size(self.replicate_group)
+        # torch's state_dict() holds the live per-parameter dicts: copied before one of their entries is replaced.
+        saved["state"] = {index: dict(state) for index, state in saved["state"].items()}
+        for state in saved["state"].values():
             if "momentum" in state:
-                momentum = self._local(state["momentum"])
-                dist.all_reduce(momentum, group=self.replicate_group)
-                momentum.div_(dist.get_world_size(self.replicate_group))
-        return super().state_dict()
+                mean = state["momentum"].detach().clone()
+                dist.all_reduce(self._local(mean), group=self.replicate_group)
+                self._local(mean).div_(replicas)
+                state["momentum"] = mean
+        return saved
+
+    def replica_state(self) -> dict[torch.Tensor, dict[str, torch.Tensor]]:
+        """The state that differs between replicas, live: each replica's own momentum."""
+        return {param: {"momentum": state["momentum"]} for param, state in self.state.items() if "momentum" in state}
 
 
 def _momentum_bytes(shape: tuple[int, ...], local_shape: tuple[float, ...], config: OptimizerConfig,
@@ -199,8 +228,9 @@ def _momentum_bytes(shape: tuple[int, ...], local_shape: tuple[float, ...], conf
     return 4 * math.prod(local_shape)
 
 
-@register_optimizer("FlexDeMo", state_bytes=_momentum_bytes)
+@register_optimizer("FlexDeMo", state_bytes=_momentum_bytes, options=FlexDeMoOptions)
 def build_flexdemo(groups: list[dict], config: OptimizerConfig, context: BuildContext) -> torch.optim.Optimizer:
-    return FlexDeMo(groups, lr=config.lr, weight_decay=config.weight_decay, chunk_size=config.demo_chunk_size,
-                    topk=config.demo_topk, momentum_decay=config.demo_momentum_decay,
+    options = config.flexdemo
+    return FlexDeMo(groups, lr=config.lr, weight_decay=config.weight_decay, chunk_size=options.chunk_size,
+                    topk=options.topk, momentum_decay=options.momentum_decay,
                     replicate_group=context.replicate_group)

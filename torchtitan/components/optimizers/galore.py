@@ -25,6 +25,8 @@ Under FSDP / HSDP / TP (DTensor parameters), the computation is sharded, not gat
 
 import math
 import time
+from dataclasses import dataclass
+from typing import ClassVar, Literal
 
 import torch
 from torch.distributed.tensor import DTensor, Replicate, Shard
@@ -34,6 +36,29 @@ from torchtitan.components.optimizers.adam_direction import adam_direction
 from torchtitan.config.job_config import Optimizer as OptimizerConfig
 from torchtitan.errors import UserError
 from torchtitan.tools.logging import logger
+
+
+@dataclass
+class GaLoreOptions:
+    """[optimizer.galore]"""
+
+    TABLE: ClassVar[str] = "galore"
+    OLD_PREFIX: ClassVar[str] = "galore_"  # optimizer.galore_<option>, deprecated
+
+    rank: int | None = None
+    """GaLore-AdamW: rank of the gradient projection of each matrix_method matrix. None = a quarter of each matrix's smaller side."""
+
+    update_gap: int = 200
+    """GaLore-AdamW: steps between refreshes of the projection subspace (an SVD of the current gradient)."""
+
+    scale: float = 1.0
+    """GaLore-AdamW: factor of the projected-back step of the matrix_method matrices."""
+
+    svd: Literal["randomized", "exact"] = "randomized"
+    """GaLore-AdamW: how a refresh finds the gradient's top singular subspace: randomized (GaLore 2: a range finder with 2 power iterations and 8 extra columns) or exact (a full SVD)."""
+
+    moments: Literal["carry", "rotate"] = "carry"
+    """GaLore-AdamW: what a refresh does with the projected moments: carry them unchanged into the new subspace (the GaLore and GaLore 2 papers), or rotate them into it (first moment by the new basis' overlap with the old, second moment by its square; not in the papers)."""
 
 
 def top_subspace(matrix: torch.Tensor, rank: int, method: str, generator: torch.Generator | None = None,
@@ -175,11 +200,12 @@ def rotate_moments(state: dict, basis: torch.Tensor, d: int) -> None:
 
 
 def _check(config: OptimizerConfig, groups: list[dict]) -> None:
-    if config.galore_update_gap < 1:
-        raise UserError(f"option optimizer.galore_update_gap: {config.galore_update_gap} must be at least 1")
+    options = config.galore
+    if options.update_gap < 1:
+        raise UserError(f"option optimizer.galore.update_gap: {options.update_gap} must be at least 1")
     smallest = min((min(p.shape) for g in groups if g["matrix_method"] for p in g["params"]), default=None)
-    if config.galore_rank is not None and not 1 <= config.galore_rank <= (smallest or config.galore_rank):
-        raise UserError(f"option optimizer.galore_rank: {config.galore_rank} must be in [1, {smallest}] (the "
+    if options.rank is not None and not 1 <= options.rank <= (smallest or options.rank):
+        raise UserError(f"option optimizer.galore.rank: {options.rank} must be in [1, {smallest}] (the "
                         f"smallest side of a projected matrix), or unset for a quarter of each matrix's smaller side")
 
 
@@ -191,14 +217,15 @@ def state_bytes(shape: tuple[int, ...], local_shape: tuple[float, ...], config: 
     for even shards). The rest: AdamW's two fp32 moments of the shard."""
     if not matrix_method:
         return 8 * math.prod(local_shape)
-    rank = config.galore_rank or default_rank(shape)
+    rank = config.galore.rank or default_rank(shape)
     d = projected_dim(shape)
     return 4 * rank * (2 * shape[1 - d] + shape[d]) * math.prod(local_shape) / math.prod(shape)
 
 
-@register_optimizer("GaLore-AdamW", state_bytes=state_bytes, needs_matrices=True)
+@register_optimizer("GaLore-AdamW", state_bytes=state_bytes, needs_matrices=True, options=GaLoreOptions)
 def build_galore_adamw(groups: list[dict], config: OptimizerConfig, context: BuildContext) -> torch.optim.Optimizer:
     _check(config, groups)
+    options = config.galore
     return GaLoreAdamW(groups, lr=config.lr, betas=(config.beta1, config.beta2), eps=config.eps,
-                       rank=config.galore_rank, update_gap=config.galore_update_gap, scale=config.galore_scale,
-                       svd=config.galore_svd, moments=config.galore_moments)
+                       rank=options.rank, update_gap=options.update_gap, scale=options.scale, svd=options.svd,
+                       moments=options.moments)

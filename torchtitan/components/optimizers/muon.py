@@ -12,6 +12,8 @@ communication).
 """
 
 import math
+from dataclasses import dataclass
+from typing import ClassVar
 
 import torch
 from torch.distributed.tensor import DTensor, Replicate
@@ -20,6 +22,20 @@ from torchtitan.components.optimizers import BuildContext, gradient, register_op
 from torchtitan.components.optimizers.adam_direction import adam_direction
 from torchtitan.config.job_config import Optimizer as OptimizerConfig
 from torchtitan.errors import UserError
+
+
+@dataclass
+class MuonOptions:
+    """[optimizer.muon]"""
+
+    TABLE: ClassVar[str] = "muon"
+    OLD_PREFIX: ClassVar[str] = "muon_"  # optimizer.muon_<option>, deprecated
+
+    momentum: float = 0.95
+    """Muon: momentum of the matrix_method matrices (Nesterov); the other groups take AdamW's beta1/beta2."""
+
+    ns_steps: int = 5
+    """Muon: Newton-Schulz iterations that orthogonalise each step of a matrix_method matrix."""
 
 # The quintic iteration's coefficients (Jordan et al.): they push every singular value into about [0.7, 1.2] in 5
 # steps, faster than the cubic iteration that converges to exactly 1.
@@ -92,11 +108,12 @@ def state_bytes(shape: tuple[int, ...], local_shape: tuple[float, ...], config: 
     return (4 if matrix_method else 8) * math.prod(local_shape)
 
 
-@register_optimizer("Muon", state_bytes=state_bytes, needs_matrices=True)
+@register_optimizer("Muon", state_bytes=state_bytes, needs_matrices=True, options=MuonOptions)
 def build_muon(groups: list[dict], config: OptimizerConfig, context: BuildContext) -> torch.optim.Optimizer:
-    if not 0 <= config.muon_momentum < 1:
-        raise UserError(f"option optimizer.muon_momentum: {config.muon_momentum} must be in [0, 1)")
-    if config.muon_ns_steps < 1:
-        raise UserError(f"option optimizer.muon_ns_steps: {config.muon_ns_steps} must be at least 1")
-    return Muon(groups, lr=config.lr, momentum=config.muon_momentum, ns_steps=config.muon_ns_steps,
+    options = config.muon
+    if not 0 <= options.momentum < 1:
+        raise UserError(f"option optimizer.muon.momentum: {options.momentum} must be in [0, 1)")
+    if options.ns_steps < 1:
+        raise UserError(f"option optimizer.muon.ns_steps: {options.ns_steps} must be at least 1")
+    return Muon(groups, lr=config.lr, momentum=options.momentum, ns_steps=options.ns_steps,
                 betas=(config.beta1, config.beta2), eps=config.eps)

@@ -1,18 +1,18 @@
 """Ranger21 (Wright and Demeure, "Ranger21: a synergistic deep learning optimizer", 2021): AdamW with the
-published components it combines, each switchable from [optimizer] (ranger_* options):
+published components it combines, each switchable from [optimizer.ranger21]:
 
 1. Adaptive gradient clipping (Brock et al. 2021): a unit's gradient (a row of a matrix, a whole vector) is scaled
-   down to at most ranger_agc_clip x its weight norm (weight norms under ranger_agc_eps count as ranger_agc_eps).
+   down to at most agc_clip x its weight norm (weight norms under agc_eps count as agc_eps).
 2. Gradient centralization (Yong et al. 2020): each row of a matrix's (clipped) gradient loses its mean.
 3. Positive-negative momentum (Xie et al. 2021): two momenta, each updated every other step with beta1^2; the step
-   follows ((1 + b0) m_this - b0 m_other) / sqrt((1 + b0)^2 + b0^2), b0 = ranger_pnm_momentum, over Adam's
+   follows ((1 + b0) m_this - b0 m_other) / sqrt((1 + b0)^2 + b0^2), b0 = pnm_momentum, over Adam's
    bias-corrected second moment as usual.
 4. Stable weight decay (Xie et al. 2020): decoupled decay divided by the square root of the mean of the bias-corrected
    second moment over all parameters, w <- w (1 - lr wd / sqrt(mean v_hat)). The decay is in units of the Adam
    step, so its optimizer.weight_decay is about sqrt(mean v_hat) times AdamW's (1e-4 where AdamW takes 0.1, see
    docs/recipes.md); norms and embeddings follow the groups' rules as for AdamW.
-5. Norm loss: each unit's weight is scaled by 1 - lr 2 ranger_norm_loss (1 - 1 / |w_unit|), towards norm 1.
-6. Lookahead (Zhang et al. 2019): every ranger_lookahead_steps steps the weights become slow + alpha (fast - slow)
+5. Norm loss: each unit's weight is scaled by 1 - lr 2 norm_loss (1 - 1 / |w_unit|), towards norm 1.
+6. Lookahead (Zhang et al. 2019): every lookahead_steps steps the weights become slow + alpha (fast - slow)
    and the slow weights take that value.
 7. Linear warm-up and the explore-exploit schedule are not repeated here: the trainer's learning-rate scheduler
    sets the lr of every group, and Ranger21's schedule is its warmup-stable-decay form (lr_scheduler.warmup_steps,
@@ -29,6 +29,8 @@ takes that mean over its own stage's parameters.
 """
 
 import math
+from dataclasses import dataclass
+from typing import ClassVar
 
 import torch
 import torch.distributed as dist
@@ -36,6 +38,35 @@ from torch.distributed.tensor import DTensor, Replicate
 
 from torchtitan.components.optimizers import BuildContext, gradient, local, register_optimizer
 from torchtitan.config.job_config import Optimizer as OptimizerConfig
+
+
+@dataclass
+class Ranger21Options:
+    """[optimizer.ranger21]"""
+
+    TABLE: ClassVar[str] = "ranger21"
+    OLD_PREFIX: ClassVar[str] = "ranger_"  # optimizer.ranger_<option>, deprecated
+
+    agc_clip: float = 0.01
+    """Ranger21: adaptive gradient clipping, the largest ratio of a unit's gradient norm to its weight norm (a unit: a row of a matrix, a whole vector). 0 disables it."""
+
+    agc_eps: float = 1e-3
+    """Ranger21: weight norms below this count as this in adaptive gradient clipping (lets zero-initialised units move)."""
+
+    gradient_centralization: bool = True
+    """Ranger21: subtract from each row of a matrix's gradient its mean (vectors are left as they are)."""
+
+    pnm_momentum: float = 1.0
+    """Ranger21: positive-negative momentum's beta0, the weight of the difference between the two alternating momenta. 0 = plain momentum (of beta1^2 every other step)."""
+
+    norm_loss: float = 1e-4
+    """Ranger21: norm loss factor, pulling each unit's weight norm towards 1. 0 disables it."""
+
+    lookahead_steps: int = 5
+    """Ranger21: every this many steps the weights move back towards the slow (Lookahead) weights. 0 disables Lookahead."""
+
+    lookahead_alpha: float = 0.5
+    """Ranger21: Lookahead's step of the slow weights towards the fast ones (1 = keep the fast weights)."""
 
 
 def _as_like(shard: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
@@ -164,13 +195,14 @@ class Ranger21(torch.optim.Optimizer):
 def _ranger21_state_bytes(shape: tuple[int, ...], local_shape: tuple[float, ...], config: OptimizerConfig,
                           matrix_method: bool) -> float:
     """Two momenta and the second moment, plus the slow weights with Lookahead, in fp32, of the shard."""
-    return (16 if config.ranger_lookahead_steps else 12) * math.prod(local_shape)
+    return (16 if config.ranger21.lookahead_steps else 12) * math.prod(local_shape)
 
 
-@register_optimizer("Ranger21", state_bytes=_ranger21_state_bytes)
+@register_optimizer("Ranger21", state_bytes=_ranger21_state_bytes, options=Ranger21Options)
 def build_ranger21(groups: list[dict], config: OptimizerConfig, context: BuildContext) -> torch.optim.Optimizer:
+    options = config.ranger21
     return Ranger21(groups, lr=config.lr, betas=(config.beta1, config.beta2), eps=config.eps,
-                    agc_clip=config.ranger_agc_clip, agc_eps=config.ranger_agc_eps,
-                    gradient_centralization=config.ranger_gradient_centralization,
-                    pnm_momentum=config.ranger_pnm_momentum, norm_loss=config.ranger_norm_loss,
-                    lookahead_steps=config.ranger_lookahead_steps, lookahead_alpha=config.ranger_lookahead_alpha)
+                    agc_clip=options.agc_clip, agc_eps=options.agc_eps,
+                    gradient_centralization=options.gradient_centralization, pnm_momentum=options.pnm_momentum,
+                    norm_loss=options.norm_loss, lookahead_steps=options.lookahead_steps,
+                    lookahead_alpha=options.lookahead_alpha)

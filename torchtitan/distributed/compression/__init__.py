@@ -16,10 +16,11 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.checkpoint.stateful import Stateful
 from torch.distributed.fsdp import FSDPModule
-from torch.distributed.tensor import DTensor
+from torch.distributed.tensor import DTensor, Shard
 
 from torchtitan.config.job_config import Comm, JobConfig
-from torchtitan.distributed.compression.loco import LOCO_ERROR_BITS, CompressedReduceScatter, ErrorFeedback, LoCo
+from torchtitan.distributed.compression.loco import (LOCO_ERROR_BITS, CompressedReduceScatter, ErrorFeedback, LoCo,
+                                                     LoCoOptions)
 from torchtitan.distributed.compression.qsdp import QuantizedAllGather
 from torchtitan.distributed.compression.quantize import BLOCK, VALID_BITS
 from torchtitan.distributed.parallel_dims import ParallelDims
@@ -30,22 +31,30 @@ from torchtitan.errors import UserError
 class GradientMethod:
     """One `comm.gradient_compression` method: its rounding, the compensation state it keeps per FSDP module (None:
     none), and that state's bytes per value of the module's unsharded gradient, on every rank (what memory
-    predictions add: the state covers everything a rank sends, so it is not divided by the FSDP degree)."""
+    predictions add: the state covers everything a rank sends, so it is not divided by the FSDP degree), and the
+    dataclass of its own options ([comm.<options.TABLE>], read as `comm.<TABLE>`; None: it has none)."""
     stochastic: bool
     compensation: Callable[[Comm, list[int]], ErrorFeedback | LoCo] | None
     state_bytes_per_value: float
+    options: type | None = None
 
 
 GRADIENT_COMPRESSION: dict[str, GradientMethod] = {
     "loco": GradientMethod(stochastic=False,
-                           compensation=lambda comm, segments: LoCo(comm.loco_beta, comm.loco_reset_interval,
+                           compensation=lambda comm, segments: LoCo(comm.loco.beta, comm.loco.reset_interval,
                                                                     segments),
                            # 8-bit codes and one bfloat16 scale per block
-                           state_bytes_per_value=LOCO_ERROR_BITS / 8 + 2 / BLOCK),
+                           state_bytes_per_value=LOCO_ERROR_BITS / 8 + 2 / BLOCK, options=LoCoOptions),
     "error_feedback": GradientMethod(stochastic=False, compensation=lambda comm, segments: ErrorFeedback(),
                                      state_bytes_per_value=4.0),
     "qsdp": GradientMethod(stochastic=True, compensation=None, state_bytes_per_value=0.0),
 }
+
+
+def method_options() -> dict[str, type]:
+    """{table: options dataclass} of the gradient compression methods: the config's [comm.<table>] tables."""
+    return {method.options.TABLE: method.options for method in GRADIENT_COMPRESSION.values()
+            if method.options is not None}
 
 
 def compensation_bytes_per_value(config: JobConfig) -> float:
@@ -63,20 +72,20 @@ def validate_compression(config: JobConfig, parallel_dims: ParallelDims) -> None
             raise UserError("option optimizer.name: FlexDeMo exchanges momentum components across replicas, and "
                             "this layout has one (data_parallel_replicate_degree = 1); set it to 2 or more (HSDP, "
                             "or DDP when data_parallel_shard_degree = 1)")
-        if not 1 <= optimizer.demo_chunk_size <= 256:
-            raise UserError(f"option optimizer.demo_chunk_size: {optimizer.demo_chunk_size} must be in [1, 256] "
+        demo = optimizer.flexdemo
+        if not 1 <= demo.chunk_size <= 256:
+            raise UserError(f"option optimizer.flexdemo.chunk_size: {demo.chunk_size} must be in [1, 256] "
                             f"(coefficient indices travel as one byte)")
-        if not 1 <= optimizer.demo_topk <= optimizer.demo_chunk_size:
-            raise UserError(f"option optimizer.demo_topk: {optimizer.demo_topk} must be in [1, demo_chunk_size = "
-                            f"{optimizer.demo_chunk_size}]")
-        if not 0.0 <= optimizer.demo_momentum_decay < 1.0:
-            raise UserError(f"option optimizer.demo_momentum_decay: {optimizer.demo_momentum_decay} must be in "
-                            f"[0, 1)")
+        if not 1 <= demo.topk <= demo.chunk_size:
+            raise UserError(f"option optimizer.flexdemo.topk: {demo.topk} must be in [1, chunk_size = "
+                            f"{demo.chunk_size}]")
+        if not 0.0 <= demo.momentum_decay < 1.0:
+            raise UserError(f"option optimizer.flexdemo.momentum_decay: {demo.momentum_decay} must be in [0, 1)")
     comm = config.comm
-    if not 0.0 <= comm.loco_beta < 1.0:
-        raise UserError(f"option comm.loco_beta: {comm.loco_beta} must be in [0, 1)")
-    if comm.loco_reset_interval < 0:
-        raise UserError(f"option comm.loco_reset_interval: {comm.loco_reset_interval} must be 0 (never) or a "
+    if not 0.0 <= comm.loco.beta < 1.0:
+        raise UserError(f"option comm.loco.beta: {comm.loco.beta} must be in [0, 1)")
+    if comm.loco.reset_interval < 0:
+        raise UserError(f"option comm.loco.reset_interval: {comm.loco.reset_interval} must be 0 (never) or a "
                         f"positive number of steps")
     for option, bits in (("gradient_bits", comm.gradient_bits), ("weight_bits", comm.weight_bits)):
         if bits not in VALID_BITS:
@@ -199,20 +208,36 @@ def require_compensation_fits(config: JobConfig, state_bytes: int, other_bytes: 
         f"or none")
 
 
+# Keys of state saved verbatim for an exact resume into the same layout (see CompressionState).
+EXACT = "exact."
+
+
+def replica_suffix(replicate_group: dist.ProcessGroup | None) -> str:
+    """`.replica<r>of<R>`: names state that differs between data-parallel replicas (FlexDeMo's momenta, and the
+    compensation state of FSDP within each replica), which DCP would otherwise keep once for all replicas."""
+    if replicate_group is None:
+        return ".replica0of1"
+    return f".replica{dist.get_rank(replicate_group)}of{dist.get_world_size(replicate_group)}"
+
+
 class CompressionState(Stateful):
     """The compensation state of the compressed reduce-scatters (error feedback's residuals, LoCo's errors and its
-    step count), checkpointed with the optimizer state and resharded like it.
+    step count), checkpointed with the optimizer state.
 
-    A rank's state holds, per shard of the module, what it will add to that shard's next reduction. Saved, the
-    states are summed per shard (one reduce-scatter) into one tensor per parameter, sharded like that parameter: a
-    checkpoint then reshards to any layout, as the optimizer state does. Loaded, each shard's total is held by the
-    shard's own rank. Saving also rebalances the live state that way (the total for each shard is unchanged), so
-    that the run continues from exactly the state it saved: a resumed run repeats the uninterrupted one bit for bit.
+    Saving has no effect on training: the live state is read, never changed. A checkpoint holds it twice:
+    - verbatim (`exact.compression.<first parameter of the module><replica suffix>`): every rank's own state (LoCo's
+      codes, error feedback's fp32 residuals) as one DTensor sharded over the module's mesh. A resume into the same
+      layout restores it bit for bit, so a resumed run repeats the uninterrupted one.
+    - per parameter (`compression.<parameter>`): what all ranks together owe each shard (the ranks' states summed
+      per shard, one reduce-scatter), sharded like the parameter, so that it reshards to any layout as the optimizer
+      state does. Where the verbatim state does not fit the layout (another data-parallel degree), each shard's
+      total is loaded into the shard's own rank.
     LoCo's step count (for its periodic reset) is saved as `loco_steps`.
     """
 
-    def __init__(self, model_parts: list[nn.Module]):
+    def __init__(self, model_parts: list[nn.Module], replicate_group: dist.ProcessGroup | None = None):
         names = {id(p): name for part in model_parts for name, p in part.named_parameters()}
+        self.suffix = replica_suffix(replicate_group)
         self.entries = []
         for group in _param_groups(model_parts):
             comm = group._reduce_scatter_comm
@@ -228,6 +253,20 @@ class CompressionState(Stateful):
             size = fsdp_param.padded_sharded_param_size
             yield fsdp_param, offset, size
             offset += size.numel()
+
+    def _exact(self, comm, group, fqns) -> tuple[str, DTensor]:
+        """This rank's state verbatim, as its block of a DTensor over the module's mesh (the data-parallel and any
+        tensor-parallel dimension): one block per rank, each flattened."""
+        world = group.mesh_info.shard_process_group.size()
+        raw = comm.compensation.raw
+        if raw is None:
+            raw = comm.compensation.raw_template(world, comm.segments, group.device)
+        mesh = group.fsdp_params[0].sharded_param.device_mesh
+        local = raw.reshape((1,) * mesh.ndim + (-1,))
+        shape = (*mesh.shape, local.shape[-1])
+        exact = DTensor.from_local(local, mesh, [Shard(dim) for dim in range(mesh.ndim)], shape=shape,
+                                   stride=torch.empty(shape, device="meta").stride(), run_check=False)
+        return f"{EXACT}compression.{fqns[0]}{self.suffix}", exact
 
     def state_dict(self) -> dict[str, Any]:
         state: dict[str, Any] = {}
@@ -245,21 +284,34 @@ class CompressionState(Stateful):
                 param = fsdp_param.sharded_param
                 state[fqn] = DTensor.from_local(local.clone(), param.device_mesh, param.placements,
                                                 shape=param.shape, stride=param.stride(), run_check=False)
+            key, exact = self._exact(comm, group, fqns)
+            state[key] = exact
             if isinstance(comm.compensation, LoCo):
                 state["loco_steps"] = torch.tensor(comm.compensation.steps, dtype=torch.int64)
-        self.load_state_dict(state)
         return state
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         for comm, group, fqns in self.entries:
-            process_group = group.mesh_info.shard_process_group
-            world, rank = process_group.size(), process_group.rank()
-            row = sum(size.numel() for _, _, size in self._layout(group))
-            residual = torch.zeros(world, row, device=group.device)
-            for fqn, (fsdp_param, offset, size) in zip(fqns, self._layout(group)):
-                local = state_dict[fqn]
-                local = local.to_local() if isinstance(local, DTensor) else local
-                residual[rank, offset:offset + size.numel()].view(size)[:local.shape[0]].copy_(local)
-            comm.compensation.residual = residual
+            key, _ = self._exact(comm, group, fqns)
+            if key in state_dict:
+                exact = state_dict[key]
+                exact = exact.to_local() if isinstance(exact, DTensor) else exact
+                template = comm.compensation.raw_template(group.mesh_info.shard_process_group.size(),
+                                                          comm.segments, group.device)
+                comm.compensation.raw = exact.reshape(template.shape).to(template.dtype).clone()
+            else:
+                self._load_totals(comm, group, fqns, state_dict)
             if isinstance(comm.compensation, LoCo) and "loco_steps" in state_dict:
                 comm.compensation.steps = int(state_dict["loco_steps"])
+
+    def _load_totals(self, comm, group, fqns, state_dict: dict[str, Any]) -> None:
+        """Each shard's total, held by the shard's own rank (the others owe it nothing)."""
+        process_group = group.mesh_info.shard_process_group
+        world, rank = process_group.size(), process_group.rank()
+        row = sum(size.numel() for _, _, size in self._layout(group))
+        residual = torch.zeros(world, row, device=group.device)
+        for fqn, (fsdp_param, offset, size) in zip(fqns, self._layout(group)):
+            local = state_dict[fqn]
+            local = local.to_local() if isinstance(local, DTensor) else local
+            residual[rank, offset:offset + size.numel()].view(size)[:local.shape[0]].copy_(local)
+        comm.compensation.residual = residual

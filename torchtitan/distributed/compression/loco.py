@@ -19,6 +19,9 @@ Compensation (`comp_t` is what is added to step t's gradient before quantizing; 
 QSDP's gradients use the same exchange with stochastic rounding and no compensation.
 """
 
+from dataclasses import dataclass
+from typing import ClassVar
+
 import torch
 import torch.distributed as dist
 from torch.distributed.fsdp._fully_shard._fsdp_api import ReduceScatter
@@ -27,6 +30,20 @@ from torchtitan.distributed.compression.quantize import decode, encode, encode_a
 
 # LoCo stores its error in 8-bit codes, as the paper does.
 LOCO_ERROR_BITS = 8
+
+
+@dataclass
+class LoCoOptions:
+    """[comm.loco]"""
+
+    TABLE: ClassVar[str] = "loco"
+    OLD_PREFIX: ClassVar[str] = "loco_"  # comm.loco_<option>, deprecated
+
+    beta: float = 0.8
+    """gradient_compression = loco: weight of the previous error in the moving average e <- beta * e + (1 - beta) * (h - Q(h)), in [0, 1)."""
+
+    reset_interval: int = 1024
+    """gradient_compression = loco: the error is reset to zero every this many steps; 0 = never."""
 
 
 def _used_on_current_stream(tensor: torch.Tensor | None) -> None:
@@ -73,6 +90,14 @@ class ErrorFeedback:
         """Set from outside the reduction (a checkpoint's save or load), on the caller's stream."""
         _used_on_current_stream(self._error)
         self._error, self._adopt = value, True
+
+    # What a checkpoint saves verbatim for an exact resume: the residual itself.
+    raw = residual
+
+    @staticmethod
+    def raw_template(world: int, segments: list[int], device: torch.device) -> torch.Tensor:
+        """A zero raw state: what a rank holds before its first step."""
+        return torch.zeros(world, sum(segments), device=device)
 
 
 class LoCo:
@@ -124,6 +149,22 @@ class LoCo:
         _used_on_current_stream(self._codes)
         self._codes = None if value is None else encode(value, LOCO_ERROR_BITS, segments=self.segments)
         self._adopt = True
+
+    @property
+    def raw(self) -> torch.Tensor | None:
+        """What a checkpoint saves verbatim for an exact resume: the error's codes (decoding and encoding them again
+        need not give the same codes)."""
+        return self._codes
+
+    @raw.setter
+    def raw(self, value: torch.Tensor | None) -> None:
+        _used_on_current_stream(self._codes)
+        self._codes, self._adopt = value, True
+
+    @staticmethod
+    def raw_template(world: int, segments: list[int], device: torch.device) -> torch.Tensor:
+        """Zero codes (they decode to a zero error): what a rank holds before its first step."""
+        return torch.zeros(world, payload_bytes(segments, LOCO_ERROR_BITS), dtype=torch.uint8, device=device)
 
 
 class CompressedReduceScatter(ReduceScatter):
