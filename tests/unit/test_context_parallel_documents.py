@@ -137,6 +137,38 @@ def test_balance_report_prints_every_mix_and_assignment():
         cp_balance.report("tiny", 1024, [3], windows=1, seed=0)
 
 
+def scaling_options(**changes):
+    from scripts import cp_scaling
+
+    options = {"flavor": "tiny", "n_layers": 1, "seq_len": [512], "cp": [1, 2], "mix": "few long", "warmup": 1,
+               "steps": 1, "seed": 0}
+    return cp_scaling, SimpleNamespace(**{**options, **changes})
+
+
+def test_scaling_benchmark_window_and_bad_degrees():
+    from torchtitan.errors import UserError
+
+    cp_scaling, options = scaling_options()
+    tokens = cp_scaling.window("few long", 1024, 2304, seed=0)
+    # "few long": documents of seq/8 to seq/2 tokens, BOS at each start, the first token included.
+    starts = (tokens[0] == cp_scaling.BOS).nonzero().flatten().tolist()
+    assert starts[0] == 0 and len(starts) >= 2
+    assert all(1024 // 8 <= b - a <= 1024 // 2 for a, b in zip(starts, starts[1:]))
+    with pytest.raises(UserError, match="--cp: 3 must be at least 1 and 8 x cp must divide --seq_len 512"):
+        cp_scaling.measure(SimpleNamespace(**{**vars(options), "cp": [3]}))
+
+
+@pytest.mark.slow
+def test_scaling_benchmark_runs_causal_and_block_causal_side_by_side():
+    """A short run of scripts/cp_scaling.py (forked CP 1 and CP 2 ranks): a row per degree with both masks' speeds
+    and peaks, the counted balance for CP 2 only."""
+    cp_scaling, options = scaling_options()
+    rows = [line.split(" | ") for line in cp_scaling.measure(options).splitlines() if line.startswith("| 512")]
+    assert [row[3] for row in rows] == ["1", "2"]
+    assert rows[0][7] == "-" and rows[1][7] != "-"
+    assert all(float(cell.replace(",", "")) > 0 for row in rows for cell in row[4:7])
+
+
 def test_block_causal_with_context_parallelism_options():
     from torchtitan.config import parse_args
     from torchtitan.errors import UserError
