@@ -45,7 +45,7 @@ def test_block_causal_composes_with_fsdp_tp_and_pp(tmp_path):
 @pytest.mark.slow
 def test_block_causal_under_context_parallelism_composes_and_resumes(tmp_path):
     """Context parallelism over packed documents (K/V all-gathered, chunks balanced by the mask's work) alone, at CP 4,
-    with FSDP, TP and PP, with global RoPE positions, and resumed under another CP degree: the one-process losses.
+    with FSDP, TP and PP (interleaved), with global RoPE positions, and resumed under another CP degree: the one-process losses.
     (Exactness of losses and gradients at CP 2 and 4 on chosen layouts of documents: tests/unit/
     test_context_parallel_documents.py.)"""
     reference = run(tmp_path, "one", 1, 1, BLOCK_CAUSAL)
@@ -55,7 +55,9 @@ def test_block_causal_under_context_parallelism_composes_and_resumes(tmp_path):
         "cp4": (4, 1, ["--parallelism.context_parallel_degree", "4"]),
         "fsdp2_cp2": (4, 2, ["--parallelism.data_parallel_shard_degree", "2", *cp2]),
         "tp2_cp2": (4, 1, ["--parallelism.tensor_parallel_degree", "2", *cp2]),
-        "pp2_cp2": (4, 1, ["--parallelism.pipeline_parallel_degree", "2", *cp2]),
+        # Two stages per rank: they share each micro-batch's mask (pipeline_parallel.SharedDocumentMasks).
+        "pp2_cp2": (4, 1, ["--parallelism.pipeline_parallel_degree", "2", "--parallelism.pipeline_parallel_schedule",
+                           "Interleaved1F1B", *cp2]),
     }
     for name, (nproc, dp, options) in layouts.items():
         difference = max_relative_difference(run(tmp_path, name, nproc, dp, [*BLOCK_CAUSAL, *options]), reference)
