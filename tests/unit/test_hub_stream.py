@@ -137,3 +137,57 @@ def test_aiohttp_disconnects_are_transient(error):
     wrapped.__cause__ = error
     assert is_transient(wrapped)
     assert not is_transient(ClientError("400 Bad Request"))
+
+
+@pytest.mark.slow
+def test_a_trainer_checkpoint_resumes_the_hub_stream(tmp_path, hub_client, monkeypatch):
+    """The trainer streaming from the hub stand-in saves after step 4 and a second launch resumes from that
+    checkpoint: steps 5-8 see the documents of an uninterrupted 8-step run (equal losses; one process, so bitwise),
+    and the resumed stream starts from the position in the checkpoint (the stream's file and record), not by
+    downloading the files before it again."""
+    import io
+
+    import torch
+    import torch.distributed.checkpoint as dcp
+
+    from tests.integration.harness import TINY, losses, read_metrics
+    from torchtitan.components.checkpoint import WeightsOnlyLoadPlanner, without_collectives
+    from torchtitan.train import main as train_main
+
+    for name in ("WORLD_SIZE", "RANK", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
+        monkeypatch.delenv(name, raising=False)
+    root = tmp_path / "long"
+    (root / "data").mkdir(parents=True)
+    # 16 files of 3 documents of 10-30 tokens: the 8 windows of 33 tokens of 4 steps end a few files in.
+    files = [f"train-{i:05d}-of-00016.parquet" for i in range(16)]
+    for i, name in enumerate(files):
+        table = pa.table({"text": [f"file {i} record {j} " + " ".join(f"w{i}{j}{k}" for k in range(3 * j))
+                                   for j in range(3)]})
+        pq.write_table(table, root / "data" / name, row_group_size=5)
+    # A constant learning rate after warmup: a 4-step launch and an 8-step one take the same steps.
+    base = [*TINY, "--training.local_batch_size", "2", "--training.dataset", "hub",
+            "--training.dataset_path", "org/data", "--lr_scheduler.decay_ratio", "0"]
+    checkpoint = ["--checkpoint.enable", "--checkpoint.interval", "4", "--checkpoint.no_last_save_model_only"]
+    with HubServer(root) as hub:
+        hub_client(hub.url)
+        assert train_main([*base, "--training.steps", "8", "--job.dump_folder", str(tmp_path / "straight")]) == 0
+        saved = tmp_path / "saved"
+        assert train_main([*base, *checkpoint, "--training.steps", "4", "--job.dump_folder", str(saved)]) == 0
+        state = {"dataloader": b""}
+        with without_collectives():
+            dcp.load(state, checkpoint_id=saved / "checkpoint" / "step-4", planner=WeightsOnlyLoadPlanner(),
+                     no_dist=True)
+        position = torch.load(io.BytesIO(state["dataloader"]), weights_only=True)["dataset_state"]
+        stream_file = position["anchor_stream"]["examples_iterable"]["examples_iterable"]["examples_iterable"][
+            "shard_idx"]
+        assert stream_file >= 3, position
+        hub.downloads.clear()
+        assert train_main([*base, *checkpoint, "--training.steps", "8", "--job.dump_folder", str(saved)]) == 0
+    print(f"checkpoint at stream file {stream_file}; the resumed run downloaded {hub.downloads}")
+    # Opening the stream reads the first file (its schema); the stream resumes in the position's file or at the end
+    # of the one before (its last batch boundary): the files between are not downloaded again.
+    assert not set(files[1:stream_file - 1]) & {name for name, _ in hub.downloads}, hub.downloads
+    resumed = [row for row in read_metrics(saved) if "loss" in row and row["step"] > 4]
+    straight = [row for row in read_metrics(tmp_path / "straight") if "loss" in row and row["step"] > 4]
+    assert [row["step"] for row in resumed] == [5, 6, 7, 8]
+    assert losses(resumed) == losses(straight)

@@ -355,3 +355,64 @@ def test_split_backward_schedules_refuse_compiled_blocks(schedule):
         plan_pipeline(meta_model(4), 2, job)
     job.compile.components = ["loss"]
     plan_pipeline(meta_model(4), 2, job)
+
+
+@pytest.fixture
+def one_rank_pipeline(tmp_path):
+    """A one-process gloo world whose one pipeline rank holds every stage (torch hands the activations between stages
+    of one rank over locally): the schedules run for real."""
+    if dist.is_initialized():
+        dist.destroy_process_group()
+    dist.init_process_group("gloo", store=dist.FileStore(str(tmp_path / "store"), 1), rank=0, world_size=1)
+    dims = ParallelDims(dp_replicate=1, dp_shard=1, cp=1, tp=1, pp=1, world_size=1)
+    yield dims.build_mesh("cpu"), dims
+    dist.destroy_process_group()
+
+
+def test_stages_of_one_rank_build_each_microbatch_mask_once(one_rank_pipeline, monkeypatch):
+    """block_causal, two stages on the rank, 4 micro-batches: a step builds 4 masks (one per micro-batch, shared by
+    both stages), not 8, and its losses are those of stages that each build their own."""
+    from torchtitan.distributed import pipeline_parallel
+    from torchtitan.models.llama3 import model as llama_model
+    from torchtitan.models.llama3.model import document_ids
+
+    job = config("Interleaved1F1B")
+    job.parallelism.pipeline_parallel_degree = 1
+    job.activation_checkpoint.mode = "none"
+    job.model.attention_mask = "block_causal"
+    built, parts, *_ = pipeline_llama(meta_model(4), *one_rank_pipeline, job, torch.device("cpu"),
+                                      lambda logits, labels: torch.nn.functional.cross_entropy(
+                                          logits.flatten(0, 1), labels.flatten(0, 1)))
+    assert len(parts) == 2
+    for part in parts:
+        part.to_empty(device="cpu")
+        part.init_weights(seed=0)
+    built_masks, build = [], llama_model.document_mask
+
+    def counted(ids, flex=None):
+        built_masks.append(ids)
+        return build(ids, flex)
+
+    monkeypatch.setattr(pipeline_parallel, "document_mask", counted)
+    generator = torch.Generator().manual_seed(0)
+    tokens = torch.randint(2, 100, (4, SEQ_LEN), generator=generator)
+    tokens[:, [0, 5, 6, 11]] = 1
+    labels = torch.randint(0, 100, (4, SEQ_LEN), generator=generator)
+    ids = document_ids(tokens, 1)
+
+    def step() -> list[torch.Tensor]:
+        losses = []
+        built.step(tokens, target=labels, losses=losses, document_ids=ids)
+        return losses
+
+    step()  # the first step also runs a micro-batch through each stage to learn the stages' shapes
+    built_masks.clear()
+    shared = step()
+    assert len(built_masks) == 4
+    assert all(mask.shape == (1, SEQ_LEN) for mask in built_masks)
+    monkeypatch.setattr(llama_model, "document_mask", counted)
+    for part in parts:
+        part.build_document_mask = None
+    built_masks.clear()
+    assert torch.equal(torch.stack(step()), torch.stack(shared))
+    assert len(built_masks) == 8

@@ -17,6 +17,7 @@ return local shards, and a different dtype under mixed precision or a different 
 import inspect
 import math
 import os
+from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -34,6 +35,7 @@ from torch.distributed.tensor import DTensor, Shard
 from torchtitan.config import JobConfig, validation_shape
 from torchtitan.distributed.parallel_dims import ParallelDims
 from torchtitan.errors import UserError
+from torchtitan.models.llama3.model import DocumentMask, document_mask
 from torchtitan.models.llama3.parallelize import parallelize_llama
 from torchtitan.models.llama3.pipeline import (LAYERS_PER_STAGE_OPTION, SPLIT_POINTS_OPTION, build_stage_module,
                                                requested_stage_count, split_into_stages, stage_ids_for_rank)
@@ -199,10 +201,41 @@ def pipeline_llama(model: nn.Module, world_mesh: DeviceMesh, parallel_dims: Para
         parts.append(part)
         logger.info(f"pipeline stage {stage_id} of {plan.num_stages} on pp rank {pp_rank}: "
                     f"{_describe(plan.stage_names[stage_id])}")
+    if config.model.attention_mask == "block_causal" and len(parts) > 1:
+        shared = SharedDocumentMasks(parts[0].build_document_mask, plan.n_microbatches)
+        for part in parts:
+            part.build_document_mask = shared
     schedule = _build_schedule(plan, stages, _plain_loss(loss_fn), config.parallelism.pipeline_parallel_schedule_csv)
     logger.info(f"pipeline schedule {plan.schedule_name}: {plan.num_stages} stages on {pp_degree} ranks, "
                 f"{plan.n_microbatches} micro-batches of {config.parallelism.pipeline_parallel_microbatch_size}")
     return schedule, parts, any(stage.is_first for stage in stages), any(stage.is_last for stage in stages)
+
+
+class SharedDocumentMasks:
+    """The block-causal mask of each micro-batch, built once for all the pipeline stages of this rank
+    (`Transformer.build_document_mask`).
+
+    A looped, interleaved or V-shaped schedule runs every micro-batch through two or more stages on one rank, and
+    hands each of them the same document-id and position tensors (the schedule splits the step's keyword inputs once
+    and passes micro-batch i's to every stage): a later stage finds the mask, which the first one built from those
+    very tensors, here instead of building it again (on GPUs a compiled `create_block_mask`; under context
+    parallelism an all-gather over the CP group as well). Masks are matched by the identity of their inputs, never
+    by value, and the entries hold those inputs, so an identity cannot be reused by another tensor while its entry
+    lives. At most `size` entries (one step's micro-batches): a mask stays until a later micro-batch's replaces it.
+    Stages on other pipeline ranks build their own: they have their own memory (and under CP their own CP group).
+    Micro-batches hold different sequences, so each has its own mask."""
+
+    def __init__(self, build: Callable[[torch.Tensor, torch.Tensor | None], DocumentMask] | None, size: int):
+        self.build = build
+        self.masks: deque[tuple[torch.Tensor, torch.Tensor | None, DocumentMask]] = deque(maxlen=size)
+
+    def __call__(self, document_ids: torch.Tensor, positions: torch.Tensor | None) -> DocumentMask:
+        for ids, known_positions, mask in self.masks:
+            if ids is document_ids and known_positions is positions:
+                return mask
+        mask = document_mask(document_ids) if self.build is None else self.build(document_ids, positions)
+        self.masks.append((document_ids, positions, mask))
+        return mask
 
 
 _STAGE_PARAMETERS = inspect.signature(PipelineStage.__init__).parameters
