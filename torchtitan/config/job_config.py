@@ -167,10 +167,11 @@ class Optimizer:
     """Optimizer kernel: fused (fastest, falls back to foreach where the device has no fused kernel), foreach, for-loop."""
 
     demo_chunk_size: int = 64
-    """FlexDeMo: values per DCT chunk of the momentum (at most 256)."""
+    """FlexDeMo: values per DCT tile of a matrix (h x w, as square as it divides: 8 x 8 for 64) or chunk of another
+    tensor of the momentum (at most 256)."""
 
     demo_topk: int = 8
-    """FlexDeMo: DCT coefficients per chunk sent to the other replicas each step (at most demo_chunk_size)."""
+    """FlexDeMo: DCT coefficients per tile or chunk sent to the other replicas each step (at most demo_chunk_size)."""
 
     demo_momentum_decay: float = 0.999
     """FlexDeMo: decay of the local momentum, which accumulates gradients and keeps what was not sent."""
