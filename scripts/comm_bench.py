@@ -24,6 +24,7 @@ Recipes and their baselines:
     qsdp8_hadamard  + the Hadamard rotation
     ddp             one replica per host, AdamW, gradients all-reduced (the baseline of flexdemo)
     flexdemo        one replica per host, FlexDeMo (DCT top-8 of 64 per chunk exchanged)
+    flexdemo_tiles  + DCT over 8 x 8 tiles of each matrix (DeMo's reference's 2-D transform)
 
 Writes OUT/results.json, OUT/comm_bench.md (also printed) and the plots OUT/loss_vs_step.png,
 OUT/loss_vs_bytes.png and OUT/throughput.png. `--quantization-error-only` measures the relative L2 error of the
@@ -64,6 +65,7 @@ RECIPES: dict[str, tuple[str, list[str]]] = {
     "qsdp8_hadamard": ("fsdp", [*FSDP, *QSDP8, *HADAMARD]),
     "ddp": ("ddp", DDP),
     "flexdemo": ("ddp", [*DDP, "--optimizer.name", "FlexDeMo"]),
+    "flexdemo_tiles": ("ddp", [*DDP, "--optimizer.name", "FlexDeMo", "--optimizer.demo_transform", "tiles"]),
 }
 
 

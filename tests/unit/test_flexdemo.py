@@ -128,8 +128,8 @@ def test_saving_averages_the_momenta(results):
 
 
 def test_bytes_sent_per_step(results):
-    # 30 x 20: 4 x 3 tiles of 8 x 8 (padded), 8 coefficients each, 3 bytes per coefficient, 3 steps.
-    assert results[0]["sent_bytes"] == 3 * payload_bytes((30, 20), CHUNK, TOPK) == 3 * 12 * 8 * 3
+    # 600 values: 10 chunks of 64 (padded), 8 coefficients each, 3 bytes per coefficient, 3 steps.
+    assert results[0]["sent_bytes"] == 3 * payload_bytes((600,), CHUNK, TOPK) == 3 * 10 * 8 * 3
 
 
 def test_importing_the_trainer_loads_no_compiler():

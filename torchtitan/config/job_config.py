@@ -167,14 +167,19 @@ class Optimizer:
     """Optimizer kernel: fused (fastest, falls back to foreach where the device has no fused kernel), foreach, for-loop."""
 
     demo_chunk_size: int = 64
-    """FlexDeMo: values per DCT tile of a matrix (h x w, as square as it divides: 8 x 8 for 64) or chunk of another
-    tensor of the momentum (at most 256)."""
+    """FlexDeMo: values per DCT chunk of the momentum, or per tile of a matrix with demo_transform = tiles (h x w, as
+    square as it divides: 8 x 8 for 64); at most 256."""
 
     demo_topk: int = 8
     """FlexDeMo: DCT coefficients per tile or chunk sent to the other replicas each step (at most demo_chunk_size)."""
 
     demo_momentum_decay: float = 0.999
     """FlexDeMo: decay of the local momentum, which accumulates gradients and keeps what was not sent."""
+
+    demo_transform: Literal["chunks", "tiles"] = "chunks"
+    """FlexDeMo: what each DCT covers: chunks (demo_chunk_size consecutive values of the flattened tensor, 1-D DCT) or
+    tiles (a matrix's h x w tiles, h * w = demo_chunk_size, 2-D DCT, as DeMo's reference; other tensors keep chunks).
+    Same bytes; docs/recipes.md compares their loss."""
 
     ranger_agc_clip: float = 0.01
     """Ranger21: adaptive gradient clipping, the largest ratio of a unit's gradient norm to its weight norm (a unit: a row of a matrix, a whole vector). 0 disables it."""

@@ -4,19 +4,20 @@ fast-moving components, removes them from its momentum, and all-gathers only tho
 decodes the same mean of the replicas' components and steps by its sign, so the replicas' weights stay identical
 while the rest of the momentum stays local.
 
-The components are DeMo's reference's: the 2-D DCT of each h x w tile of a matrix and the 1-D DCT of each chunk of
-other tensors, the `topk` largest coefficients of each. The reference's tiles are up to 64 x 64 (4096 values, top 32);
-here a tile holds `chunk_size` values (8 x 8 for 64, `tile_shape`), so an index fits in a byte and the bytes per
-value are those of the 1-D chunks.
+The components are the `topk` largest DCT coefficients of each chunk of `chunk_size` consecutive values of the
+flattened tensor (`tiles=False`), or, as DeMo's reference takes them (`tiles=True`), of each h x w tile of a matrix
+(2-D DCT; other tensors keep 1-D chunks). The reference's tiles are up to 64 x 64 (4096 values, top 32); here a tile
+holds `chunk_size` values (8 x 8 for 64, `tile_shape`), so an index fits in a byte and the bytes per value are the
+chunks'. On the debug model the chunks trained better (docs/recipes.md, "FlexDeMo at more replicas"): the default.
 
 Under HSDP, FSDP shards and reduce-scatters within a replica (a host) as usual; this optimizer then owns the
-exchange across replicas, on each rank's shard (tiles of its rows). The wire format of one step, per tile or chunk:
+exchange across replicas, on each rank's shard (tiles of its rows when tiled). The wire format of one step, per tile or chunk:
 `topk` coefficient indices (uint8) and values (bfloat16), in one all-gather. Each replica sends (R - 1) / R of the
 gathered payload, so the bytes per rank grow with the replica count R where a ring all-reduce's stay near twice the
 tensor: docs/recipes.md, "FlexDeMo at more replicas", has the table.
 
-The parameters are processed in buckets of whole tensors (each padded to whole tiles or chunks, one per row of a
-matrix: the matrices' tiles first, then the other tensors' chunks), so a step
+The parameters are processed in buckets of whole tensors (each padded to whole chunks or tiles, one per row of a
+matrix; the tiled matrices first), so a step
 runs a handful of large kernels instead of a dozen small ones per tensor, while its temporaries stay bounded by the
 bucket's size rather than the model's.
 """
@@ -134,9 +135,10 @@ def top_k_indices(coefficients: torch.Tensor, k: int) -> torch.Tensor:
 
 class FlexDeMo(torch.optim.Optimizer):
     def __init__(self, params, lr: float, weight_decay: float, chunk_size: int, topk: int, momentum_decay: float,
-                 replicate_group: dist.ProcessGroup):
+                 replicate_group: dist.ProcessGroup, tiles: bool = False):
         super().__init__(params, {"lr": lr, "weight_decay": weight_decay})
         self.chunk_size, self.topk, self.momentum_decay = chunk_size, min(topk, chunk_size), momentum_decay
+        self.tiles = tiles
         self.replicate_group = replicate_group
         self._dct: torch.Tensor | None = None
         self._tile_dct: torch.Tensor | None = None
@@ -163,17 +165,26 @@ class FlexDeMo(torch.optim.Optimizer):
                 size = 0
             buckets[-1].append((param, group))
             size += numel
-        # The matrices first: their tiles take one transform, the other tensors' chunks another.
-        return [sorted(bucket, key=lambda entry: self._local(entry[0]).dim() != 2) for bucket in buckets]
+        # The tiled matrices first: their tiles take one transform, the chunks another.
+        return [sorted(bucket, key=lambda entry: len(self._shape(self._local(entry[0]))) != 2) for bucket in buckets]
 
-    def _rows(self, tensors: list[torch.Tensor]) -> tuple[torch.Tensor, int]:
-        """The bucket's rows (the matrices' tiles, then the other tensors' chunks) and how many are tiles."""
-        tiles = sum(row_count(t.shape, self.chunk_size) for t in tensors if t.dim() == 2)
-        return torch.cat([to_rows(t.float(), self.chunk_size) for t in tensors]), tiles
+    def _shape(self, tensor: torch.Tensor) -> tuple[int, ...]:
+        """The shape the rows are cut from: a matrix's own when tiled, else the flattened tensor's."""
+        return tuple(tensor.shape) if self.tiles and tensor.dim() == 2 else (tensor.numel(),)
+
+    def _row_counts(self, tensors: list[torch.Tensor]) -> tuple[int, int]:
+        """The rows of the tensors, and how many of them are tiles."""
+        shapes = [self._shape(t) for t in tensors]
+        return (sum(row_count(shape, self.chunk_size) for shape in shapes),
+                sum(row_count(shape, self.chunk_size) for shape in shapes if len(shape) == 2))
+
+    def _rows(self, tensors: list[torch.Tensor]) -> torch.Tensor:
+        """The bucket's rows: the tiled matrices' tiles, then the chunks."""
+        return torch.cat([to_rows(t.float().reshape(self._shape(t)), self.chunk_size) for t in tensors])
 
     def _from_rows(self, rows: torch.Tensor, like: list[torch.Tensor]) -> list[torch.Tensor]:
-        parts = rows.split([row_count(t.shape, self.chunk_size) for t in like])
-        return [from_rows(part, t.shape, self.chunk_size) for t, part in zip(like, parts)]
+        parts = rows.split([row_count(self._shape(t), self.chunk_size) for t in like])
+        return [from_rows(part, self._shape(t), self.chunk_size).view(t.shape) for t, part in zip(like, parts)]
 
     def _transform(self, rows: torch.Tensor, tiles: int, inverse: bool = False) -> torch.Tensor:
         """Each row's DCT (2-D for the first `tiles` rows, 1-D for the rest), or with `inverse` its inverse."""
@@ -202,8 +213,7 @@ class FlexDeMo(torch.optim.Optimizer):
         offset = 0
         for bucket in buckets:
             weights = [self._local(param) for param, _ in bucket]
-            rows = sum(row_count(weight.shape, self.chunk_size) for weight in weights)
-            tiles = sum(row_count(weight.shape, self.chunk_size) for weight in weights if weight.dim() == 2)
+            rows, tiles = self._row_counts(weights)
             part = gathered.view(replicas, -1)[:, offset:offset + rows * 3 * self.topk]
             offset += rows * 3 * self.topk
             for (param, group), update in zip(bucket, self._from_rows(self._decode(part, rows, tiles), weights)):
@@ -219,13 +229,12 @@ class FlexDeMo(torch.optim.Optimizer):
         momenta = [self._momentum(param) for param, _ in bucket]
         accumulated = [torch.add(self._local(param.grad), momentum, alpha=self.momentum_decay)
                        for momentum, (param, _) in zip(momenta, bucket)]
-        rows, tiles = self._rows(accumulated)
-        coefficients = self._transform(rows, tiles)
+        coefficients = self._transform(self._rows(accumulated), self._row_counts(accumulated)[1])
         indices = top_k_indices(coefficients, self.topk)
         values = coefficients.gather(1, indices).to(torch.bfloat16)
         # What is sent leaves the local momentum (as the receivers decode it: in bfloat16).
         sent = torch.zeros_like(coefficients).scatter_(1, indices, values.float())
-        removed = self._from_rows(self._transform(sent, tiles, inverse=True), momenta)
+        removed = self._from_rows(self._transform(sent, self._row_counts(momenta)[1], inverse=True), momenta)
         for momentum, accumulated_values, removed_values in zip(momenta, accumulated, removed):
             torch.sub(accumulated_values, removed_values, out=momentum)
         return torch.cat((indices.to(torch.uint8), values.view(torch.uint8)), dim=1).view(-1)
@@ -261,4 +270,4 @@ def _momentum_bytes(shape: tuple[int, ...], local_shape: tuple[float, ...], conf
 def build_flexdemo(groups: list[dict], config: OptimizerConfig, context: BuildContext) -> torch.optim.Optimizer:
     return FlexDeMo(groups, lr=config.lr, weight_decay=config.weight_decay, chunk_size=config.demo_chunk_size,
                     topk=config.demo_topk, momentum_decay=config.demo_momentum_decay,
-                    replicate_group=context.replicate_group)
+                    replicate_group=context.replicate_group, tiles=config.demo_transform == "tiles")
