@@ -210,9 +210,9 @@ def sharded_worker(rank: int, out_dir: str) -> None:
     torch.set_num_threads(1)
     dist.init_process_group("gloo", rank=rank, world_size=4)
     results = {}
-    orthogonalised = []  # matrices this rank's Newton-Schulz calls took, per call
+    orthogonalised = []  # this rank's Newton-Schulz calls, one per matrix
     newton_schulz_of_muon = muon.newton_schulz
-    muon.newton_schulz = lambda matrix, steps: (orthogonalised.append(matrix.shape[0]),
+    muon.newton_schulz = lambda matrix, steps: (orthogonalised.append(matrix.shape),
                                                 newton_schulz_of_muon(matrix, steps))[1]
     for layout, (mesh_shape, placements) in LAYOUTS.items():
         mesh = init_device_mesh("cpu", mesh_shape)
@@ -222,7 +222,7 @@ def sharded_worker(rank: int, out_dir: str) -> None:
             grads = [[distribute_tensor(g, mesh, placements) for g in step] for step in reference_grads()]
             optimizer = train_steps(name, params, grads)
             results[layout, name] = [p.full_tensor() for p in params]
-            results[layout, name, "orthogonalised"] = sum(orthogonalised)
+            results[layout, name, "orthogonalised"] = len(orthogonalised)
             state = [value for p in params for value in optimizer.state[p].values() if isinstance(value, DTensor)]
             results[layout, name, "state_fraction"] = (sum(v.to_local().numel() for v in state)
                                                        / sum(v.numel() for v in state))

@@ -125,18 +125,20 @@ class Muon(torch.optim.Optimizer):
     @staticmethod
     def _orthogonalised(matrices: list[tuple[torch.Tensor, dict, torch.Tensor]]) -> list[torch.Tensor]:
         """The local shard of each matrix's orthogonalised momentum, each matrix orthogonalised by one rank of its
-        parameter's mesh (plain tensors: by this process)."""
+        parameter's mesh."""
         updates: list[torch.Tensor | None] = [None] * len(matrices)
         by_mesh: dict = {}
         for index, (param, _, _) in enumerate(matrices):
             by_mesh.setdefault(param.device_mesh if isinstance(param, DTensor) else None, []).append(index)
         for mesh, indices in by_mesh.items():
-            ranks = 1 if mesh is None else mesh.size()
+            if mesh is None:  # plain tensors: this process has every matrix whole
+                for i in indices:
+                    updates[i] = newton_schulz(matrices[i][2], matrices[i][1]["ns_steps"])
+                continue
+            ranks = mesh.size()
             # Shard(2) on every mesh dimension gives rank (i, j, ...) the stack's chunks in row-major order.
-            me = 0 if mesh is None else sum(c * math.prod(mesh.shape[d + 1:])
-                                            for d, c in enumerate(mesh.get_coordinate()))
-            kinds = [(matrices[i][0].shape, getattr(matrices[i][0], "placements", None), matrices[i][1]["ns_steps"])
-                     for i in indices]
+            me = sum(c * math.prod(mesh.shape[d + 1:]) for d, c in enumerate(mesh.get_coordinate()))
+            kinds = [(matrices[i][0].shape, matrices[i][0].placements, matrices[i][1]["ns_steps"]) for i in indices]
             flops = [newton_schulz_flops(shape, steps) for shape, _, steps in kinds]
             for slots in spread(kinds, flops, ranks):
                 param, group, first = matrices[indices[next(s for s in slots if s is not None)]]
@@ -145,19 +147,20 @@ class Muon(torch.optim.Optimizer):
                 stack = torch.stack([padding if s is None else local(matrices[indices[s]][2]) for s in slots], dim=-1)
                 width = len(slots) // ranks
                 share = slots[me * width:(me + 1) * width]
-                if mesh is not None:
-                    whole = torch.Size((*param.shape, len(slots)))
-                    stack = _redistribute(stack, mesh, param.placements, [Shard(2)] * mesh.ndim, whole)
+                whole = torch.Size((*param.shape, len(slots)))
+                stack = _redistribute(stack, mesh, param.placements, [Shard(2)] * mesh.ndim, whole)
                 results = torch.zeros_like(stack)
-                mine = [j for j, s in enumerate(share) if s is not None]
-                if mine:
-                    orthogonal = newton_schulz(stack[..., mine].movedim(-1, 0), group["ns_steps"])
-                    results[..., mine] = orthogonal.movedim(0, -1)
-                if mesh is not None:
-                    results = _redistribute(results, mesh, [Shard(2)] * mesh.ndim, param.placements, whole)
+                # One matrix at a time, as the reference does: on this CPU a batched matmul ran 25% slower than the
+                # same matmuls one by one, and on a GPU these matrices are large enough to fill it alone.
+                for j, s in enumerate(share):
+                    if s is not None:
+                        results[..., j] = newton_schulz(stack[..., j].contiguous(), group["ns_steps"])
+                # Each update contiguous again: the elementwise step on the stack's interleaved layout is slower.
+                results = _redistribute(results, mesh, [Shard(2)] * mesh.ndim, param.placements, whole)
+                results = results.movedim(-1, 0).contiguous()
                 for j, s in enumerate(slots):
                     if s is not None:
-                        updates[indices[s]] = results[..., j]
+                        updates[indices[s]] = results[j]
         return updates
 
 
