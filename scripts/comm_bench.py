@@ -24,6 +24,7 @@ Recipes and their baselines:
     qsdp8_hadamard  + the Hadamard rotation
     ddp             one replica per host, AdamW, gradients all-reduced (the baseline of flexdemo)
     flexdemo        one replica per host, FlexDeMo (DCT top-8 of 64 per chunk exchanged)
+    flexdemo_tiles  + DCT over 8 x 8 tiles of each matrix (DeMo's reference's 2-D transform)
 
 Writes OUT/results.json, OUT/comm_bench.md (also printed) and the plots OUT/loss_vs_step.png,
 OUT/loss_vs_bytes.png and OUT/throughput.png. `--quantization-error-only` measures the relative L2 error of the
@@ -47,6 +48,7 @@ from torchtitan.tools.emulated_cluster import Hosts, launch_on_hosts, two_hosts 
 
 CONFIG = "train_configs/debug_model.toml"
 FSDP = ["--parallelism.data_parallel_replicate_degree", "1", "--parallelism.data_parallel_shard_degree", "-1"]
+# The replicate degree ("2") is --replicas (recipe_options).
 DDP = ["--parallelism.data_parallel_replicate_degree", "2", "--parallelism.data_parallel_shard_degree", "-1"]
 LOCO4 = ["--comm.gradient_compression", "loco", "--comm.gradient_bits", "4"]
 EF4 = ["--comm.gradient_compression", "error_feedback", "--comm.gradient_bits", "4"]
@@ -63,7 +65,16 @@ RECIPES: dict[str, tuple[str, list[str]]] = {
     "qsdp8_hadamard": ("fsdp", [*FSDP, *QSDP8, *HADAMARD]),
     "ddp": ("ddp", DDP),
     "flexdemo": ("ddp", [*DDP, "--optimizer.name", "FlexDeMo"]),
+    "flexdemo_tiles": ("ddp", [*DDP, "--optimizer.name", "FlexDeMo", "--optimizer.flexdemo.transform", "tiles"]),
 }
+
+
+def recipe_options(name: str, args: argparse.Namespace) -> list[str]:
+    """The recipe's trainer options, its replicated layouts with --replicas replicas (each sharded over the rest)."""
+    options = list(RECIPES[name][1])
+    if options[:len(DDP)] == DDP:
+        options[1] = str(args.replicas)
+    return options
 
 
 # Bytes one rank sends in NCCL's ring algorithms per byte of a collective's buffer (what a dry run counts: the
@@ -84,7 +95,7 @@ def ring_bytes_per_step(baseline: str, args: argparse.Namespace, out: Path) -> f
     subprocess.run([sys.executable, "-m", "torchtitan.train", "--job.config_file", CONFIG, "--comm.mode",
                     "fake_backend", "--comm.fake_world_size", str(world), "--comm.no_fake_other_end",
                     "--job.dump_folder", str(dump), "--training.local_batch_size", str(args.local_batch_size),
-                    *RECIPES[baseline][1]], cwd=REPO, check=True, capture_output=True)
+                    *recipe_options(baseline, args)], cwd=REPO, check=True, capture_output=True)
     report = json.loads((dump / "dry_run.json").read_text())
     per_rank = 0.0
     for collective in report["collectives"]:
@@ -130,7 +141,7 @@ def run_recipe(name: str, hosts: Hosts, args: argparse.Namespace, out: Path) -> 
     dump = out / "runs" / name
     trainer_args = ["--job.config_file", CONFIG, "--training.steps", str(args.steps), "--metrics.log_freq", "1",
                     "--validation.no_enable", "--debug.seed", "0", "--metrics.disable_color_printing",
-                    "--training.local_batch_size", str(args.local_batch_size), *RECIPES[name][1]]
+                    "--training.local_batch_size", str(args.local_batch_size), *recipe_options(name, args)]
     if dump.exists():
         for leftover in dump.glob("*"):
             if leftover.is_file():
@@ -217,8 +228,8 @@ def quantization_errors(out: Path) -> str:
 
 def report(results: list[dict], hosts_note: str, args: argparse.Namespace, out: Path) -> str:
     by_name = {r["recipe"]: r for r in results}
-    lines = [f"Debug model, {args.steps} steps, seed 0, 2 hosts x {args.nproc_per_host} process(es), local batch "
-             f"{args.local_batch_size}, {hosts_note}. Ring MB/step: what NCCL's ring collectives would send, all "
+    lines = [f"Debug model, {args.steps} steps, seed 0, 2 hosts x {args.nproc_per_host} process(es), "
+             f"{args.replicas} replicas (ddp, flexdemo), local batch {args.local_batch_size}, {hosts_note}. Ring MB/step: what NCCL's ring collectives would send, all "
              f"ranks (the baseline's collectives from a dry run, the compressed ones from the trainer's counters); "
              f"link MB/step: what gloo sent over the link (its reduce-scatter sends about twice a ring's).", "",
              "| recipe | baseline | ring MB/step | vs baseline | link MB/step (gloo) | vs baseline | step time (s) | "
@@ -279,6 +290,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--rate", type=float, default=0, help="link rate in Mbit/s each way; 0 = unthrottled")
     parser.add_argument("--nproc-per-host", type=int, default=1)
     parser.add_argument("--local-batch-size", type=int, default=8)
+    parser.add_argument("--replicas", type=int, default=2,
+                        help="replicas of ddp and flexdemo (a divisor of 2 x --nproc-per-host); 2: one per host")
     parser.add_argument("--timeout", type=float, default=3600, help="seconds per recipe")
     parser.add_argument("--quantization-error-only", action="store_true")
     args = parser.parse_args(argv)
@@ -286,6 +299,9 @@ def main(argv: list[str] | None = None) -> int:
     if args.quantization_error_only:
         print(quantization_errors(args.out))
         return 0
+    if args.replicas < 2 or 2 * args.nproc_per_host % args.replicas:
+        parser.error(f"--replicas: {args.replicas} must be at least 2 and divide 2 x --nproc-per-host "
+                     f"({2 * args.nproc_per_host})")
     names = [name for name in args.recipes.split(",") if name]
     unknown = [name for name in names if name not in RECIPES]
     if unknown:

@@ -1,6 +1,7 @@
 """FlexDeMo with two real replicas (gloo, forked processes): what is exchanged, what stays local, what is saved."""
 
 import datetime
+import math
 from pathlib import Path
 
 import pytest
@@ -8,7 +9,8 @@ import torch
 import torch.distributed as dist
 
 from tests.unit.forked_ranks import run_ranks
-from torchtitan.components.optimizers.flexdemo import FlexDeMo, dct_matrix, payload_bytes, top_k_indices
+from torchtitan.components.optimizers.flexdemo import (FlexDeMo, dct_matrix, from_rows, payload_bytes,
+                                                      tile_dct_matrix, tile_shape, to_rows, top_k_indices)
 
 # A deprecated torch API (all_gather_into_tensor and reduce_scatter_tensor were) fails here, not in users' logs.
 pytestmark = pytest.mark.filterwarnings("error::FutureWarning")
@@ -23,10 +25,32 @@ def test_dct_is_orthonormal():
 
 
 def test_payload_is_under_a_tenth_of_an_fp32_ring_all_reduce():
-    numel = 4096
-    all_reduce = 2 * (REPLICAS - 1) / REPLICAS * 4 * numel  # bytes a rank sends in a ring all-reduce of fp32
-    assert payload_bytes(numel, CHUNK, TOPK) / all_reduce == pytest.approx(3 * TOPK / (4 * CHUNK))
-    assert payload_bytes(numel, CHUNK, TOPK) / all_reduce < 0.1
+    for shape in [(64, 64), (4096,)]:  # 64 tiles of 8 x 8, 64 chunks of 64
+        all_reduce = 2 * (REPLICAS - 1) / REPLICAS * 4 * 4096  # bytes a rank sends in a ring all-reduce of fp32
+        assert payload_bytes(shape, CHUNK, TOPK) / all_reduce == pytest.approx(3 * TOPK / (4 * CHUNK))
+        assert payload_bytes(shape, CHUNK, TOPK) / all_reduce < 0.1
+
+
+def test_tile_transform_is_the_2d_dct_of_each_tile():
+    """A matrix's row r is tile (r // tiles across, r % tiles across) of the zero-padded matrix, flattened row-major,
+    and its transform is the 2-D DCT-II of that tile: C[u, v] = a(u) a(v) sum_x sum_y X[x, y] cos(pi (2x + 1) u / 2h)
+    cos(pi (2y + 1) v / 2w), a(0) = sqrt(1/n), else sqrt(2/n). 10 x 13 pads to 2 x 2 tiles of 8 x 8."""
+    assert tile_shape(64) == (8, 8) and tile_shape(128) == (8, 16) and tile_shape(61) == (1, 61)
+    matrix = torch.randn(10, 13, generator=torch.Generator().manual_seed(0), dtype=torch.float64)
+    rows = to_rows(matrix.float(), CHUNK)
+    assert rows.shape == (4, CHUNK) and torch.equal(from_rows(rows, (10, 13), CHUNK), matrix.float())
+    coefficients = rows.double() @ tile_dct_matrix(CHUNK, torch.device("cpu")).double().T
+    padded = torch.zeros(16, 16, dtype=torch.float64)
+    padded[:10, :13] = matrix
+    x = torch.arange(8, dtype=torch.float64)
+    scale = torch.full((8,), math.sqrt(2 / 8), dtype=torch.float64)
+    scale[0] = math.sqrt(1 / 8)
+    cosines = torch.cos(math.pi * (2 * x[None, :] + 1) * x[:, None] / 16) * scale[:, None]  # [u, x]
+    for row in range(4):
+        tile = padded[8 * (row // 2):8 * (row // 2 + 1), 8 * (row % 2):8 * (row % 2 + 1)]
+        expected = torch.einsum("ux,vy,xy->uv", cosines, cosines, tile)
+        # fp32 transform of 64 terms: a few fp32 roundings of values of order 1.
+        assert torch.allclose(coefficients[row].view(8, 8), expected, atol=1e-5)
 
 
 def test_top_k_indices_are_the_largest_magnitudes_and_always_k_distinct_positions():
@@ -111,7 +135,7 @@ def test_saving_saves_the_mean_momentum_and_leaves_each_replicas_own(results):
 
 def test_bytes_sent_per_step(results):
     # 600 values: 10 chunks of 64 (padded), 8 coefficients each, 3 bytes per coefficient, 3 steps.
-    assert results[0]["sent_bytes"] == 3 * payload_bytes(600, CHUNK, TOPK) == 3 * 10 * 8 * 3
+    assert results[0]["sent_bytes"] == 3 * payload_bytes((600,), CHUNK, TOPK) == 3 * 10 * 8 * 3
 
 
 def test_importing_the_trainer_loads_no_compiler():

@@ -14,7 +14,8 @@ from tests.unit.forked_ranks import run_ranks
 from torchtitan.components.optimizer import OptimizersContainer
 from torchtitan.components.optimizers import optimizer_spec
 from torchtitan.components.optimizers.galore import GaLoreAdamW, rotate_moments, top_subspace
-from torchtitan.components.optimizers.muon import Muon, newton_schulz
+from torchtitan.components.optimizers import muon
+from torchtitan.components.optimizers.muon import Muon, newton_schulz, spread
 from torchtitan.config.job_config import Optimizer as OptimizerConfig
 from torchtitan.errors import UserError
 from torchtitan.models.llama3.args import model_args_for
@@ -177,6 +178,7 @@ LAYOUTS = {
     "shard1": ((4,), [Shard(1)]),
     "hsdp": ((2, 2), [Replicate(), Shard(0)]),
     "shard0_shard1": ((2, 2), [Shard(0), Shard(1)]),
+    "replicate": ((4,), [Replicate()]),  # DDP
 }
 OPTIMIZERS = {
     "galore_randomized": lambda groups: GaLoreAdamW(groups, lr=1e-2, weight_decay=0.1, rank=5, update_gap=2),
@@ -212,13 +214,19 @@ def sharded_worker(rank: int, out_dir: str) -> None:
     torch.set_num_threads(1)
     dist.init_process_group("gloo", rank=rank, world_size=4)
     results = {}
+    orthogonalised = []  # this rank's Newton-Schulz calls, one per matrix
+    newton_schulz_of_muon = muon.newton_schulz
+    muon.newton_schulz = lambda matrix, steps: (orthogonalised.append(matrix.shape),
+                                                newton_schulz_of_muon(matrix, steps))[1]
     for layout, (mesh_shape, placements) in LAYOUTS.items():
         mesh = init_device_mesh("cpu", mesh_shape)
         for name in OPTIMIZERS:
+            orthogonalised.clear()
             params = [torch.nn.Parameter(distribute_tensor(p, mesh, placements)) for p in reference_params()]
             grads = [[distribute_tensor(g, mesh, placements) for g in step] for step in reference_grads()]
             optimizer = train_steps(name, params, grads)
             results[layout, name] = [p.full_tensor() for p in params]
+            results[layout, name, "orthogonalised"] = len(orthogonalised)
             state = [value for p in params for value in optimizer.state[p].values() if isinstance(value, DTensor)]
             results[layout, name, "state_fraction"] = (sum(v.to_local().numel() for v in state)
                                                        / sum(v.numel() for v in state))
@@ -236,7 +244,7 @@ def sharded_results(tmp_path_factory) -> dict:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         os.environ["TEST_PORT"] = str(s.getsockname()[1])
-    return run_ranks(sharded_worker, tmp_path_factory.mktemp("galore_muon"), 4, 120, "GaLore/Muon")[0]
+    return run_ranks(sharded_worker, tmp_path_factory.mktemp("galore_muon"), 4, 120, "GaLore/Muon")
 
 
 @pytest.mark.parametrize("layout", LAYOUTS)
@@ -245,20 +253,38 @@ def test_sharded_steps_equal_the_plain_ones(sharded_results, layout, name):
     """Four steps (two subspace refreshes for GaLore) on 4 ranks end at the one-process weights within 1e-5."""
     params = [p.detach().clone() for p in reference_params()]
     train_steps(name, params, reference_grads())
-    for expected, actual in zip(params, sharded_results[layout, name]):
+    for expected, actual in zip(params, sharded_results[0][layout, name]):
         assert not isinstance(actual, DTensor)
         difference = ((actual - expected).abs().max() / expected.abs().max()).item()
         assert difference <= 1e-5, (layout, name, difference)
 
 
 @pytest.mark.parametrize("layout", LAYOUTS)
+def test_muon_spreads_the_matrices_over_the_ranks(sharded_results, layout):
+    """Each of the three matrices (three shapes) is orthogonalised by one of the 4 ranks each step, under every
+    layout (HSDP's replicas too): 3 matrices a step in all, at most one per rank, where every rank took all three
+    before the spreading."""
+    counts = [rank_results[layout, "muon", "orthogonalised"] for rank_results in sharded_results]
+    assert sum(counts) == len(SHAPES) * STEPS and max(counts) == STEPS, counts
+
+
+def test_spread_balances_flops():
+    """Per kind, n // ranks matrices to every rank, the remainder to the ranks with the fewest FLOPs so far, the
+    costliest kind first: 5 of cost 10 over 2 ranks give 3 / 2 (rank 0 first on a tie), then 3 of cost 1 give
+    1 / 2, so 31 / 22 FLOPs."""
+    kinds = ["b", "a", "a", "b", "a", "a", "b", "a"]
+    flops = [1.0 if kind == "b" else 10.0 for kind in kinds]
+    assert spread(kinds, flops, 2) == [[1, 2, 7, 4, 5, None], [0, None, 3, 6]]
+
+
+@pytest.mark.parametrize("layout", [layout for layout in LAYOUTS if layout != "replicate"])
 def test_a_rank_keeps_its_share_of_the_state(sharded_results, layout):
     """Muon's momentum is sharded like the parameter, GaLore's moments along the kept side and its projectors along
     the projected side wherever the parameter is sharded: a rank holds 1/4 of the state (1/2 under HSDP, whose
     replicas hold the same shard; 4 ranks split 30 columns unevenly)."""
     shards = 2 if layout == "hsdp" else 4
     for name in ("muon", "galore_randomized", "galore_exact"):
-        assert sharded_results[layout, name, "state_fraction"] == pytest.approx(1 / shards, abs=0.02)
+        assert sharded_results[0][layout, name, "state_fraction"] == pytest.approx(1 / shards, abs=0.02)
 
 
 @pytest.mark.parametrize("layout", LAYOUTS)
@@ -272,7 +298,7 @@ def test_registry_state_bytes_count_a_ranks_share_of_the_state(sharded_results, 
     configs["galore_randomized"].galore.rank = configs["galore_exact"].galore.rank = 5
     for name, config in configs.items():
         spec = optimizer_spec(config.name)
-        for shape, (local_shape, kept) in zip(SHAPES[:2], sharded_results[layout, name, "local_state"]):
+        for shape, (local_shape, kept) in zip(SHAPES[:2], sharded_results[0][layout, name, "local_state"]):
             assert spec.state_bytes(shape, local_shape, config, True) == kept, (name, shape, local_shape)
 
 

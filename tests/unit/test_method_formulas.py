@@ -158,3 +158,55 @@ def test_flexdemo_exchanges_the_top_dct_components_of_its_momentum_and_steps_by_
         assert torch.equal(sent_indices.sort(dim=1).values, indices.sort(dim=1).values)
         assert torch.equal(torch.zeros_like(coefficients).scatter_(1, sent_indices, sent_values), kept)
     assert torch.allclose(result, expected, atol=1e-6)
+
+
+def test_flexdemo_tiles_exchange_the_top_2d_dct_components_of_each_tile(monkeypatch):
+    """With tiles (DeMo's reference): m <- decay m + g; per 8 x 8 tile of the matrix (64 values) the 8 largest 2-D
+    DCT-II coefficients of m are sent (index, bfloat16 value) and removed from m; the weights step by the sign of the
+    inverse 2-D DCT of the (replicas' mean) sent components."""
+    chunk, topk, decay = 64, 8, 0.9
+    shape = (30, 20)  # 4 x 3 tiles of 8 x 8, the last row and column of tiles padded with zeros
+    sent = []
+    # The eager selection (the compiled one is the same function; compiling it would take most of this test).
+    monkeypatch.setattr(flexdemo, "_compiled_running_maxima", lambda: flexdemo._running_maxima)
+    monkeypatch.setattr(dist, "get_world_size", lambda group=None: 1)
+
+    def all_gather_single(output, payload, group=None):
+        sent.append(payload.clone())
+        output.copy_(payload)
+
+    monkeypatch.setattr(dist, "all_gather_single", all_gather_single)
+    weight, grads = torch.randn(shape, generator=torch.Generator().manual_seed(3)), gradients(shape)
+    result = run(lambda p: FlexDeMo([p], lr=LR, weight_decay=WD, chunk_size=chunk, topk=topk, momentum_decay=decay,
+                                    replicate_group=None, tiles=True), weight, grads)
+    n = torch.arange(8, dtype=torch.float64)
+    dct = torch.cos(math.pi / 8 * (n[None, :] + 0.5) * n[:, None]) * math.sqrt(2 / 8)
+    dct[0] /= math.sqrt(2)  # orthonormal DCT-II: row k is the k-th cosine
+    dct = dct.float()
+
+    def tiles(matrix: torch.Tensor) -> torch.Tensor:  # 32 x 24 -> (12 tiles, 8, 8), tiles in row-major order
+        return matrix.view(4, 8, 3, 8).transpose(1, 2).reshape(12, 8, 8)
+
+    def untiled(tile_values: torch.Tensor) -> torch.Tensor:
+        return tile_values.view(4, 3, 8, 8).transpose(1, 2).reshape(32, 24)[:30, :20]
+
+    expected, momentum = weight.clone(), torch.zeros(shape)
+    for step, grad in enumerate(grads):
+        accumulated = torch.zeros(32, 24)  # the padding is zero at every step: it is not part of the tensor
+        accumulated[:30, :20] = decay * momentum + grad
+        coefficients = (dct @ tiles(accumulated) @ dct.T).reshape(12, 64)
+        indices = coefficients.abs().topk(topk, dim=1).indices
+        values = coefficients.gather(1, indices).bfloat16().float()
+        kept = torch.zeros_like(coefficients).scatter_(1, indices, values)
+        inverse = untiled(dct.T @ kept.view(12, 8, 8) @ dct)
+        momentum = accumulated[:30, :20] - inverse
+        expected = expected * (1 - LR * WD) - LR * inverse.sign()
+        payload = sent[step].view(12, 3 * topk)
+        sent_indices = payload[:, :topk].long()
+        sent_values = payload[:, topk:].contiguous().view(torch.bfloat16).float()
+        assert torch.equal(sent_indices.sort(dim=1).values, indices.sort(dim=1).values)
+        # The same coefficients up to fp32 rounding (another order of the sums), so their bfloat16 values are equal or
+        # one bfloat16 step (2^-7 relative at most) apart.
+        assert torch.allclose(torch.zeros_like(coefficients).scatter_(1, sent_indices, sent_values), kept,
+                              rtol=2 ** -7, atol=0)
+    assert torch.allclose(result, expected, atol=1e-6)

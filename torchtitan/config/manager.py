@@ -124,12 +124,16 @@ DEPRECATED_ALIASES = {
 def deprecated_aliases() -> dict[str, tuple[str, str]]:
     """Every earlier name still accepted: {old key: (new key, why it changed)}. Besides DEPRECATED_ALIASES, each
     method's options, once flat in their section (optimizer.muon_ns_steps), are accepted for one release beside
-    their table (optimizer.muon.ns_steps): a method table's OLD_PREFIX names them."""
+    their table (optimizer.muon.ns_steps): a method table's OLD_PREFIX names them, and its OLD_OPTIONS, where a table
+    has options that were never flat, which of its options were."""
     aliases = {old: (new, "TorchTitan v0.2 naming") for old, new in DEPRECATED_ALIASES.items()}
     for section in METHOD_REGISTRIES:
         for table, options in method_options(section).items():
             prefix = getattr(options, "OLD_PREFIX", None)
+            flat = getattr(options, "OLD_OPTIONS", None)
             for option in dataclasses.fields(options) if prefix else ():
+                if flat is not None and option.name not in flat:
+                    continue
                 aliases[f"{section}.{prefix}{option.name}"] = (
                     f"{section}.{table}.{option.name}",
                     f"each method's options are in its own table, [{section}.{table}]; the old name goes in the "
