@@ -39,7 +39,8 @@ from torchtitan.distributed.compression import (compensation_state_bytes, compre
                                                 require_compensation_fits)
 from torchtitan.distributed.context_parallel import context_parallel_context, shard_documents
 from torchtitan.distributed.fake import host_values
-from torchtitan.distributed.fault_tolerance import QuorumError, data_slice, setup_fault_tolerance
+from torchtitan.distributed.fault_tolerance import (QuorumError, data_slice, peer_checkpoint_folders,
+                                                    setup_fault_tolerance)
 from torchtitan.distributed.fsdp import TORCH_DTYPES
 from torchtitan.distributed.parallel_dims import ParallelDims
 from torchtitan.distributed.pipeline_parallel import pipeline_llama
@@ -148,7 +149,8 @@ class Trainer:
         self._logged_sent = (0, 0)  # the compressed collectives' (sent, full-precision) bytes at the last log
         self.checkpointer = CheckpointManager(config.checkpoint, config.job.dump_folder, self.model_parts,
                                               self.optimizers, self.lr_schedulers, self.dataloader,
-                                              self.train_state, self.model_args)
+                                              self.train_state, self.model_args,
+                                              peer_folders=peer_checkpoint_folders(config))
         # Mixed precision comes from FSDP/DDP's policy when they wrap the model, else from autocast.
         wrapped = self.parallel_dims.fsdp_enabled or self.parallel_dims.ddp_enabled
         param_dtype = TORCH_DTYPES[config.training.mixed_precision_param]

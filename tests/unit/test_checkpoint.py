@@ -103,10 +103,10 @@ def train_step(c: Components, step: int) -> float:
     return loss.item()
 
 
-def make_manager(root: Path, c: Components, **options) -> CheckpointManager:
+def make_manager(root: Path, c: Components, peer_folders: tuple[Path, ...] = (), **options) -> CheckpointManager:
     config = CheckpointConfig(**{"enable": True, "folder": "ckpt", "interval": 1, **options})
     return CheckpointManager(config, str(root), [c.model], c.optimizers, c.lr_schedulers, c.loader, c.train_state,
-                             MODEL_ARGS)
+                             MODEL_ARGS, peer_folders=peer_folders)
 
 
 def snapshot(c: Components) -> dict:
@@ -185,6 +185,34 @@ def test_resume_picks_latest_or_load_step(pg, tmp_path):
         assert fresh.train_state.step == expected
     with pytest.raises(UserError, match=r"load_step: step 3 .*available steps: 2, 4"):
         make_manager(tmp_path, build_components(seed=1), load_step=3).load()
+
+
+def test_a_replica_group_resumes_from_a_peer_groups_newer_checkpoint(pg, tmp_path):
+    """Replica groups (fault tolerance) hold equal states at every committed step: a group whose own checkpoint is
+    older, or missing, resumes from the newest full checkpoint of the others, so that it neither starts behind nor,
+    training alone while they are down, overwrites their progress when they heal from it."""
+    groups = [tmp_path / f"replica_{i}" for i in range(3)]
+    c = build_components(seed=0)
+    for step in (1, 2, 3):
+        train_step(c, step)
+        if step == 1:
+            make_manager(groups[0], c).save(step)  # group 0 saved only step 1
+        elif step == 2:
+            make_manager(groups[2], c).save(step)
+    resumed = build_components(seed=1)
+    make_manager(groups[2], resumed).load()
+    expected_at_2 = snapshot(resumed)
+    make_manager(groups[1], c, last_save_model_only=True).save(3, last_step=True)  # newer, but weights only
+
+    for own in (groups[0], groups[1]):  # an older checkpoint of its own; none but a model-only one
+        fresh = build_components(seed=2)
+        peers = tuple(g / "ckpt" for g in groups if g != own)
+        assert make_manager(own, fresh, peer_folders=peers).load()
+        assert fresh.train_state.step == 2
+        assert_same(snapshot(fresh), expected_at_2)
+    # Its own checkpoint wins a tie, and without peers nothing changes.
+    fresh = build_components(seed=2)
+    assert make_manager(groups[0], fresh).load() and fresh.train_state.step == 1
 
 
 def test_nothing_to_load_and_disabled(pg, tmp_path):

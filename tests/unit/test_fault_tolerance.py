@@ -12,7 +12,7 @@ import pytest
 from torchtitan.config import parse_args
 from torchtitan.config.job_config import FaultTolerance
 from torchtitan.distributed.fault_tolerance import (QuorumError, ReplicaGroup, data_slice, lighthouse_address,
-                                                   wait_for_lighthouse)
+                                                   peer_checkpoint_folders, wait_for_lighthouse)
 from torchtitan.errors import UserError
 
 REPO = Path(__file__).resolve().parents[2]
@@ -42,6 +42,16 @@ def test_bad_settings_are_one_error_naming_the_option(argv, message):
 def test_torchtitan_section_is_accepted():
     config = parse_args([*FT, "--fault_tolerance.replica_id", "2", "--fault_tolerance.min_replica_size", "2"])
     assert (config.fault_tolerance.replica_id, config.fault_tolerance.min_replica_size) == (2, 2)
+
+
+def test_a_group_knows_the_other_groups_checkpoint_folders():
+    # main() puts group i under <dump folder>/replica_i (as run_train.sh's FT_GROUPS groups share one dump folder).
+    config = parse_args([*FT, "--fault_tolerance.replica_id", "1", "--job.dump_folder", "/jobs/run/replica_1",
+                         "--checkpoint.folder", "ckpt"])
+    assert peer_checkpoint_folders(config) == [Path("/jobs/run/replica_0/ckpt"), Path("/jobs/run/replica_2/ckpt")]
+    assert peer_checkpoint_folders(parse_args(["--checkpoint.folder", "ckpt"])) == []
+    config.checkpoint.folder = "/shared/ckpt"  # one folder for every group: no peers to look at
+    assert peer_checkpoint_folders(config) == []
 
 
 def test_each_group_reads_its_own_slice_of_the_data():

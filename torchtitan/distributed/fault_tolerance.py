@@ -13,6 +13,7 @@ import socket
 import time
 from datetime import timedelta
 from typing import Any
+from pathlib import Path
 from urllib.parse import urlparse
 
 import torch
@@ -21,6 +22,7 @@ from torch.distributed.checkpoint.stateful import Stateful
 from torch.distributed.tensor import DTensor
 
 from torchtitan.config.job_config import FaultTolerance as FaultToleranceConfig
+from torchtitan.config.job_config import JobConfig
 from torchtitan.errors import UserError
 from torchtitan.tools.logging import logger
 
@@ -224,6 +226,18 @@ def data_slice(config: FaultToleranceConfig, dp_rank: int, dp_degree: int) -> tu
     if not config.enable:
         return dp_rank, dp_degree
     return config.replica_id * dp_degree + dp_rank, config.group_size * dp_degree
+
+
+def peer_checkpoint_folders(config: JobConfig) -> list[Path]:
+    """The checkpoint folders of the other replica groups (`<dump folder>/replica_<i>/<checkpoint.folder>`, the
+    layout main() gives each group), which a group resumes from when theirs are newer; none without fault tolerance
+    or with an absolute checkpoint.folder."""
+    ft = config.fault_tolerance
+    if not ft.enable or Path(config.checkpoint.folder).is_absolute():
+        return []
+    jobs = Path(config.job.dump_folder).parent
+    return [jobs / f"replica_{group}" / config.checkpoint.folder for group in range(ft.group_size)
+            if group != ft.replica_id]
 
 
 def setup_fault_tolerance(config: FaultToleranceConfig, states: dict[str, Stateful], environ: dict[str, str],

@@ -11,7 +11,7 @@ import re
 import shutil
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass
 from pathlib import Path
@@ -288,10 +288,18 @@ class CheckpointManager:
 
     def __init__(self, config: CheckpointConfig, dump_folder: str, model_parts: list[nn.Module],
                  optimizers: Stateful, lr_schedulers: Stateful, dataloader: Stateful, train_state: TrainState,
-                 model_args: TransformerModelArgs):
+                 model_args: TransformerModelArgs, peer_folders: Sequence[Path] = ()):
+        """`peer_folders`: the checkpoint folders of the other replica groups (fault tolerance), whose weights,
+        optimizer, schedule, step and data position equal this group's at every committed step: a default resume
+        takes the newest full checkpoint among this group's and theirs, so that a group with an older checkpoint,
+        or none, does not start behind (and, training alone while the others are down, overwrite their progress
+        when they heal from it)."""
         validate_config(config)
         self.config = config
         self.folder = Path(dump_folder) / config.folder
+        self.peer_folders = list(peer_folders)
+        # Where the checkpoint this run resumes from lies: this group's folder, or a peer's.
+        self._resume_folder = self.folder
         self.model = ModelWrapper(model_parts)
         self.optimizers = optimizers
         self.lr_schedulers = lr_schedulers
@@ -373,7 +381,7 @@ class CheckpointManager:
         wanted = [part for part in LOADABLE_PARTS if part not in self.config.exclude_from_loading]
         step = self._agreed_step_to_resume()
         if step is not None:
-            source = self._step_path(step)
+            source = self._resume_folder / f"step-{step}"
             if self.config.initial_load_path:
                 logger.info(f"Resuming from {source}; checkpoint.initial_load_path is not used")
             loaded = self._load_from(source, wanted)
@@ -390,7 +398,7 @@ class CheckpointManager:
             return False
         logger.info(f"Loaded {', '.join(loaded) or 'nothing'} from {source} in {time.perf_counter() - begin:.2f} s"
                     + (f" (step {self.train_state.step})" if "train_state" in loaded else ""))
-        if step is not None and not self.config.load_only:
+        if step is not None and not self.config.load_only and self._resume_folder == self.folder:
             self._abandoned = self._newer_trajectory(self.train_state.step)
             self._resumed_from = step
         return bool(loaded)
@@ -420,20 +428,20 @@ class CheckpointManager:
         choice: list[Any] = [None]
         if self.rank == 0:
             try:
-                choice = [self._step_to_resume()]
+                choice = [(self._step_to_resume(), str(self._resume_folder))]
             except UserError as err:
                 choice = [err]
         dist.broadcast_object_list(choice, src=0, group=self._group())
         if isinstance(choice[0], UserError):
             raise UserError(str(choice[0]))
-        step = choice[0]
+        step, self._resume_folder = choice[0][0], Path(choice[0][1])
         if step is None:
             return None
         seen: list[Any] = [None] * dist.get_world_size()
-        dist.all_gather_object(seen, step in complete_steps(self.folder), group=self._group())
+        dist.all_gather_object(seen, step in complete_steps(self._resume_folder), group=self._group())
         blind = [rank for rank, visible in enumerate(seen) if not visible]
         if blind:
-            raise UserError(f"rank 0 resumes from checkpoint step-{step} in {self.folder}, which rank(s) "
+            raise UserError(f"rank 0 resumes from checkpoint step-{step} in {self._resume_folder}, which rank(s) "
                             f"{', '.join(map(str, blind))} cannot see there; every rank must see the same checkpoint "
                             f"folder (a shared file system, checkpoint.folder under job.dump_folder)")
         return step
@@ -447,12 +455,31 @@ class CheckpointManager:
             if resumable and resumable[-1] != steps[-1]:
                 logger.warning(f"Resuming from step-{resumable[-1]}, the latest full checkpoint: step-{steps[-1]} "
                                f"holds only the model weights")
-            return resumable[-1] if resumable else (steps[-1] if steps else None)
+            own = resumable[-1] if resumable else None
+            peer = self._newest_peer_checkpoint()
+            if peer is not None and (own is None or peer[1] > own):
+                self._resume_folder = peer[0]
+                logger.warning(f"Resuming from step-{peer[1]} of another replica group ({peer[0]}), newer than this "
+                               f"group's {f'step-{own}' if own is not None else 'full checkpoints (none)'}: the "
+                               f"groups' states are equal at every committed step")
+                return peer[1]
+            return own if own is not None else (steps[-1] if steps else None)
         if self.config.load_step not in steps:
             available = ", ".join(map(str, steps)) or "none"
             raise UserError(f"option checkpoint.load_step: step {self.config.load_step} has no complete checkpoint "
                             f"in {self.folder}; available steps: {available}")
         return self.config.load_step
+
+    def _newest_peer_checkpoint(self) -> tuple[Path, int] | None:
+        """(folder, step) of the newest full checkpoint in the other replica groups' folders (the first folder
+        listed wins a tie), or None."""
+        best: tuple[Path, int] | None = None
+        for folder in self.peer_folders:
+            newest = next((step for step in reversed(complete_steps(folder))
+                           if self._holds_train_state(folder / f"step-{step}")), None)
+            if newest is not None and (best is None or newest > best[1]):
+                best = (folder, newest)
+        return best
 
     def _is_full(self, step: int) -> bool:
         """Whether `step-<step>` holds the train state (read from its `.metadata` once per run)."""
