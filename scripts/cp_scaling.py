@@ -168,7 +168,7 @@ def measure(options: argparse.Namespace) -> str:
             processes = mp.start_processes(worker, args=(degree, options, str(Path(tmp) / "store"), tmp),
                                            nprocs=degree, start_method="fork")
             del processes
-            by_degree[degree] = [torch.load(Path(tmp) / f"rank{rank}.pt") for rank in range(degree)]
+            by_degree[degree] = [torch.load(Path(tmp) / f"rank{rank}.pt", weights_only=True) for rank in range(degree)]
     layers = "" if options.n_layers is None else f" with {options.n_layers} layers"
     lines = [f"{options.flavor}{layers}, batch 1, fp32, {options.mix} documents (seed {options.seed}), one torch thread per "
              f"rank, median of {options.steps} steps after {options.warmup}", "",
