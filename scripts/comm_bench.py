@@ -137,10 +137,10 @@ class LinkSampler:
         return before[1] + (after[1] - before[1]) * (when - before[0]) / (after[0] - before[0])
 
 
-def run_recipe(name: str, hosts: Hosts, args: argparse.Namespace, out: Path) -> dict:
-    dump = out / "runs" / name
+def run_recipe(name: str, hosts: Hosts, args: argparse.Namespace, out: Path, seed: int = 0) -> dict:
+    dump = out / "runs" / (name if seed == 0 else f"{name}_seed{seed}")
     trainer_args = ["--job.config_file", CONFIG, "--training.steps", str(args.steps), "--metrics.log_freq", "1",
-                    "--validation.no_enable", "--debug.seed", "0", "--metrics.disable_color_printing",
+                    "--validation.no_enable", "--debug.seed", str(seed), "--metrics.disable_color_printing",
                     "--training.local_batch_size", str(args.local_batch_size), *recipe_options(name, args)]
     if dump.exists():
         for leftover in dump.glob("*"):
@@ -161,7 +161,8 @@ def run_recipe(name: str, hosts: Hosts, args: argparse.Namespace, out: Path) -> 
     tps = statistics.median(row["tps"] for row in steady)
     tokens_per_step = args.local_batch_size * 256 * world  # debug_model.toml: seq_len 256
     result = {
-        "recipe": name, "baseline": RECIPES[name][0], "steps": len(rows), "wall_s": time.time() - began,
+        "recipe": name, "baseline": RECIPES[name][0], "seed": seed, "steps": len(rows), "wall_s": time.time() - began,
+        "peak_memory_gib": max(row.get("memory_gib", 0.0) for row in rows),
         "losses": [row["loss"] for row in rows], "final_loss": statistics.mean(row["loss"] for row in rows[-10:]),
         "tps_per_device": tps, "step_time_s": tokens_per_step / (tps * world),
         "link_bytes_per_step": None, "link_bytes_cumulative": None,
@@ -228,7 +229,7 @@ def quantization_errors(out: Path) -> str:
 
 def report(results: list[dict], hosts_note: str, args: argparse.Namespace, out: Path) -> str:
     by_name = {r["recipe"]: r for r in results}
-    lines = [f"Debug model, {args.steps} steps, seed 0, 2 hosts x {args.nproc_per_host} process(es), "
+    lines = [f"Debug model, {args.steps} steps, seed {results[0]['seed']}, 2 hosts x {args.nproc_per_host} process(es), "
              f"{args.replicas} replicas (ddp, flexdemo), local batch {args.local_batch_size}, {hosts_note}. Ring MB/step: what NCCL's ring collectives would send, all "
              f"ranks (the baseline's collectives from a dry run, the compressed ones from the trainer's counters); "
              f"link MB/step: what gloo sent over the link (its reduce-scatter sends about twice a ring's).", "",
@@ -247,6 +248,33 @@ def report(results: list[dict], hosts_note: str, args: argparse.Namespace, out: 
         lines[-1] += f"{mb / 1e6:.2f} | {bytes_ratio} | " if mb is not None else "- | - | "
         lines[-1] += (f"{r['step_time_s']:.3f} | {r['tps_per_device']:.0f} | {tps_ratio} | {r['final_loss']:.4f} | "
                       f"{loss_ratio} |")
+    return "\n".join(lines) + "\n"
+
+
+def seeds_report(results: list[dict], args: argparse.Namespace) -> str:
+    """Each recipe over the seeds: final loss and its change from the baseline run of the same seed (mean and
+    sample standard deviation over the seeds), bytes, memory and step time."""
+    seeds = sorted({r["seed"] for r in results})
+    runs = {(r["recipe"], r["seed"]): r for r in results}
+    lines = [f"Over seeds {', '.join(map(str, seeds))} (`--debug.seed`: the model's initialisation; the data is the "
+             f"same): mean ± sample standard deviation; the change is each seed's against its own baseline run.", "",
+             "| recipe | baseline | final loss | vs baseline | ring MB/step | vs baseline | peak memory per rank (GiB) "
+             "| step time (s) |", "|---|---|---|---|---|---|---|---|"]
+
+    def spread(values: list[float], fmt: str) -> str:
+        sd = statistics.stdev(values) if len(values) > 1 else 0.0
+        return f"{format(statistics.mean(values), fmt)} ± {format(sd, fmt.replace('+', ''))}"
+
+    for name in dict.fromkeys(r["recipe"] for r in results):
+        mine = [runs[name, seed] for seed in seeds if (name, seed) in runs]
+        bases = [runs.get((r["baseline"], r["seed"])) for r in mine]
+        changes = [100 * (r["final_loss"] / b["final_loss"] - 1) for r, b in zip(mine, bases) if b]
+        ring, base_ring = mine[0]["ring_bytes_per_step"], bases[0]["ring_bytes_per_step"] if bases[0] else None
+        lines.append(f"| {name} | {mine[0]['baseline']} | {spread([r['final_loss'] for r in mine], '.4f')} | "
+                     f"{spread(changes, '+.2f') + '%' if name != mine[0]['baseline'] and changes else '-'} | "
+                     f"{ring / 1e6:.2f} | {f'{ring / base_ring:.1%}' if base_ring else '-'} | "
+                     f"{spread([r['peak_memory_gib'] for r in mine], '.3f')} | "
+                     f"{spread([r['step_time_s'] for r in mine], '.3f')} |")
     return "\n".join(lines) + "\n"
 
 
@@ -293,6 +321,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--replicas", type=int, default=2,
                         help="replicas of ddp and flexdemo (a divisor of 2 x --nproc-per-host); 2: one per host")
     parser.add_argument("--timeout", type=float, default=3600, help="seconds per recipe")
+    parser.add_argument("--seeds", default="0", help="comma separated --debug.seed values: every recipe runs with "
+                        "each, and a table gives each recipe's mean and spread over them")
     parser.add_argument("--quantization-error-only", action="store_true")
     args = parser.parse_args(argv)
     args.out.mkdir(parents=True, exist_ok=True)
@@ -306,20 +336,27 @@ def main(argv: list[str] | None = None) -> int:
     unknown = [name for name in names if name not in RECIPES]
     if unknown:
         parser.error(f"--recipes: unknown {', '.join(unknown)}; valid: {', '.join(RECIPES)}")
+    try:
+        seeds = [int(seed) for seed in args.seeds.split(",")]
+    except ValueError:
+        parser.error(f"--seeds: {args.seeds!r} is not a comma separated list of integers")
     results = []
     with two_hosts(args.rate or None) as hosts:
         note = (f"link {'throttled to ' + format(args.rate, 'g') + ' Mbit/s' if args.rate else 'unthrottled (veth)'}"
                 if hosts.emulated else f"loopback, unthrottled, no link counters ({hosts.why_not})")
-        for name in names:
-            print(f"running {name} ...", flush=True)
-            results.append(run_recipe(name, hosts, args, args.out))
+        for seed in seeds:
+            for name in names:
+                print(f"running {name} (seed {seed}) ...", flush=True)
+                results.append(run_recipe(name, hosts, args, args.out, seed))
     ring = {baseline: ring_bytes_per_step(baseline, args, args.out) for baseline in {r["baseline"] for r in results}}
     for r in results:
         r["ring_bytes_per_step"] = ring[r["baseline"]] + r["ring_sent_minus_replaced_per_step"]
-    table = report(results, note, args, args.out)
+    table = report([r for r in results if r["seed"] == seeds[0]], note, args, args.out)
+    if len(seeds) > 1:
+        table += "\n" + seeds_report(results, args)
     (args.out / "results.json").write_text(json.dumps({"note": note, "results": results}, indent=1))
     (args.out / "comm_bench.md").write_text(table)
-    plot(results, args.out)
+    plot([r for r in results if r["seed"] == seeds[0]], args.out)
     print(table)
     return 0
 

@@ -66,3 +66,16 @@ def test_300_steps_stay_within_the_loss_bounds(tmp_path):
     assert gap("loco4") < 0.01
     assert gap("qsdp8") < 0.01
     assert gap("flexdemo") < 0.02
+
+
+def test_seeds_table_pairs_each_run_with_its_own_seeds_baseline():
+    def run(recipe, seed, loss, memory=1.0, step=0.5):
+        return {"recipe": recipe, "baseline": "fsdp", "seed": seed, "final_loss": loss, "peak_memory_gib": memory,
+                "step_time_s": step, "ring_bytes_per_step": {"fsdp": 40e6, "loco4": 20e6}[recipe]}
+
+    results = [run("fsdp", 0, 5.0), run("loco4", 0, 5.05), run("fsdp", 1, 4.0), run("loco4", 1, 4.0)]
+    table = comm_bench.seeds_report(results, None)
+    rows = {line.split(" | ")[0].strip("| "): line.split(" | ") for line in table.splitlines() if line.startswith("| ")}
+    # loco4: +1% on seed 0 and 0% on seed 1 against the same seed's fsdp: mean +0.50%, sample sd 0.71%.
+    assert rows["loco4"][3] == "+0.50 ± 0.71%" and rows["loco4"][5] == "50.0%"
+    assert rows["fsdp"][2] == "4.5000 ± 0.7071" and rows["fsdp"][3] == "-"
