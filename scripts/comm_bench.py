@@ -348,6 +348,8 @@ def main(argv: list[str] | None = None) -> int:
             for name in names:
                 print(f"running {name} (seed {seed}) ...", flush=True)
                 results.append(run_recipe(name, hosts, args, args.out, seed))
+                # Kept as each run ends: a long sweep stopped early still has what it measured.
+                (args.out / "results_partial.json").write_text(json.dumps({"note": note, "results": results}))
     ring = {baseline: ring_bytes_per_step(baseline, args, args.out) for baseline in {r["baseline"] for r in results}}
     for r in results:
         r["ring_bytes_per_step"] = ring[r["baseline"]] + r["ring_sent_minus_replaced_per_step"]
