@@ -74,7 +74,8 @@ class ReplicaGroup:
     """This process's part in the quorum of replica groups: one torchft Manager per process, as torchft requires.
 
     `states` are what a recovering group receives from a peer, by name: each a Stateful (model, optimizer, LR
-    schedulers, data loader, train state).
+    schedulers, data loader, train state). With DiLoCo it also receives DiLoCo's last-sync weights and outer
+    optimizer state, which torchft's DiLoCo registers with the manager itself.
     """
 
     def __init__(self, config: FaultToleranceConfig, states: dict[str, Stateful], environ: dict[str, str],
