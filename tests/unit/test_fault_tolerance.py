@@ -157,6 +157,12 @@ class TwoGroupManager:
     def should_commit(self):
         return True
 
+    def batches_committed(self):
+        return 0
+
+    def load_state_dict(self, state_dict):
+        pass
+
     def allreduce(self, tensor, should_quantize=False):
         tensor.add_(self.peer.pop(0)).div_(2)
         return FinishedWork()
@@ -231,3 +237,21 @@ def test_diloco_outer_step_is_nesterov_sgd_on_the_averaged_pseudo_gradient():
     inner_steps_then_sync(healed, healed_model, change, peer, 3 * sync_steps)
     for p, q in zip(model.parameters(), healed_model.parameters()):
         torch.testing.assert_close(p, q)
+
+
+def test_diloco_resumed_from_a_checkpoint_syncs_from_the_loaded_weights():
+    """DiLoCo copies the weights at its construction, before the trainer loads the checkpoint: resume() takes the
+    loaded weights as the last sync's. With no change and a zero pseudo-gradient from the peer, the next sync then
+    leaves the weights as loaded (from the construction's copy it would move them back towards the initial ones)."""
+    torch.manual_seed(0)
+    model = torch.nn.Linear(4, 3)
+    group = diloco_group(model, 0.7, 0.9, 3)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(torch.randn_like(p))
+    loaded = [p.detach().clone() for p in model.parameters()]
+    group.resume(6)
+    zero = [torch.zeros_like(p) for p in loaded]
+    inner_steps_then_sync(group, model, zero, zero, 9)
+    for p, expected in zip(model.parameters(), loaded):
+        torch.testing.assert_close(p.detach(), expected)
