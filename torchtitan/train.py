@@ -438,7 +438,8 @@ class Trainer:
                 self.train_state.step = step
                 self.train_state.tokens_seen += batch_tokens
                 if self.fault_tolerance is not None and self.fault_tolerance.sync(step):
-                    # LocalSGD healed this group from a peer at a sync: go on from the peer's step and data position.
+                    # LocalSGD or DiLoCo healed this group from a peer at a sync: go on from the peer's step and
+                    # data position.
                     data_iterator = iter(self.dataloader)
                     step = self.train_state.step
                     self.health.healed(step)

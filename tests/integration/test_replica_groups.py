@@ -314,16 +314,19 @@ def test_group_killed_during_a_checkpoint_save(tmp_path):
     print(f"killed in the save of step {killed_in}; {kept.name} kept; resumed at step {after[0]}")
 
 
-def test_local_sgd_averages_the_weights_every_sync_steps(tmp_path):
-    """fault_tolerance.semi_sync_method = local_sgd, sync_steps 3 (torchft's LocalSGD): each group takes optimizer
-    steps of its own on its own slice of the data, so the groups' weights differ after every step between syncs,
-    and are the same right after each sync (the average over the groups). Group 1 starts later and heals from
-    group 0 at its first sync."""
+@pytest.mark.parametrize("method", ["local_sgd", "diloco"])
+def test_semi_sync_makes_the_weights_equal_every_sync_steps(tmp_path, method):
+    """fault_tolerance.semi_sync_method = local_sgd or diloco, sync_steps 3 (torchft's LocalSGD, DiLoCo): each group
+    takes optimizer steps of its own on its own slice of the data, so the groups' weights differ after every step
+    between syncs, and are the same right after each sync (LocalSGD: the average over the groups; DiLoCo: the outer
+    step from the last sync's weights, with the averaged pseudo-gradient). Group 1 starts later and heals from
+    group 0 at its first sync (DiLoCo: with group 0's last-sync weights and outer momentum, else the next syncs'
+    weights would differ)."""
     from torchft.coordination import LighthouseServer
 
     lighthouse = LighthouseServer(bind="[::]:0", min_replicas=1, join_timeout_ms=1000)
     groups = Groups(tmp_path, lighthouse.address())
-    options = ("--fault_tolerance.semi_sync_method", "local_sgd", "--fault_tolerance.sync_steps", "3")
+    options = ("--fault_tolerance.semi_sync_method", method, "--fault_tolerance.sync_steps", "3")
     try:
         groups.start("group0", 0, options)
         groups.wait_until(lambda: last_step(tmp_path / "group0") >= 1, "group 0 trained a step", ("group0",))

@@ -413,8 +413,8 @@ def test_unsupported_torchtitan_option_at_its_off_value_is_accepted(argv):
 @pytest.mark.parametrize("argv, pattern", [
     (["--parallelism.expert_parallel_degree", "8"],
      r"TorchTitan option parallelism\.expert_parallel_degree = '8' is not supported by this project \(only 1,"),
-    (["--fault_tolerance.semi_sync_method", "diloco"],
-     r"option fault_tolerance\.semi_sync_method: 'diloco' is not one of 'none', 'local_sgd'"),
+    (["--fault_tolerance.semi_sync_method", "streaming_diloco"],
+     r"option fault_tolerance\.semi_sync_method: 'streaming_diloco' is not one of 'none', 'local_sgd', 'diloco'"),
     (["--activation_checkpoint.memory_budget=0.3"], r"activation_checkpoint\.memory_budget = '0\.3' is not supported"),
     # An option of an unsupported section that the table does not list has no off value to accept.
     (["--memory_estimation.peak_gib", "1"], r"TorchTitan option memory_estimation\.peak_gib = '1' is not supported"),

@@ -1,6 +1,7 @@
 """Replica-group fault tolerance (torchtitan/distributed/fault_tolerance.py): its options, the data split over
 groups, and a lighthouse that is not there. The run itself: tests/integration/test_replica_groups.py (slow)."""
 
+import copy
 import os
 import re
 import socket
@@ -8,6 +9,7 @@ import subprocess
 from pathlib import Path
 
 import pytest
+import torch
 
 from torchtitan.config import parse_args
 from torchtitan.config.job_config import FaultTolerance
@@ -31,6 +33,10 @@ FT = ["--fault_tolerance.enable", "--fault_tolerance.group_size", "3"]
      "option fault_tolerance.quorum_timeout_seconds: 0.0 must be positive"),
     ([*FT, "--fault_tolerance.semi_sync_method", "local_sgd", "--fault_tolerance.sync_steps", "0"],
      "option fault_tolerance.sync_steps: 0 must be positive"),
+    ([*FT, "--fault_tolerance.semi_sync_method", "diloco", "--fault_tolerance.outer_lr", "0"],
+     "option fault_tolerance.outer_lr: 0.0 must be positive"),
+    ([*FT, "--fault_tolerance.semi_sync_method", "diloco", "--fault_tolerance.outer_momentum", "1"],
+     "option fault_tolerance.outer_momentum: 1.0 must be in [0, 1)"),
     ([*FT, "--health.spike_sigma", "3"], "option health.spike_sigma: 3.0 cannot be used with fault_tolerance.enable"),
     ([*FT, "--fault_tolerance.process_group", "mpi"], "option fault_tolerance.process_group: 'mpi' is not one of"),
 ])
@@ -114,7 +120,7 @@ def test_a_failed_quorum_is_one_error_saying_whether_the_lighthouse_is_back():
     group = ReplicaGroup.__new__(ReplicaGroup)
     group.config = FaultTolerance(enable=True, group_size=2, replica_id=1, quorum_timeout_seconds=15)
     group.manager = FailedQuorumManager()
-    group.local_sgd = None
+    group.semi_sync = None
     with socket.socket() as listening:
         listening.bind(("localhost", 0))
         listening.listen()
@@ -127,3 +133,125 @@ def test_a_failed_quorum_is_one_error_saying_whether_the_lighthouse_is_back():
         assert str(error.value).startswith(
             f"replica group 1: no quorum for step 46 within fault_tolerance.quorum_timeout_seconds = 15 s; the "
             f"lighthouse at {group.address} {state}"), str(error.value)
+
+
+class TwoGroupManager:
+    """torchft's Manager as DiLoCo uses it, in one of two groups: each all-reduce averages the tensor with the other
+    group's (`peer`, in order), and the state functions DiLoCo registers are kept (what a healing group receives from
+    this one, with the trainer's states)."""
+    _use_async_quorum = False
+
+    def __init__(self):
+        self.peer: list[torch.Tensor] = []
+        self.state_fns = {}
+
+    def register_state_dict_fn(self, key, load_state_dict, state_dict):
+        self.state_fns[key] = (load_state_dict, state_dict)
+
+    def start_quorum(self):
+        pass
+
+    def current_step(self):
+        return 0
+
+    def should_commit(self):
+        return True
+
+    def batches_committed(self):
+        return 0
+
+    def load_state_dict(self, state_dict):
+        pass
+
+    def allreduce(self, tensor, should_quantize=False):
+        tensor.add_(self.peer.pop(0)).div_(2)
+        return FinishedWork()
+
+
+class FinishedWork:
+    def wait(self):
+        return True
+
+
+def diloco_group(model: torch.nn.Module, lr: float, momentum: float, sync_steps: int) -> ReplicaGroup:
+    group = ReplicaGroup.__new__(ReplicaGroup)
+    group.config = FaultTolerance(enable=True, group_size=2, semi_sync_method="diloco", sync_steps=sync_steps,
+                                  outer_lr=lr, outer_momentum=momentum)
+    group.manager = TwoGroupManager()
+    group.semi_sync = group._semi_sync(model)
+    return group
+
+
+def inner_steps_then_sync(group: ReplicaGroup, model: torch.nn.Module, change: list[torch.Tensor],
+                          peer: list[torch.Tensor], step: int) -> None:
+    """`change`: what this group's sync_steps inner steps did to the weights; `peer`: the other group's
+    pseudo-gradient at this sync."""
+    with torch.no_grad():
+        for p, d in zip(model.parameters(), change):
+            p.add_(d)
+    group.manager.peer = [t.clone() for t in peer]
+    assert not group.sync(step)
+
+
+def test_diloco_outer_step_is_nesterov_sgd_on_the_averaged_pseudo_gradient():
+    """DiLoCo (arXiv 2311.08105, Algorithm 1) at each sync: pseudo-gradient = last sync's weights - this group's
+    weights after sync_steps inner steps, averaged over the groups; then SGD with Nesterov momentum from the last
+    sync's weights: buf = momentum * buf + delta (buf = delta at the first sync), w = w_sync - lr * (delta +
+    momentum * buf). Two syncs exercise the momentum; a group healed with this one's states takes the same next
+    step; between syncs the weights are the group's own."""
+    torch.manual_seed(0)
+    lr, momentum, sync_steps = 0.7, 0.9, 3
+    model = torch.nn.Linear(4, 3)
+    group = diloco_group(model, lr, momentum, sync_steps)
+    synced = [p.detach().clone() for p in model.parameters()]
+    buf = None
+    for sync in (1, 2):
+        change = [torch.randn_like(p) for p in synced]
+        peer = [torch.randn_like(p) for p in synced]
+        with torch.no_grad():
+            model.weight.add_(1.0)
+        group.sync(sync * sync_steps - 1)  # not a sync step: the weights stay this group's own
+        torch.testing.assert_close(model.weight.detach(), synced[0] + 1.0)
+        with torch.no_grad():
+            model.weight.sub_(1.0)
+        local = [w + d for w, d in zip(synced, change)]
+        inner_steps_then_sync(group, model, change, peer, sync * sync_steps)
+        delta = [((w - x) + q) / 2 for w, x, q in zip(synced, local, peer)]
+        buf = delta if buf is None else [momentum * b + d for b, d in zip(buf, delta)]
+        synced = [w - lr * (d + momentum * b) for w, d, b in zip(synced, delta, buf)]
+        for p, expected in zip(model.parameters(), synced):
+            torch.testing.assert_close(p.detach(), expected)
+
+    # A group that heals from this one receives the model's state and what DiLoCo registered with the manager (its
+    # last sync's weights and the outer momentum): its next sync then equals this group's. Without the momentum it
+    # would not (buf differs from zero).
+    healed_model = torch.nn.Linear(4, 3)
+    healed = diloco_group(healed_model, lr, momentum, sync_steps)
+    healed_model.load_state_dict(model.state_dict())
+    (key, (_, save)), = group.manager.state_fns.items()
+    # A copy, as torchft's transport sends: the optimizer state holds the sender's momentum buffer itself.
+    healed.manager.state_fns[key][0](copy.deepcopy(save()))
+    change = [torch.randn_like(p) for p in synced]
+    peer = [torch.randn_like(p) for p in synced]
+    inner_steps_then_sync(group, model, change, peer, 3 * sync_steps)
+    inner_steps_then_sync(healed, healed_model, change, peer, 3 * sync_steps)
+    for p, q in zip(model.parameters(), healed_model.parameters()):
+        torch.testing.assert_close(p, q)
+
+
+def test_diloco_resumed_from_a_checkpoint_syncs_from_the_loaded_weights():
+    """DiLoCo copies the weights at its construction, before the trainer loads the checkpoint: resume() takes the
+    loaded weights as the last sync's. With no change and a zero pseudo-gradient from the peer, the next sync then
+    leaves the weights as loaded (from the construction's copy it would move them back towards the initial ones)."""
+    torch.manual_seed(0)
+    model = torch.nn.Linear(4, 3)
+    group = diloco_group(model, 0.7, 0.9, 3)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(torch.randn_like(p))
+    loaded = [p.detach().clone() for p in model.parameters()]
+    group.resume(6)
+    zero = [torch.zeros_like(p) for p in loaded]
+    inner_steps_then_sync(group, model, zero, zero, 9)
+    for p, expected in zip(model.parameters(), loaded):
+        torch.testing.assert_close(p.detach(), expected)

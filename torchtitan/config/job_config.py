@@ -611,11 +611,17 @@ class FaultTolerance:
     connect_timeout_seconds: float = 60.0
     """Stop with an error if the lighthouse cannot be reached within this many seconds at start."""
 
-    semi_sync_method: Literal["none", "local_sgd"] = "none"
-    """none: every step's gradients are averaged over the groups (per-step mode). local_sgd: torchft's LocalSGD, each group takes sync_steps optimizer steps of its own, then the groups' weights are averaged (one quorum per sync; a recovering group heals then)."""
+    semi_sync_method: Literal["none", "local_sgd", "diloco"] = "none"
+    """none: every step's gradients are averaged over the groups (per-step mode). local_sgd: torchft's LocalSGD, each group takes sync_steps optimizer steps of its own, then the groups' weights are averaged (one quorum per sync; a recovering group heals then). diloco: torchft's DiLoCo, each group takes sync_steps optimizer steps of its own, then the groups average their pseudo-gradients (the weights of the last sync minus their own) and every group applies the same outer step (SGD with Nesterov momentum: outer_lr, outer_momentum) to the weights of the last sync."""
 
     sync_steps: int = 5
-    """With semi_sync_method = local_sgd: optimizer steps between two averagings of the weights."""
+    """With semi_sync_method = local_sgd or diloco: optimizer steps between two syncs of the groups."""
+
+    outer_lr: float = 0.7
+    """With semi_sync_method = diloco: learning rate of the outer SGD step on the averaged pseudo-gradient (0.7: the DiLoCo paper's and TorchTitan's). outer_lr 1 with outer_momentum 0 is LocalSGD's averaging."""
+
+    outer_momentum: float = 0.9
+    """With semi_sync_method = diloco: Nesterov momentum of the outer SGD step, in [0, 1) (0.9: the DiLoCo paper's and TorchTitan's; 0 = plain SGD)."""
 
     quorum_timeout_seconds: float = 300.0
     """Longest wait for a step's quorum (the other groups reaching the step, a restarted group healing); past it the group stops with exit code 4, for its torchrun to restart it."""

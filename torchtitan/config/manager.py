@@ -83,7 +83,8 @@ UNSUPPORTED_TORCHTITAN_OPTIONS: dict[str, Any] = {
     "comm.save_traces_folder": "comm_traces",
     "comm.save_traces_file_prefix": "rank_",
     "debug.moe_force_load_balance": False,
-    # torchft's DiLoCo (semi_sync_method = "diloco") is not implemented: its options keep their defaults.
+    # torchft's Streaming DiLoCo (model fragments synced in turn, quantized pseudo-gradients) is not implemented:
+    # DiLoCo syncs the whole model at once, its pseudo-gradients in full precision.
     "fault_tolerance.should_quantize": False,
     "fault_tolerance.fragment_sync_delay": 0,
     "fault_tolerance.fragment_update_alpha": 0.0,
@@ -671,6 +672,13 @@ def _validate_fault_tolerance(config: JobConfig) -> None:
                 "fault_tolerance.quorum_timeout_seconds", "fault_tolerance.sync_steps"):
         if get_option(config, key) <= 0:
             raise UserError(f"option {key}: {get_option(config, key)} must be positive")
+    if ft.semi_sync_method == "diloco":
+        if ft.outer_lr <= 0:
+            raise UserError(f"option fault_tolerance.outer_lr: {ft.outer_lr} must be positive (the DiLoCo outer "
+                            f"step's learning rate; the DiLoCo paper's is 0.7)")
+        if not 0 <= ft.outer_momentum < 1:
+            raise UserError(f"option fault_tolerance.outer_momentum: {ft.outer_momentum} must be in [0, 1) (the "
+                            f"DiLoCo outer step's Nesterov momentum; the DiLoCo paper's is 0.9)")
     if config.health.spike_sigma > 0:
         # Each group would judge its own loss: groups that decide differently would hold different weights.
         raise UserError(f"option health.spike_sigma: {config.health.spike_sigma} cannot be used with "

@@ -6,7 +6,8 @@ start of every step; their gradients are averaged over torchft's managed process
 taken only when torchft's commit protocol agrees. A group that dies is restarted by its own torchrun and, at its
 first quorum, receives the model, optimizer, LR schedule, train step and data position from a live peer (torchft's
 HTTP checkpoint transport: no disk), while the other groups keep training. With no live peer, a restarted group
-resumes from its own checkpoint as any run does.
+resumes from its own checkpoint as any run does. Semi-synchronous modes (torchft's LocalSGD and DiLoCo) sync the
+groups every sync_steps steps instead.
 """
 
 import socket
@@ -73,13 +74,13 @@ class ReplicaGroup:
     """This process's part in the quorum of replica groups: one torchft Manager per process, as torchft requires.
 
     `states` are what a recovering group receives from a peer, by name: each a Stateful (model, optimizer, LR
-    schedulers, data loader, train state).
+    schedulers, data loader, train state). With DiLoCo it also receives DiLoCo's last-sync weights and outer
+    optimizer state, which torchft's DiLoCo registers with the manager itself.
     """
 
     def __init__(self, config: FaultToleranceConfig, states: dict[str, Stateful], environ: dict[str, str],
                  model: torch.nn.Module):
         from torchft import Manager, ProcessGroupGloo, ProcessGroupNCCL
-        from torchft.local_sgd import LocalSGD
 
         self.config = config
         self.states = states
@@ -118,10 +119,25 @@ class ReplicaGroup:
         if rank != 0:
             self.manager = manager()
         self.committed = True
-        # LocalSGD's optimizer hooks are not used (the trainer calls sync() after its optimizer step), so it needs
-        # no optimizer of its own.
-        self.local_sgd = (LocalSGD(self.manager, model, optimizer=None, sync_every=config.sync_steps)
-                          if config.semi_sync_method == "local_sgd" else None)
+        self.semi_sync = self._semi_sync(model)
+
+    def _semi_sync(self, model: torch.nn.Module) -> Any:
+        """torchft's LocalSGD or DiLoCo over `model`, or None in per-step mode. Their optimizer hooks are not used
+        (the trainer calls sync() after its optimizer step and LR schedule step), so they get no inner optimizer."""
+        from torchft.local_sgd import DiLoCo, LocalSGD
+
+        config = self.config
+        if config.semi_sync_method == "local_sgd":
+            return LocalSGD(self.manager, model, optimizer=None, sync_every=config.sync_steps)
+        if config.semi_sync_method != "diloco":
+            return None
+        # torch's SGD refuses Nesterov without momentum: outer_momentum 0 is plain SGD.
+        outer = torch.optim.SGD(model.parameters(), lr=config.outer_lr, momentum=config.outer_momentum,
+                                nesterov=config.outer_momentum > 0)
+        # DiLoCo copies the weights as the last sync's ("original" parameters, host memory) and registers them and
+        # the outer optimizer's state with the manager: a healing group receives them with the states.
+        return DiLoCo(self.manager, [model], inner_optimizer=None, outer_optimizer=outer,
+                      sync_every=config.sync_steps)
 
     def _state_dict(self) -> dict[str, Any]:
         return {name: state.state_dict() for name, state in self.states.items()}
@@ -132,16 +148,20 @@ class ReplicaGroup:
         self.healed = True
 
     def resume(self, step: int) -> None:
-        """After a checkpoint load: the quorum compares steps (torchft counts committed quorums: every step, or with
-        LocalSGD every sync), so a group resumed at `step` is not taken for one at step 0 (which would heal from a
-        peer, or make its peers heal from it)."""
-        syncs = step // self.config.sync_steps if self.local_sgd is not None else step
+        """After a checkpoint load: the quorum compares steps (torchft counts committed quorums: every step, or in
+        semi-synchronous modes every sync), so a group resumed at `step` is not taken for one at step 0 (which would
+        heal from a peer, or make its peers heal from it). DiLoCo takes the loaded weights as the last sync's: it
+        copied them at its construction, before the load (checkpoints hold neither that copy nor the outer
+        momentum; docs/resilience.md)."""
+        syncs = step // self.config.sync_steps if self.semi_sync is not None else step
         self.manager.load_state_dict({"step": syncs, "batches_committed": self.manager.batches_committed()})
+        if self.config.semi_sync_method == "diloco":
+            self.semi_sync._save_parameters()
 
     def start_step(self) -> bool:
-        """Join this step's quorum (per-step mode; LocalSGD joins one per sync); True if this group was behind and
-        loaded a peer's state (the data iterator must then restart from the loaded position)."""
-        if self.local_sgd is not None:
+        """Join this step's quorum (per-step mode; LocalSGD and DiLoCo join one per sync); True if this group was
+        behind and loaded a peer's state (the data iterator must then restart from the loaded position)."""
+        if self.semi_sync is not None:
             return False
         self.healed = False
         try:
@@ -152,14 +172,25 @@ class ReplicaGroup:
         return self.healed
 
     def sync(self, step: int) -> bool:
-        """LocalSGD, after the optimizer step of `step`: every sync_steps steps, join a quorum and average the
-        weights over its groups (torchft's LocalSGD.sync; a failed averaging keeps this group's own weights). True
-        if this group was behind and loaded a peer's state instead (its train state is then the peer's)."""
-        if self.local_sgd is None or step % self.config.sync_steps:
+        """LocalSGD or DiLoCo, after the optimizer step of `step`: every sync_steps steps, join a quorum, then
+        LocalSGD averages the weights over its groups (a failed averaging keeps this group's own weights); DiLoCo
+        averages the pseudo-gradients (last sync's weights - this group's) and takes the outer step from the last
+        sync's weights (a failed averaging goes back to them). True if this group was behind and loaded a peer's
+        state at the quorum (its train state is then the peer's; it takes part in the sync with the peer's weights)."""
+        if self.semi_sync is None or step % self.config.sync_steps:
             return False
         self.healed = False
         try:
-            self.local_sgd.sync()
+            if self.config.semi_sync_method == "local_sgd":
+                self.semi_sync.sync()
+            else:
+                # DiLoCo's optimizer hook counts steps from its construction, which neither a resume nor a heal
+                # moves; the groups' syncs are at the train steps they share. So this runs what the hook runs at
+                # its sync_every-th step (one fragment, the whole model; no sync delay).
+                self.manager.start_quorum()
+                fragment = self.semi_sync._fragments[0]
+                fragment.prepare_sync()
+                fragment.perform_sync()
         except TimeoutError as e:
             raise self._quorum_failed(e) from None
         self._log_healed()
@@ -180,8 +211,8 @@ class ReplicaGroup:
             now = "accepts connections now (it was restarted, or the other groups did not reach this step)"
         except OSError:
             now = "is unreachable"
-        # torchft counts committed quorums: steps, or with LocalSGD syncs.
-        when = (f"step {self.manager.current_step() + 1}" if self.local_sgd is None
+        # torchft counts committed quorums: steps, or in semi-synchronous modes syncs.
+        when = (f"step {self.manager.current_step() + 1}" if self.semi_sync is None
                 else f"sync {self.manager.current_step() + 1}")
         return QuorumError(
             f"replica group {self.config.replica_id}: no quorum for {when} within "
@@ -192,8 +223,8 @@ class ReplicaGroup:
     def average_gradients(self, parameters: list[torch.Tensor]) -> None:
         """Average every gradient over the groups of the quorum (each rank its own shard: the groups' layouts are
         the same). torchft divides by the number of participants; a failed collective is recorded by the manager
-        and makes should_commit() false. LocalSGD averages weights at its syncs instead."""
-        if self.local_sgd is not None:
+        and makes should_commit() false. LocalSGD and DiLoCo sync at their syncs instead."""
+        if self.semi_sync is not None:
             return
         grads = [p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad
                  for p in parameters if p.grad is not None]
@@ -202,9 +233,9 @@ class ReplicaGroup:
 
     def should_commit(self) -> bool:
         """Whether this step's update is taken (torchft's commit vote within the group; enough groups took part and
-        none of this group's collectives failed). When not, the step is redone with the next batch. With LocalSGD,
-        every step is this group's own and is taken."""
-        if self.local_sgd is not None:
+        none of this group's collectives failed). When not, the step is redone with the next batch. With LocalSGD or
+        DiLoCo, every step is this group's own and is taken."""
+        if self.semi_sync is not None:
             return True
         self.committed = self.manager.should_commit()
         if not self.committed:
@@ -243,5 +274,5 @@ def peer_checkpoint_folders(config: JobConfig) -> list[Path]:
 def setup_fault_tolerance(config: FaultToleranceConfig, states: dict[str, Stateful], environ: dict[str, str],
                           model: torch.nn.Module) -> ReplicaGroup | None:
     """This process's replica group, or None when fault_tolerance.enable is off. `model` holds every parameter
-    (LocalSGD averages them)."""
+    (LocalSGD and DiLoCo sync them)."""
     return ReplicaGroup(config, states, environ, model) if config.enable else None
