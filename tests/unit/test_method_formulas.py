@@ -119,12 +119,8 @@ def test_ranger21_positive_negative_momentum_stable_weight_decay_and_norm_loss()
     assert torch.allclose(result, expected, atol=1e-6)
 
 
-def test_flexdemo_exchanges_the_top_dct_components_of_its_momentum_and_steps_by_their_sign(monkeypatch):
-    """DeMo's step on one replica: m <- decay m + g; per chunk of 64 values the 8 largest DCT-II coefficients of m
-    are sent (index, bfloat16 value) and removed from m; the weights step by the sign of the inverse DCT of the
-    (replicas' mean) sent components."""
-    chunk, topk, decay = 64, 8, 0.9
-    shape = (30, 20)  # 600 values: 10 chunks, the last padded with zeros
+def capture_exchange(monkeypatch) -> list[torch.Tensor]:
+    """FlexDeMo alone (one replica, eager selection): the payloads it all-gathers, one per step, in a list."""
     sent = []
     # The eager selection (the compiled one is the same function; compiling it would take most of this test).
     monkeypatch.setattr(flexdemo, "_compiled_running_maxima", lambda: flexdemo._running_maxima)
@@ -135,6 +131,16 @@ def test_flexdemo_exchanges_the_top_dct_components_of_its_momentum_and_steps_by_
         output.copy_(payload)
 
     monkeypatch.setattr(dist, "all_gather_single", all_gather_single)
+    return sent
+
+
+def test_flexdemo_exchanges_the_top_dct_components_of_its_momentum_and_steps_by_their_sign(monkeypatch):
+    """DeMo's step on one replica: m <- decay m + g; per chunk of 64 values the 8 largest DCT-II coefficients of m
+    are sent (index, bfloat16 value) and removed from m; the weights step by the sign of the inverse DCT of the
+    (replicas' mean) sent components."""
+    chunk, topk, decay = 64, 8, 0.9
+    shape = (30, 20)  # 600 values: 10 chunks, the last padded with zeros
+    sent = capture_exchange(monkeypatch)
     weight, grads = torch.randn(shape, generator=torch.Generator().manual_seed(3)), gradients(shape)
     result = run(lambda p: FlexDeMo([p], lr=LR, weight_decay=WD, chunk_size=chunk, topk=topk, momentum_decay=decay,
                                     replicate_group=None), weight, grads)
@@ -166,16 +172,7 @@ def test_flexdemo_tiles_exchange_the_top_2d_dct_components_of_each_tile(monkeypa
     inverse 2-D DCT of the (replicas' mean) sent components."""
     chunk, topk, decay = 64, 8, 0.9
     shape = (30, 20)  # 4 x 3 tiles of 8 x 8, the last row and column of tiles padded with zeros
-    sent = []
-    # The eager selection (the compiled one is the same function; compiling it would take most of this test).
-    monkeypatch.setattr(flexdemo, "_compiled_running_maxima", lambda: flexdemo._running_maxima)
-    monkeypatch.setattr(dist, "get_world_size", lambda group=None: 1)
-
-    def all_gather_single(output, payload, group=None):
-        sent.append(payload.clone())
-        output.copy_(payload)
-
-    monkeypatch.setattr(dist, "all_gather_single", all_gather_single)
+    sent = capture_exchange(monkeypatch)
     weight, grads = torch.randn(shape, generator=torch.Generator().manual_seed(3)), gradients(shape)
     result = run(lambda p: FlexDeMo([p], lr=LR, weight_decay=WD, chunk_size=chunk, topk=topk, momentum_decay=decay,
                                     replicate_group=None, tiles=True), weight, grads)
