@@ -310,6 +310,19 @@ def plot(results: list[dict], out: Path) -> None:
     plt.close(fig)
 
 
+def earlier_runs(args: argparse.Namespace) -> list[dict]:
+    """The runs an earlier invocation kept in OUT/results_partial.json, checked to be of the same length."""
+    partial = args.out / "results_partial.json"
+    if not partial.exists():
+        raise SystemExit(f"--resume: {partial} does not exist; run without --resume to start a sweep there")
+    results = json.loads(partial.read_text())["results"]
+    other = sorted({r["steps"] for r in results} - {args.steps})
+    if other:
+        raise SystemExit(f"--resume: {partial} holds runs of {other} steps, not --steps {args.steps}; "
+                         "resume with the same --steps or start another --out")
+    return results
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", type=Path, required=True)
@@ -323,6 +336,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--timeout", type=float, default=3600, help="seconds per recipe")
     parser.add_argument("--seeds", default="0", help="comma separated --debug.seed values: every recipe runs with "
                         "each, and a table gives each recipe's mean and spread over them")
+    parser.add_argument("--resume", action="store_true",
+                        help="keep the runs already in OUT/results_partial.json (a sweep stopped early, or one "
+                        "extended with more recipes or seeds) and run only the missing ones; every run must have "
+                        "the same --steps")
     parser.add_argument("--quantization-error-only", action="store_true")
     args = parser.parse_args(argv)
     args.out.mkdir(parents=True, exist_ok=True)
@@ -340,12 +357,15 @@ def main(argv: list[str] | None = None) -> int:
         seeds = [int(seed) for seed in args.seeds.split(",")]
     except ValueError:
         parser.error(f"--seeds: {args.seeds!r} is not a comma separated list of integers")
-    results = []
+    results = earlier_runs(args) if args.resume else []
+    done = {(r["recipe"], r["seed"]) for r in results}
     with two_hosts(args.rate or None) as hosts:
         note = (f"link {'throttled to ' + format(args.rate, 'g') + ' Mbit/s' if args.rate else 'unthrottled (veth)'}"
                 if hosts.emulated else f"loopback, unthrottled, no link counters ({hosts.why_not})")
         for seed in seeds:
             for name in names:
+                if (name, seed) in done:
+                    continue
                 print(f"running {name} (seed {seed}) ...", flush=True)
                 results.append(run_recipe(name, hosts, args, args.out, seed))
                 # Kept as each run ends: a long sweep stopped early still has what it measured.

@@ -79,3 +79,14 @@ def test_seeds_table_pairs_each_run_with_its_own_seeds_baseline():
     # loco4: +1% on seed 0 and 0% on seed 1 against the same seed's fsdp: mean +0.50%, sample sd 0.71%.
     assert rows["loco4"][3] == "+0.50 ± 0.71%" and rows["loco4"][5] == "50.0%"
     assert rows["fsdp"][2] == "4.5000 ± 0.7071" and rows["fsdp"][3] == "-"
+
+
+def test_resume_keeps_earlier_runs_of_the_same_length_and_refuses_others(tmp_path):
+    runs = [{"recipe": "fsdp", "seed": 0, "steps": 20}, {"recipe": "loco4", "seed": 0, "steps": 20}]
+    (tmp_path / "results_partial.json").write_text(json.dumps({"note": "", "results": runs}))
+    same = comm_bench.argparse.Namespace(out=tmp_path, steps=20)
+    assert comm_bench.earlier_runs(same) == runs
+    with pytest.raises(SystemExit, match=r"\[20\] steps, not --steps 30"):
+        comm_bench.earlier_runs(comm_bench.argparse.Namespace(out=tmp_path, steps=30))
+    with pytest.raises(SystemExit, match="does not exist"):
+        comm_bench.earlier_runs(comm_bench.argparse.Namespace(out=tmp_path / "elsewhere", steps=20))
