@@ -353,16 +353,25 @@ def test_semi_sync_makes_the_weights_equal_every_sync_steps(tmp_path, method):
           f"between")
 
 
-def test_group_with_no_live_peer_resumes_from_its_checkpoint(tmp_path):
+@pytest.mark.parametrize("method", ["none", "diloco"])
+def test_group_with_no_live_peer_resumes_from_its_checkpoint(tmp_path, method):
     """The only live group (of 2 configured) is killed in step 8; its torchrun restarts it, no peer holds a newer
-    state, so it resumes from its own checkpoint of step 5 and replays steps 6-7 exactly."""
+    state, so it resumes from its own checkpoint of step 5 and replays steps 6-7 exactly: the same losses and weights,
+    bitwise (the same fp32 operations in the same order on bitwise-equal state and batches, one thread: no
+    tolerance is needed, so none is given).
+
+    With DiLoCo (sync_steps 3) the checkpoint of step 5 lies between the syncs of steps 3 and 6: step 7 runs from
+    the weights of the sync of step 6, the outer step from the weights of step 3 with the momentum of the sync of
+    step 3 (the checkpoint's `diloco` part). Without that part the resumed group would sync from step 5's weights
+    with zero momentum, and step 7 would differ."""
     from torchft.coordination import LighthouseServer
 
     lighthouse = LighthouseServer(bind="[::]:0", min_replicas=1, join_timeout_ms=1000)
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO), "FAULT_REPORT_DIR": str(tmp_path),
            "FAULT_PLAN": "sigkill@8:0", "FAULT_ATTEMPT": "0"}
     command = group_command(0, lighthouse.address(), tmp_path / "dump", steps=10, torchrun=("--max-restarts=1",))
-    command += ["--checkpoint.enable", "--checkpoint.interval", "5"]
+    command += ["--checkpoint.enable", "--checkpoint.interval", "5", "--fault_tolerance.semi_sync_method", method,
+                "--fault_tolerance.sync_steps", "3"]
     try:
         with subprocess.Popen(command, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                               text=True, start_new_session=True) as proc:
@@ -379,8 +388,11 @@ def test_group_with_no_live_peer_resumes_from_its_checkpoint(tmp_path):
     assert [row["step"] for row in first] == list(range(1, 8))
     assert [row["step"] for row in second] == list(range(6, 11))
     assert "recovered the state" not in output
-    # Weights, optimizer state and data position came back from the checkpoint: the replayed steps are identical.
-    assert [row["digest"] for row in second[:2]] == [row["digest"] for row in first[5:7]]
+    # Weights, optimizer state, data position (and DiLoCo's state) came back from the checkpoint: the replayed steps
+    # are identical.
+    assert [(row["loss"], row["digest"]) for row in second[:2]] == [(row["loss"], row["digest"]) for row in first[5:7]]
+    if method == "diloco":
+        assert "Loaded model, optimizer, lr_scheduler, dataloader, train_state, rng, diloco from" in output
 
 
 def start_lighthouse(port: int, log) -> subprocess.Popen:

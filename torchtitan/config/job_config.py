@@ -394,7 +394,7 @@ class Checkpoint:
     """Resume from this step's checkpoint instead of the latest (-1 = latest)."""
 
     exclude_from_loading: list[str] = field(default_factory=list)
-    """Parts not to load when resuming, comma separated: model, optimizer, lr_scheduler, dataloader, train_state, rng."""
+    """Parts not to load when resuming, comma separated: model, optimizer, lr_scheduler, dataloader, train_state, rng, diloco (fault_tolerance.semi_sync_method = diloco: the last sync's weights and the outer momentum)."""
 
     enable_first_step_checkpoint: bool = False
     """Also save a checkpoint after the first step."""

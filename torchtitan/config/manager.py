@@ -613,9 +613,9 @@ def validate(config: JobConfig) -> None:
         if component not in ("model", "loss"):
             raise UserError(f"option compile.components: {component!r} is not one of 'model', 'loss'")
     for part in config.checkpoint.exclude_from_loading:
-        if part not in ("model", "optimizer", "lr_scheduler", "dataloader", "train_state", "rng"):
+        if part not in ("model", "optimizer", "lr_scheduler", "dataloader", "train_state", "rng", "diloco"):
             raise UserError(f"option checkpoint.exclude_from_loading: {part!r} is not one of model, optimizer, "
-                            f"lr_scheduler, dataloader, train_state, rng")
+                            f"lr_scheduler, dataloader, train_state, rng, diloco")
     valid_converters = ("quantize.linear.float8", "float8")
     for converter in config.model.converters:
         if converter not in valid_converters:
