@@ -20,6 +20,7 @@ import time
 from pathlib import Path
 
 import pytest
+import torch
 
 from tests.integration.harness import REPO, TINY
 from torchtitan.distributed.fault_tolerance import wait_for_lighthouse
@@ -488,6 +489,47 @@ def test_group_with_no_live_peer_resumes_from_its_checkpoint(tmp_path, method):
     assert [(row["loss"], row["digest"]) for row in second[:2]] == [(row["loss"], row["digest"]) for row in first[5:7]]
     if method == "diloco":
         assert "Loaded model, optimizer, lr_scheduler, dataloader, train_state, rng, diloco from" in output
+
+
+def test_diloco_checkpoint_reloads_into_another_layout(tmp_path):
+    """The `diloco` part of a checkpoint is keyed by parameter name and sharded as the parameters: written by a group
+    of 2 processes (FSDP 2; the checkpoint of step 4, between the syncs of steps 3 and 6, so the last sync's weights
+    are not the current ones), it loads into one process whole, as DCP reshards the model: every parameter's
+    last-sync weights and outer momentum equal the checkpoint's full tensors."""
+    from torchft.coordination import LighthouseServer
+
+    from torchtitan.components.checkpoint import read_full_checkpoint
+    from torchtitan.config import parse_args
+    from torchtitan.train import Trainer
+
+    lighthouse = LighthouseServer(bind="[::]:0", min_replicas=1, join_timeout_ms=1000)
+    dump = tmp_path / "dump"
+    options = ["--fault_tolerance.semi_sync_method", "diloco", "--fault_tolerance.sync_steps", "3",
+               "--checkpoint.enable", "--checkpoint.interval", "4"]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}
+    try:
+        written = subprocess.run(group_command(0, lighthouse.address(), dump, steps=5, groups=1, nproc=2) + options,
+                                 cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                                 timeout=300)
+        assert written.returncode == 0, written.stdout[-6000:]
+        folder = dump / "replica_0"
+        saved = read_full_checkpoint(folder / "checkpoint" / "step-4")
+        # The same options in this one process (the group's dump folder as the trainer's main() makes it).
+        command = group_command(0, lighthouse.address(), folder, steps=5, groups=1)
+        trainer = Trainer(parse_args(command[command.index(INJECTOR) + 1:] + options))
+        try:
+            trainer.checkpointer.load()
+            state = trainer.fault_tolerance.diloco_state
+            assert state.loaded
+            for name, key, param in state.parameters:
+                assert torch.equal(state.last_sync[key], saved["diloco"][f"{name}.last_sync"]), name
+                assert torch.equal(state.outer.state[param]["momentum_buffer"],
+                                   saved["diloco"][f"{name}.outer_momentum"]), name
+                assert not torch.equal(saved["model"][name], saved["diloco"][f"{name}.last_sync"]), name
+        finally:
+            trainer.close()
+    finally:
+        lighthouse.shutdown()
 
 
 def start_lighthouse(port: int, log) -> subprocess.Popen:
