@@ -537,6 +537,9 @@ class CheckpointManager:
             return b""
         if part == "optimizer":
             return exact_where_it_fits(_pack_param_groups(self.optimizers.state_dict()), saved, "optimizer.")
+        if part == "diloco":
+            # A run with fault_tolerance.outer_momentum = 0 saves no momentum: a run with it then starts at zero.
+            return {key: value for key, value in self.diloco.state_dict().items() if f"diloco.{key}" in saved}
         if part == "rng":
             # Only generators saved by this rank: a CPU run's checkpoint resumes on CUDA and vice versa.
             return {name: state for name, state in self.rng.state_dict().items() if f"{self.rng_key}.{name}" in saved}
