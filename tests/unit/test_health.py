@@ -341,8 +341,9 @@ def test_a_step_the_quorum_did_not_commit_is_skipped_time(tmp_path):
 
 
 def run_with_faults(tmp_path, monkeypatch, faults: dict[int, str], options: list[str]) -> tuple[dict, list[dict]]:
-    """A one-process run of the tiny model, 9 steps, with tests/integration/fault_injection.py's faults (its patches
-    of the Trainer undone after the run); returns the final model and optimizer state, and the metrics rows."""
+    """A one-process run of the tiny model, 9 steps of 2 accumulated micro-batches, with
+    tests/integration/fault_injection.py's faults (its patches of the Trainer undone after the run); returns the
+    final model and optimizer state, and the metrics rows."""
     import torch.distributed.checkpoint as dcp
 
     from tests.integration import fault_injection
@@ -355,7 +356,7 @@ def run_with_faults(tmp_path, monkeypatch, faults: dict[int, str], options: list
             patches.setattr(owner, name, getattr(owner, name))
         fault_injection.install(faults)
         trainer = train.Trainer(parse_args([*TINY, "--training.steps", "9", "--training.local_batch_size", "2",
-                                            "--job.dump_folder", str(tmp_path), "--health.spike_sigma", "5",
+                                            "--training.global_batch_size", "4", "--job.dump_folder", str(tmp_path), "--health.spike_sigma", "5",
                                             "--health.spike_warmup", "3", *options]))
         try:
             trainer.train()
@@ -367,9 +368,9 @@ def run_with_faults(tmp_path, monkeypatch, faults: dict[int, str], options: list
 
 
 def test_a_skipped_step_is_rerun_to_tell_a_transient_fault_from_a_real_divergence(tmp_path, monkeypatch):
-    """health.rerun_bad_steps: step 5's loss is multiplied by 100 once (the injector's `spike`: its re-run computes
-    the step as it should be, as after a transient hardware fault), step 7's in every computation of the step (a
-    `bad_batch`: the re-run reproduces it). Both updates are skipped; the re-run calls step 5 not reproducible and
+    """health.rerun_bad_steps: step 5's loss is multiplied by 100 once (the injector's `spike`, in the step's first
+    micro-batch: its re-run computes the step as it should be, as after a transient hardware fault), step 7's in
+    every micro-batch of every computation of the step (a `bad_batch`: the re-run reproduces it). Both updates are skipped; the re-run calls step 5 not reproducible and
     step 7 reproducible, in the log and the metrics. The re-runs change nothing: the final weights and optimizer
     state are bitwise those of the same run without them."""
     faults = {5: "spike", 7: "bad_batch"}
