@@ -168,8 +168,9 @@ class Trainer:
         self.preempted = False
         self.fault_tolerance = setup_fault_tolerance(config.fault_tolerance, {
             "model": self.checkpointer.model, "optimizer": self.optimizers, "lr_scheduler": self.lr_schedulers,
-            "dataloader": self.dataloader, "train_state": self.train_state}, dict(os.environ),
-            torch.nn.ModuleList(self.model_parts))
+            "dataloader": self.dataloader, "train_state": self.train_state}, dict(os.environ), self.model_parts)
+        if self.fault_tolerance is not None:
+            self.checkpointer.diloco = self.fault_tolerance.diloco_state
 
     # ----------------------------------------------------------------------------------------------------------
     # Building blocks
@@ -284,35 +285,18 @@ class Trainer:
 
     def train_step(self, batches: list[tuple[torch.Tensor, torch.Tensor]]) -> tuple[float, float, float]:
         """One optimizer step over the accumulation micro-batches; returns (global mean loss, grad norm, lr)."""
-        self.optimizers.zero_grad()
         local_tokens = torch.stack([count_valid_tokens(labels) for _, labels in batches]).sum().float()
         # Ranks of one data-parallel group hold the same sequences, so the global count sums over dp only.
         # The step's first collective: a rank slower in its own work (data, host, step end) is waited for here.
         with self.health.waiting_for_peers():
             dist.all_reduce(local_tokens, group=self.parallel_dims.get_mesh("dp").get_group())
         self.global_valid_tokens = local_tokens
-        loss = sum(self.forward_backward(inputs, labels) for inputs, labels in batches)
-        parameters = [p for part in self.model_parts for p in part.parameters()]
-        if self.fault_tolerance is not None:
-            self.fault_tolerance.average_gradients(parameters)
-        # Labelled regions name the step's parts in profiler traces (torchtitan/tools/step_breakdown.py).
-        with record_function("clip_grad_norm"):
-            grad_norm = dist_utils.clip_grad_norm_(parameters, self.config.training.max_norm,
-                                                   self.world_mesh["pp"] if self.parallel_dims.pp_enabled else None,
-                                                   self.device)
-        # One all-reduce gives every rank the global loss (each TP rank holds a copy: divide by tp; stages
-        # without the loss add zero), whether any rank saw a non-finite value, and whether any rank was told to
-        # stop (SIGTERM may reach ranks at different steps; all must stop after the same one).
-        grad_norm_value = grad_norm.detach().float()
-        nonfinite = (~torch.isfinite(loss.float())) | (~torch.isfinite(grad_norm_value))
-        with record_function("step_summary"):
-            summary = torch.stack([loss.float() / self.parallel_dims.tp, nonfinite.float(),
-                                   torch.tensor(float(self.preempt_requested), device=self.device)])
-            dist.all_reduce(summary)
-            global_loss, any_nonfinite, any_preempted = host_values(summary)
+        # Context parallelism shards the batches in place: a re-run needs them as they came.
+        rerun_batches = [(inputs.clone(), labels.clone()) for inputs, labels in batches] \
+            if self.config.health.rerun_bad_steps else None
+        global_loss, grad_norm_host, any_nonfinite, any_preempted = self._summary(*self._gradients(batches))
         self.preempted = any_preempted > 0
         step = self.train_state.step + 1
-        grad_norm_host = host_values(grad_norm_value.reshape(1))[0]
         # A dry run's values are no training run's (fake collectives leave their outputs unwritten): every step
         # takes the update, whose time and memory it measures.
         if any_nonfinite and not self.dry_run and self.config.debug.on_nonfinite == "stop":
@@ -325,6 +309,8 @@ class Trainer:
             return global_loss, grad_norm_host, self.lr_schedulers.last_lr
         # The loss and gradient norm are global (the same on every rank), so every rank takes the same decision.
         if not self.dry_run and self.health.skip_update(step, global_loss, grad_norm_host, any_nonfinite > 0):
+            if rerun_batches is not None:
+                self._rerun_skipped_step(step, rerun_batches, global_loss, grad_norm_host)
             self.optimizers.zero_grad()
         else:
             # An async checkpoint of the previous step may still be copying the weights and optimizer state.
@@ -334,6 +320,44 @@ class Trainer:
         lr = self.lr_schedulers.last_lr
         self.lr_schedulers.step()
         return global_loss, grad_norm_host, lr
+
+    def _gradients(self, batches: list[tuple[torch.Tensor, torch.Tensor]]) -> tuple[torch.Tensor, torch.Tensor]:
+        """Forward and backward over the step's micro-batches from zeroed gradients, the gradients' average over the
+        replica groups (fault tolerance) and clipping: (this rank's loss, the global gradient norm)."""
+        self.optimizers.zero_grad()
+        loss = sum(self.forward_backward(inputs, labels) for inputs, labels in batches)
+        parameters = [p for part in self.model_parts for p in part.parameters()]
+        if self.fault_tolerance is not None:
+            self.fault_tolerance.average_gradients(parameters)
+        # Labelled regions name the step's parts in profiler traces (torchtitan/tools/step_breakdown.py).
+        with record_function("clip_grad_norm"):
+            grad_norm = dist_utils.clip_grad_norm_(parameters, self.config.training.max_norm,
+                                                   self.world_mesh["pp"] if self.parallel_dims.pp_enabled else None,
+                                                   self.device)
+        return loss, grad_norm
+
+    def _summary(self, loss: torch.Tensor, grad_norm: torch.Tensor) -> tuple[float, float, float, float]:
+        """(global loss, gradient norm, whether any rank saw a non-finite value, whether any rank was told to stop),
+        the same on every rank. One all-reduce gives every rank the global loss (each TP rank holds a copy: divide
+        by tp; stages without the loss add zero) and the flags (SIGTERM may reach ranks at different steps; all
+        must stop after the same one)."""
+        grad_norm_value = grad_norm.detach().float()
+        nonfinite = (~torch.isfinite(loss.float())) | (~torch.isfinite(grad_norm_value))
+        with record_function("step_summary"):
+            summary = torch.stack([loss.float() / self.parallel_dims.tp, nonfinite.float(),
+                                   torch.tensor(float(self.preempt_requested), device=self.device)])
+            dist.all_reduce(summary)
+            global_loss, any_nonfinite, any_preempted = host_values(summary)
+        return global_loss, host_values(grad_norm_value.reshape(1))[0], any_nonfinite, any_preempted
+
+    def _rerun_skipped_step(self, step: int, batches: list[tuple[torch.Tensor, torch.Tensor]], loss: float,
+                            grad_norm: float) -> None:
+        """health.rerun_bad_steps: the forward and backward of a step whose update was skipped, again, on the same
+        micro-batches from the same weights (nothing changed them: the update was skipped, and gradients start from
+        zero), compared bit for bit with the first run's global loss and gradient norm. Those are the same on every
+        rank, so every rank reaches the same verdict without another collective."""
+        rerun_loss, rerun_grad_norm, _, _ = self._summary(*self._gradients(batches))
+        self.health.rerun_verdict(step, (loss, grad_norm), (rerun_loss, rerun_grad_norm))
 
     # ----------------------------------------------------------------------------------------------------------
     # Validation

@@ -9,7 +9,11 @@ Environment:
                         nan           the loss (hence every gradient) of that rank becomes NaN for that step
                         inf           the loss of that rank becomes +Inf for that step
                         spike         the loss of that rank is multiplied by FAULT_SPIKE_FACTOR for that step (a
-                                      finite loss spike; its gradients, and the gradient norm, grow alike)
+                                      finite loss spike; its gradients, and the gradient norm, grow alike), once:
+                                      a re-run of the step (health.rerun_bad_steps) does not see it, as after a
+                                      transient hardware fault
+                        bad_batch     as spike, in every forward-backward of that step, a re-run included: a
+                                      batch whose loss really spikes
                         inf_grad      the loss stays finite, but one gradient (this rank's shard of the first
                                       parameter) becomes +Inf after the backward, so only the gradient norm is
                                       non-finite
@@ -36,7 +40,8 @@ Environment:
     FAULT_REPORT_DIR  if set, each rank appends JSON lines to events-rank<R>-attempt<A>.jsonl there: every fault
                       it injects (written before acting, so a SIGKILL is recorded too), a digest of its local
                       parameter shards after each step (and whether torchft committed it) and at each logged step (after the
-                      step's end), and its exit code
+                      step's end), a replica group's first quorum request (`first_quorum`, per-step mode), and its exit
+                      code
 """
 
 import hashlib
@@ -51,10 +56,12 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.tensor import DTensor
 
 from torchtitan import train
+from torchtitan.distributed.fault_tolerance import ReplicaGroup
 
 RANK = int(os.environ.get("RANK", "0"))
 ATTEMPT = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
-STEP_KINDS = ("nan", "inf", "spike", "inf_grad", "sleep", "sigkill", "sigterm", "sigint", "sigterm_agent")
+STEP_KINDS = ("nan", "inf", "spike", "bad_batch", "inf_grad", "sleep", "sigkill", "sigterm", "sigint",
+              "sigterm_agent")
 KILL_IN_NEXT_SAVE = False
 KINDS = (*STEP_KINDS, "sigkill_in_save", "slow")
 
@@ -104,8 +111,9 @@ def install(faults: dict[int, str]) -> None:
     def faulty_forward_backward(self, inputs, labels):
         step = current["step"] = self.train_state.step + 1
         kind = faults.get(step)
-        # Gradient accumulation calls forward_backward several times per step: inject once.
-        if kind not in STEP_KINDS or step in fired:
+        # Gradient accumulation calls forward_backward several times per step, and a re-run again: inject once,
+        # except a bad batch.
+        if kind not in STEP_KINDS or (step in fired and kind != "bad_batch"):
             return forward_backward(self, inputs, labels)
         fired.add(step)
         report({"event": "inject", "kind": kind, "step": step})
@@ -121,8 +129,9 @@ def install(faults: dict[int, str]) -> None:
             os.kill(os.getppid(), signal.SIGTERM)
         elif kind == "sleep":
             time.sleep(float(os.environ.get("FAULT_SLEEP_SECONDS", "60")))
-        elif kind in ("nan", "inf", "spike"):
-            factor = float(os.environ.get("FAULT_SPIKE_FACTOR", "100")) if kind == "spike" else float(kind)
+        elif kind in ("nan", "inf", "spike", "bad_batch"):
+            factor = float(os.environ.get("FAULT_SPIKE_FACTOR", "100")) if kind in ("spike", "bad_batch") \
+                else float(kind)
             loss_fn = self.loss_fn
             self.loss_fn = lambda pred, labels: loss_fn(pred, labels) * factor
             try:
@@ -169,12 +178,23 @@ def install(faults: dict[int, str]) -> None:
             time.sleep(float(os.environ.get("FAULT_SLOW_SECONDS", "0.2")))
         return next_batches(self, data_iterator)
 
+    start_step = ReplicaGroup.start_step
+    asked = []
+
+    def reporting_start_step(self):
+        # When this process first asks the lighthouse for a quorum: a restarted group's start-up is over.
+        if not asked:
+            asked.append(True)
+            report({"event": "first_quorum", "step": self.states["train_state"].step + 1})
+        return start_step(self)
+
     train.Trainer.forward_backward = faulty_forward_backward
     train.Trainer._next_batches = slow_next_batches
     dcp.save = faulty_dcp_save
     if os.environ.get("FAULT_REPORT_DIR"):
         train.Trainer.train_step = reporting_train_step
         train.Trainer._log_step = reporting_log_step
+        ReplicaGroup.start_step = reporting_start_step
 
 
 def kill_in_next_save(signum, frame) -> None:

@@ -224,10 +224,15 @@ def test_spikes_are_skipped_by_every_rank_and_a_straggler_is_named(tmp_path):
     """One launch, two faults. Rank 0's data loading is 0.4 s slower every step: the straggler check (every 2 steps)
     names rank 0 and no other. Rank 1's loss is multiplied by 100 in steps 5, 7 and 8: the global loss is a spike
     (> 5 standard deviations over steps 1-4), so no rank applies those updates; step 6 is applied; the second skip
-    in a row (step 8) stops every rank with one error line and exit code 3, before its update."""
+    in a row (step 8) stops every rank with one error line and exit code 3, before its update.
+
+    With health.rerun_bad_steps, FSDP 2: the skipped steps 5 and 7 are run again. Step 5's spike is injected once
+    (the re-run does not see it: not reproducible), step 7's in every computation of the step (a bad batch:
+    reproducible); every rank says so, and the re-runs leave the weights as they were."""
     health = ["--health.spike_sigma", "5", "--health.spike_warmup", "4", "--health.max_skipped_in_a_row", "2",
-              "--health.straggler_interval", "2", "--health.straggler_patience", "2"]
-    proc = run(tmp_path, [*FSDP2, *health], plan="slow@1:0,spike@5:1,spike@7:1,spike@8:1", FAULT_SLOW_SECONDS="0.4")
+              "--health.straggler_interval", "2", "--health.straggler_patience", "2", "--health.rerun_bad_steps"]
+    proc = run(tmp_path, [*FSDP2, *health], plan="slow@1:0,spike@5:1,bad_batch@7:1,spike@8:1",
+               FAULT_SLOW_SECONDS="0.4")
     assert exit_codes(tmp_path) == {0: EXIT_NONFINITE, 1: EXIT_NONFINITE}, proc.stdout[-6000:]
     digests = {(e["rank"], e["step"]): e["digest"] for e in events(tmp_path, "step")}
     assert last_steps(tmp_path) == {0: 7, 1: 7}
@@ -238,8 +243,14 @@ def test_spikes_are_skipped_by_every_rank_and_a_straggler_is_named(tmp_path):
         assert len(rank_lines(proc.stdout, rank, "step 5: loss")) == 1
         (error,) = rank_lines(proc.stdout, rank, "error:")
         assert "step 8: loss" in error and "(health.max_skipped_in_a_row = 2)" in error, error
+        verdicts = rank_lines(proc.stdout, rank, "re-run on the same inputs from the same weights")
+        assert [line.split("WARNING ", 1)[1].split(" (", 1)[0] for line in verdicts] == [
+            "step 5: re-run on the same inputs from the same weights: not reproducible",
+            "step 7: re-run on the same inputs from the same weights: reproducible"], verdicts
     rows = read_metrics(tmp_path)
     assert [row["health/skipped_steps"] for row in rows if "loss" in row] == [0, 0, 0, 0, 1, 1, 2]
+    assert [(row["health/reruns_not_reproducible"], row["health/reruns_reproducible"])
+            for row in rows if "loss" in row][-3:] == [(1, 0), (1, 0), (1, 1)]
     checks = [row for row in rows if "stragglers/slowest_rank" in row]
     assert [row["step"] for row in checks] == [2, 4, 6]
     assert all(row["stragglers/slowest_rank"] == 0 for row in checks), checks

@@ -20,6 +20,7 @@ import time
 from pathlib import Path
 
 import pytest
+import torch
 
 from tests.integration.harness import REPO, TINY
 from torchtitan.distributed.fault_tolerance import wait_for_lighthouse
@@ -30,21 +31,26 @@ GROUPS = 2
 STEPS = 200
 QUORUM_TIMEOUT_S = 15
 STALL_S = 20
+PROCESS_GROUP_TIMEOUT_S = 5
+HEARTBEAT_TIMEOUT_S = 5  # torchft's lighthouse default
+JOIN_TIMEOUT_S = 1
 INJECTOR = "tests.integration.fault_injection"
 
 
 def group_command(replica_id: int, lighthouse: str, dump: Path, steps: int = STEPS,
-                  torchrun: tuple[str, ...] = (), groups: int = GROUPS) -> list[str]:
-    return [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=1", "--rdzv-backend=c10d",
+                  torchrun: tuple[str, ...] = (), groups: int = GROUPS, nproc: int = 1) -> list[str]:
+    """A group of `nproc` processes (FSDP over them when more than one)."""
+    return [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}", "--rdzv-backend=c10d",
             "--rdzv-endpoint=localhost:0", *torchrun, "-m", INJECTOR, *TINY,
             "--training.steps", str(steps), "--training.local_batch_size", "2", "--job.dump_folder", str(dump),
             "--fault_tolerance.enable", "--fault_tolerance.group_size", str(groups),
             "--fault_tolerance.replica_id", str(replica_id), "--fault_tolerance.lighthouse", lighthouse,
-            "--fault_tolerance.process_group_timeout_ms", "5000", "--fault_tolerance.quorum_timeout_seconds", "120"]
+            "--fault_tolerance.process_group_timeout_ms", str(1000 * PROCESS_GROUP_TIMEOUT_S),
+            "--fault_tolerance.quorum_timeout_seconds", "120"]
 
 
-def events(folder: Path) -> list[dict]:
-    return [json.loads(line) for path in sorted(folder.glob("events-rank0-attempt*.jsonl"))
+def events(folder: Path, rank: int = 0) -> list[dict]:
+    return [json.loads(line) for path in sorted(folder.glob(f"events-rank{rank}-attempt*.jsonl"))
             for line in path.read_text().splitlines()]
 
 
@@ -78,14 +84,14 @@ class Groups:
         self.deadline = time.monotonic() + timeout_s
 
     def start(self, name: str, replica_id: int, extra: tuple[str, ...] = (), steps: int = STEPS,
-              torchrun: tuple[str, ...] = (), **env: str) -> None:
+              torchrun: tuple[str, ...] = (), nproc: int = 1, **env: str) -> None:
         report = self.tmp / name
         report.mkdir()
         env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO), "FAULT_REPORT_DIR": str(report),
                "FAULT_PLAN": "slow@1:0", "FAULT_SLOW_SECONDS": "0.2", **env}
         self.logs.append(open(self.tmp / f"{name}.log", "w"))
-        command = group_command(replica_id, self.lighthouse, self.tmp / "dump", steps, torchrun, self.size) + \
-            list(extra)
+        command = group_command(replica_id, self.lighthouse, self.tmp / "dump", steps, torchrun, self.size,
+                                nproc) + list(extra)
         self.procs[name] = subprocess.Popen(command, cwd=REPO, env=env, stdout=self.logs[-1],
                                             stderr=subprocess.STDOUT, start_new_session=True)
 
@@ -111,9 +117,9 @@ class Groups:
     def output(self, name: str) -> str:
         return (self.tmp / f"{name}.log").read_text(errors="replace")
 
-    def steps(self, name: str) -> list[dict]:
+    def steps(self, name: str, rank: int = 0) -> list[dict]:
         """The group's committed steps (one record each; a step run again after a failed one has two)."""
-        return [row for row in events(self.tmp / name) if row["event"] == "step" and row["committed"]]
+        return [row for row in events(self.tmp / name, rank) if row["event"] == "step" and row["committed"]]
 
     def assert_finished(self, *names: str) -> None:
         for name in names:
@@ -191,6 +197,91 @@ def test_killed_replica_group_heals_from_a_live_peer_while_the_other_trains_on(t
     assert replica_groups[STEPS] == 2, replica_groups
 
 
+def test_three_groups_of_two_processes_train_on_while_a_killed_one_restarts_and_heals(tmp_path):
+    """The issue's headline: 3 replica groups x 2 processes (FSDP 2 inside each, gloo), one process of group 1
+    SIGKILLed mid-run; group 1's torchrun restarts both of its workers (`--max-restarts 1`).
+
+    The invariant (torchft's per-step semantics): every committed step applies the gradient averaged over the groups
+    in that step's quorum, identically in every group; a group that was down receives a live group's whole state
+    (weights, optimizer, schedule, step, data position) before its first step. So the final weights are those of a
+    run in which the survivors alone processed the steps of the outage (each step's update the mean of the quorum's
+    gradients; the batches the dead group would have read are read by no one): every rank's shards are bitwise the
+    same in the three groups after every step they both committed, the last one included.
+
+    Bounds, from the configuration: a survivor's step in which group 1 died fails at once or after
+    process_group_timeout (5 s); it is run again in a quorum that the lighthouse forms without the dead group after at
+    most its join timeout (1 s) once the dead group has stopped heartbeating (5 s), since 2 of 3 groups are a
+    majority. So no survivor waits longer than 5 + 5 + 1 s plus a few steps' work (the redone step, the transfer to
+    the healing group and its first step: 4 median steps allowed) between two committed steps. The restarted group
+    asks for a quorum once started; the lighthouse puts it into the next quorum the survivors ask for (it has
+    joined, so the quorum waits for nobody), so it takes part in the step after the survivors' step in progress:
+    at most 2 steps after the last one they had committed when it asked."""
+    from torchft.coordination import LighthouseServer
+
+    lighthouse = LighthouseServer(bind="[::]:0", min_replicas=1, join_timeout_ms=1000 * JOIN_TIMEOUT_S,
+                                  heartbeat_timeout_ms=1000 * HEARTBEAT_TIMEOUT_S)
+    groups = Groups(tmp_path, lighthouse.address(), size=3)
+    started = time.monotonic()
+    try:
+        groups.start("group0", 0, nproc=2)
+        groups.wait_until(lambda: last_step(tmp_path / "group0") >= 1, "group 0 trained a step", ("group0",))
+        groups.start("killed", 1, torchrun=("--max-restarts=1",), nproc=2)
+        groups.start("group2", 2, nproc=2)
+        groups.wait_until(lambda: all(len(groups.steps(name)) >= 3 for name in ("killed", "group2")),
+                          "groups 1 and 2 trained 3 steps with group 0", ("group0", "killed", "group2"))
+        victim = workers(groups.procs["killed"])[-1]
+        os.kill(victim, signal.SIGKILL)
+        killed_at = time.time()
+        groups.wait()
+    finally:
+        groups.stop()
+        lighthouse.shutdown()
+    duration = time.monotonic() - started
+    groups.assert_finished("group0", "killed", "group2")
+    assert_survivor_never_stopped(tmp_path / "group0")
+    assert_survivor_never_stopped(tmp_path / "group2", joined_late=True)
+    output = groups.output("killed")
+    restart = output[output.index("exitcode: -9"):]
+    # Healed from a peer, not from disk: no checkpoint exists, none was loaded.
+    assert "recovered the state of step" in restart and "Loaded model" not in output, restart[-6000:]
+    assert not any((tmp_path / "dump").glob("replica_*/checkpoint"))
+
+    survivors = [groups.steps(name) for name in ("group0", "group2")]
+    before = [row for row in groups.steps("killed") if row["attempt"] == 0]
+    after = [row for row in groups.steps("killed") if row["attempt"] == 1]
+    rejoined_at = after[0]["time"]
+    # The survivors committed steps all through the outage, with no pause beyond the bound.
+    times = sorted(row["time"] for row in survivors[0])
+    gaps = [b - a for a, b in zip(times, times[1:])]
+    median = sorted(gaps)[len(gaps) // 2]
+    bound = PROCESS_GROUP_TIMEOUT_S + HEARTBEAT_TIMEOUT_S + JOIN_TIMEOUT_S + 4 * median
+    assert max(gaps) < bound, (max(gaps), bound)
+    # The steps between group 1's last before the kill and its first after it.
+    during = [row["step"] for row in survivors[0] if before[-1]["step"] < row["step"] < after[0]["step"]]
+    assert len(during) >= (rejoined_at - killed_at - bound) / (2 * median) and len(during) >= 5, during
+    replica_groups = groups.replica_groups(0)
+    assert all(replica_groups[step] == 2 for step in during[1:]), replica_groups
+    assert replica_groups[STEPS] == 3, replica_groups
+    # Rejoined within the bound of steps after it asked for a quorum.
+    asked = next(row["time"] for row in events(tmp_path / "killed") if row["event"] == "first_quorum"
+                 and row["attempt"] == 1)
+    committed_when_asked = max(row["step"] for row in survivors[0] if row["time"] < asked)
+    assert committed_when_asked < after[0]["step"] <= committed_when_asked + 2, (committed_when_asked, after[0])
+    assert after[-1]["step"] == STEPS
+    # The invariant, on every rank's shards.
+    for rank in (0, 1):
+        killed = groups.steps("killed", rank)
+        assert_same_weights(groups.steps("group0", rank), groups.steps("group2", rank), killed)
+        final = {name: [row["digest"] for row in groups.steps(name, rank) if row["step"] == STEPS][-1]
+                 for name in ("group0", "killed", "group2")}
+        assert len(set(final.values())) == 1, final
+    print(f"3 groups x 2 processes, {duration:.0f} s: group 1 killed after step {before[-1]['step']}; the survivors "
+          f"committed {len(during)} steps meanwhile (longest pause {max(gaps):.1f} s, median step {median:.2f} s, "
+          f"bound {bound:.1f} s); group 1 asked for a quorum {asked - killed_at:.1f} s after the kill, with the "
+          f"survivors at step {committed_when_asked}, and took part in step {after[0]['step']} "
+          f"{rejoined_at - killed_at:.1f} s after the kill")
+
+
 @pytest.mark.parametrize("size", [2, 3])
 def test_hung_group(tmp_path, size):
     """Group 1's process stalls for STALL_S (SIGUSR1 to the fault injector: its main thread sleeps while torchft's
@@ -260,8 +351,10 @@ def test_group_killed_during_a_checkpoint_save(tmp_path):
     """Both groups checkpoint every 10 steps. Group 1's process is SIGKILLed inside a save (SIGUSR2 to the fault
     injector: once DCP has written step-N.incomplete, before it is published) and its torchrun restarts it. Group 0
     trains on; group 1 loads the newest published checkpoint of the two groups (its own is as it was before the
-    kill), is behind group 0 and heals from it; the interrupted save is never published and the next save removes it; no published
-    checkpoint of either group is lost."""
+    kill) and, if group 0 is further by then, heals from it (when group 1 restarts quickly, group 0 may still be
+    waiting for it in the step after that checkpoint: then both go on from there together, nothing to heal); the
+    interrupted save is never published and the next save removes it; no published checkpoint of either group is
+    lost."""
     from torchft.coordination import LighthouseServer
 
     lighthouse = LighthouseServer(bind="[::]:0", min_replicas=1, join_timeout_ms=1000)
@@ -295,14 +388,16 @@ def test_group_killed_during_a_checkpoint_save(tmp_path):
     restart = output[output.index("failed (exitcode: -9)"):]
     # The restarted group read the newest full checkpoint of either group: its own, published before the kill, or
     # group 0's, if newer (the groups' states are equal at every committed step); then it took the live group's
-    # newer state.
-    loaded = re.search(r"Loaded model, optimizer.* from (\S+)", restart)
+    # state if that was newer still, else it went on from the checkpoint's step (the same weights as group 0 there:
+    # assert_same_weights below).
+    loaded = re.search(r"Loaded model, optimizer.* from (\S+) in \S+ s \(step (\d+)\)", restart)
     assert loaded, restart[:3000]
-    source = Path(loaded[1])
+    source, loaded_step = Path(loaded[1]), int(loaded[2])
     assert source == kept or (source.parent == tmp_path / "dump" / "replica_0" / "checkpoint"
                               and int(source.name.split("-")[1]) > int(kept.name.split("-")[1])), restart[:3000]
-    assert "recovered the state of step" in restart[loaded.end():]
-    assert after[0] > killed_in + 1 and after[-1] == STEPS, after
+    healed = "recovered the state of step" in restart[loaded.end():]
+    assert healed or after[0] == loaded_step + 1, (loaded_step, after[0])
+    assert after[0] > killed_in and after[-1] == STEPS, after
     assert {path.relative_to(kept): path.read_bytes() for path in kept.rglob("*") if path.is_file()} == files
     # Not published, and removed by the next save; every save of both groups is there.
     names = [path.name for path in published()]
@@ -311,7 +406,8 @@ def test_group_killed_during_a_checkpoint_save(tmp_path):
     assert [path.name for path in published(tmp_path / "dump" / "replica_0" / "checkpoint")] == [
         f"step-{step}" for step in range(10, STEPS + 1, 10)]
     assert_same_weights(groups.steps("survivor"), steps)
-    print(f"killed in the save of step {killed_in}; {kept.name} kept; resumed at step {after[0]}")
+    print(f"killed in the save of step {killed_in}; {kept.name} kept; loaded {source}, "
+          f"{'healed from group 0 and ' if healed else ''}resumed at step {after[0]}")
 
 
 @pytest.mark.parametrize("method", ["local_sgd", "diloco"])
@@ -353,16 +449,25 @@ def test_semi_sync_makes_the_weights_equal_every_sync_steps(tmp_path, method):
           f"between")
 
 
-def test_group_with_no_live_peer_resumes_from_its_checkpoint(tmp_path):
+@pytest.mark.parametrize("method", ["none", "diloco"])
+def test_group_with_no_live_peer_resumes_from_its_checkpoint(tmp_path, method):
     """The only live group (of 2 configured) is killed in step 8; its torchrun restarts it, no peer holds a newer
-    state, so it resumes from its own checkpoint of step 5 and replays steps 6-7 exactly."""
+    state, so it resumes from its own checkpoint of step 5 and replays steps 6-7 exactly: the same losses and weights,
+    bitwise (the same fp32 operations in the same order on bitwise-equal state and batches, one thread: no
+    tolerance is needed, so none is given).
+
+    With DiLoCo (sync_steps 3) the checkpoint of step 5 lies between the syncs of steps 3 and 6: step 7 runs from
+    the weights of the sync of step 6, the outer step from the weights of step 3 with the momentum of the sync of
+    step 3 (the checkpoint's `diloco` part). Without that part the resumed group would sync from step 5's weights
+    with zero momentum, and step 7 would differ."""
     from torchft.coordination import LighthouseServer
 
     lighthouse = LighthouseServer(bind="[::]:0", min_replicas=1, join_timeout_ms=1000)
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO), "FAULT_REPORT_DIR": str(tmp_path),
            "FAULT_PLAN": "sigkill@8:0", "FAULT_ATTEMPT": "0"}
     command = group_command(0, lighthouse.address(), tmp_path / "dump", steps=10, torchrun=("--max-restarts=1",))
-    command += ["--checkpoint.enable", "--checkpoint.interval", "5"]
+    command += ["--checkpoint.enable", "--checkpoint.interval", "5", "--fault_tolerance.semi_sync_method", method,
+                "--fault_tolerance.sync_steps", "3"]
     try:
         with subprocess.Popen(command, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                               text=True, start_new_session=True) as proc:
@@ -379,8 +484,52 @@ def test_group_with_no_live_peer_resumes_from_its_checkpoint(tmp_path):
     assert [row["step"] for row in first] == list(range(1, 8))
     assert [row["step"] for row in second] == list(range(6, 11))
     assert "recovered the state" not in output
-    # Weights, optimizer state and data position came back from the checkpoint: the replayed steps are identical.
-    assert [row["digest"] for row in second[:2]] == [row["digest"] for row in first[5:7]]
+    # Weights, optimizer state, data position (and DiLoCo's state) came back from the checkpoint: the replayed steps
+    # are identical.
+    assert [(row["loss"], row["digest"]) for row in second[:2]] == [(row["loss"], row["digest"]) for row in first[5:7]]
+    if method == "diloco":
+        assert "Loaded model, optimizer, lr_scheduler, dataloader, train_state, rng, diloco from" in output
+
+
+def test_diloco_checkpoint_reloads_into_another_layout(tmp_path):
+    """The `diloco` part of a checkpoint is keyed by parameter name and sharded as the parameters: written by a group
+    of 2 processes (FSDP 2; the checkpoint of step 4, between the syncs of steps 3 and 6, so the last sync's weights
+    are not the current ones), it loads into one process whole, as DCP reshards the model: every parameter's
+    last-sync weights and outer momentum equal the checkpoint's full tensors."""
+    from torchft.coordination import LighthouseServer
+
+    from torchtitan.components.checkpoint import read_full_checkpoint
+    from torchtitan.config import parse_args
+    from torchtitan.train import Trainer
+
+    lighthouse = LighthouseServer(bind="[::]:0", min_replicas=1, join_timeout_ms=1000)
+    dump = tmp_path / "dump"
+    options = ["--fault_tolerance.semi_sync_method", "diloco", "--fault_tolerance.sync_steps", "3",
+               "--checkpoint.enable", "--checkpoint.interval", "4"]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}
+    try:
+        written = subprocess.run(group_command(0, lighthouse.address(), dump, steps=5, groups=1, nproc=2) + options,
+                                 cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                                 timeout=300)
+        assert written.returncode == 0, written.stdout[-6000:]
+        folder = dump / "replica_0"
+        saved = read_full_checkpoint(folder / "checkpoint" / "step-4")
+        # The same options in this one process (the group's dump folder as the trainer's main() makes it).
+        command = group_command(0, lighthouse.address(), folder, steps=5, groups=1)
+        trainer = Trainer(parse_args(command[command.index(INJECTOR) + 1:] + options))
+        try:
+            trainer.checkpointer.load()
+            state = trainer.fault_tolerance.diloco_state
+            assert state.loaded
+            for name, key, param in state.parameters:
+                assert torch.equal(state.last_sync[key], saved["diloco"][f"{name}.last_sync"]), name
+                assert torch.equal(state.outer.state[param]["momentum_buffer"],
+                                   saved["diloco"][f"{name}.outer_momentum"]), name
+                assert not torch.equal(saved["model"][name], saved["diloco"][f"{name}.last_sync"]), name
+        finally:
+            trainer.close()
+    finally:
+        lighthouse.shutdown()
 
 
 def start_lighthouse(port: int, log) -> subprocess.Popen:

@@ -1176,3 +1176,31 @@ def test_async_with_pinned_mem_process_save(tmp_path):
         child.kill()
         pytest.fail("the async_with_pinned_mem save did not finish within 120 s")
     assert child.exitcode == 0, "the async_with_pinned_mem child failed; see its output above"
+
+
+def test_diloco_part_is_saved_and_loaded_with_or_without_outer_momentum(pg, tmp_path):
+    """The `diloco` part (fault_tolerance.semi_sync_method = diloco) through the manager: DiLoCo's last-sync weights
+    (here older than the weights: a step was taken after the sync) come back. A run with outer_momentum = 0 saves
+    no momentum; a run with momentum resuming from its checkpoint starts the momentum at zero."""
+    from tests.unit.test_fault_tolerance import diloco_group, inner_steps_then_sync
+
+    saved = build_components(seed=0)
+    group = diloco_group(saved.model, lr=0.7, momentum=0.0, sync_steps=3)
+    parameters = list(saved.model.parameters())
+    inner_steps_then_sync(group, saved.model, [torch.randn_like(p) for p in parameters],
+                          [torch.randn_like(p) for p in parameters], 3)
+    train_step(saved, 4)
+    manager = make_manager(tmp_path, saved)
+    manager.diloco = group.diloco_state
+    manager.save(4)
+
+    resumed = build_components(seed=1)
+    resumed_group = diloco_group(resumed.model, lr=0.7, momentum=0.9, sync_steps=3)
+    restarted = make_manager(tmp_path, resumed)
+    restarted.diloco = resumed_group.diloco_state
+    assert restarted.load() and resumed_group.diloco_state.loaded
+    for key, value in group.diloco_state.last_sync.items():
+        assert torch.equal(resumed_group.diloco_state.last_sync[key], value), key
+    assert not any(torch.equal(value, p.detach()) for value, p in zip(group.diloco_state.last_sync.values(),
+                                                                      parameters))
+    assert not resumed_group.diloco_state.outer.state

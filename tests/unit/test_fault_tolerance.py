@@ -178,7 +178,7 @@ def diloco_group(model: torch.nn.Module, lr: float, momentum: float, sync_steps:
     group.config = FaultTolerance(enable=True, group_size=2, semi_sync_method="diloco", sync_steps=sync_steps,
                                   outer_lr=lr, outer_momentum=momentum)
     group.manager = TwoGroupManager()
-    group.semi_sync = group._semi_sync(model)
+    group.semi_sync = group._semi_sync([model])
     return group
 
 
@@ -255,3 +255,37 @@ def test_diloco_resumed_from_a_checkpoint_syncs_from_the_loaded_weights():
     inner_steps_then_sync(group, model, zero, zero, 9)
     for p, expected in zip(model.parameters(), loaded):
         torch.testing.assert_close(p.detach(), expected)
+
+
+def test_diloco_state_in_a_checkpoint_resumes_the_outer_optimization(tmp_path):
+    """The `diloco` part of a checkpoint (DiLoCoState): a group saved between two syncs (its weights its own, the
+    last sync's elsewhere, the outer momentum non-zero) and resumed into a fresh DiLoCo takes the next sync exactly as
+    the group that went on. Without it the resumed group would sync from the loaded weights with zero momentum."""
+    import torch.distributed.checkpoint as dcp
+
+    torch.manual_seed(0)
+    lr, momentum, sync_steps = 0.7, 0.9, 3
+    model = torch.nn.Linear(4, 3)
+    group = diloco_group(model, lr, momentum, sync_steps)
+    for sync in (1, 2):
+        inner_steps_then_sync(group, model, [torch.randn_like(p) for p in model.parameters()],
+                              [torch.randn_like(p) for p in model.parameters()], sync * sync_steps)
+    with torch.no_grad():  # an inner step after the last sync: the checkpoint is taken between syncs
+        for p in model.parameters():
+            p.add_(torch.randn_like(p))
+    dcp.save({"model": model.state_dict(), "diloco": group.diloco_state.state_dict()}, checkpoint_id=tmp_path,
+             no_dist=True)
+
+    resumed_model = torch.nn.Linear(4, 3)
+    resumed = diloco_group(resumed_model, lr, momentum, sync_steps)
+    state = {"model": resumed_model.state_dict(), "diloco": resumed.diloco_state.state_dict()}
+    dcp.load(state, checkpoint_id=tmp_path, no_dist=True)
+    resumed_model.load_state_dict(state["model"])
+    resumed.diloco_state.load_state_dict(state["diloco"])
+    resumed.resume(2 * sync_steps + 1)
+    change = [torch.randn_like(p) for p in model.parameters()]
+    peer = [torch.randn_like(p) for p in model.parameters()]
+    inner_steps_then_sync(group, model, change, peer, 3 * sync_steps)
+    inner_steps_then_sync(resumed, resumed_model, change, peer, 3 * sync_steps)
+    for p, q in zip(model.parameters(), resumed_model.parameters()):
+        torch.testing.assert_close(q, p, rtol=0, atol=0)

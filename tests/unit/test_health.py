@@ -334,3 +334,72 @@ def test_a_step_the_quorum_did_not_commit_is_skipped_time(tmp_path):
         health.not_committed()
         time.sleep(0.01)
     assert health.goodput.run.seconds["skipped"] >= 0.01 and health.goodput.run.seconds["productive"] == 0.0
+
+
+# ------------------------------------------------------------------------------------------------------------------
+# Re-running a skipped step
+
+
+def run_with_faults(tmp_path, monkeypatch, faults: dict[int, str], options: list[str]) -> tuple[dict, list[dict]]:
+    """A one-process run of the tiny model, 9 steps of 2 accumulated micro-batches, with
+    tests/integration/fault_injection.py's faults (its patches of the Trainer undone after the run); returns the
+    final model and optimizer state, and the metrics rows."""
+    import torch.distributed.checkpoint as dcp
+
+    from tests.integration import fault_injection
+    from tests.integration.harness import TINY
+    from torchtitan import train
+
+    monkeypatch.delenv("FAULT_REPORT_DIR", raising=False)
+    with monkeypatch.context() as patches:
+        for owner, name in ((train.Trainer, "forward_backward"), (train.Trainer, "_next_batches"), (dcp, "save")):
+            patches.setattr(owner, name, getattr(owner, name))
+        fault_injection.install(faults)
+        trainer = train.Trainer(parse_args([*TINY, "--training.steps", "9", "--training.local_batch_size", "2",
+                                            "--training.global_batch_size", "4", "--job.dump_folder", str(tmp_path), "--health.spike_sigma", "5",
+                                            "--health.spike_warmup", "3", *options]))
+        try:
+            trainer.train()
+            state = {**trainer.checkpointer.model.state_dict(), **trainer.optimizers.state_dict()}
+        finally:
+            trainer.close()
+    rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    return state, rows
+
+
+def test_a_skipped_step_is_rerun_to_tell_a_transient_fault_from_a_real_divergence(tmp_path, monkeypatch):
+    """health.rerun_bad_steps: step 5's loss is multiplied by 100 once (the injector's `spike`, in the step's first
+    micro-batch: its re-run computes the step as it should be, as after a transient hardware fault), step 7's in
+    every micro-batch of every computation of the step (a `bad_batch`: the re-run reproduces it). Both updates are skipped; the re-run calls step 5 not reproducible and
+    step 7 reproducible, in the log and the metrics. The re-runs change nothing: the final weights and optimizer
+    state are bitwise those of the same run without them."""
+    faults = {5: "spike", 7: "bad_batch"}
+    warnings = []
+    handler = logging.Handler()
+    handler.emit = lambda record: warnings.append(record.getMessage())
+    logger.addHandler(handler)
+    try:
+        rerun, rows = run_with_faults(tmp_path / "rerun", monkeypatch, faults, ["--health.rerun_bad_steps"])
+    finally:
+        logger.removeHandler(handler)
+    plain, plain_rows = run_with_faults(tmp_path / "plain", monkeypatch, faults, [])
+    verdicts = [line for line in warnings if "re-run on the same inputs" in line]
+    assert len(verdicts) == 2, warnings
+    assert verdicts[0].startswith("step 5: re-run on the same inputs from the same weights: not reproducible")
+    assert verdicts[1].startswith("step 7: re-run on the same inputs from the same weights: reproducible")
+    last = rows[-1]
+    assert (last["health/skipped_steps"], last["health/reruns_reproducible"],
+            last["health/reruns_not_reproducible"]) == (2, 1, 1), last
+    assert plain_rows[-1]["health/skipped_steps"] == 2 and plain_rows[-1]["health/reruns_reproducible"] == 0
+    assert rerun.keys() == plain.keys()
+    for key, value in plain.items():
+        if isinstance(value, torch.Tensor):
+            assert torch.equal(rerun[key], value), key
+
+
+def test_rerun_bad_steps_is_refused_where_a_rerun_is_not_the_same_computation():
+    with pytest.raises(UserError, match=r"option health.rerun_bad_steps: cannot be used with "
+                                        r"comm.gradient_compression = 'loco'"):
+        parse_args(["--health.rerun_bad_steps", "--comm.gradient_compression", "loco"])
+    with pytest.raises(UserError, match=r"option health.rerun_bad_steps: cannot be used with fault_tolerance.enable"):
+        parse_args(["--health.rerun_bad_steps", "--fault_tolerance.enable", "--fault_tolerance.group_size", "2"])

@@ -8,7 +8,9 @@ The trainer makes one `Health` per rank and calls it at a few points of its loop
   in `<dump_folder>/health/`; a later run of the same folder (a restart, a resume) reads the earlier records, so
   that steps it redoes count as lost work and the time between a crash and its restart counts as restart time.
 - `skip_update(...)` after each step's loss and gradient norm are known: whether to drop the update (non-finite,
-  or a spike above the running statistics), and stop after too many dropped in a row.
+  or a spike above the running statistics), and stop after too many dropped in a row. With
+  `health.rerun_bad_steps` the trainer then runs the dropped step again and `rerun_verdict(...)` says whether the
+  re-run reproduced it (a real divergence) or not (a non-deterministic, likely hardware, fault).
 - `waiting_for_peers()` around the step's first collective and `step_end(step)` after the step: every
   `health.straggler_interval` steps the ranks share their own step times in one all_gather and a rank that stays
   slower than the median is named with its host.
@@ -16,6 +18,7 @@ The trainer makes one `Health` per rank and calls it at a few points of its loop
 
 import contextlib
 import json
+import math
 import os
 import socket
 import statistics
@@ -420,6 +423,8 @@ class Health:
         self.guard = SpikeGuard(config)
         self.stragglers = StragglerMonitor(config, device)
         self._applied = True
+        # Skipped steps run again (health.rerun_bad_steps), by verdict.
+        self.reruns = {"reproducible": 0, "not_reproducible": 0}
 
     def begin(self, step: int) -> None:
         self.goodput.begin(step)
@@ -443,6 +448,23 @@ class Health:
         self._applied = not self.guard.skip_update(step, loss, grad_norm, nonfinite)
         return not self._applied
 
+    def rerun_verdict(self, step: int, first: tuple[float, float], rerun: tuple[float, float]) -> bool:
+        """Whether the re-run of a skipped step, from the same weights on the same inputs, gave the first run's
+        (loss, gradient norm) bit for bit (NaN counts as equal to NaN); logged and counted either way."""
+        reproducible = all(a == b or (math.isnan(a) and math.isnan(b)) for a, b in zip(first, rerun))
+        self.reruns["reproducible" if reproducible else "not_reproducible"] += 1
+        figures = f"loss {first[0]:.9g}, gradient norm {first[1]:.9g}"
+        if reproducible:
+            logger.warning(f"step {step}: re-run on the same inputs from the same weights: reproducible ({figures} "
+                           f"again, bit for bit): a real divergence (the data or the numerics of this step), not a "
+                           f"hardware fault (health.rerun_bad_steps)")
+        else:
+            logger.warning(f"step {step}: re-run on the same inputs from the same weights: not reproducible (first "
+                           f"{figures}; re-run loss {rerun[0]:.9g}, gradient norm {rerun[1]:.9g}): suspect a hardware "
+                           f"or other non-deterministic fault on some rank (check the hosts: ECC errors, GPU health, "
+                           f"dmesg) (health.rerun_bad_steps)")
+        return reproducible
+
     def not_committed(self) -> None:
         """The replica groups' quorum did not commit this step (torchft): its time is skipped, not productive."""
         self._applied = False
@@ -460,7 +482,8 @@ class Health:
 
     def metrics(self) -> dict[str, float]:
         """The goodput metrics so far (also updates the run's record)."""
-        return {**goodput_metrics(self.goodput.snapshot()), "health/skipped_steps": self.guard.skipped}
+        return {**goodput_metrics(self.goodput.snapshot()), "health/skipped_steps": self.guard.skipped,
+                **{f"health/reruns_{verdict}": count for verdict, count in self.reruns.items()}}
 
     def finish(self, ended: str) -> None:
         """At the end of the run (finished or preempted): the final record and, on rank 0, the summary line."""

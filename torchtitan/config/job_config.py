@@ -394,7 +394,7 @@ class Checkpoint:
     """Resume from this step's checkpoint instead of the latest (-1 = latest)."""
 
     exclude_from_loading: list[str] = field(default_factory=list)
-    """Parts not to load when resuming, comma separated: model, optimizer, lr_scheduler, dataloader, train_state, rng."""
+    """Parts not to load when resuming, comma separated: model, optimizer, lr_scheduler, dataloader, train_state, rng, diloco (fault_tolerance.semi_sync_method = diloco: the last sync's weights and the outer momentum)."""
 
     enable_first_step_checkpoint: bool = False
     """Also save a checkpoint after the first step."""
@@ -546,6 +546,9 @@ class Health:
 
     max_skipped_in_a_row: int = 5
     """Stop with an error after this many skipped updates in a row (spikes, or non-finite values with debug.on_nonfinite = skip). 0 = never stop."""
+
+    rerun_bad_steps: bool = False
+    """Run the forward and backward of a step whose update is skipped (a spike, or a non-finite value with debug.on_nonfinite = skip) again, on the same inputs from the same weights, and log whether the loss and gradient norm came out bit for bit the same (reproducible: a real divergence, the data or the numerics) or not (suspect a hardware or other non-deterministic fault); counted in the metrics health/reruns_reproducible and health/reruns_not_reproducible. The comparison needs deterministic kernels (debug.deterministic on GPUs). Costs one forward-backward per skipped step."""
 
     straggler_interval: int = 100
     """Every this many steps the ranks share their own step times (one all_gather) and the spread goes to the metrics. 0 = off."""

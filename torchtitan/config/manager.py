@@ -613,9 +613,9 @@ def validate(config: JobConfig) -> None:
         if component not in ("model", "loss"):
             raise UserError(f"option compile.components: {component!r} is not one of 'model', 'loss'")
     for part in config.checkpoint.exclude_from_loading:
-        if part not in ("model", "optimizer", "lr_scheduler", "dataloader", "train_state", "rng"):
+        if part not in ("model", "optimizer", "lr_scheduler", "dataloader", "train_state", "rng", "diloco"):
             raise UserError(f"option checkpoint.exclude_from_loading: {part!r} is not one of model, optimizer, "
-                            f"lr_scheduler, dataloader, train_state, rng")
+                            f"lr_scheduler, dataloader, train_state, rng, diloco")
     valid_converters = ("quantize.linear.float8", "float8")
     for converter in config.model.converters:
         if converter not in valid_converters:
@@ -653,6 +653,11 @@ def validate(config: JobConfig) -> None:
     if config.checkpoint.keep_latest_k < 0:
         raise UserError(f"option checkpoint.keep_latest_k: {config.checkpoint.keep_latest_k} must be 0 (keep all) "
                         f"or positive")
+    if config.health.rerun_bad_steps and config.comm.gradient_compression != "none":
+        raise UserError(f"option health.rerun_bad_steps: cannot be used with comm.gradient_compression = "
+                        f"{config.comm.gradient_compression!r} (its reduce-scatter keeps an error state or rounds at "
+                        f"random, so a re-run is not the same computation); set comm.gradient_compression = 'none' "
+                        f"or health.no_rerun_bad_steps")
     if config.fault_tolerance.enable:
         _validate_fault_tolerance(config)
 
@@ -679,6 +684,10 @@ def _validate_fault_tolerance(config: JobConfig) -> None:
         if not 0 <= ft.outer_momentum < 1:
             raise UserError(f"option fault_tolerance.outer_momentum: {ft.outer_momentum} must be in [0, 1) (the "
                             f"DiLoCo outer step's Nesterov momentum; the DiLoCo paper's is 0.9)")
+    if config.health.rerun_bad_steps:
+        # The re-run's gradients would need the other groups' again, which have moved on.
+        raise UserError("option health.rerun_bad_steps: cannot be used with fault_tolerance.enable (a re-run would "
+                        "need the other replica groups' gradients of that step again); set health.no_rerun_bad_steps")
     if config.health.spike_sigma > 0:
         # Each group would judge its own loss: groups that decide differently would hold different weights.
         raise UserError(f"option health.spike_sigma: {config.health.spike_sigma} cannot be used with "

@@ -25,6 +25,7 @@ from torch.distributed.tensor import DTensor
 from torchtitan.config.job_config import FaultTolerance as FaultToleranceConfig
 from torchtitan.config.job_config import JobConfig
 from torchtitan.errors import UserError
+from torchtitan.models.llama3.model import checkpoint_name
 from torchtitan.tools.logging import logger
 
 LIGHTHOUSE_ENV = "TORCHFT_LIGHTHOUSE"
@@ -70,16 +71,63 @@ def wait_for_lighthouse(address: str, timeout_s: float) -> None:
             time.sleep(min(0.5, max(0.0, deadline - time.monotonic())))
 
 
+class DiLoCoState(Stateful):
+    """What DiLoCo keeps between syncs, as the `diloco` part of the trainer's checkpoints: per parameter, the last
+    sync's weights and the outer optimizer's momentum, keyed by the parameter's checkpoint name and laid out as the
+    parameter (a DTensor of its sharding, else a tensor), so that DCP reshards them as it does the model. A run
+    resumed from disk then continues the outer optimization where it was. (A healing group receives the same state
+    from its peer through the state functions torchft's DiLoCo registers with the manager.)"""
+
+    def __init__(self, model_parts: list[torch.nn.Module], diloco: Any):
+        fragment = diloco._fragments[0]
+        # This rank's local shards, by the names of DiLoCo's ModuleList over the parts.
+        self.last_sync: dict[str, torch.Tensor] = fragment.original_parameters
+        self.outer: torch.optim.SGD = fragment._outer_optimizer
+        self.parameters = [(checkpoint_name(name), f"{index}.{name}", param)
+                           for index, part in enumerate(model_parts) for name, param in part.named_parameters()]
+        # Whether a checkpoint's DiLoCo state was loaded (else ReplicaGroup.resume takes the loaded weights as the
+        # last sync's).
+        self.loaded = False
+
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        state = {}
+        for name, key, param in self.parameters:
+            state[f"{name}.last_sync"] = _laid_out_as(param, self.last_sync[key].to(param.device))
+            if self.outer.param_groups[0]["momentum"]:
+                # Zero before the first sync: SGD's first momentum buffer is then momentum * 0 + delta = delta, as
+                # when it initialises the buffer to delta itself.
+                momentum = self.outer.state.get(param, {}).get("momentum_buffer")
+                state[f"{name}.outer_momentum"] = momentum if momentum is not None else torch.zeros_like(param)
+        return state
+
+    def load_state_dict(self, state_dict: dict[str, torch.Tensor]) -> None:
+        with torch.no_grad():
+            for name, key, param in self.parameters:
+                loaded = state_dict[f"{name}.last_sync"]
+                self.last_sync[key].copy_(loaded.to_local() if isinstance(loaded, DTensor) else loaded)
+                if f"{name}.outer_momentum" in state_dict:
+                    self.outer.state[param]["momentum_buffer"] = state_dict[f"{name}.outer_momentum"]
+        self.loaded = True
+
+
+def _laid_out_as(param: torch.Tensor, local: torch.Tensor) -> torch.Tensor:
+    """`local` (this rank's part of a tensor shaped and sharded as `param`) as a DTensor like `param`, if it is one."""
+    if not isinstance(param, DTensor):
+        return local
+    return DTensor.from_local(local, param.device_mesh, param.placements, shape=param.shape, stride=param.stride())
+
+
 class ReplicaGroup:
     """This process's part in the quorum of replica groups: one torchft Manager per process, as torchft requires.
 
     `states` are what a recovering group receives from a peer, by name: each a Stateful (model, optimizer, LR
     schedulers, data loader, train state). With DiLoCo it also receives DiLoCo's last-sync weights and outer
-    optimizer state, which torchft's DiLoCo registers with the manager itself.
+    optimizer state, which torchft's DiLoCo registers with the manager itself; `diloco_state` is the same state for
+    the trainer's checkpoints.
     """
 
     def __init__(self, config: FaultToleranceConfig, states: dict[str, Stateful], environ: dict[str, str],
-                 model: torch.nn.Module):
+                 model_parts: list[torch.nn.Module]):
         from torchft import Manager, ProcessGroupGloo, ProcessGroupNCCL
 
         self.config = config
@@ -119,14 +167,17 @@ class ReplicaGroup:
         if rank != 0:
             self.manager = manager()
         self.committed = True
-        self.semi_sync = self._semi_sync(model)
+        self.semi_sync = self._semi_sync(model_parts)
 
-    def _semi_sync(self, model: torch.nn.Module) -> Any:
-        """torchft's LocalSGD or DiLoCo over `model`, or None in per-step mode. Their optimizer hooks are not used
-        (the trainer calls sync() after its optimizer step and LR schedule step), so they get no inner optimizer."""
+    def _semi_sync(self, model_parts: list[torch.nn.Module]) -> Any:
+        """torchft's LocalSGD or DiLoCo over every parameter of `model_parts`, or None in per-step mode. Their
+        optimizer hooks are not used (the trainer calls sync() after its optimizer step and LR schedule step), so
+        they get no inner optimizer."""
         from torchft.local_sgd import DiLoCo, LocalSGD
 
         config = self.config
+        self.diloco_state = None
+        model = torch.nn.ModuleList(model_parts)
         if config.semi_sync_method == "local_sgd":
             return LocalSGD(self.manager, model, optimizer=None, sync_every=config.sync_steps)
         if config.semi_sync_method != "diloco":
@@ -136,8 +187,10 @@ class ReplicaGroup:
                                 nesterov=config.outer_momentum > 0)
         # DiLoCo copies the weights as the last sync's ("original" parameters, host memory) and registers them and
         # the outer optimizer's state with the manager: a healing group receives them with the states.
-        return DiLoCo(self.manager, [model], inner_optimizer=None, outer_optimizer=outer,
-                      sync_every=config.sync_steps)
+        diloco = DiLoCo(self.manager, [model], inner_optimizer=None, outer_optimizer=outer,
+                        sync_every=config.sync_steps)
+        self.diloco_state = DiLoCoState(model_parts, diloco)
+        return diloco
 
     def _state_dict(self) -> dict[str, Any]:
         return {name: state.state_dict() for name, state in self.states.items()}
@@ -150,12 +203,13 @@ class ReplicaGroup:
     def resume(self, step: int) -> None:
         """After a checkpoint load: the quorum compares steps (torchft counts committed quorums: every step, or in
         semi-synchronous modes every sync), so a group resumed at `step` is not taken for one at step 0 (which would
-        heal from a peer, or make its peers heal from it). DiLoCo takes the loaded weights as the last sync's: it
-        copied them at its construction, before the load (checkpoints hold neither that copy nor the outer
-        momentum; docs/resilience.md)."""
+        heal from a peer, or make its peers heal from it). DiLoCo's last-sync weights and outer momentum come from
+        the checkpoint (`diloco_state`); from one without them (another run's, an older one) DiLoCo takes the loaded
+        weights as the last sync's, with zero momentum: it copied the weights at its construction, before the
+        load."""
         syncs = step // self.config.sync_steps if self.semi_sync is not None else step
         self.manager.load_state_dict({"step": syncs, "batches_committed": self.manager.batches_committed()})
-        if self.config.semi_sync_method == "diloco":
+        if self.diloco_state is not None and not self.diloco_state.loaded:
             self.semi_sync._save_parameters()
 
     def start_step(self) -> bool:
@@ -272,7 +326,7 @@ def peer_checkpoint_folders(config: JobConfig) -> list[Path]:
 
 
 def setup_fault_tolerance(config: FaultToleranceConfig, states: dict[str, Stateful], environ: dict[str, str],
-                          model: torch.nn.Module) -> ReplicaGroup | None:
-    """This process's replica group, or None when fault_tolerance.enable is off. `model` holds every parameter
+                          model_parts: list[torch.nn.Module]) -> ReplicaGroup | None:
+    """This process's replica group, or None when fault_tolerance.enable is off. `model_parts` hold every parameter
     (LocalSGD and DiLoCo sync them)."""
-    return ReplicaGroup(config, states, environ, model) if config.enable else None
+    return ReplicaGroup(config, states, environ, model_parts) if config.enable else None

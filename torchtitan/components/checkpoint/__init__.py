@@ -50,6 +50,8 @@ Keys of a DCP checkpoint (DCP joins nested keys with dots):
                                  starts without breaking the load
     train_state.step, train_state.tokens_seen
     rng_rank<R>.python/.torch/.cuda   each rank's random generators, restored only on a rank that has an entry
+    diloco.<name>.last_sync, diloco.<name>.outer_momentum   with fault_tolerance.semi_sync_method = diloco:
+                                 DiLoCo's weights of the last sync and outer momentum, sharded as the parameter
 
 Model-only checkpoints (the seed checkpoint, `last_save_model_only`) hold only `model.*`. Resuming picks the latest
 checkpoint that holds the train state; only when there is none does it load a model-only one (the model, with the

@@ -44,7 +44,7 @@ from torchtitan.tools.files import atomic_write
 from torchtitan.tools.logging import logger
 
 INCOMPLETE_SUFFIX = ".incomplete"
-LOADABLE_PARTS = ("model", "optimizer", "lr_scheduler", "dataloader", "train_state", "rng")
+LOADABLE_PARTS = ("model", "optimizer", "lr_scheduler", "dataloader", "train_state", "rng", "diloco")
 ASYNC_MODES = ("disabled", "async", "async_with_pinned_mem")
 EXPORT_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 _STEP_FOLDER = re.compile(r"^step-(\d+)$")
@@ -306,6 +306,9 @@ class CheckpointManager:
         self.dataloader = dataloader
         self.train_state = train_state
         self.rng = RNGState()
+        # DiLoCo's state between syncs (fault_tolerance.semi_sync_method = diloco), set by the trainer once its
+        # replica group exists: saved and loaded as the `diloco` part.
+        self.diloco: Stateful | None = None
         self.model_args = model_args
         self.rank = _rank()
         self.rng_key = f"rng_rank{self.rank}"
@@ -378,7 +381,8 @@ class CheckpointManager:
 
     def _load(self) -> bool:
         begin = time.perf_counter()
-        wanted = [part for part in LOADABLE_PARTS if part not in self.config.exclude_from_loading]
+        wanted = [part for part in LOADABLE_PARTS if part not in self.config.exclude_from_loading
+                  and (part != "diloco" or self.diloco is not None)]
         step = self._agreed_step_to_resume()
         if step is not None:
             source = self._resume_folder / f"step-{step}"
@@ -533,6 +537,9 @@ class CheckpointManager:
             return b""
         if part == "optimizer":
             return exact_where_it_fits(_pack_param_groups(self.optimizers.state_dict()), saved, "optimizer.")
+        if part == "diloco":
+            # A run with fault_tolerance.outer_momentum = 0 saves no momentum: a run with it then starts at zero.
+            return {key: value for key, value in self.diloco.state_dict().items() if f"diloco.{key}" in saved}
         if part == "rng":
             # Only generators saved by this rank: a CPU run's checkpoint resumes on CUDA and vice versa.
             return {name: state for name, state in self.rng.state_dict().items() if f"{self.rng_key}.{name}" in saved}
@@ -540,7 +547,7 @@ class CheckpointManager:
 
     def _stateful(self, part: str) -> Stateful:
         return {"lr_scheduler": self.lr_schedulers, "train_state": self.train_state,
-                "rng": self.rng, "model": self.model}[part]
+                "rng": self.rng, "model": self.model, "diloco": self.diloco}[part]
 
     def _apply(self, part: str, state: Any) -> None:
         if part == "dataloader":
@@ -639,6 +646,7 @@ class CheckpointManager:
             "dataloader": serialize(self.dataloader.state_dict()),
             "train_state": self.train_state.state_dict(),
             self.rng_key: self.rng.state_dict(),
+            **({"diloco": self.diloco.state_dict()} if self.diloco is not None else {}),
         }
 
     def _save_dcp(self, step: int, state_dict: dict[str, Any]) -> None:

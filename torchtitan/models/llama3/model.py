@@ -284,8 +284,7 @@ class Transformer(nn.Module):
         """(name, parameter, how to initialise it) for every parameter, with depth-scaled output projections."""
         output_std = self.args.dim ** -0.5
         for wrapped_name, param in self.named_parameters():
-            # Activation-checkpoint and compile wrappers insert these into names; checkpoints omit them too.
-            name = wrapped_name.replace("_checkpoint_wrapped_module.", "").replace("_orig_mod.", "")
+            name = checkpoint_name(wrapped_name)
             if name.endswith("norm.weight"):
                 yield name, param, lambda t, g: nn.init.ones_(t)
             elif name == "tok_embeddings.weight":
@@ -305,6 +304,12 @@ class Transformer(nn.Module):
         for name, param, initializer in self.parameter_initializers():
             initializer(param, parameter_generator(seed, name, param.device))
         self.init_buffers(buffer_device or next(self.parameters()).device)
+
+
+def checkpoint_name(wrapped_name: str) -> str:
+    """A parameter's name as checkpoints key it: activation-checkpoint and compile wrappers insert these segments
+    into `named_parameters()` names; the model's state dict omits them."""
+    return wrapped_name.replace("_checkpoint_wrapped_module.", "").replace("_orig_mod.", "")
 
 
 def _trunc_normal(std: float, cutoff: float | None = None) -> Initializer:
