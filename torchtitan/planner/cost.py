@@ -14,8 +14,9 @@ Per GPU and step (all stages of one pipeline rank together; the slowest pipeline
   the documents' sum of len^2/2; under CP the ring's diagonal and off-diagonal blocks), at FlashAttention-2's
   published speed by length and head dimension (or the GPU's calibrated one), plus ring attention's fp32 merges.
   Float8 runs the blocks' linear layers at the GPU's float8 peak, the rest at its bf16 peak; both at the same
-  achievable fraction EFFICIENCY (fitted). The memory-bound work (norms, RoPE, SwiGLU's product, residual adds,
-  casts, float8's scaling) moves MEMORY_BOUND_BYTES bytes per element of the hidden state per block (fitted, eager);
+  achievable fraction EFFICIENCY (fitted on H100 rows; on another GPU times the ratio one benchmark measured on
+  both, GPU.gemm_level_vs_h100, so an efficiency given or refitted is in the H100's terms). The memory-bound work
+  (norms, RoPE, SwiGLU's product, residual adds, casts, float8's scaling) moves MEMORY_BOUND_BYTES bytes per element of the hidden state per block (fitted, eager);
   compiled blocks fuse it into COMPILED_FRACTION of that (fitted). Float8 adds its dynamic casts, counted from what
   torchao reads and writes (float8_cast_bytes_per_token: no constant); under TP some of them work on whole-sequence
   tensors, which is most of what makes the 70B and 405B layouts slower per token than the 8B ones. It runs at the
@@ -23,8 +24,9 @@ Per GPU and step (all stages of one pipeline rank together; the slowest pipeline
 - communication, each collective's bytes over the link it crosses (NVLink within a host of 8, the RDMA network
   between hosts; mesh dimensions are laid out pp, dp_replicate, dp_shard, cp, tp, the last varying fastest, so a
   dimension stays within a host when its stride x size <= 8). A ring moves (n - 1) / n of the buffer over its
-  slowest link at the bus bandwidth NCCL reaches there (NCCL_BUS_FRACTION of the datasheet's, published), and each
-  call pays NCCL's ring latency (ring_latency_seconds: per hop, NVLink or network).
+  slowest link at the bus bandwidth NCCL reaches there (NCCL_BUS_FRACTION of the datasheet's, published; between
+  hosts one NIC per rank the group has in a host, up to NVLink's: _link_bandwidth), and each call pays NCCL's ring
+  latency (ring_latency_seconds: per hop, NVLink or network).
 - overlap is bounded by what there is to overlap with: each kind hides behind compute only (async TP behind the
   forward matmuls), and the kinds that share a link hide behind the step's compute once, so a layout whose
   communication exceeds its compute is never predicted compute-bound.
