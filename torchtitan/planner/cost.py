@@ -16,8 +16,9 @@ Per GPU and step (all stages of one pipeline rank together; the slowest pipeline
   Float8 runs the blocks' linear layers at the GPU's float8 peak, the rest at its bf16 peak; both at the same
   achievable fraction EFFICIENCY (fitted on H100 rows; on another GPU times the ratio one benchmark measured on
   both, GPU.gemm_level_vs_h100, so an efficiency given or refitted is in the H100's terms). The memory-bound work
-  (norms, RoPE, SwiGLU's product, residual adds, casts, float8's scaling) moves MEMORY_BOUND_BYTES bytes per element of the hidden state per block (fitted, eager);
-  compiled blocks fuse it into COMPILED_FRACTION of that (fitted). Float8 adds its dynamic casts, counted from what
+  (norms, RoPE, SwiGLU's product, residual adds, casts, float8's scaling) moves MEMORY_BOUND_BYTES bytes per element
+  of the hidden state per block (fitted, eager); compiled blocks fuse it into COMPILED_FRACTION of that (fitted).
+  Float8 adds its dynamic casts, counted from what
   torchao reads and writes (float8_cast_bytes_per_token: no constant); under TP some of them work on whole-sequence
   tensors, which is most of what makes the 70B and 405B layouts slower per token than the 8B ones. It runs at the
   GPU's HBM bandwidth.
