@@ -47,7 +47,7 @@ def describe(layout: Layout) -> str:
     parts += [f"PP {layout.pp} {layout.schedule} ({layout.stages_per_rank} stage(s)/rank, micro-batch "
               f"{layout.microbatch})"] if layout.pp > 1 else []
     parts += [f"CP {layout.cp}"] if layout.cp > 1 else []
-    parts.append({"op": "AC op", "full": "AC full", "none": "no AC"}[layout.ac])
+    parts.append({"op": "AC op", "full": "AC full", "none": "no AC", "layer": f"AC every {layout.ac_every}"}[layout.ac])
     parts += ["float8"] if layout.float8 else []
     parts += ["compile"] if layout.compile else []
     parts += ["async TP"] if layout.async_tp else []
@@ -126,6 +126,12 @@ def validation_markdown(refit: bool) -> str:
                       f"{100 * e['memory_error']:+.1f}%" if e["memory_published_gib"] else "n/a | n/a | n/a")
             lines.append(f"| {e['name']} | {e['gpu']} | {e['source'].split(';')[0]} | {e['tps_published']:,.0f} | "
                          f"{e['tps_predicted']:,.0f} | {100 * e['tps_error']:+.1f}% | {memory} |")
+        by_gpu: dict[str, list[float]] = {}
+        for e in other:
+            by_gpu.setdefault(e["gpu"], []).append(e["tps_error"])
+        lines += ["", "Error in tokens/s per GPU by GPU, other published runs: " + "; ".join(
+            f"{gpu} {100 * min(errors):+.1f}% to {100 * max(errors):+.1f}% ({len(errors)} rows)"
+            for gpu, errors in by_gpu.items()) + "."]
     return "\n".join(lines)
 
 

@@ -14,17 +14,20 @@ Per GPU and step (all stages of one pipeline rank together; the slowest pipeline
   the documents' sum of len^2/2; under CP the ring's diagonal and off-diagonal blocks), at FlashAttention-2's
   published speed by length and head dimension (or the GPU's calibrated one), plus ring attention's fp32 merges.
   Float8 runs the blocks' linear layers at the GPU's float8 peak, the rest at its bf16 peak; both at the same
-  achievable fraction EFFICIENCY (fitted). The memory-bound work (norms, RoPE, SwiGLU's product, residual adds,
-  casts, float8's scaling) moves MEMORY_BOUND_BYTES bytes per element of the hidden state per block (fitted, eager);
-  compiled blocks fuse it into COMPILED_FRACTION of that (fitted). Float8 adds its dynamic casts, counted from what
+  achievable fraction EFFICIENCY (fitted on H100 rows; on another GPU times the ratio one benchmark measured on
+  both, GPU.gemm_level_vs_h100, so an efficiency given or refitted is in the H100's terms). The memory-bound work
+  (norms, RoPE, SwiGLU's product, residual adds, casts, float8's scaling) moves MEMORY_BOUND_BYTES bytes per element
+  of the hidden state per block (fitted, eager); compiled blocks fuse it into COMPILED_FRACTION of that (fitted).
+  Float8 adds its dynamic casts, counted from what
   torchao reads and writes (float8_cast_bytes_per_token: no constant); under TP some of them work on whole-sequence
   tensors, which is most of what makes the 70B and 405B layouts slower per token than the 8B ones. It runs at the
   GPU's HBM bandwidth.
 - communication, each collective's bytes over the link it crosses (NVLink within a host of 8, the RDMA network
   between hosts; mesh dimensions are laid out pp, dp_replicate, dp_shard, cp, tp, the last varying fastest, so a
   dimension stays within a host when its stride x size <= 8). A ring moves (n - 1) / n of the buffer over its
-  slowest link at the bus bandwidth NCCL reaches there (NCCL_BUS_FRACTION of the datasheet's, published), and each
-  call pays NCCL's ring latency (ring_latency_seconds: per hop, NVLink or network).
+  slowest link at the bus bandwidth NCCL reaches there (NCCL_BUS_FRACTION of the datasheet's, published; between
+  hosts one NIC per rank the group has in a host, up to NVLink's: _link_bandwidth), and each call pays NCCL's ring
+  latency (ring_latency_seconds: per hop, NVLink or network).
 - overlap is bounded by what there is to overlap with: each kind hides behind compute only (async TP behind the
   forward matmuls), and the kinds that share a link hide behind the step's compute once, so a layout whose
   communication exceeds its compute is never predicted compute-bound.
@@ -114,7 +117,8 @@ class Layout:
     microbatch: int
     """Sequences per forward: a pipeline micro-batch, or without PP the gradient-accumulation micro-step."""
     ac: str
-    """none, full or op (selective per-op)."""
+    """none, full, op (selective per-op) or layer (selective per block: every ac_every-th block recomputed whole,
+    activation_checkpoint.selective_ac_option = ac_every; TorchTitan's default of 2024 was every 2nd)."""
     float8: bool
     compile: bool
     async_tp: bool
@@ -127,6 +131,8 @@ class Layout:
     cp_rotate: str = "allgather"
     """How causal CP exchanges keys and values (parallelism.context_parallel_rotate_method); block-causal always
     all-gathers them."""
+    ac_every: int = 2
+    """With ac = layer: every how many blocks one is checkpointed."""
     compiled_loss: bool = True
     """With compile, compile the loss too (fused, it keeps no fp32 copy of the logits). TorchTitan compiled only the
     blocks when it measured the published figures: its loss stayed eager ("compiling loss function causes CUDA
@@ -139,6 +145,17 @@ class Layout:
     @property
     def dp(self) -> int:
         return self.dp_replicate * self.dp_shard
+
+    @property
+    def recomputed_blocks(self) -> float:
+        """The share of blocks whose forward runs again whole in backward."""
+        return recomputed_blocks(self.ac, self.ac_every)
+
+
+def recomputed_blocks(ac: str, every: int = 2) -> float:
+    """The share of blocks that activation checkpointing `ac` recomputes whole: all under full AC, one in `every`
+    under per-block selective AC (layer), none otherwise (per-op AC recomputes some matmuls of every block)."""
+    return {"full": 1.0, "layer": 1 / every}.get(ac, 0.0)
 
 
 @dataclass(frozen=True)
@@ -198,10 +215,17 @@ def _link(gpu: GPU, stride: int, size: int) -> str:
 
 def _link_bandwidth(gpu: GPU, stride: int, size: int) -> float:
     """Bytes/s a ring over `size` ranks `stride` apart gets: NCCL's bus bandwidth on its link
-    (NCCL_BUS_FRACTION of the datasheet's)."""
-    link = _link(gpu, stride, size)
-    datasheet = gpu.nvlink_bytes_per_s if link == "nvlink" else gpu.rdma_bytes_per_s
-    return datasheet * NCCL_BUS_FRACTION[link]
+    (NCCL_BUS_FRACTION of the datasheet's). Between hosts every rank of the group in a host brings its own NIC
+    (one per GPU): NCCL spreads its rings' channels over them, so a group with g ranks in each host crosses the
+    network g NICs wide, up to what NVLink carries within the host (NCCL's maintainers: about 24 GB/s of bus
+    bandwidth per 200 Gb/s NIC, 96 GB/s the target of a node with four, "more NICs ... more bandwidth, up to ...
+    the NVLink intra-node bandwidth": github.com/NVIDIA/nccl-tests/issues/119, github.com/NVIDIA/nccl/issues/412).
+    A group with one rank per host (FSDP or HSDP across TP groups, a pipeline's hop) has one NIC."""
+    nvlink = gpu.nvlink_bytes_per_s * NCCL_BUS_FRACTION["nvlink"]
+    if _link(gpu, stride, size) == "nvlink":
+        return nvlink
+    ranks_per_host = max(1, min(size, gpu.gpus_per_host // stride))
+    return min(nvlink, ranks_per_host * gpu.rdma_bytes_per_s * NCCL_BUS_FRACTION["network"])
 
 
 def ring_latency_seconds(gpu: GPU, stride: int, size: int) -> float:
@@ -247,8 +271,9 @@ def sequence_collectives(args: TransformerModelArgs, layout: Layout,
 
     Sequence-parallel TP gathers the hidden state before attention and before the FFN and reduce-scatters after
     each: per block 2 + 2 forward, and backward the reverse of each (2 reduce-scatters, 2 all-gathers); full AC's
-    recomputed forward gathers twice and reduce-scatters once (it stops at the last tensor backward needs). The
-    output layer's input is gathered once more, and its gradient reduce-scattered, on the last stage. Context
+    recomputed forward (per-block AC's, in the blocks it recomputes) gathers twice and reduce-scatters once (it
+    stops at the last tensor backward needs). The output layer's input is gathered once more, and its gradient
+    reduce-scattered, on the last stage. Context
     parallelism runs torch's ring attention: each attention call (forward, recomputed forward, backward)
     all-gathers the keys and values, which the GPU attention path has expanded to the query heads; backward passes
     the keys' and values' gradients, in fp32, to the next rank c times (all-to-all). With the "alltoall" rotation
@@ -258,22 +283,21 @@ def sequence_collectives(args: TransformerModelArgs, layout: Layout,
     t, c = layout.tp, layout.cp
     layers = args.n_layers / layout.pp
     passes = layout.local_batch // layout.microbatch
-    recompute = layout.ac == "full"
+    recompute = layout.recomputed_blocks
     collectives: dict[tuple[str, str], tuple[int, float]] = {}
     if t > 1:
         hidden_bytes = layout.microbatch * seq_len / c * args.dim * 2
-        for kind, per_block in (("all_gather", 4 + (2 if recompute else 0)),
-                                ("reduce_scatter", 4 + (1 if recompute else 0))):
+        for kind, per_block in (("all_gather", 4 + 2 * recompute), ("reduce_scatter", 4 + recompute)):
             calls = (per_block * layers + 1) * passes
             collectives[(kind, "tp")] = (round(calls), calls * hidden_bytes)
     if c > 1 and layout.document_length:
         gathered = layout.microbatch * seq_len * 2 * args.kv_heads / t * args.head_dim * 2
-        gathers = (2 if recompute else 1) * layers * passes
+        gathers = (1 + recompute) * layers * passes
         collectives[("all_gather", "cp")] = (round(gathers), gathers * gathered)
         collectives[("reduce_scatter", "cp")] = (round(layers * passes), layers * passes * gathered)
     elif c > 1:
         kv_bytes = layout.microbatch * seq_len / c * 2 * args.n_heads / t * args.head_dim * 2
-        gathers = (3 if recompute else 2) * layers * passes
+        gathers = (2 + recompute) * layers * passes
         exchanges = c * layers * passes
         if layout.cp_rotate == "alltoall":
             rotations = gathers * (c - 1)
@@ -304,11 +328,12 @@ class AttentionTime:
     """One forward of every layer's attention over the rank's tokens."""
     backward_s: float
     merge_s: float
-    recompute: bool
+    recompute: float
+    """The share of blocks whose forward runs twice (Layout.recomputed_blocks)."""
 
     @property
     def seconds(self) -> float:
-        return self.forward_s * (2 if self.recompute else 1) + self.backward_s + self.merge_s
+        return self.forward_s * (1 + self.recompute) + self.backward_s + self.merge_s
 
 
 def pipeline_p2p_seconds(args: TransformerModelArgs, layout: Layout, seq_len: int, gpu: GPU) -> float:
@@ -329,7 +354,8 @@ def attention_step(args: TransformerModelArgs, layout: Layout, seq_len: int, gpu
     """Attention's time in one step of a GPU of `layout`: the kernel calls of each layer and sequence
     (planner/attention.py: pairs by mask and CP split, speed by length and head dim), heads split over TP; under
     causal CP the c - 1 merges of each forward and the fp32 gradient accumulation of each backward step, at HBM
-    bandwidth. Full AC runs the forward twice; per-op AC saves SDPA's output and does not."""
+    bandwidth. Full AC runs the forward twice (per-block AC in the blocks it recomputes); per-op AC saves SDPA's
+    output and does not."""
     t, c = layout.tp, layout.cp
     heads = args.n_heads / t
     sequences = layout.local_batch * args.n_layers / layout.pp
@@ -339,26 +365,27 @@ def attention_step(args: TransformerModelArgs, layout: Layout, seq_len: int, gpu
     merge_bytes = 0.0
     if c > 1 and not layout.document_length:
         elements = seq_len / c * heads * args.head_dim
-        merge_bytes = (c - 1) * elements * (MERGE_BYTES_PER_ELEMENT * (2 if layout.ac == "full" else 1)
+        merge_bytes = (c - 1) * elements * (MERGE_BYTES_PER_ELEMENT * (1 + layout.recomputed_blocks)
                                             + 3 * GRADIENT_ACCUMULATION_BYTES_PER_ELEMENT)
     return AttentionTime(forward_s=forward * sequences, backward_s=backward * sequences,
-                         merge_s=merge_bytes * sequences / gpu.hbm_bytes_per_s, recompute=layout.ac == "full")
+                         merge_s=merge_bytes * sequences / gpu.hbm_bytes_per_s, recompute=layout.recomputed_blocks)
 
 
-def float8_cast_bytes_per_token(args: TransformerModelArgs, t: int, ac: str) -> float:
+def float8_cast_bytes_per_token(args: TransformerModelArgs, t: int, ac: str, ac_every: int = 2) -> float:
     """HBM bytes per token and block of Float8's dynamic tensorwise casts (torchao), on one TP rank.
 
     Every tensor a float8 matmul takes is read twice (its absolute maximum, then the scaled cast) and written once
     in float8: 5 bytes per element. Forward: the two normalised block inputs (each shared by its projections), wo's
-    and w2's inputs; full AC casts them again in the recomputed forward, per-op AC the inputs of the matmuls it
-    recomputes (wk, wo, w3). Backward: the gradients of the seven outputs. The weight-gradient matmuls take the
-    inputs and the output gradients transposed: one more float8 copy of each (2 bytes). Under TP the block inputs and
-    the output gradients of wo and w2 are whole-sequence tensors (gathered from the sequence-parallel regions): they
-    cost d per token on every rank, where the hidden state's other work costs d / t."""
+    and w2's inputs; full AC casts them again in the recomputed forward (per-block AC in the blocks it recomputes),
+    per-op AC the inputs of the matmuls it recomputes (wk, wo, w3). Backward: the gradients of the seven outputs.
+    The weight-gradient matmuls take the inputs and the output gradients transposed: one more float8 copy of each
+    (2 bytes). Under TP the block inputs and the output gradients of wo and w2 are whole-sequence tensors (gathered
+    from the sequence-parallel regions): they cost d per token on every rank, where the hidden state's other work
+    costs d / t."""
     d, q, kv, f = args.dim, args.n_heads * args.head_dim / t, args.kv_heads * args.head_dim / t, args.ffn_hidden_dim / t
     inputs = 2 * d + q + f
     output_grads = q + 2 * kv + 2 * d + 2 * f
-    recast = {"full": inputs, "op": 2 * d + q}.get(ac, 0.0)
+    recast = inputs * recomputed_blocks(ac, ac_every) + (2 * d + q if ac == "op" else 0.0)
     return 5 * (inputs + recast + output_grads) + 2 * (inputs + output_grads)
 
 
@@ -400,18 +427,19 @@ def linear_gemms(args: TransformerModelArgs, layout: Layout,
     Each linear layer of in x out (its TP shard: column-parallel layers split out, row-parallel ones in) runs, per
     micro-batch of M tokens (the whole gathered sequence under sequence-parallel TP, its 1/cp share under CP), its
     forward (M x in) @ (in x out), the input gradient (M x out) @ (out x in) and the weight gradient
-    (out x M) @ (M x in). Full AC runs every forward again, per-op AC those of wk, wo and w3. Float8 runs the blocks'
-    products in float8 (torchao casts all three); the output layer stays bf16, on the last pipeline stage."""
+    (out x M) @ (M x in). Full AC runs every forward again (per-block AC those of the blocks it recomputes), per-op
+    AC those of wk, wo and w3. Float8 runs the blocks' products in float8 (torchao casts all three); the output layer
+    stays bf16, on the last pipeline stage."""
     t, c = layout.tp, layout.cp
     d, q, kv, f = args.dim, args.n_heads * args.head_dim, args.kv_heads * args.head_dim, args.ffn_hidden_dim
     m = round(layout.microbatch * seq_len / c)
     blocks = args.n_layers / layout.pp * (layout.local_batch // layout.microbatch)
-    recomputed = {"full": {"wq", "wk", "wv", "wo", "w1", "w3", "w2"}, "op": {"wk", "wo", "w3"}}.get(layout.ac, set())
+    recomputed_by_op = {"wk", "wo", "w3"} if layout.ac == "op" else set()
     layers = {"wq": (d, q // t), "wk": (d, kv // t), "wv": (d, kv // t), "wo": (q // t, d), "w1": (d, f // t),
               "w3": (d, f // t), "w2": (f // t, d)}
     gemms = []
     for name, (fan_in, fan_out) in layers.items():
-        forwards = blocks * (2 if name in recomputed else 1)
+        forwards = blocks * (1 + layout.recomputed_blocks + (name in recomputed_by_op))
         gemms += [(forwards, m, fan_in, fan_out, layout.float8, True),
                   (blocks, m, fan_out, fan_in, layout.float8, False),
                   (blocks, fan_out, m, fan_in, layout.float8, False)]
@@ -431,20 +459,22 @@ def step_time(args: TransformerModelArgs, layout: Layout, seq_len: int, gpu: GPU
     # Tokens one GPU's share of the work covers: its data-parallel rank's batch, split over tp x cp (and the
     # pipeline splits layers, not tokens).
     tokens = layout.local_batch * seq_len / (t * c)
-    recompute = layout.ac == "full"
+    recompute = layout.recomputed_blocks
     block_weights = block_linear_params(args)
     if layout.float8 and not gpu.fp8_flops:
         raise UserError(f"option model.converters: float8 needs a GPU with float8 tensor cores, and {gpu.name} "
                         f"has none: leave quantize.linear.float8 out of model.converters")
     if gpu.gemm_efficiency:  # the calibrated GPU's own level
         efficiency = gpu.gemm_efficiency
+    else:  # the level fitted on H100s, carried to another GPU by a published measurement of both
+        efficiency = min(1.0, efficiency * gpu.gemm_level_vs_h100)
     gemms = linear_gemms(args, layout, seq_len)
     matmul_s = sum(count * gemm_seconds(m, k, n, gpu, efficiency, float8) for count, m, k, n, float8, _ in gemms)
     attention = attention_step(args, layout, seq_len, gpu)
-    hidden_elements = tokens * args.dim * layers * (4 / 3 if recompute else 1.0)
+    hidden_elements = tokens * args.dim * layers * (1 + recompute / 3)
     memory_bound = memory_bound_bytes * hidden_elements
     if layout.float8:
-        memory_bound += float8_cast_bytes_per_token(args, t, layout.ac) * tokens * t * layers
+        memory_bound += float8_cast_bytes_per_token(args, t, layout.ac, layout.ac_every) * tokens * t * layers
     memory_bound *= compiled_fraction if layout.compile else 1.0
     compute_s = matmul_s + memory_bound / gpu.hbm_bytes_per_s + attention.seconds
 
@@ -479,7 +509,7 @@ def step_time(args: TransformerModelArgs, layout: Layout, seq_len: int, gpu: GPU
             # Async TP (inductor's micro-pipelining) splits each all-gather feeding a matmul into chunks that
             # overlap it: the two such all-gathers of every forward (and recomputed forward) hide, as far as the
             # forward matmuls last; backward's stay exposed.
-            hidden_calls = (2 + (2 if recompute else 0)) * layers * microbatches
+            hidden_calls = (2 + 2 * recompute) * layers * microbatches
             forward_matmul_s = sum(count * gemm_seconds(m, k, n, gpu, efficiency, float8)
                                    for count, m, k, n, float8, forward in gemms if forward)
             tp_exposed = tp_s - min(tp_s * hidden_calls / (gather_calls + reduce_calls), forward_matmul_s)
@@ -512,7 +542,7 @@ def step_time(args: TransformerModelArgs, layout: Layout, seq_len: int, gpu: GPU
         # all-gathers) and reduces each stage's gradients after its last backward; the compute stream waits for
         # that reduction before it goes on (perform_reduce_grad ends in FSDP's finalize_backward), so none of it
         # overlaps compute.
-        first_forward_s = compute_s / (microbatches * layout.stages_per_rank) * (1 / 4 if recompute else 1 / 3)
+        first_forward_s = compute_s / (microbatches * layout.stages_per_rank) * (1 / (3 + recompute))
         fsdp_exposed = max(0.0, gather_s - first_forward_s)
         fsdp_hidden = gather_s - fsdp_exposed
         drained_s = reduce_s

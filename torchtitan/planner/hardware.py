@@ -34,6 +34,12 @@ class GPU:
     gemm_shapes: tuple[tuple[int, int, int, float], ...] = ()
     """bf16 GEMMs timed on this GPU (scripts/calibrate_gpu.py): (m, k, n, FLOP/s); a product of that shape takes
     the measured time (the mean, if timed more than once)."""
+    gemm_level_vs_h100: float = 1.0
+    """The fraction of its bf16 peak a large GEMM reaches on this GPU over the fraction an H100 SXM reaches, both
+    measured by one benchmark (MAMF_PUBLISHED): the fitted efficiency (H100 rows) times it is this GPU's level."""
+    flash_attention_vs_h100: float = 1.0
+    """FlashAttention-2's fraction of this GPU's peak over its fraction of the H100's, from its published speeds on
+    both (FLASH_A100_OVER_H100): the published H100 curves, scaled to this GPU's peak, times it."""
     allocator_fraction: float | None = None
     """What the caching allocator reserved beyond the live tensors when measured; None: the published figure
     (ALLOCATOR_FRAGMENTATION)."""
@@ -49,7 +55,21 @@ class GPU:
         return {shape: len(values) / sum(values) for shape, values in inverse.items()}
 
     def attention_rates(self, head_dim: int) -> AttentionRates:
-        return self.attention or published_rates(self.bf16_flops, head_dim)
+        return self.attention or published_rates(self.bf16_flops * self.flash_attention_vs_h100, head_dim)
+
+
+# The Maximum Achievable Matmul FLOPS of bf16 `matmul` (torch, CUDA 12.1; the best of a search over shapes), as a
+# fraction of the datasheet peak: A100 SXM 267.9 of 312 TFLOP/s (85.9%), H100 SXM 792.1 of 989 (80.1%); Stas Bekman's
+# ml-engineering, compute/accelerator/README.md, "Maximum Achievable Matmul FLOPS comparison table"
+# (github.com/stas00/ml-engineering). One benchmark on both GPUs: what it leaves out of reach (clocks under load,
+# the kernels cuBLAS has) differs between them, its method does not.
+MAMF_PUBLISHED = {"a100": 267.9 / 312, "h100": 792.1 / 989}
+# FlashAttention-2 on one A100 80 GB SXM4 reaches up to 230 TFLOP/s (its forward, head dim 128, no mask; Dao 2023,
+# arXiv:2307.08691, section 4.1, Figures 4, 6 and 7: "up to 230 TFLOPs/s, 73% of the theoretical maximum"); the same
+# curve on an H100 SXM peaks at 370 (FlashAttention-3 paper, arXiv:2407.08608, Figure 5, the figure attention.py
+# takes): 73.7% of the A100's peak against 37.4% of the H100's (FlashAttention-2 does not use Hopper's warpgroup
+# matrix instructions). The shape of the curves by length and mask is taken as the H100's.
+FLASH_A100_OVER_H100 = (230e12 / 312e12) / (370e12 / 989e12)
 
 
 GPUS: dict[str, GPU] = {gpu.name: gpu for gpu in (
@@ -63,7 +83,8 @@ GPUS: dict[str, GPU] = {gpu.name: gpu for gpu in (
         fp8_flops=1979e12, hbm_bytes_per_s=4.8e12, nvlink_bytes_per_s=450e9, rdma_bytes_per_s=50e9),
     GPU("a100", "A100 SXM 80 GB, NVLink 3, 200 Gb/s RDMA per GPU (no float8)", memory_gib=79.2,
         bf16_flops=312e12, fp8_flops=0.0, hbm_bytes_per_s=2.04e12, nvlink_bytes_per_s=300e9,
-        rdma_bytes_per_s=25e9),
+        rdma_bytes_per_s=25e9, gemm_level_vs_h100=MAMF_PUBLISHED["a100"] / MAMF_PUBLISHED["h100"],
+        flash_attention_vs_h100=FLASH_A100_OVER_H100),
     GPU("b200", "B200 180 GB (HBM3e), NVLink 5, 400 Gb/s RDMA per GPU", memory_gib=178.4, bf16_flops=2250e12,
         fp8_flops=4500e12, hbm_bytes_per_s=8e12, nvlink_bytes_per_s=900e9, rdma_bytes_per_s=50e9),
 )}

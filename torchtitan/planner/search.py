@@ -81,7 +81,8 @@ def reserved_gib(tensor_peak_bytes: float, gpu: GPU | None = None) -> float:
 
 def layout_overrides(layout: Layout, seq_len: int, n_layers: int) -> list[str]:
     """The trainer options that run `layout` on top of the flavor's TOML."""
-    ac_mode, ac_option = {"none": ("none", "op"), "full": ("full", "op"), "op": ("selective", "op")}[layout.ac]
+    ac_mode, ac_option = {"none": ("none", "op"), "full": ("full", "op"), "op": ("selective", "op"),
+                          "layer": ("selective", str(layout.ac_every))}[layout.ac]
     # Without PP the micro-batch is the trainer's local batch, accumulated up to the global batch.
     options = [
         "--training.seq_len", str(seq_len),
@@ -168,9 +169,7 @@ def layout_from_config(config: JobConfig, world_size: int, document_length: floa
 
     dims = ParallelDims.from_config(config.parallelism, world_size)
     parallelism, ac = config.parallelism, config.activation_checkpoint
-    if ac.mode == "selective" and ac.selective_ac_option != "op":
-        raise UserError(f"option activation_checkpoint.selective_ac_option: the planner models 'op', full and none, "
-                        f"not every-{ac.selective_ac_option}-th block")
+    per_op = ac.selective_ac_option == "op"
     if config.model.attention_mask == "block_causal" and not 0 < document_length <= config.training.seq_len:
         raise UserError(f"option --document_length: {document_length:g}, but model.attention_mask is block_causal: "
                         f"give the documents' E[len^2] / E[len] in tokens (their length, if all are alike), 1 to "
@@ -188,7 +187,8 @@ def layout_from_config(config: JobConfig, world_size: int, document_length: floa
                   stages_per_rank=stages_per_rank, local_batch=step_batch,
                   microbatch=parallelism.pipeline_parallel_microbatch_size if dims.pp > 1 else
                   config.training.local_batch_size,
-                  ac={"none": "none", "full": "full", "selective": "op"}[ac.mode],
+                  ac={"none": "none", "full": "full", "selective": "op" if per_op else "layer"}[ac.mode],
+                  ac_every=int(ac.selective_ac_option) if ac.mode == "selective" and not per_op else 2,
                   float8=any("float8" in c for c in config.model.converters), compile=config.compile.enable,
                   async_tp=parallelism.enable_async_tensor_parallel,
                   compiled_loss="loss" in config.compile.components,

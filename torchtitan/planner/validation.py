@@ -50,11 +50,19 @@ class Row:
     gpu: GPUSpec = GPU
     source: str = ""
     """Where the row was published, the software that ran it and how it was read (OTHER's rows)."""
+    model: str = ""
+    """The model's name where it is not the flavor's (OTHER's Llama 2 rows)."""
+    shape: tuple[tuple[str, float], ...] = ()
+    """Shape options on top of the flavor ([model], docs/recipes.md), as (option, value)."""
+
+    @property
+    def args(self) -> TransformerModelArgs:
+        return model_args_for(self.flavor, self.seq_len, overrides=dict(self.shape))
 
     @property
     def name(self) -> str:
         l = self.layout
-        parts = [f"{self.flavor} on {self.gpus}", f"FSDP {l.dp_shard}"]
+        parts = [f"{self.model or self.flavor} on {self.gpus}", f"FSDP {l.dp_shard}"]
         parts += [f"TP {l.tp}"] if l.tp > 1 else []
         parts += [f"PP {l.pp} {l.schedule}" + (f" VP {l.stages_per_rank}" if l.stages_per_rank > 2 else "")] \
             if l.pp > 1 else []
@@ -63,6 +71,8 @@ class Row:
         parts += ["compile"] if l.compile else []
         parts += ["float8"] if l.float8 else []
         parts += ["async TP"] if l.async_tp else []
+        if self.source:  # OTHER's sources vary the activation checkpointing of one layout
+            parts += [{"none": "no AC", "op": "AC op", "full": "AC full", "layer": f"AC every {l.ac_every}"}[l.ac]]
         return ", ".join(parts)
 
 
@@ -89,20 +99,26 @@ def published_rows(path: Path = PUBLISHED) -> list[Row]:
 
 
 def other_rows(path: Path = OTHER) -> list[Row]:
-    """OTHER's rows: their own GPU, micro-batch and virtual stages; peak memory 0 where the source gives none."""
+    """OTHER's rows: their own GPU, micro-batch and virtual stages, model shape and activation checkpointing (ac:
+    none, op, full or layer/N); peak memory 0 where the source gives none."""
     lines = [line for line in path.read_text().splitlines() if not line.startswith("#")]
     rows = []
     for index, record in enumerate(csv.DictReader(lines)):
         schedule = record["pp_schedule"] or None
+        ac, _, every = record["ac"].partition("/")
+        shape = tuple((name, float(value) if "." in value else int(value))
+                      for name, value in (item.split("=") for item in record["shape"].split()))
         layout = Layout(dp_replicate=1, dp_shard=int(record["dp_shard"]), tp=int(record["tp"]), pp=int(record["pp"]),
                         cp=int(record["cp"]), schedule=schedule, stages_per_rank=int(record["vp"]),
-                        local_batch=int(record["local_batch"]), microbatch=int(record["mbs"]), ac=record["ac"],
+                        local_batch=int(record["local_batch"]), microbatch=int(record["mbs"]), ac=ac,
+                        ac_every=int(every or 2),
                         float8=record["float8"] == "true", compile=record["compile"] == "true",
                         async_tp=record["async_tp"] == "true")
         rows.append(Row(index=index, flavor=record["flavor"], gpus=int(record["gpus"]), seq_len=int(record["seq_len"]),
                         layout=layout, tps_per_gpu=float(record["tps_per_gpu"]),
                         peak_memory_gib=float(record["peak_mem_gib"] or 0), gpu=GPUS[record["gpu"]],
-                        source=f"{record['source']}; {record['software']}; {record['method']}"))
+                        source=f"{record['source']}; {record['software']}; {record['method']}",
+                        model=record["model"], shape=shape))
     return rows
 
 
@@ -113,7 +129,7 @@ def other_table(rows: list[Row] | None = None) -> list[dict]:
     rows = rows if rows is not None else other_rows()
     table = []
     for row in rows:
-        tps = tokens_per_second_per_gpu(model_args_for(row.flavor, row.seq_len), row.layout, row.seq_len, row.gpu)
+        tps = tokens_per_second_per_gpu(row.args, row.layout, row.seq_len, row.gpu)
         memory = predict(row.flavor, row.layout, row.seq_len, row.gpu).peak_memory_gib if row.peak_memory_gib else 0.0
         table.append({"row": row.index, "name": row.name, "gpu": row.gpu.name, "source": row.source,
                       "tps_published": row.tps_per_gpu, "tps_predicted": tps, "tps_error": tps / row.tps_per_gpu - 1,
@@ -139,11 +155,19 @@ class Envelope:
     predicted less than published)."""
     long_context_error: float
     """The largest relative error in tokens/s per GPU over the long-context rows (LONG_CONTEXT), which lie outside."""
+    other_gpu_errors: dict[str, tuple[int, float, float]] = dataclasses.field(default_factory=dict)
+    """By GPU family outside the envelope: how many of OTHER's rows ran on it, and their least and largest relative
+    error in tokens/s per GPU (the uncertainty a layout on that GPU carries, as far as those rows checked it)."""
 
     def outside(self, layout: Layout, seq_len: int, gpu: GPUSpec, overlap_ratio: float) -> tuple[str, ...]:
         reasons = []
-        if gpu.name.split("_")[0] not in self.gpus:
-            reasons.append(f"GPU {gpu.name} (validated: {', '.join(sorted(self.gpus))})")
+        family = gpu.name.split("_")[0]
+        if family not in self.gpus:
+            checked = ""
+            if family in self.other_gpu_errors:
+                count, low, high = self.other_gpu_errors[family]
+                checked = f"; {count} published rows on it predicted {100 * low:+.0f}% to {100 * high:+.0f}%"
+            reasons.append(f"GPU {gpu.name} (validated: {', '.join(sorted(self.gpus))}{checked})")
         if seq_len not in self.seq_lens:
             reasons.append(f"seq_len {seq_len} (validated: {', '.join(map(str, sorted(self.seq_lens)))})")
         for name, most in self.max_degrees.items():
@@ -170,12 +194,20 @@ def envelope() -> Envelope:
               / row.tps_per_gpu - 1 for row in rows if not row.fitted]
     long_context = [tokens_per_second_per_gpu(model_args_for(row.flavor, row.seq_len), row.layout, row.seq_len, GPU)
                     / row.tps_per_gpu - 1 for row in published_rows(LONG_CONTEXT)]
+    families: dict[str, list[float]] = {}
+    for row in other_rows():
+        family = row.gpu.name.split("_")[0]
+        if family != GPU.name.split("_")[0]:
+            error = tokens_per_second_per_gpu(row.args, row.layout, row.seq_len, row.gpu) / row.tps_per_gpu - 1
+            families.setdefault(family, []).append(error)
     return Envelope(gpus=frozenset({GPU.name.split("_")[0]}), seq_lens=frozenset(row.seq_len for row in rows),
                     max_degrees={name: max(getattr(row.layout, name) for row in rows)
                                  for name in ("tp", "pp", "cp", "dp_replicate")},
                     max_world=max(row.gpus for row in rows), max_overlap_ratio=max(ratios),
                     tps_error_range=(min(errors), max(errors)),
-                    long_context_error=max(long_context, key=abs))
+                    long_context_error=max(long_context, key=abs),
+                    other_gpu_errors={family: (len(errors), min(errors), max(errors))
+                                      for family, errors in families.items()})
 
 
 def predictions(rows: list[Row], **constants) -> list[Prediction]:
