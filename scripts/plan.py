@@ -132,6 +132,16 @@ def validation_markdown(refit: bool) -> str:
         lines += ["", "Error in tokens/s per GPU by GPU, other published runs: " + "; ".join(
             f"{gpu} {100 * min(errors):+.1f}% to {100 * max(errors):+.1f}% ({len(errors)} rows)"
             for gpu, errors in by_gpu.items()) + "."]
+        lines += ["", "Context parallelism by source, attention and the rest apart "
+                  "(`validation.attention_split_check`: per source, two factors on the model's attention and on the "
+                  "rest of its step, fitted on that source's rows with CP <= 2, then applied to its CP >= 4 rows; "
+                  "a diagnostic, nothing of the model is fitted):", "",
+                  "| source | factors (rest, attention) | run | CP | attention share | error | error after the "
+                  "factors |", "|---|---|---|---:|---:|---:|---:|"]
+        for source, (factors, table) in validation.cp_sources().items():
+            lines += [(f"| {source} | {factors[0]:.2f}, {factors[1]:.2f} | " if i == 0 else "| | | ")
+                      + f"{e['name']} | {e['cp']} | {100 * e['attention_share']:.0f}% | {100 * e['tps_error']:+.1f}% | "
+                      f"{100 * e['residual']:+.1f}% |" for i, e in enumerate(table)]
     return "\n".join(lines)
 
 

@@ -429,6 +429,77 @@ def test_long_context_rows_without_deep_cp_within_bound(row):
     assert abs(long_context[row]["tps_error"]) <= BOUND
 
 
+def test_nemo_flop_count_reproduces_its_published_pairs():
+    """NeMo's long-sequence table gives model TFLOP/s per GPU only; the rows take tokens/s from it through NeMo's
+    FLOPs per token, which must turn NeMo 24.07's published tokens/s into its published TFLOP/s (Llama 2 7B at 4,096:
+    16,847 and 776; Llama 3 8B at 8,192: 12,036 and 697), within the rounding of three significant digits."""
+    from torchtitan.models.llama3.args import model_args_for
+
+    llama2_7b = model_args_for("8B", 4096, overrides={"n_heads": 32, "n_kv_heads": 32, "ffn_dim_multiplier": 1.0,
+                                                      "multiple_of": 256, "vocab_size": 32000})
+    for args, seq_len, tps, tflops in ((llama2_7b, 4096, 16847, 776), (model_args_for("8B", 8192), 8192, 12036, 697)):
+        assert tps * validation.nemo_model_flops_per_token(args, seq_len) / 1e12 == pytest.approx(tflops, abs=0.5)
+
+
+def test_nemo_long_sequence_rows_are_held_out_and_outside_the_envelope():
+    """NeMo's long-sequence rows (Llama 2 7B on H100, CP 1-32; Llama 3 8B on B200, CP 1-16): read from the published
+    TFLOP/s, held out, run on Transformer Engine's p2p ring (cp_rotate alltoall), each evaluated and in the docs'
+    tables (the other runs' and the check by source), outside the envelope (their layouts with CP, long sequences
+    or a B200 are marked). Their errors are reported, not bounded."""
+    rows = [row for row in validation.other_rows() if validation.NEMO_LONG_SEQUENCE in row.source]
+    assert sorted((row.gpu.name, row.layout.cp) for row in rows) == sorted(
+        [("h100", cp) for cp in (1, 1, 1, 2, 2, 4, 8, 16, 32)] + [("b200", cp) for cp in (1, 1, 2, 4, 4, 4, 8, 16)])
+    assert not any(row.fitted for row in rows)
+    assert all(row.layout.cp_rotate == "alltoall" for row in rows if row.layout.cp > 1)
+    # 256k on 256 H100s: 549 TFLOP/s per GPU over 6 x 6.608e9 weights + 12 x 32 x 4096 x 262,144 FLOPs per token.
+    row = next(row for row in rows if row.gpu.name == "h100" and row.seq_len == 262144)
+    assert row.tps_per_gpu == pytest.approx(549e12 / (6 * (32 * 202_375_168 + 32000 * 4096) + 12 * 32 * 4096 * 262144))
+    text = plan_script.DOCS.read_text()
+    entries = validation.other_table(rows)
+    assert all(entry["name"] in text and entry["tps_predicted"] > 0 for entry in entries)
+    checked = {e["name"] for _, table in validation.cp_sources().values() for e in table}
+    assert {row.name for row in rows} <= checked
+    # The envelope stays that of TorchTitan's H100 rows: these rows widen none of it, and every one with CP, a
+    # sequence beyond those rows' or a B200 is marked (the 8k PP 2 row's layout is one TorchTitan's rows cover).
+    envelope, published = validation.envelope(), validation.published_rows()
+    assert envelope.max_degrees["cp"] == max(row.layout.cp for row in published)
+    assert envelope.seq_lens == {row.seq_len for row in published}
+    assert envelope.other_gpu_errors["b200"][0] == 8
+    for row in rows:
+        if row.layout.cp > 1 or row.seq_len not in envelope.seq_lens or row.gpu.name == "b200":
+            assert predict(row.flavor, row.layout, row.seq_len, row.gpu).outside_envelope, row.name
+
+
+def test_attention_split_check_recovers_factors_and_shows_a_jump():
+    """Published steps made of known factors on the model's attention and on the rest are given back those factors
+    with nothing left over; steps 1.5x longer at CP >= 4 show +50% there and nothing at CP <= 2."""
+    import dataclasses
+
+    from torchtitan.planner.cost import attention_step, step_time
+
+    rows = [row for row in validation.other_rows()
+            if validation.NEMO_LONG_SEQUENCE in row.source and row.gpu.name == "h100"]
+
+    def made_of(rest_factor: float, attention_factor: float, slower_from_cp4: float) -> list:
+        made = []
+        for row in rows:
+            layout = row.layout
+            step = step_time(row.args, layout, row.seq_len, row.gpu)
+            attention = attention_step(row.args, layout, row.seq_len, row.gpu).seconds * step.bubble
+            seconds = rest_factor * (step.seconds - attention) + attention_factor * attention
+            seconds *= slower_from_cp4 if layout.cp >= 4 else 1.0
+            tokens = layout.local_batch * row.seq_len / (layout.tp * layout.cp * layout.pp)
+            made.append(dataclasses.replace(row, tps_per_gpu=tokens / seconds))
+        return made
+
+    factors, table = validation.attention_split_check(made_of(0.7, 1.1, 1.0))
+    assert factors == pytest.approx((0.7, 1.1))
+    assert all(abs(e["residual"]) < 1e-9 for e in table)
+    factors, table = validation.attention_split_check(made_of(0.7, 1.1, 1.5))
+    assert factors == pytest.approx((0.7, 1.1))
+    assert [e["residual"] for e in table] == pytest.approx([0.5 if e["cp"] >= 4 else 0.0 for e in table], abs=1e-9)
+
+
 def test_context_parallel_exchange_per_rotate_method_and_mask():
     """allgather: each attention call (forward, recomputed forward, backward) gathers all c chunks of keys and values
     (heads expanded); alltoall: it passes one chunk on c - 1 times; both pass the fp32 key/value gradients c times

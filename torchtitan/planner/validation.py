@@ -20,7 +20,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from torchtitan.models.llama3.args import TransformerModelArgs, model_args_for
-from torchtitan.planner.cost import MODEL_CONSTANTS, Layout, step_time, tokens_per_second_per_gpu
+from torchtitan.planner.cost import (MODEL_CONSTANTS, Layout, attention_step, block_linear_params, step_time,
+                                     tokens_per_second_per_gpu)
 from torchtitan.planner.hardware import GPU as GPUSpec, GPUS
 from torchtitan.planner.search import CONFIGS, PRESET_TOML, Prediction, layout_overrides, predict, reserved_gib
 
@@ -99,8 +100,9 @@ def published_rows(path: Path = PUBLISHED) -> list[Row]:
 
 
 def other_rows(path: Path = OTHER) -> list[Row]:
-    """OTHER's rows: their own GPU, micro-batch and virtual stages, model shape and activation checkpointing (ac:
-    none, op, full or layer/N); peak memory 0 where the source gives none."""
+    """OTHER's rows: their own GPU, micro-batch and virtual stages, model shape, activation checkpointing (ac:
+    none, op, full or layer/N) and CP rotation; peak memory 0 where the source gives none; tokens/s per GPU from
+    the published model TFLOP/s in NeMo's count where the source gives no tokens/s."""
     lines = [line for line in path.read_text().splitlines() if not line.startswith("#")]
     rows = []
     for index, record in enumerate(csv.DictReader(lines)):
@@ -113,13 +115,25 @@ def other_rows(path: Path = OTHER) -> list[Row]:
                         local_batch=int(record["local_batch"]), microbatch=int(record["mbs"]), ac=ac,
                         ac_every=int(every or 2),
                         float8=record["float8"] == "true", compile=record["compile"] == "true",
-                        async_tp=record["async_tp"] == "true")
-        rows.append(Row(index=index, flavor=record["flavor"], gpus=int(record["gpus"]), seq_len=int(record["seq_len"]),
-                        layout=layout, tps_per_gpu=float(record["tps_per_gpu"]),
-                        peak_memory_gib=float(record["peak_mem_gib"] or 0), gpu=GPUS[record["gpu"]],
-                        source=f"{record['source']}; {record['software']}; {record['method']}",
-                        model=record["model"], shape=shape))
+                        async_tp=record["async_tp"] == "true", cp_rotate=record["cp_rotate"] or "allgather")
+        row = Row(index=index, flavor=record["flavor"], gpus=int(record["gpus"]), seq_len=int(record["seq_len"]),
+                  layout=layout, tps_per_gpu=float(record["tps_per_gpu"] or 0),
+                  peak_memory_gib=float(record["peak_mem_gib"] or 0), gpu=GPUS[record["gpu"]],
+                  source=f"{record['source']}; {record['software']}; {record['method']}",
+                  model=record["model"], shape=shape)
+        if not row.tps_per_gpu:
+            tflops = float(record["model_tflops_per_gpu"])
+            row = dataclasses.replace(row, tps_per_gpu=tflops * 1e12 / nemo_model_flops_per_token(row.args, row.seq_len))
+        rows.append(row)
     return rows
+
+
+def nemo_model_flops_per_token(args: TransformerModelArgs, seq_len: int) -> float:
+    """NeMo's model FLOPs per token, the count behind its published "model TFLOP/s per GPU": 6 per weight of the
+    blocks' linear layers and of the output layer (not the embedding), plus 12 x layers x dim x seq for attention's
+    two products, without the causal halving (this framework's count halves them)."""
+    weights = block_linear_params(args) * args.n_layers + args.vocab_size * args.dim
+    return 6 * weights + 12 * args.n_layers * args.dim * seq_len
 
 
 def other_table(rows: list[Row] | None = None) -> list[dict]:
@@ -137,6 +151,57 @@ def other_table(rows: list[Row] | None = None) -> list[dict]:
                       "memory_predicted_gib": memory or None,
                       "memory_error": memory / row.peak_memory_gib - 1 if row.peak_memory_gib else None})
     return table
+
+
+def attention_split_check(rows: list[Row], gpu: GPUSpec | None = None) -> tuple[tuple[float, float], list[dict]]:
+    """Whether a source's CP rows keep the error its rows without CP or with CP 2 have, attention and the rest
+    apart: the model's step per token split into attention (its kernels, recomputed forward and ring merges, times
+    the bubble) and everything else, and the two factors by which the source's published step differs from each,
+    fitted by least squares in relative error on the rows with CP <= 2 only, then applied to every row. A factor
+    pair that holds at CP 4 and beyond (residual near 0) says the model's CP terms scale as the source does, at the
+    source's own level of attention and of the rest; a residual that jumps at CP 4 says they do not. A diagnostic
+    of one source against itself: nothing of the model is fitted on these rows. `gpu`: the rows' GPU where it is
+    not their own (the long-context rows'). Returns the factors (rest, attention) and, per row, its CP, attention's
+    share of the model's step, the model's error in tokens/s per GPU and the error left after the factors (both
+    positive where the prediction is too fast)."""
+    parts = []
+    for row in rows:
+        layout, args, on = row.layout, row.args, gpu or row.gpu
+        step = step_time(args, layout, row.seq_len, on)
+        tokens = layout.local_batch * row.seq_len / (layout.tp * layout.cp * layout.pp)
+        attention = attention_step(args, layout, row.seq_len, on).seconds * step.bubble / tokens
+        parts.append((row, step.seconds / tokens - attention, attention, 1 / row.tps_per_gpu))
+    # Least squares of (a x rest + b x attention) / published - 1 over the rows with CP <= 2: the 2 x 2 normal
+    # equations of the features rest / published and attention / published against 1.
+    fit_on = [(rest / published, attention / published) for row, rest, attention, published in parts
+              if row.layout.cp <= 2]
+    xx = sum(x * x for x, _ in fit_on)
+    xy = sum(x * y for x, y in fit_on)
+    yy = sum(y * y for _, y in fit_on)
+    x1, y1 = sum(x for x, _ in fit_on), sum(y for _, y in fit_on)
+    determinant = xx * yy - xy * xy
+    rest_factor, attention_factor = (x1 * yy - y1 * xy) / determinant, (y1 * xx - x1 * xy) / determinant
+    table = [{"row": row.index, "name": row.name, "cp": row.layout.cp, "attention_share": attention / (rest + attention),
+              "tps_error": published / (rest + attention) - 1,
+              "residual": published / (rest_factor * rest + attention_factor * attention) - 1}
+             for row, rest, attention, published in parts]
+    return (rest_factor, attention_factor), table
+
+
+# NeMo's long-sequence table (Llama 2 7B on H100, Llama 3 8B on B200): the rows of OTHER that attention_split_check
+# sets beside TorchTitan's long-context rows.
+NEMO_LONG_SEQUENCE = "NVIDIA/NeMo/blob/9421f21af3bc554cd5656caac4dff863b20e8c65/docs/source/performance/" \
+                     "performance_long_sequence.md"
+
+
+def cp_sources() -> dict[str, tuple[tuple[float, float], list[dict]]]:
+    """attention_split_check of each source with rows at CP 1 to CP 8 and beyond: TorchTitan's long-context rows
+    (torch's ring attention, January 2025), NeMo's long-sequence rows on H100 and on B200 (Transformer Engine's)."""
+    nemo = [row for row in other_rows() if NEMO_LONG_SEQUENCE in row.source]
+    return {"TorchTitan, 8B, H100 (torch's ring attention)": attention_split_check(published_rows(LONG_CONTEXT), GPU),
+            **{f"NeMo, {rows[0].model or rows[0].flavor}, {gpu.upper()} (Transformer Engine's ring)":
+               attention_split_check(rows)
+               for gpu in ("h100", "b200") for rows in [[row for row in nemo if row.gpu.name == gpu]]}}
 
 
 @dataclass(frozen=True)
