@@ -25,6 +25,11 @@ Recipes and their baselines:
     ddp             one replica per host, AdamW, gradients all-reduced (the baseline of flexdemo)
     flexdemo        one replica per host, FlexDeMo (DCT top-8 of 64 per chunk exchanged)
     flexdemo_tiles  + DCT over 8 x 8 tiles of each matrix (DeMo's reference's 2-D transform)
+    muon            FSDP, Muon (its Newton-Schulz spread over the ranks, the results all-gathered)
+    galore          FSDP, GaLore-AdamW (galore.scale 2, a subspace refresh every 75 steps)
+    ranger21        FSDP, Ranger21 (weight decay 1e-4: its stable decay is in other units than AdamW's)
+(The optimizers' recipes are for their bytes and speed on the link; their losses at their own learning rates,
+over seeds, are in docs/recipes.md's optimizer section.)
 
 Writes OUT/results.json, OUT/comm_bench.md (also printed) and the plots OUT/loss_vs_step.png,
 OUT/loss_vs_bytes.png and OUT/throughput.png. `--quantization-error-only` measures the relative L2 error of the
@@ -66,6 +71,10 @@ RECIPES: dict[str, tuple[str, list[str]]] = {
     "ddp": ("ddp", DDP),
     "flexdemo": ("ddp", [*DDP, "--optimizer.name", "FlexDeMo"]),
     "flexdemo_tiles": ("ddp", [*DDP, "--optimizer.name", "FlexDeMo", "--optimizer.flexdemo.transform", "tiles"]),
+    "muon": ("fsdp", [*FSDP, "--optimizer.name", "Muon"]),
+    "galore": ("fsdp", [*FSDP, "--optimizer.name", "GaLore-AdamW", "--optimizer.galore.scale", "2",
+                        "--optimizer.galore.update_gap", "75"]),
+    "ranger21": ("fsdp", [*FSDP, "--optimizer.name", "Ranger21", "--optimizer.weight_decay", "1e-4"]),
 }
 
 
