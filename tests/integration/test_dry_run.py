@@ -215,6 +215,8 @@ def test_flexdemo_exchanges_its_components_once_per_step(tmp_path):
 
 @pytest.mark.parametrize("shard, cp, ac, options", [
     (2, 2, "none", []), (1, 4, "full", []),
+    # Per-op AC saves the reduce-scatters' outputs, not the gathered inputs: backward gathers them again.
+    (2, 2, "op", []),
     # The other rotate method: each call passes one chunk on cp - 1 times instead of gathering them all.
     pytest.param(1, 4, "full", ["--parallelism.context_parallel_rotate_method", "alltoall"], marks=pytest.mark.slow),
 ])
@@ -230,7 +232,9 @@ def test_planner_counts_the_sequence_collectives_the_dry_run_issues(tmp_path, sh
 
     report = dry_run(tmp_path, 8, "--parallelism.data_parallel_shard_degree", str(shard),
                      "--parallelism.context_parallel_degree", str(cp), "--parallelism.tensor_parallel_degree", "2",
-                     "--activation_checkpoint.mode", ac, "--training.seq_len", "256", "--training.local_batch_size", "8",
+                     *(["--activation_checkpoint.mode", "selective", "--activation_checkpoint.selective_ac_option", "op"]
+                       if ac == "op" else ["--activation_checkpoint.mode", ac]),
+                     "--training.seq_len", "256", "--training.local_batch_size", "8",
                      *options)
     layout = Layout(dp_replicate=1, dp_shard=shard, tp=2, pp=1, cp=cp, schedule=None, stages_per_rank=1,
                     local_batch=8, microbatch=8, ac=ac, float8=False, compile=False, async_tp=False)

@@ -263,6 +263,13 @@ def parameter_traffic_bytes(stage_params: float, shard: int, gather_bytes: int, 
     return OPTIMIZER_BYTES_PER_PARAM * shard_params + passes * per_pass
 
 
+def recomputed_tp_gathers(layout: Layout) -> float:
+    """Sequence-parallel all-gathers per block that activation checkpointing runs again in backward: the two of a
+    recomputed forward (full AC; per-block AC in the blocks it recomputes), or the two whose outputs per-op AC does
+    not save."""
+    return 2 * layout.recomputed_blocks + (2 if layout.ac == "op" else 0)
+
+
 def sequence_collectives(args: TransformerModelArgs, layout: Layout,
                          seq_len: int) -> dict[tuple[str, str], tuple[int, float]]:
     """The collectives of tensor and context parallelism in one step of a rank, as the dry run counts them:
@@ -272,7 +279,9 @@ def sequence_collectives(args: TransformerModelArgs, layout: Layout,
     Sequence-parallel TP gathers the hidden state before attention and before the FFN and reduce-scatters after
     each: per block 2 + 2 forward, and backward the reverse of each (2 reduce-scatters, 2 all-gathers); full AC's
     recomputed forward (per-block AC's, in the blocks it recomputes) gathers twice and reduce-scatters once (it
-    stops at the last tensor backward needs). The output layer's input is gathered once more, and its gradient
+    stops at the last tensor backward needs); per-op AC saves the reduce-scatters' outputs but not the gathered
+    inputs, which backward needs for the weight gradients, so it gathers them again (twice per block; torch's
+    partitioner recomputes a collective the policy marks for recomputation, compiled or not). The output layer's input is gathered once more, and its gradient
     reduce-scattered, on the last stage. Context
     parallelism runs torch's ring attention: each attention call (forward, recomputed forward, backward)
     all-gathers the keys and values, which the GPU attention path has expanded to the query heads; backward passes
@@ -287,7 +296,7 @@ def sequence_collectives(args: TransformerModelArgs, layout: Layout,
     collectives: dict[tuple[str, str], tuple[int, float]] = {}
     if t > 1:
         hidden_bytes = layout.microbatch * seq_len / c * args.dim * 2
-        for kind, per_block in (("all_gather", 4 + 2 * recompute), ("reduce_scatter", 4 + recompute)):
+        for kind, per_block in (("all_gather", 4 + recomputed_tp_gathers(layout)), ("reduce_scatter", 4 + recompute)):
             calls = (per_block * layers + 1) * passes
             collectives[(kind, "tp")] = (round(calls), calls * hidden_bytes)
     if c > 1 and layout.document_length:
@@ -507,9 +516,9 @@ def step_time(args: TransformerModelArgs, layout: Layout, seq_len: int, gpu: GPU
         tp_exposed = tp_s
         if layout.async_tp:
             # Async TP (inductor's micro-pipelining) splits each all-gather feeding a matmul into chunks that
-            # overlap it: the two such all-gathers of every forward (and recomputed forward) hide, as far as the
+            # overlap it: the two such all-gathers of every forward (and those AC runs again) hide, as far as the
             # forward matmuls last; backward's stay exposed.
-            hidden_calls = (2 + 2 * recompute) * layers * microbatches
+            hidden_calls = (2 + recomputed_tp_gathers(layout)) * layers * microbatches
             forward_matmul_s = sum(count * gemm_seconds(m, k, n, gpu, efficiency, float8)
                                    for count, m, k, n, float8, forward in gemms if forward)
             tp_exposed = tp_s - min(tp_s * hidden_calls / (gather_calls + reduce_calls), forward_matmul_s)
