@@ -19,12 +19,20 @@ def table():
     return validation.validation_table()
 
 
-@pytest.mark.parametrize("row", range(10))
+@pytest.mark.parametrize("row", range(18))
 def test_published_row_within_bound(table, row):
+    """Rows 0-9: TorchTitan's Dec-2024 runs; 10-17: its async TP runs of June 2025 (no memory published)."""
     entry = table[row]
     assert abs(entry["tps_error"]) <= BOUND, (entry["name"], entry["tps_published"], entry["tps_predicted"])
-    assert abs(entry["memory_error"]) <= BOUND, (entry["name"], entry["memory_published_gib"],
-                                                 entry["memory_predicted_gib"])
+    if row < 10:
+        assert abs(entry["memory_error"]) <= BOUND, (entry["name"], entry["memory_published_gib"],
+                                                     entry["memory_predicted_gib"])
+    else:
+        assert entry["memory_error"] is None
+
+
+def test_every_h100_row_is_in_the_table():
+    assert len(validation.published_rows()) == 18
 
 
 def test_constants_are_those_fitted_on_the_named_rows():

@@ -1,4 +1,5 @@
-"""The planner against TorchTitan's published H100 figures (data/torchtitan_llama3_h100.csv, source in its header).
+"""The planner against TorchTitan's published H100 figures (data/torchtitan_llama3_h100.csv and
+data/torchtitan_llama3_h100_async_tp.csv, sources in their headers).
 
 FIT_ROWS name the rows the three constants of the performance model are fitted on; every other row is a
 prediction. The hardware of the table is the H100 96 GB of TorchTitan's hosts (`h100_96gb`), and the rows' layouts
@@ -26,6 +27,10 @@ from torchtitan.planner.hardware import GPU as GPUSpec, GPUS
 from torchtitan.planner.search import CONFIGS, PRESET_TOML, Prediction, layout_overrides, predict, reserved_gib
 
 PUBLISHED = Path(__file__).resolve().parent / "data" / "torchtitan_llama3_h100.csv"
+# TorchTitan's async TP runs of June 2025 on the same hosts (8B on FSDP 8 x TP 8, 70B on FSDP 32 x TP 8, vanilla and
+# async TP, bf16 and Float8): held out, and with PUBLISHED's rows they make the envelope.
+ASYNC_TP = PUBLISHED.with_name("torchtitan_llama3_h100_async_tp.csv")
+H100_ROWS = (PUBLISHED, ASYNC_TP)
 # TorchTitan's long-context rows (8B with CP at 32k-256k): held out, and outside the envelope, which the rows of
 # PUBLISHED alone make: the model misses them (docs/scaling.md), so they bound nothing.
 LONG_CONTEXT = PUBLISHED.with_name("torchtitan_llama3_h100_long_context.csv")
@@ -55,6 +60,8 @@ class Row:
     """The model's name where it is not the flavor's (OTHER's Llama 2 rows)."""
     shape: tuple[tuple[str, float], ...] = ()
     """Shape options on top of the flavor ([model], docs/recipes.md), as (option, value)."""
+    date: str = ""
+    """When the run was published, where its file has more than one date's runs of one layout (ASYNC_TP's)."""
 
     @property
     def args(self) -> TransformerModelArgs:
@@ -74,13 +81,22 @@ class Row:
         parts += ["async TP"] if l.async_tp else []
         if self.source:  # OTHER's sources vary the activation checkpointing of one layout
             parts += [{"none": "no AC", "op": "AC op", "full": "AC full", "layer": f"AC every {l.ac_every}"}[l.ac]]
-        return ", ".join(parts)
+        return ", ".join(parts) + (f" ({self.date})" if self.date else "")
 
 
-def published_rows(path: Path = PUBLISHED) -> list[Row]:
-    lines = [line for line in path.read_text().splitlines() if not line.startswith("#")]
+def published_rows(*paths: Path) -> list[Row]:
+    """The rows of `paths` (by default H100_ROWS, whose rows make the envelope), numbered on from file to file; peak
+    memory 0 where the source publishes none."""
+    rows: list[Row] = []
+    for path in paths or H100_ROWS:
+        lines = [line for line in path.read_text().splitlines() if not line.startswith("#")]
+        rows += _rows_of(csv.DictReader(lines), first_index=len(rows), fitted=path == PUBLISHED)
+    return rows
+
+
+def _rows_of(records, first_index: int, fitted: bool) -> list[Row]:
     rows = []
-    for index, record in enumerate(csv.DictReader(lines)):
+    for index, record in enumerate(records, start=first_index):
         pp = int(record["pp"])
         schedule = record["pp_schedule"] or None
         layout = Layout(dp_replicate=1, dp_shard=int(record["dp_shard"]), tp=int(record["tp"]), pp=pp,
@@ -94,8 +110,8 @@ def published_rows(path: Path = PUBLISHED) -> list[Row]:
                         compiled_loss=False)
         rows.append(Row(index=index, flavor=record["flavor"], gpus=int(record["gpus"]), seq_len=int(record["seq_len"]),
                         layout=layout, tps_per_gpu=float(record["tps_per_gpu"]),
-                        peak_memory_gib=float(record["peak_mem_gib"]),
-                        fitted=path == PUBLISHED and index in FIT_ROWS))
+                        peak_memory_gib=float(record["peak_mem_gib"] or 0),
+                        fitted=fitted and index in FIT_ROWS, date=record.get("date", "")))
     return rows
 
 
@@ -324,8 +340,10 @@ def validation_table(rows: list[Row] | None = None, constants: dict[str, float] 
                       "tps_published": row.tps_per_gpu, "tps_predicted": prediction.tps_per_gpu,
                       "tps_error": prediction.tps_per_gpu / row.tps_per_gpu - 1,
                       "tps_conservative": prediction.tps_conservative, "tps_optimistic": prediction.tps_optimistic,
-                      "memory_published_gib": row.peak_memory_gib, "memory_predicted_gib": prediction.peak_memory_gib,
-                      "memory_error": prediction.peak_memory_gib / row.peak_memory_gib - 1})
+                      "memory_published_gib": row.peak_memory_gib or None,
+                      "memory_predicted_gib": prediction.peak_memory_gib,
+                      "memory_error": prediction.peak_memory_gib / row.peak_memory_gib - 1 if row.peak_memory_gib
+                      else None})
     return table
 
 
@@ -384,8 +402,8 @@ def measured_table(rows: list[Row], gpu: GPUSpec, steps: int) -> list[dict]:
 
 def traced_table(rows: list[Row] | None = None) -> list[dict]:
     """Published peak memory against the dry run's (plus the allocator model), one dry run per distinct layout
-    (compile and async TP do not change what is traced)."""
-    rows = rows or published_rows()
+    (compile and async TP do not change what is traced), for the rows that publish it."""
+    rows = [row for row in rows or published_rows() if row.peak_memory_gib]
     traced: dict = {}
     table = []
     for row in rows:
