@@ -777,3 +777,27 @@ def test_h100_calibration_file_times_its_shapes_and_sets_the_level():
     bare = dataclasses.replace(gpu, gemm_shapes=())
     assert sum(gemm_seconds(g["m"], g["k"], g["n"], bare, gpu.gemm_efficiency) for g in products) == pytest.approx(
         sum(2 * g["m"] * g["k"] * g["n"] / g["flops_per_s"] for g in products))
+
+
+def test_a_float8_recipe_the_model_does_not_count_is_marked_not_silently_predicted():
+    """The model counts tensorwise scaling; a rowwise config is predicted as tensorwise (with bf16 all-gathers, the
+    only kind rowwise runs), marked outside the envelope with what TorchTitan's rowwise runs measured."""
+    import dataclasses
+
+    config = parse_args(["--job.config_file", "train_configs/llama3_8b.toml", "--model.converters",
+                         "quantize.linear.float8", "--quantize.linear.float8.recipe_name", "rowwise"])
+    layout = layout_from_config(config, 64)
+    assert (layout.float8, layout.float8_recipe) == (True, "rowwise")
+    rowwise = predict("8B", layout, 8192, GPUS["h100"])
+    low, high = validation.ROWWISE_OVER_TENSORWISE
+    assert f"float8 recipe rowwise (predicted as tensorwise; TorchTitan's June-2025 rowwise runs, not modelled, ran " \
+           f"{low:.2f}-{high:.2f}x" in " ".join(rowwise.outside_envelope)
+    tensorwise = predict("8B", dataclasses.replace(layout, float8_recipe="tensorwise"), 8192, GPUS["h100"])
+    assert tensorwise.outside_envelope == ()
+    # Rowwise gathers bf16 weights under FSDP; tensorwise gathers float8 ones: more traffic, never faster.
+    assert rowwise.tps_without_overlap < tensorwise.tps_without_overlap
+    # The overrides name the recipe (and leave out the float8 all-gather, which the trainer refuses with rowwise).
+    again = layout_from_config(parse_args(["--job.config_file", "train_configs/llama3_8b.toml",
+                                           *rowwise.overrides]), 64)
+    assert again == layout
+    assert "--quantize.linear.float8.enable_fsdp_float8_all_gather" not in rowwise.overrides

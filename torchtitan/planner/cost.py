@@ -133,6 +133,9 @@ class Layout:
     all-gathers them."""
     ac_every: int = 2
     """With ac = layer: every how many blocks one is checkpointed."""
+    float8_recipe: str = "tensorwise"
+    """torchao's Float8 recipe (quantize.linear.float8.recipe_name). The model counts tensorwise scaling's casts
+    and kernels; another recipe is predicted as tensorwise and marked outside the validated envelope."""
     compiled_loss: bool = True
     """With compile, compile the loss too (fused, it keeps no fp32 copy of the logits). TorchTitan compiled only the
     blocks when it measured the published figures: its loss stayed eager ("compiling loss function causes CUDA
@@ -490,7 +493,7 @@ def step_time(args: TransformerModelArgs, layout: Layout, seq_len: int, gpu: GPU
     # FSDP over dp_shard x cp (stride tp), HSDP's replicas (stride dp_shard x cp x tp).
     stage_params = (block_weights * layers + args.vocab_size * args.dim * (2 / p)) / t
     shard = layout.dp_shard * c
-    gather_bytes = 1 if layout.float8 else 2
+    gather_bytes = 1 if layout.float8 and layout.float8_recipe == "tensorwise" else 2  # float8 all-gather: tensorwise
     gathers = 2 if p == 1 else 1  # parameters are gathered again for backward unless PP keeps them
     fsdp_bytes_ag = gathers * stage_params * gather_bytes
     fsdp_bytes_rs = stage_params * 4

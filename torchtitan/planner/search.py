@@ -105,10 +105,12 @@ def layout_overrides(layout: Layout, seq_len: int, n_layers: int) -> list[str]:
         options += ["--model.attention_mask", "block_causal"]
     if layout.cp > 1:
         options += ["--parallelism.context_parallel_rotate_method", layout.cp_rotate]
-    if layout.float8:
-        # Float8 all-gathers under FSDP: half the bytes of bf16 (TorchTitan's 405B recipe).
+    if layout.float8 and layout.float8_recipe == "tensorwise":
+        # Float8 all-gathers under FSDP: half the bytes of bf16 (TorchTitan's 405B recipe; tensorwise scaling only).
         options += ["--quantize.linear.float8.enable_fsdp_float8_all_gather",
                     "--quantize.linear.float8.precompute_float8_dynamic_scale_for_fsdp"]
+    elif layout.float8:
+        options += ["--quantize.linear.float8.recipe_name", layout.float8_recipe]
     if layout.pp > 1:
         options += ["--parallelism.pipeline_parallel_schedule", layout.schedule,
                     "--parallelism.pipeline_parallel_microbatch_size", str(layout.microbatch)]
@@ -189,7 +191,8 @@ def layout_from_config(config: JobConfig, world_size: int, document_length: floa
                   config.training.local_batch_size,
                   ac={"none": "none", "full": "full", "selective": "op" if per_op else "layer"}[ac.mode],
                   ac_every=int(ac.selective_ac_option) if ac.mode == "selective" and not per_op else 2,
-                  float8=any("float8" in c for c in config.model.converters), compile=config.compile.enable,
+                  float8=any("float8" in c for c in config.model.converters),
+                  float8_recipe=config.quantize.linear.float8.recipe_name or "tensorwise", compile=config.compile.enable,
                   async_tp=parallelism.enable_async_tensor_parallel,
                   compiled_loss="loss" in config.compile.components,
                   document_length=document_length if config.model.attention_mask == "block_causal" else 0.0,
