@@ -215,9 +215,12 @@ NEMO_LONG_SEQUENCE = "NVIDIA/NeMo/blob/9421f21af3bc554cd5656caac4dff863b20e8c65/
 
 def cp_sources() -> dict[str, tuple[tuple[float, float], list[dict]]]:
     """attention_split_check of each source with rows at CP 1 to CP 8 and beyond: TorchTitan's long-context rows
-    (torch's ring attention, January 2025), NeMo's long-sequence rows on H100 and on B200 (Transformer Engine's)."""
+    of the 8B and of the 405B (torch's ring attention, January 2025), NeMo's long-sequence rows on H100 and on B200 (Transformer Engine's)."""
     nemo = [row for row in other_rows() if NEMO_LONG_SEQUENCE in row.source]
-    return {"TorchTitan, 8B, H100 (torch's ring attention)": attention_split_check(published_rows(LONG_CONTEXT), GPU),
+    long_context = published_rows(LONG_CONTEXT)
+    return {**{f"TorchTitan, {flavor}, H100 (torch's ring attention)":
+               attention_split_check([row for row in long_context if row.flavor == flavor], GPU)
+               for flavor in ("8B", "405B")},
             **{f"NeMo, {rows[0].model or rows[0].flavor}, {gpu.upper()} (Transformer Engine's ring)":
                attention_split_check(rows)
                for gpu in ("h100", "b200") for rows in [[row for row in nemo if row.gpu.name == gpu]]}}
