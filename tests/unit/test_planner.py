@@ -787,12 +787,13 @@ def test_a_float8_recipe_the_model_does_not_count_is_marked_not_silently_predict
     config = parse_args(["--job.config_file", "train_configs/llama3_8b.toml", "--model.converters",
                          "quantize.linear.float8", "--quantize.linear.float8.recipe_name", "rowwise"])
     layout = layout_from_config(config, 64)
-    assert (layout.float8, layout.float8_recipe) == (True, "rowwise")
+    assert (layout.float8, layout.float8_recipe, layout.float8_all_gather) == (True, "rowwise", False)
     rowwise = predict("8B", layout, 8192, GPUS["h100"])
     low, high = validation.ROWWISE_OVER_TENSORWISE
     assert f"float8 recipe rowwise (predicted as tensorwise; TorchTitan's June-2025 rowwise runs, not modelled, ran " \
            f"{low:.2f}-{high:.2f}x" in " ".join(rowwise.outside_envelope)
-    tensorwise = predict("8B", dataclasses.replace(layout, float8_recipe="tensorwise"), 8192, GPUS["h100"])
+    tensorwise = predict("8B", dataclasses.replace(layout, float8_recipe="tensorwise", float8_all_gather=True), 8192,
+                         GPUS["h100"])
     assert tensorwise.outside_envelope == ()
     # Rowwise gathers bf16 weights under FSDP; tensorwise gathers float8 ones: more traffic, never faster.
     assert rowwise.tps_without_overlap < tensorwise.tps_without_overlap
@@ -801,3 +802,27 @@ def test_a_float8_recipe_the_model_does_not_count_is_marked_not_silently_predict
                                            *rowwise.overrides]), 64)
     assert again == layout
     assert "--quantize.linear.float8.enable_fsdp_float8_all_gather" not in rowwise.overrides
+
+
+def test_published_float8_rows_gather_as_their_configs_did():
+    """TorchTitan's 8B and 70B configs left FSDP's float8 all-gather off (bf16 gathers), its 405B config turned it
+    on; each row carries its own, and the all-gather moves 2 bytes per parameter or 1."""
+    import dataclasses
+
+    from torchtitan.models.llama3.args import model_args_for
+    from torchtitan.planner.cost import _link_bandwidth, block_linear_params, step_time
+
+    rows = validation.published_rows()
+    assert [row.index for row in rows if row.layout.float8 and row.layout.float8_all_gather] == [8, 9]
+    row = rows[2]
+    args, layout, gpu = model_args_for("8B", 8192), row.layout, validation.GPU
+    bf16 = step_time(args, layout, 8192, gpu)
+    float8 = step_time(args, dataclasses.replace(layout, float8_all_gather=True), 8192, gpu)
+    params = block_linear_params(args) * args.n_layers + 2 * args.vocab_size * args.dim
+    one_byte_per_gather = 2 * params * 7 / 8 / _link_bandwidth(gpu, 1, 8)  # forward and backward gathers, ring of 8
+    assert bf16.fsdp_comm_s - float8.fsdp_comm_s == pytest.approx(one_byte_per_gather)
+    # The trainer options say which: a layout without float8 gathers emits neither option and reads back as such.
+    overrides = predict("8B", layout, 8192, gpu).overrides
+    assert "--quantize.linear.float8.enable_fsdp_float8_all_gather" not in overrides
+    config = parse_args(["--job.config_file", "train_configs/llama3_8b.toml", *overrides])
+    assert layout_from_config(config, 8).float8_all_gather is False

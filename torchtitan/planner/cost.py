@@ -74,7 +74,7 @@ from torchtitan.planner.attention import attention_calls, attention_seconds
 from torchtitan.planner.hardware import GPU
 
 # Fitted on the 8B, 8-GPU rows of the published table (scripts/plan.py --validate refits and prints them).
-EFFICIENCY = 0.67
+EFFICIENCY = 0.68
 MEMORY_BOUND_BYTES = 1200.0
 COMPILED_FRACTION = 0.625
 MODEL_CONSTANTS = {"efficiency": EFFICIENCY, "memory_bound_bytes": MEMORY_BOUND_BYTES,
@@ -133,6 +133,11 @@ class Layout:
     all-gathers them."""
     ac_every: int = 2
     """With ac = layer: every how many blocks one is checkpointed."""
+    float8_all_gather: bool = True
+    """Under FSDP, all-gather Float8 weights in float8 with precomputed scales
+    (quantize.linear.float8.enable_fsdp_float8_all_gather and precompute_float8_dynamic_scale_for_fsdp; tensorwise
+    only), as the planner's layouts do; off, FSDP gathers bf16. TorchTitan's published 8B and 70B runs had them off
+    (its configs' default), its 405B runs on."""
     float8_recipe: str = "tensorwise"
     """torchao's Float8 recipe (quantize.linear.float8.recipe_name). The model counts tensorwise scaling's casts
     and kernels; another recipe is predicted as tensorwise and marked outside the validated envelope."""
@@ -264,6 +269,11 @@ def parameter_traffic_bytes(stage_params: float, shard: int, gather_bytes: int, 
     else:
         per_pass = stage_params * 12
     return OPTIMIZER_BYTES_PER_PARAM * shard_params + passes * per_pass
+
+
+def float8_gathered(layout: Layout) -> bool:
+    """Whether FSDP all-gathers the weights in float8 (tensorwise scaling only)."""
+    return layout.float8 and layout.float8_all_gather and layout.float8_recipe == "tensorwise"
 
 
 def recomputed_tp_gathers(layout: Layout) -> float:
@@ -493,7 +503,7 @@ def step_time(args: TransformerModelArgs, layout: Layout, seq_len: int, gpu: GPU
     # FSDP over dp_shard x cp (stride tp), HSDP's replicas (stride dp_shard x cp x tp).
     stage_params = (block_weights * layers + args.vocab_size * args.dim * (2 / p)) / t
     shard = layout.dp_shard * c
-    gather_bytes = 1 if layout.float8 and layout.float8_recipe == "tensorwise" else 2  # float8 all-gather: tensorwise
+    gather_bytes = 1 if float8_gathered(layout) else 2
     gathers = 2 if p == 1 else 1  # parameters are gathered again for backward unless PP keeps them
     fsdp_bytes_ag = gathers * stage_params * gather_bytes
     fsdp_bytes_rs = stage_params * 4

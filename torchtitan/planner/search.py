@@ -17,7 +17,7 @@ from pathlib import Path
 from torchtitan.config import JobConfig, parse_args
 from torchtitan.errors import UserError
 from torchtitan.models.llama3.args import llama3_flavors, model_args_for, shape_overrides
-from torchtitan.planner.cost import Layout, step_time
+from torchtitan.planner.cost import Layout, float8_gathered, step_time
 from torchtitan.planner.hardware import GPU, headroom
 from torchtitan.planner.memory import estimate
 
@@ -105,11 +105,11 @@ def layout_overrides(layout: Layout, seq_len: int, n_layers: int) -> list[str]:
         options += ["--model.attention_mask", "block_causal"]
     if layout.cp > 1:
         options += ["--parallelism.context_parallel_rotate_method", layout.cp_rotate]
-    if layout.float8 and layout.float8_recipe == "tensorwise":
+    if float8_gathered(layout):
         # Float8 all-gathers under FSDP: half the bytes of bf16 (TorchTitan's 405B recipe; tensorwise scaling only).
         options += ["--quantize.linear.float8.enable_fsdp_float8_all_gather",
                     "--quantize.linear.float8.precompute_float8_dynamic_scale_for_fsdp"]
-    elif layout.float8:
+    elif layout.float8 and layout.float8_recipe != "tensorwise":
         options += ["--quantize.linear.float8.recipe_name", layout.float8_recipe]
     if layout.pp > 1:
         options += ["--parallelism.pipeline_parallel_schedule", layout.schedule,
@@ -171,6 +171,7 @@ def layout_from_config(config: JobConfig, world_size: int, document_length: floa
 
     dims = ParallelDims.from_config(config.parallelism, world_size)
     parallelism, ac = config.parallelism, config.activation_checkpoint
+    float8, float8_config = any("float8" in c for c in config.model.converters), config.quantize.linear.float8
     per_op = ac.selective_ac_option == "op"
     if config.model.attention_mask == "block_causal" and not 0 < document_length <= config.training.seq_len:
         raise UserError(f"option --document_length: {document_length:g}, but model.attention_mask is block_causal: "
@@ -191,8 +192,10 @@ def layout_from_config(config: JobConfig, world_size: int, document_length: floa
                   config.training.local_batch_size,
                   ac={"none": "none", "full": "full", "selective": "op" if per_op else "layer"}[ac.mode],
                   ac_every=int(ac.selective_ac_option) if ac.mode == "selective" and not per_op else 2,
-                  float8=any("float8" in c for c in config.model.converters),
-                  float8_recipe=config.quantize.linear.float8.recipe_name or "tensorwise", compile=config.compile.enable,
+                  float8=float8, float8_recipe=float8_config.recipe_name or "tensorwise",
+                  # Meaningful with Float8 only; without it the planner's default, so that layouts compare equal.
+                  float8_all_gather=float8_config.enable_fsdp_float8_all_gather if float8 else True,
+                  compile=config.compile.enable,
                   async_tp=parallelism.enable_async_tensor_parallel,
                   compiled_loss="loss" in config.compile.components,
                   document_length=document_length if config.model.attention_mask == "block_causal" else 0.0,

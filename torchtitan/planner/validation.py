@@ -108,8 +108,9 @@ def _rows_of(records, first_index: int, fitted: bool) -> list[Row]:
                         # TorchTitan's default of that version: as many micro-batches as pipeline ranks.
                         local_batch=int(record["local_batch"]), microbatch=int(record["local_batch"]) // pp,
                         ac={"selective": "op", "full": "full", "none": "none"}[record["ac"]],
-                        float8=record["float8"] == "true", compile=record["compile"] == "true",
-                        async_tp=record["async_tp"] == "true", row_split_embedding=True,
+                        float8=record["float8"] == "true", float8_all_gather=record["float8_all_gather"] == "true",
+                        compile=record["compile"] == "true", async_tp=record["async_tp"] == "true",
+                        row_split_embedding=True,
                         compiled_loss=False)
         rows.append(Row(index=index, flavor=record["flavor"], gpus=int(record["gpus"]), seq_len=int(record["seq_len"]),
                         layout=layout, tps_per_gpu=float(record["tps_per_gpu"]),
