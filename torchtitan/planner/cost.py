@@ -52,8 +52,12 @@ Per GPU and step (all stages of one pipeline rank together; the slowest pipeline
 - parameter traffic, memory-bound at the GPU's HBM bandwidth, counted, not fitted (parameter_traffic_bytes): once
   per step, fused AdamW and gradient-norm clipping over the rank's parameter shard; per forward-backward pass, the
   mixed-precision casts of the parameters and gradients (FSDP's copies into and out of its collectives' buffers,
-  or without FSDP autocast's). It does not grow with the tokens of a pass, so it weighs most at small batches on
-  few GPUs (one GPU, one sequence of the 8B's shape: about a seventh of the step) and is noise at scale.
+  or without FSDP autocast's), and Float8's work on the weights (float8_weight_bytes): with FSDP's float8
+  all-gather the eager cast of each fp32 shard, its absolute maximum once per step and a transposed float8 copy of
+  each gathered weight in every backward; otherwise a cast of the weight (gathered bf16, or the fp32 parameter) in
+  every forward and again in every backward (compiled: with the forward's maximum, into the layout its product
+  wants). It does not grow with the tokens of a pass, so it weighs most at small
+  batches on few GPUs (one GPU, one sequence of the 8B's shape: about a seventh of the step) and is noise at scale.
 - pipeline bubble: (micro-batches x v + pp - 1) / (micro-batches x v) for 1F1B-style schedules with v stages per
   rank (v = 1: 1F1B; Interleaved1F1B: v >= 2); GPipe and LoopedBFS add the same warm-up and drain.
 
@@ -74,9 +78,9 @@ from torchtitan.planner.attention import attention_calls, attention_seconds
 from torchtitan.planner.hardware import GPU
 
 # Fitted on the 8B, 8-GPU rows of the published table (scripts/plan.py --validate refits and prints them).
-EFFICIENCY = 0.68
-MEMORY_BOUND_BYTES = 1200.0
-COMPILED_FRACTION = 0.625
+EFFICIENCY = 0.61
+MEMORY_BOUND_BYTES = 1040.0
+COMPILED_FRACTION = 0.6
 MODEL_CONSTANTS = {"efficiency": EFFICIENCY, "memory_bound_bytes": MEMORY_BOUND_BYTES,
                    "compiled_fraction": COMPILED_FRACTION}
 
@@ -250,9 +254,20 @@ def _ring_seconds(buffer_bytes: float, size: int, bandwidth: float, calls: float
     return 0.0 if size <= 1 else buffer_bytes * (size - 1) / size / bandwidth + calls * latency_s
 
 
-def block_linear_params(args: TransformerModelArgs) -> int:
+# The linear layers whose products per-op AC runs again in backward (its policy saves the others' outputs).
+OP_RECOMPUTED_LINEARS = ("wk", "wo", "w3")
+
+
+def block_linear_shapes(args: TransformerModelArgs, t: int = 1) -> dict[str, tuple[int, int]]:
+    """Each linear layer of a block, (in, out) of its shard on one of `t` TP ranks: column-parallel layers split
+    out, row-parallel ones (wo, w2) in."""
     d, q, kv, f = args.dim, args.n_heads * args.head_dim, args.kv_heads * args.head_dim, args.ffn_hidden_dim
-    return 2 * d * q + 2 * d * kv + 3 * d * f
+    return {"wq": (d, q // t), "wk": (d, kv // t), "wv": (d, kv // t), "wo": (q // t, d), "w1": (d, f // t),
+            "w3": (d, f // t), "w2": (f // t, d)}
+
+
+def block_linear_params(args: TransformerModelArgs) -> int:
+    return sum(fan_in * fan_out for fan_in, fan_out in block_linear_shapes(args).values())
 
 
 def parameter_traffic_bytes(stage_params: float, shard: int, gather_bytes: int, gathers: int, passes: int) -> float:
@@ -261,7 +276,8 @@ def parameter_traffic_bytes(stage_params: float, shard: int, gather_bytes: int, 
     all-gather casts the fp32 shard into the gather buffer (4 bytes read, `gather_bytes` written) and copies the
     gathered parameters out of it (read and written), each reduction casts the bf16 gradients into the fp32
     reduce-scatter buffer (2 + 4) and adds the reduced shard to the gradient (read 4 + 4, write 4). Without FSDP,
-    autocast casts each weight for the forward (4 + 2) and each gradient back to fp32 (2 + 4)."""
+    autocast casts each weight for the forward (4 + 2) and each gradient back to fp32 (2 + 4). Float8's own work on
+    the weights is float8_weight_bytes."""
     shard_params = stage_params / shard
     if shard > 1:
         per_pass = (gathers * (shard_params * (4 + gather_bytes) + stage_params * 2 * gather_bytes)
@@ -274,6 +290,48 @@ def parameter_traffic_bytes(stage_params: float, shard: int, gather_bytes: int, 
 def float8_gathered(layout: Layout) -> bool:
     """Whether FSDP all-gathers the weights in float8 (tensorwise scaling only)."""
     return layout.float8 and layout.float8_all_gather and layout.float8_recipe == "tensorwise"
+
+
+# torchao's cast of an fp32 tensor to float8 outside compiled code, per element: the scaled copy and its clamp to
+# the float8 range, each read and written in fp32 (4 + 4, 4 + 4), then the cast (4 read, 1 written).
+EAGER_FLOAT8_CAST_BYTES = 21
+# Its fused form, what FSDP's all-gather is charged in parameter_traffic_bytes: 4 read, 1 written.
+FUSED_FLOAT8_CAST_BYTES = 5
+
+
+def float8_weight_bytes(weights: float, rerun_weights: float, recast_weights: float, shard: int, gathered: bool,
+                        compiled: bool, gathers: int, gather_passes: int, microbatches: int) -> float:
+    """HBM bytes per step of torchao's Float8 work on the weights of a rank's converted linear layers (tensorwise
+    dynamic scaling). `weights`: the rank's elements of them (its TP shard of every block's linear layers);
+    `rerun_weights`: those whose forward full (or per-block) AC runs again whole, per micro-batch; `recast_weights`:
+    those whose product per-op AC runs again, with the absolute maximum its policy saved (aten.max). Per element:
+
+    - With FSDP's float8 all-gather and precomputed scales (`gathered`; the planner's layouts set both): after the
+      optimizer step one fused pass reads the fp32 shard for its absolute maximum (torch._foreach_norm, 4 bytes,
+      once per step); each all-gather casts the fp32 shard in FSDP's hook, eager: EAGER_FLOAT8_CAST_BYTES, of which
+      parameter_traffic_bytes charges FUSED_FLOAT8_CAST_BYTES. The gathered weight is float8 and row-major
+      (out x in): the forward's product takes its transpose, column-major as _scaled_mm wants its second operand,
+      but the input gradient's product takes the weight itself, copied transposed (1 read, 1 written) in every
+      backward: per micro-batch, under PP too, where the parameters stay gathered. A recomputed forward finds the
+      weight in float8 and casts nothing.
+    - Otherwise each forward (and forward run again) casts the weight it finds, the fp32 parameter without FSDP
+      (source 4 bytes) or the gathered bf16 weight with FSDP's bf16 all-gather (2): its absolute maximum (a
+      reduction, one read) and the cast (one read, 1 byte written). The backward's input-gradient product needs
+      the weight cast again, column-major. Eager, torchao casts it again in full and copies the cast transposed
+      (2). Compiled, the partitioner keeps the forward's absolute maximum (it does not recompute reductions) and
+      recomputes the cast in the layout the product wants: one read and 1 byte written, nothing else (the
+      backward graph of a compiled Float8Linear: `docs/scaling.md`). A product per-op AC runs again casts with the
+      saved maximum: one read, 1 byte written. Without FSDP autocast makes no bf16 copy of these weights, so
+      parameter_traffic_bytes' forward cast (4 + 2) is taken back."""
+    if shard > 1 and gathered:
+        shard_bytes = 4 + gathers * gather_passes * (EAGER_FLOAT8_CAST_BYTES - FUSED_FLOAT8_CAST_BYTES)
+        return weights / shard * shard_bytes + microbatches * weights * 2
+    source = 2 if shard > 1 else 4
+    forward = 2 * source + 1
+    backward = source + 1 if compiled else forward + 2
+    autocast_copy = 0 if shard > 1 else 4 + 2
+    return microbatches * (weights * (forward + backward - autocast_copy) + rerun_weights * forward
+                           + recast_weights * (source + 1))
 
 
 def recomputed_tp_gathers(layout: Layout) -> float:
@@ -453,20 +511,18 @@ def linear_gemms(args: TransformerModelArgs, layout: Layout,
     AC those of wk, wo and w3. Float8 runs the blocks' products in float8 (torchao casts all three); the output layer
     stays bf16, on the last pipeline stage."""
     t, c = layout.tp, layout.cp
-    d, q, kv, f = args.dim, args.n_heads * args.head_dim, args.kv_heads * args.head_dim, args.ffn_hidden_dim
     m = round(layout.microbatch * seq_len / c)
     blocks = args.n_layers / layout.pp * (layout.local_batch // layout.microbatch)
-    recomputed_by_op = {"wk", "wo", "w3"} if layout.ac == "op" else set()
-    layers = {"wq": (d, q // t), "wk": (d, kv // t), "wv": (d, kv // t), "wo": (q // t, d), "w1": (d, f // t),
-              "w3": (d, f // t), "w2": (f // t, d)}
+    recomputed_by_op = OP_RECOMPUTED_LINEARS if layout.ac == "op" else ()
     gemms = []
-    for name, (fan_in, fan_out) in layers.items():
+    for name, (fan_in, fan_out) in block_linear_shapes(args, t).items():
         forwards = blocks * (1 + layout.recomputed_blocks + (name in recomputed_by_op))
         gemms += [(forwards, m, fan_in, fan_out, layout.float8, True),
                   (blocks, m, fan_out, fan_in, layout.float8, False),
                   (blocks, fan_out, m, fan_in, layout.float8, False)]
     outputs = layout.local_batch // layout.microbatch
     vocab = args.vocab_size // t
+    d = args.dim
     gemms += [(outputs, m, d, vocab, False, True), (outputs, m, vocab, d, False, False),
               (outputs, vocab, m, d, False, False)]
     return gemms
@@ -586,7 +642,14 @@ def step_time(args: TransformerModelArgs, layout: Layout, seq_len: int, gpu: GPU
     hidden_s = sum(min(h, compute_s) for h in hidden.values())
     # Under PP with FSDP the parameters are gathered and reduced once per step; otherwise once per pass.
     passes = 1 if p > 1 and shard > 1 else microbatches
-    parameter_s = parameter_traffic_bytes(stage_params, shard, gather_bytes, gathers, passes) / gpu.hbm_bytes_per_s
+    parameter_bytes = parameter_traffic_bytes(stage_params, shard, gather_bytes, gathers, passes)
+    if layout.float8:
+        sizes = {name: fan_in * fan_out for name, (fan_in, fan_out) in block_linear_shapes(args, t).items()}
+        weights = sum(sizes.values()) * layers
+        recast_by_op = sum(sizes[name] for name in OP_RECOMPUTED_LINEARS) * layers if layout.ac == "op" else 0.0
+        parameter_bytes += float8_weight_bytes(weights, weights * recompute, recast_by_op, shard,
+                                               float8_gathered(layout), layout.compile, gathers, passes, microbatches)
+    parameter_s = parameter_bytes / gpu.hbm_bytes_per_s
     return StepTime(compute_s=compute_s, exposed_comm_s=exposed, bubble=bubble, fsdp_comm_s=fsdp_s, tp_comm_s=tp_s,
                     cp_comm_s=cp_s, drained_comm_s=drained_s, parameter_s=parameter_s, hidden_comm_s=hidden_s,
                     pipeline_p2p_s=pipeline_p2p_seconds(args, layout, seq_len, gpu))
