@@ -311,6 +311,48 @@ def test_float8_weight_traffic_counts_each_cast_and_transposed_copy():
         + stage_params * 2 * (1 - 2))
 
 
+def test_compiled_float8_backward_recasts_the_weight_with_the_forwards_maximum():
+    """What float8_weight_bytes counts for a compiled block: torch's partitioner (the one inductor uses) saves the
+    forward's absolute maximum of the weight, a scalar, and the backward casts the bf16 weight again from it: one
+    cast of a weight-sized tensor to float8 and no reduction over the weight."""
+    from functools import partial
+
+    import torch
+    from torch import nn
+    from torch._dynamo.backends.common import aot_autograd
+    from torch._functorch.partitioners import min_cut_rematerialization_partition
+    from torchao.float8 import Float8LinearConfig, convert_to_float8_training
+
+    graphs = {}
+
+    def keep(name, graph_module, example_inputs):
+        graphs[name] = graph_module
+        return graph_module
+
+    backend = aot_autograd(fw_compiler=partial(keep, "forward"), bw_compiler=partial(keep, "backward"),
+                           partition_fn=min_cut_rematerialization_partition)
+    model = nn.Sequential(nn.Linear(64, 128, bias=False)).to(torch.bfloat16)
+    convert_to_float8_training(model, config=Float8LinearConfig(emulate=True))
+    torch._dynamo.reset()
+    x = torch.randn(32, 64, dtype=torch.bfloat16, requires_grad=True)
+    torch.compile(model, backend=backend)(x).float().sum().backward()
+
+    def on_weight(graph_module, target):
+        """The calls of `target` whose tensor argument has the weight's elements (128 x 64, either layout)."""
+        return [node for node in graph_module.graph.nodes if node.op == "call_function" and node.target == target
+                and any(isinstance(arg, torch.fx.Node) and sorted(arg.meta["val"].shape) == [64, 128]
+                        for arg in node.args)]
+
+    def float8_casts(graph_module):
+        return [node for node in on_weight(graph_module, torch.ops.aten._to_copy.default)
+                if node.meta["val"].dtype == torch.float8_e4m3fn]
+
+    reduce = torch.ops.aten.max.default
+    assert len(on_weight(graphs["forward"], reduce)) == 1 and len(float8_casts(graphs["forward"])) == 1
+    assert on_weight(graphs["backward"], reduce) == [] and len(float8_casts(graphs["backward"])) == 1
+    torch._dynamo.reset()
+
+
 def test_float8_casts_of_whole_sequence_tensors_do_not_shrink_with_tensor_parallelism():
     """Under TP the block inputs and wo's and w2's output gradients are gathered over the sequence: their casts cost
     d per token on every rank, so a TP 8 rank casts far more than an eighth of what one GPU casts."""

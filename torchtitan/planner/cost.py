@@ -320,9 +320,9 @@ def float8_weight_bytes(weights: float, rerun_weights: float, recast_weights: fl
       the weight cast again, column-major. Eager, torchao casts it again in full and copies the cast transposed
       (2). Compiled, the partitioner keeps the forward's absolute maximum (it does not recompute reductions) and
       recomputes the cast in the layout the product wants: one read and 1 byte written, nothing else (the
-      backward graph of a compiled Float8Linear: `docs/scaling.md`). A product per-op AC runs again casts with the
-      saved maximum: one read, 1 byte written. Without FSDP autocast makes no bf16 copy of these weights, so
-      parameter_traffic_bytes' forward cast (4 + 2) is taken back."""
+      partitioner's graphs of a compiled Float8Linear: tests/unit/test_planner.py). A product per-op AC runs again
+      casts with the saved maximum: one read, 1 byte written. Without FSDP autocast makes no bf16 copy of these
+      weights, so parameter_traffic_bytes' forward cast (4 + 2) is taken back."""
     if shard > 1 and gathered:
         shard_bytes = 4 + gathers * gather_passes * (EAGER_FLOAT8_CAST_BYTES - FUSED_FLOAT8_CAST_BYTES)
         return weights / shard * shard_bytes + microbatches * weights * 2
@@ -352,14 +352,15 @@ def sequence_collectives(args: TransformerModelArgs, layout: Layout,
     recomputed forward (per-block AC's, in the blocks it recomputes) gathers twice and reduce-scatters once (it
     stops at the last tensor backward needs); per-op AC saves the reduce-scatters' outputs but not the gathered
     inputs, which backward needs for the weight gradients, so it gathers them again (twice per block; torch's
-    partitioner recomputes a collective the policy marks for recomputation, compiled or not). The output layer's input is gathered once more, and its gradient
-    reduce-scattered, on the last stage. Context
-    parallelism runs torch's ring attention: each attention call (forward, recomputed forward, backward)
-    all-gathers the keys and values, which the GPU attention path has expanded to the query heads; backward passes
-    the keys' and values' gradients, in fp32, to the next rank c times (all-to-all). With the "alltoall" rotation
-    each call instead passes the keys and values on c - 1 times (all-to-all, the buffer of one rank's chunk).
-    Block-causal CP (context_parallel.py) all-gathers the grouped keys and values (kv heads, not expanded) once per
-    forward (and recomputed forward), and backward reduce-scatters their gradients."""
+    partitioner recomputes a collective the policy marks for recomputation, compiled or not). The output layer's
+    input is gathered once more, and its gradient reduce-scattered, on the last stage. Context parallelism runs
+    torch's ring attention: each attention call (forward, recomputed forward, backward) all-gathers the keys and
+    values, which the GPU attention path has expanded to the query heads; backward passes the keys' and values'
+    gradients, in fp32, to the next rank c times (all-to-all). With the "alltoall" rotation each call instead passes
+    the keys and values on c - 1 times (all-to-all, the buffer of one rank's chunk). Block-causal CP
+    (context_parallel.py) all-gathers the grouped keys and values (kv heads, not expanded) once per forward (and
+    recomputed forward), and backward reduce-scatters their gradients.
+    """
     t, c = layout.tp, layout.cp
     layers = args.n_layers / layout.pp
     passes = layout.local_batch // layout.microbatch
