@@ -319,6 +319,7 @@ def test_compiled_float8_backward_recasts_the_weight_with_the_forwards_maximum()
 
     import torch
     from torch import nn
+    from functorch.compile import make_boxed_func
     from torch._dynamo.backends.common import aot_autograd
     from torch._functorch.partitioners import min_cut_rematerialization_partition
     from torchao.float8 import Float8LinearConfig, convert_to_float8_training
@@ -327,7 +328,7 @@ def test_compiled_float8_backward_recasts_the_weight_with_the_forwards_maximum()
 
     def keep(name, graph_module, example_inputs):
         graphs[name] = graph_module
-        return graph_module
+        return make_boxed_func(graph_module)
 
     backend = aot_autograd(fw_compiler=partial(keep, "forward"), bw_compiler=partial(keep, "backward"),
                            partition_fn=min_cut_rematerialization_partition)
