@@ -47,7 +47,7 @@ def describe(layout: Layout) -> str:
     parts += [f"PP {layout.pp} {layout.schedule} ({layout.stages_per_rank} stage(s)/rank, micro-batch "
               f"{layout.microbatch})"] if layout.pp > 1 else []
     parts += [f"CP {layout.cp}"] if layout.cp > 1 else []
-    parts.append({"op": "AC op", "full": "AC full", "none": "no AC", "layer": f"AC every {layout.ac_every}"}[layout.ac])
+    parts.append(layout.ac_label)
     parts += ["float8"] if layout.float8 else []
     parts += ["compile"] if layout.compile else []
     parts += ["async TP"] if layout.async_tp else []

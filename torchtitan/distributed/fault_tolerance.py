@@ -24,6 +24,7 @@ from torch.distributed.tensor import DTensor
 
 from torchtitan.config.job_config import FaultTolerance as FaultToleranceConfig
 from torchtitan.config.job_config import JobConfig
+from torchtitan.distributed.utils import placed_like
 from torchtitan.errors import UserError
 from torchtitan.models.llama3.model import checkpoint_name
 from torchtitan.tools.logging import logger
@@ -92,7 +93,7 @@ class DiLoCoState(Stateful):
     def state_dict(self) -> dict[str, torch.Tensor]:
         state = {}
         for name, key, param in self.parameters:
-            state[f"{name}.last_sync"] = _laid_out_as(param, self.last_sync[key].to(param.device))
+            state[f"{name}.last_sync"] = placed_like(self.last_sync[key].to(param.device), param)
             if self.outer.param_groups[0]["momentum"]:
                 # Zero before the first sync: SGD's first momentum buffer is then momentum * 0 + delta = delta, as
                 # when it initialises the buffer to delta itself.
@@ -108,13 +109,6 @@ class DiLoCoState(Stateful):
                 if f"{name}.outer_momentum" in state_dict:
                     self.outer.state[param]["momentum_buffer"] = state_dict[f"{name}.outer_momentum"]
         self.loaded = True
-
-
-def _laid_out_as(param: torch.Tensor, local: torch.Tensor) -> torch.Tensor:
-    """`local` (this rank's part of a tensor shaped and sharded as `param`) as a DTensor like `param`, if it is one."""
-    if not isinstance(param, DTensor):
-        return local
-    return DTensor.from_local(local, param.device_mesh, param.placements, shape=param.shape, stride=param.stride())
 
 
 class ReplicaGroup:

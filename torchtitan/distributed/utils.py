@@ -23,6 +23,15 @@ from torchtitan.tools.logging import logger
 _timeout_in_force: dict = {"option": "comm.init_timeout_seconds", "seconds": None, "joining": True}
 
 
+
+def placed_like(shard: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+    """`shard` as this rank's shard of a DTensor shaped and placed like `like` (or itself where `like` is a plain
+    tensor)."""
+    if not isinstance(like, DTensor):
+        return shard
+    return DTensor.from_local(shard, like.device_mesh, like.placements, run_check=False, shape=like.shape,
+                              stride=like.stride())
+
 def device_type() -> str:
     """The one place that chooses the accelerator: CUDA when present, else the CPU."""
     return "cuda" if torch.cuda.is_available() else "cpu"

@@ -163,6 +163,11 @@ class Layout:
         """The share of blocks whose forward runs again whole in backward."""
         return recomputed_blocks(self.ac, self.ac_every)
 
+    @property
+    def ac_label(self) -> str:
+        """The activation checkpointing, as tables name it."""
+        return {"none": "no AC", "op": "AC op", "full": "AC full", "layer": f"AC every {self.ac_every}"}[self.ac]
+
 
 def recomputed_blocks(ac: str, every: int = 2) -> float:
     """The share of blocks that activation checkpointing `ac` recomputes whole: all under full AC, one in `every`

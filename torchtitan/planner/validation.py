@@ -34,8 +34,8 @@ H100_ROWS = (PUBLISHED, ASYNC_TP)
 # The float8 rowwise rows ASYNC_TP leaves out, against tensorwise's (8B and 70B, vanilla and async TP): 3708.5 / 5078.1,
 # 3914.9 / 5570.1, 599.6 / 809.8, 624.8 / 942.4.
 ROWWISE_OVER_TENSORWISE = (624.8 / 942.4, 599.6 / 809.8)
-# TorchTitan's long-context rows (8B with CP at 32k-256k): held out, and outside the envelope, which the rows of
-# PUBLISHED alone make: the model misses them (docs/scaling.md), so they bound nothing.
+# TorchTitan's long-context rows (8B and 405B with CP at 32k-256k): held out, and outside the envelope, which the
+# rows of H100_ROWS alone make: the model misses them (docs/scaling.md), so they bound nothing.
 LONG_CONTEXT = PUBLISHED.with_name("torchtitan_llama3_h100_long_context.csv")
 # Published runs of other sources (TorchTitan on H200, Megatron-Bridge on H100): held out, each row with its source,
 # GPU, software and method; outside the envelope, which the rows of PUBLISHED alone make.
@@ -83,7 +83,7 @@ class Row:
         parts += ["float8"] if l.float8 else []
         parts += ["async TP"] if l.async_tp else []
         if self.source:  # OTHER's sources vary the activation checkpointing of one layout
-            parts += [{"none": "no AC", "op": "AC op", "full": "AC full", "layer": f"AC every {l.ac_every}"}[l.ac]]
+            parts.append(l.ac_label)
         return ", ".join(parts) + (f" ({self.date})" if self.date else "")
 
 

@@ -37,6 +37,7 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor, Replicate
 
 from torchtitan.components.optimizers import BuildContext, gradient, local, register_optimizer
+from torchtitan.distributed.utils import placed_like
 from torchtitan.config.job_config import Optimizer as OptimizerConfig
 
 
@@ -67,14 +68,6 @@ class Ranger21Options:
 
     lookahead_alpha: float = 0.5
     """Ranger21: Lookahead's step of the slow weights towards the fast ones (1 = keep the fast weights)."""
-
-
-def _as_like(shard: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
-    """`shard` as this rank's shard of a DTensor placed like `like` (or itself for plain tensors)."""
-    if not isinstance(like, DTensor):
-        return shard
-    return DTensor.from_local(shard, like.device_mesh, like.placements, run_check=False, shape=like.shape,
-                              stride=like.stride())
 
 
 def _per_unit(t: torch.Tensor, reduce) -> torch.Tensor:
@@ -166,7 +159,7 @@ class Ranger21(torch.optim.Optimizer):
             grad_norm = _unit_norm(sharded_grad)
             grad = torch.where(grad_norm > max_norm, grad * (max_norm / grad_norm.clamp(min=1e-6)), grad)
         if self.gradient_centralization and param.dim() > 1:
-            grad = grad - _row_mean(_as_like(grad, param))
+            grad = grad - _row_mean(placed_like(grad, param))
         momentum = state["exp_avg" if self.steps % 2 else "neg_exp_avg"]
         local(momentum).mul_(beta1 ** 2).add_(grad, alpha=1 - beta1 ** 2)
         local(state["exp_avg_sq"]).mul_(beta2).addcmul_(grad, grad, value=1 - beta2)

@@ -23,6 +23,7 @@ from torchtitan.distributed.compression.loco import (LOCO_ERROR_BITS, Compressed
                                                      LoCoOptions)
 from torchtitan.distributed.compression.qsdp import QuantizedAllGather
 from torchtitan.distributed.compression.quantize import BLOCK, VALID_BITS
+from torchtitan.distributed.utils import placed_like
 from torchtitan.distributed.parallel_dims import ParallelDims
 from torchtitan.errors import UserError
 
@@ -281,9 +282,7 @@ class CompressionState(Stateful):
             dist.reduce_scatter_single(owed, residual.reshape(-1), group=process_group)
             for fqn, (fsdp_param, offset, size) in zip(fqns, self._layout(group)):
                 local = owed[offset:offset + size.numel()].view(size)[:fsdp_param.sharded_size[0]]
-                param = fsdp_param.sharded_param
-                state[fqn] = DTensor.from_local(local.clone(), param.device_mesh, param.placements,
-                                                shape=param.shape, stride=param.stride(), run_check=False)
+                state[fqn] = placed_like(local.clone(), fsdp_param.sharded_param)
             key, exact = self._exact(comm, group, fqns)
             state[key] = exact
             if isinstance(comm.compensation, LoCo):
