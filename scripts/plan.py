@@ -86,6 +86,10 @@ def _memory_cells(entry: dict) -> str:
             f"{100 * entry['memory_error']:+.1f}%")
 
 
+def _range_cell(entry: dict) -> str:
+    return f"{entry['tps_conservative']:,.0f}-{entry['tps_optimistic']:,.0f}"
+
+
 def validation_markdown(refit: bool) -> str:
     """The model against the published rows: the held-out rows (predictions) and, apart, the rows the constants
     were fitted on (whose error says how well three constants fit them, not how well the model predicts)."""
@@ -100,7 +104,8 @@ def validation_markdown(refit: bool) -> str:
              f"compiled fraction {used['compiled_fraction']}, fitted on rows "
              f"{', '.join(map(str, validation.FIT_ROWS))}; GPU {validation.GPU.description}. The range is the "
              f"planner's (conservative to optimistic end: no more than {validated.max_overlap_ratio:.2f}x the compute "
-             f"hidden in communication, and the held-out rows' error band)."]
+             f"hidden in communication, and the error band of the published rows like the layout: the held-out rows', "
+             f"and for a row outside the envelope those that checked the same excess)."]
     held_out, fitted = [e for e in entries if not e["fitted"]], [e for e in entries if e["fitted"]]
     for title, group in (("Held-out rows (predictions)", held_out),
                          ("Fitted rows (the constants were chosen to match them)", fitted)):
@@ -109,7 +114,7 @@ def validation_markdown(refit: bool) -> str:
                   "| error |", "|---:|---|---:|---:|---|---:|---:|---:|---:|"]
         for e in group:
             lines.append(f"| {e['row']} | {e['name']} | {e['tps_published']:,.0f} | {e['tps_predicted']:,.0f} | "
-                         f"{e['tps_conservative']:,.0f}-{e['tps_optimistic']:,.0f} | {100 * e['tps_error']:+.1f}% | "
+                         f"{_range_cell(e)} | {100 * e['tps_error']:+.1f}% | "
                          f"{_memory_cells(e)} |")
         lines += ["", f"Largest error, {title.split(' (')[0].lower()}: tokens/s "
                   f"{100 * max(abs(e['tps_error']) for e in group):.1f}%, peak memory "
@@ -118,26 +123,39 @@ def validation_markdown(refit: bool) -> str:
         long_context = validation.validation_table(validation.published_rows(validation.LONG_CONTEXT))
         lines += ["", "Long-context rows (held out, outside the envelope: the planner marks such layouts; "
                   f"{validation.LONG_CONTEXT.name}):", "",
-                  "| run | tokens/s/GPU published | predicted | error | peak GiB published | predicted | error |",
-                  "|---|---:|---:|---:|---:|---:|---:|"]
-        lines += [f"| {e['name']} | {e['tps_published']:,.0f} | {e['tps_predicted']:,.0f} | "
+                  "| run | tokens/s/GPU published | predicted | range | error | peak GiB published | predicted "
+                  "| error |", "|---|---:|---:|---|---:|---:|---:|---:|"]
+        lines += [f"| {e['name']} | {e['tps_published']:,.0f} | {e['tps_predicted']:,.0f} | {_range_cell(e)} | "
                   f"{100 * e['tps_error']:+.1f}% | {e['memory_published_gib']:.1f} | "
                   f"{e['memory_predicted_gib']:.1f} | {100 * e['memory_error']:+.1f}% |" for e in long_context]
         other = validation.other_table()
         lines += ["", "Other published runs (held out, outside the envelope: another GPU, another framework, or "
                   "TorchTitan's 405B of August 2024, which hides more of its compute than any validated row; "
                   f"{validation.OTHER.name} has each row's software and method):", "",
-                  "| run | GPU | source | tokens/s/GPU published | predicted | error | peak GiB published | predicted "
-                  "| error |", "|---|---|---|---:|---:|---:|---:|---:|---:|"]
+                  "| run | GPU | source | tokens/s/GPU published | predicted | range | error | peak GiB published "
+                  "| predicted | error |", "|---|---|---|---:|---:|---|---:|---:|---:|---:|"]
         for e in other:
             lines.append(f"| {e['name']} | {e['gpu']} | {e['source'].split(';')[0]} | {e['tps_published']:,.0f} | "
-                         f"{e['tps_predicted']:,.0f} | {100 * e['tps_error']:+.1f}% | {_memory_cells(e)} |")
+                         f"{e['tps_predicted']:,.0f} | {_range_cell(e)} | {100 * e['tps_error']:+.1f}% | "
+                         f"{_memory_cells(e)} |")
         by_gpu: dict[str, list[float]] = {}
         for e in other:
             by_gpu.setdefault(e["gpu"], []).append(e["tps_error"])
         lines += ["", "Error in tokens/s per GPU by GPU, other published runs: " + "; ".join(
             f"{gpu} {100 * min(errors):+.1f}% to {100 * max(errors):+.1f}% ({len(errors)} rows)"
             for gpu, errors in by_gpu.items()) + "."]
+        lines += ["", "Each range on rows it has not seen (`validation.ranges_without_the_row`: every held-out row of "
+                  "TorchTitan's own software against the range the planner gives it with the envelope made without "
+                  "that row; in the tables above each range has seen its row):", "",
+                  "| rows | in the range made without them | outside it, each by |", "|---|---:|---|"]
+        groups: dict[str, list[dict]] = {}
+        for e in validation.ranges_without_the_row():
+            groups.setdefault(e["group"], []).append(e)
+        for group, entries in groups.items():
+            missed = [e for e in entries if e["outside"]]
+            on_gpu = {e["name"]: "" if e["gpu"] == validation.GPU.name else f" ({e['gpu']})" for e in missed}
+            lines.append(f"| {group} | {len(entries) - len(missed)} of {len(entries)} | " + (", ".join(
+                f"{e['name']}{on_gpu[e['name']]} {100 * e['outside']:+.1f}%" for e in missed) or "none") + " |")
         lines += ["", "Context parallelism by source, attention and the rest apart "
                   "(`validation.attention_split_check`: per source, two factors on the model's attention and on the "
                   "rest of its step, fitted on that source's rows with CP <= 2, then applied to its CP >= 4 rows; "

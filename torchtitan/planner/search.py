@@ -45,9 +45,10 @@ class Prediction:
     tps_conservative: float = 0.0
     """The conservative end of the predicted range: tokens/s per GPU if no more communication hides behind compute
     than the validated rows hid (Envelope.max_overlap_ratio), the rest exposed, less the model's largest
-    overprediction on the held-out rows."""
+    overprediction on the published rows like the layout (Envelope.error_band: the held-out rows, and where the
+    layout lies outside the envelope, the rows that checked the same excess)."""
     tps_optimistic: float = 0.0
-    """The optimistic end: the prediction plus the model's largest underprediction on the held-out rows."""
+    """The optimistic end: the prediction plus the model's largest underprediction on the rows like the layout."""
     overlap_ratio: float = 0.0
     """Seconds of communication the prediction hides per second of compute."""
     outside_envelope: tuple[str, ...] = ()
@@ -144,15 +145,14 @@ def predict(flavor: str, layout: Layout, seq_len: int, gpu: GPU, config: JobConf
     validated = envelope()
     extra = headroom(tensors / GIB, gpu, {name: getattr(layout, name)
                                           for name in ("pp", "dp_replicate", "dp_shard", "cp", "tp")})
+    conservative, optimistic = validated.tps_range(step, tokens, layout, seq_len, gpu)
     return Prediction(layout=layout, tps_per_gpu=tokens / step.seconds,
                       tps_without_overlap=tokens / step.seconds_without_overlap, tps_alone=tokens / step.seconds_alone,
                       peak_memory_gib=reserved_gib(tensors, gpu),
                       device_memory_gib=tensors / GIB + extra.total_gib,
                       tensor_peak_gib=tensors / GIB, step_seconds=step.seconds,
                       overrides=layout_overrides(layout, seq_len, args.n_layers),
-                      tps_conservative=tokens / step.seconds_hiding_at_most(validated.max_overlap_ratio)
-                      / (1 + max(0.0, validated.tps_error_range[1])),
-                      tps_optimistic=tokens / step.seconds / (1 + min(0.0, validated.tps_error_range[0])),
+                      tps_conservative=conservative, tps_optimistic=optimistic,
                       overlap_ratio=step.overlap_ratio,
                       outside_envelope=validated.outside(layout, seq_len, gpu, step.overlap_ratio))
 
