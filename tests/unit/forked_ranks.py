@@ -7,6 +7,7 @@ from pathlib import Path
 import pytest
 import torch
 import torch.multiprocessing as mp
+from torch.distributed.tensor.debug import _clear_sharding_prop_cache
 
 
 def run_ranks(worker, out_dir: Path, nprocs: int, timeout_s: float, what: str) -> list[dict]:
@@ -34,6 +35,12 @@ def join_forked(worker, args: tuple, nprocs: int, timeout_s: float, what: str) -
 
 
 def _without_inherited_garbage(rank: int, worker, *args) -> None:
-    """Run the worker with what the parent held out of the child's garbage collection (see join_forked)."""
+    """Run the worker with what the parent held out of the child's garbage collection (see join_forked), and with
+    none of the parent's DTensor sharding propagations."""
     gc.freeze()
+    # torch's sharding-propagation caches (its C++ fast path's and the Python one) hand back an earlier op's output
+    # spec, mesh object included, whenever the input meshes compare equal, and DeviceMesh equality ignores the rank
+    # and the process group. An entry the parent made under a fake world (test_parallelize's tensor-parallel tests)
+    # would put this rank's results on the parent's mesh, rank 0's on every rank (test_forked_ranks).
+    _clear_sharding_prop_cache()
     worker(rank, *args)
