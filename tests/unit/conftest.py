@@ -2,6 +2,7 @@ import types
 
 import pytest
 import torch
+from torch.distributed.tensor.debug import _clear_sharding_prop_cache
 
 
 @pytest.fixture(autouse=True, scope="module")
@@ -11,6 +12,16 @@ def single_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(threads)
+
+
+@pytest.fixture(autouse=True)
+def no_sharding_propagations_of_another_world():
+    # DTensor's sharding-propagation caches return an earlier op's output spec, its mesh object included, for input
+    # meshes that compare equal, and DeviceMesh equality ignores the rank and the process group: a test playing rank
+    # 1 of a fake world after one that played rank 0 would get rank 0's mesh (tests/unit/forked_ranks.py, where
+    # forked ranks inherit the entries, says more).
+    yield
+    _clear_sharding_prop_cache()
 
 
 @pytest.fixture
