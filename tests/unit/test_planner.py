@@ -142,7 +142,8 @@ def test_micro_batches_are_searched_and_accumulation_regathers_the_weights():
     rows = validation.published_rows()
     pipelined = rows[9]
     candidates = candidate_layouts("405B", 512, 8192, 256, validation.GPU)
-    assert dataclasses.replace(pipelined.layout, row_split_embedding=False, compiled_loss=True) in candidates
+    assert dataclasses.replace(pipelined.layout, row_split_embedding=False, compiled_loss=True,
+                               kept_pipeline_outputs=False) in candidates
     flat = rows[3]
     args = model_args_for(flat.flavor, flat.seq_len)
     # Hosts of one GPU: FSDP's ring crosses the network one NIC wide (hosts of 8 bring 8 NICs to it).
@@ -446,7 +447,8 @@ def test_measured_rows_run_both_ends_of_a_pipeline_against_the_compute_model(mon
     # This framework's run of the row: async TP off (a rank alone has no peers), column-split embedding.
     assert runs == [(8, 0, False, False), (8, 448, False, False)]
     assert (entry["tps_measured"], entry["memory_measured_gib"], entry["memory_allocated_gib"]) == (250.0, 70.0, 60.0)
-    layout = dataclasses.replace(row.layout, async_tp=False, row_split_embedding=False)
+    layout = dataclasses.replace(row.layout, async_tp=False, row_split_embedding=False,
+                                 kept_pipeline_outputs=False)
     step = step_time(model_args_for("405B", 8192), layout, 8192, GPUS["h200"])
     tokens = layout.local_batch * 8192 / (layout.tp * layout.pp)
     assert entry["tps_predicted"] == pytest.approx(tokens / (step.compute_s + step.parameter_s))
@@ -712,6 +714,39 @@ def test_context_parallel_exchange_buffers_in_memory():
     assert exchange(8, *rotate) == exchange(4, *rotate) == pytest.approx(exchange(4) - 2 * chunk)
     assert exchange(4, "--model.attention_mask", "block_causal") == pytest.approx(2 * 4 * tokens * 2 * 1024 * 2)
     assert exchange(1) == 0
+
+
+def test_published_pipeline_memory_is_the_last_stages_with_its_kept_outputs():
+    """TorchTitan logged its memory on the first rank of the last pipeline stage (its metrics rank), and its schedule
+    kept every micro-batch's fp32 logits there until the step merged them into one more copy: the validation
+    predicts that rank with them (this framework's trainer passes return_outputs=False and keeps none)."""
+    import dataclasses
+
+    from torchtitan.models.llama3.args import model_args_for
+    from torchtitan.planner.memory import estimate
+
+    row = validation.published_rows()[8]
+    last = row.layout.pp - 1
+    config = trainer_config(row.flavor, row.layout, row.seq_len)
+    kept = estimate(config, row.gpus, row_split_embedding=True, kept_pipeline_outputs=True, pipeline_rank=last)
+    bare = estimate(config, row.gpus, row_split_embedding=True, pipeline_rank=last)
+    micro_batches = row.layout.local_batch // row.layout.microbatch
+    logits = row.layout.microbatch * row.seq_len * model_args_for("405B", 8192).vocab_size / row.layout.tp * 4
+    # The same peak phase, with the other micro-batches' logits held beside it.
+    assert kept.phase == bare.phase
+    assert kept.total - bare.total == pytest.approx((micro_batches - 1) * logits, abs=8)
+    # Only the last stage keeps them.
+    assert estimate(config, row.gpus, row_split_embedding=True, kept_pipeline_outputs=True, pipeline_rank=0) == \
+        estimate(config, row.gpus, row_split_embedding=True, pipeline_rank=0)
+    # The validation's memory of a pipelined row is that rank's; the planner's, of its own layouts, the worst rank's.
+    (prediction,) = validation.predictions([row])
+    assert prediction.peak_memory_gib == predict(row.flavor, row.layout, row.seq_len, validation.GPU,
+                                                 pipeline_rank=last).peak_memory_gib
+    own = dataclasses.replace(row.layout, row_split_embedding=False, compiled_loss=True, kept_pipeline_outputs=False)
+    assert "kept_pipeline_outputs" not in predict(row.flavor, own, row.seq_len, validation.GPU).as_json()
+    assert predict(row.flavor, own, row.seq_len, validation.GPU).tensor_peak_gib == pytest.approx(
+        max(estimate(trainer_config(row.flavor, own, row.seq_len), row.gpus, pipeline_rank=rank).total
+            for rank in range(row.layout.pp)) / 2**30)
 
 
 def test_layouts_fit_with_the_headroom_the_dry_run_adds():

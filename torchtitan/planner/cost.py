@@ -149,6 +149,11 @@ class Layout:
     """With compile, compile the loss too (fused, it keeps no fp32 copy of the logits). TorchTitan compiled only the
     blocks when it measured the published figures: its loss stayed eager ("compiling loss function causes CUDA
     errors, turning off for now" in its train.py of late 2024)."""
+    kept_pipeline_outputs: bool = False
+    """Under PP, the last stage keeps every micro-batch's output until the step returns them merged
+    (torch.distributed.pipelining's default, `return_outputs=True`), as TorchTitan's did when it measured the
+    published figures: its train.py called `step()` without asking otherwise and its model returned fp32 logits
+    (`.float()`). This framework's trainer passes `return_outputs=False`: nothing is kept."""
 
     @property
     def world_size(self) -> int:

@@ -67,6 +67,11 @@ Under PP a rank's backward peaks either in its first micro-batch (the other micr
 gradients of the blocks already done) or in a later one (one micro-batch fewer, the gradients of its stage and the
 later ones, and on the first stage the embedding's); with several stages per rank a stage's backward starts after
 the later stages have run theirs for a round of p micro-batches.
+A schedule that returns the last stage's outputs (torch.distributed.pipelining's default, TorchTitan's when it
+measured the published figures; `kept_pipeline_outputs`) keeps each micro-batch's fp32 logits there, T x V/t x 4:
+n_mb - 1 of them beside the last micro-batch's forward and backward, all n_mb through the optimizer step, and twice
+that when the step concatenates them (this framework's trainer asks for none). The worst rank is reported; a
+published run's is the rank it logged (TorchTitan's metrics rank: the first of the last stage under PP).
 A TP plan that splits the embedding by vocabulary row (TorchTitan's, which measured the published figures; this
 framework splits it by column) gets its gradient whole from DTensor's embedding backward (V x d); FSDP cuts it to the
 shard with the rest, so under PP it accumulates whole, in fp32 (`row_split_embedding`).
@@ -217,17 +222,20 @@ def _compensation_state(config: JobConfig, dims: ParallelDims, params: float) ->
     return params * compensation_bytes_per_value(config) if dims.fsdp_enabled else 0.0
 
 
-def estimate(config: JobConfig, ngpu: int, device: str = "cuda",
-             row_split_embedding: bool = False) -> Estimate:
-    """The peak over the pipeline ranks (every rank of a pipeline stage group holds the same) on `device` devices
-    ("cuda" or "cpu": attention saves different tensors on each). `row_split_embedding` models a TP plan that
-    splits the embedding by vocabulary row (TorchTitan's, which measured the published figures; this framework
-    splits it by column): its gradient is then whole on every rank."""
+def estimate(config: JobConfig, ngpu: int, device: str = "cuda", row_split_embedding: bool = False,
+             kept_pipeline_outputs: bool = False, pipeline_rank: int | None = None) -> Estimate:
+    """The peak over the pipeline ranks (every rank of a pipeline stage group holds the same), or that of
+    `pipeline_rank`, on `device` devices ("cuda" or "cpu": attention saves different tensors on each).
+    `row_split_embedding` models a TP plan that splits the embedding by vocabulary row (TorchTitan's, which measured
+    the published figures; this framework splits it by column): its gradient is then whole on every rank.
+    `kept_pipeline_outputs`: the last stage keeps every micro-batch's fp32 logits until the step merges them
+    (TorchTitan's pipeline when it measured them; cost.Layout.kept_pipeline_outputs)."""
     dims = ParallelDims.from_config(config.parallelism, ngpu)
     args = model_args_for(config.model.flavor, config.training.seq_len, overrides=shape_overrides(config.model))
     stages_of_rank, in_flight = _pipeline_layout(config, args, dims)
-    estimates = [_estimate_rank(config, args, dims, rank, stages, in_flight, device,
-                                row_split_embedding) for rank, stages in enumerate(stages_of_rank)]
+    ranks = range(len(stages_of_rank)) if pipeline_rank is None else [pipeline_rank]
+    estimates = [_estimate_rank(config, args, dims, rank, stages_of_rank[rank], in_flight, device,
+                                row_split_embedding, kept_pipeline_outputs) for rank in ranks]
     return max(estimates, key=lambda e: e.total)
 
 
@@ -352,7 +360,7 @@ def _ac_modes(config: JobConfig, n_blocks: int) -> list[str]:
 
 def _estimate_rank(config: JobConfig, args: TransformerModelArgs, dims: ParallelDims, rank: int,
                    stages: list[tuple[int, bool, bool]], in_flight, device: str,
-                   row_split_embedding: bool = False) -> Estimate:
+                   row_split_embedding: bool = False, kept_pipeline_outputs: bool = False) -> Estimate:
     s = _Shapes.of(args)
     t, fsdp = dims.tp, dims.dp_shard * dims.cp
     a = 2 if config.training.mixed_precision_param == "bfloat16" else 4
@@ -539,6 +547,15 @@ def _estimate_rank(config: JobConfig, args: TransformerModelArgs, dims: Parallel
         exceeding = saved * max(mbs - dims.pp, 0) / mbs
         held_after += exceeding
         later_held_after[stage] += exceeding
+    if kept_pipeline_outputs and has_head and dims.pp > 1:
+        # The schedule keeps each micro-batch's fp32 logits on the last stage (stage.output_chunks): by the last
+        # micro-batch's forward and backward the earlier ones, through the optimizer step all of them; after the
+        # last backward it concatenates them into one more copy to return (schedules.py's _merge_outputs).
+        kept = 4 * logits
+        for name, (acts_, transient_, buffers_, grads_) in phases.items():
+            held = kept * (total_micro_batches if name == "optimizer step" else total_micro_batches - 1)
+            phases[name] = (acts_, transient_, buffers_ + held, grads_)
+        phases["outputs merged"] = (0.0, 2 * kept * total_micro_batches, receive_buffers, gradients)
     phase, (acts, transient, buffers, grads) = max(phases.items(), key=lambda item: sum(item[1]))
     optimizer += _compensation_state(config, dims, params)
     return Estimate(parameters=round(parameters), optimizer=round(optimizer), gradients=round(grads),

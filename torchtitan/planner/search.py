@@ -60,7 +60,7 @@ class Prediction:
 
     def as_json(self) -> dict:
         layout = asdict(self.layout)
-        for name in ("row_split_embedding", "compiled_loss"):  # properties of the published runs, not choices
+        for name in ("row_split_embedding", "compiled_loss", "kept_pipeline_outputs"):  # of the published runs
             del layout[name]
         return {**layout, "tps_per_gpu": round(self.tps_per_gpu, 1),
                 "tps_per_gpu_conservative": round(self.tps_conservative, 1),
@@ -129,14 +129,15 @@ def trainer_config(flavor: str, layout: Layout, seq_len: int) -> JobConfig:
 
 
 def predict(flavor: str, layout: Layout, seq_len: int, gpu: GPU, config: JobConfig | None = None,
-            **constants) -> Prediction:
+            pipeline_rank: int | None = None, **constants) -> Prediction:
     """Speed and memory of one layout; `config` (a trainer config) when the layout comes from one, whose [model]
-    shape options then replace the flavor's."""
+    shape options then replace the flavor's. The memory is the worst pipeline rank's, or `pipeline_rank`'s (the
+    rank a published run logged)."""
     args = model_args_for(flavor, seq_len, overrides=shape_overrides(config.model) if config else None)
     if config is None:
-        tensors = _layout_memory(flavor, dataclasses.replace(layout, async_tp=False), seq_len)
+        tensors = _layout_memory(flavor, dataclasses.replace(layout, async_tp=False), seq_len, pipeline_rank)
     else:
-        tensors = estimate(config, layout.world_size).total
+        tensors = estimate(config, layout.world_size, pipeline_rank=pipeline_rank).total
     step = step_time(args, layout, seq_len, gpu, **constants)
     tokens = layout.local_batch * seq_len / (layout.tp * layout.cp * layout.pp)
     # The validated rows are predicted here too (planner/validation.py imports this module).
@@ -158,10 +159,11 @@ def predict(flavor: str, layout: Layout, seq_len: int, gpu: GPU, config: JobConf
 
 
 @functools.lru_cache(maxsize=4096)
-def _layout_memory(flavor: str, layout: Layout, seq_len: int) -> int:
-    """Tensor peak of a layout (async TP does not change it)."""
+def _layout_memory(flavor: str, layout: Layout, seq_len: int, pipeline_rank: int | None = None) -> int:
+    """Tensor peak of a layout (async TP does not change it), of its worst pipeline rank or of `pipeline_rank`."""
     return estimate(trainer_config(flavor, layout, seq_len), layout.world_size,
-                    row_split_embedding=layout.row_split_embedding).total
+                    row_split_embedding=layout.row_split_embedding,
+                    kept_pipeline_outputs=layout.kept_pipeline_outputs, pipeline_rank=pipeline_rank).total
 
 
 def layout_from_config(config: JobConfig, world_size: int, document_length: float = 0.0) -> Layout:

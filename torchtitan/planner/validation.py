@@ -3,7 +3,8 @@ data/torchtitan_llama3_h100_async_tp.csv, sources in their headers).
 
 FIT_ROWS name the rows the three constants of the performance model are fitted on; every other row is a
 prediction. The hardware of the table is the H100 96 GB of TorchTitan's hosts (`h100_96gb`), and the rows' layouts
-carry TorchTitan's row-split embedding (`Layout.row_split_embedding`) and its eager loss (`Layout.compiled_loss`),
+carry TorchTitan's row-split embedding (`Layout.row_split_embedding`), its eager loss (`Layout.compiled_loss`) and
+its pipeline's kept outputs (`Layout.kept_pipeline_outputs`),
 the code that measured them.
 """
 
@@ -111,7 +112,7 @@ def _rows_of(records, first_index: int, fitted: bool) -> list[Row]:
                         float8=record["float8"] == "true", float8_all_gather=record["float8_all_gather"] == "true",
                         compile=record["compile"] == "true", async_tp=record["async_tp"] == "true",
                         row_split_embedding=True,
-                        compiled_loss=False)
+                        compiled_loss=False, kept_pipeline_outputs=True)
         rows.append(Row(index=index, flavor=record["flavor"], gpus=int(record["gpus"]), seq_len=int(record["seq_len"]),
                         layout=layout, tps_per_gpu=float(record["tps_per_gpu"]),
                         peak_memory_gib=float(record["peak_mem_gib"] or 0),
@@ -379,7 +380,10 @@ def ranges_without_the_row() -> list[dict]:
 
 
 def predictions(rows: list[Row], **constants) -> list[Prediction]:
-    return [predict(row.flavor, row.layout, row.seq_len, GPU, **constants) for row in rows]
+    """Each row's prediction, its memory that of the rank TorchTitan logged: the first rank of the last pipeline
+    stage under PP (its metrics rank, where the loss is), rank 0 otherwise."""
+    return [predict(row.flavor, row.layout, row.seq_len, GPU, pipeline_rank=row.layout.pp - 1, **constants)
+            for row in rows]
 
 
 def fit_constants(rows: list[Row]) -> dict[str, float]:
@@ -462,12 +466,13 @@ def measured_table(rows: list[Row], gpu: GPUSpec, steps: int) -> list[dict]:
     time without communication and the allocator's peak, against what the model predicts for the same: compute and
     parameter traffic, no communication, no bubble (planner/cost.py), on `gpu`. Under PP both ends of the pipeline
     run: the first stage's rank, which holds the most micro-batches in flight, and the last stage's, which holds
-    the output layer and the loss; the slower sets the pace and the larger peak is the row's, as in the published
-    figures. The run is this framework's, so its layout is predicted as this framework runs it (column-split
-    embedding; async TP off, which a rank alone cannot run)."""
+    the output layer and the loss; the slower sets the pace and the larger peak is set against the model's worst
+    rank. The run is this framework's, so its layout is predicted as this framework runs it (column-split
+    embedding; no pipeline outputs kept; async TP off, which a rank alone cannot run)."""
     table = []
     for row in rows:
-        layout = dataclasses.replace(row.layout, row_split_embedding=False, async_tp=False)
+        layout = dataclasses.replace(row.layout, row_split_embedding=False, kept_pipeline_outputs=False,
+                                     async_tp=False)
         ranks = sorted({0, (layout.pp - 1) * (row.gpus // layout.pp)})
         reports = [_run_rank(dataclasses.replace(row, layout=layout), "--comm.no_fake_tensors", "--comm.fake_rank",
                              str(rank), "--comm.fake_steps", str(steps)) for rank in ranks]
