@@ -52,7 +52,7 @@ def test_efficiency_refitted_to_the_measured_h100_runs(h100_runs):
     runs = [read_run(folder) for folder in h100_runs.values()]
     assert [run.tps_per_gpu for run in runs] == [spec[1] for spec in H100_RUNS.values()]
     fitted, table = calibrate(runs, GPUS["h100"])
-    assert fitted["efficiency"] == pytest.approx(0.85)
+    assert fitted["efficiency"] == pytest.approx(0.82)
     assert {k: fitted[k] for k in ("memory_bound_bytes", "compiled_fraction")} == \
         {k: MODEL_CONSTANTS[k] for k in ("memory_bound_bytes", "compiled_fraction")}
     before = max(abs(e["tps_model"] / e["tps_measured"] - 1) for e in table)
@@ -73,11 +73,11 @@ def test_refit_all_moves_every_constant_and_needs_three_runs(h100_runs):
 def test_calibrated_constants_reach_the_planner(h100_runs, capsys):
     assert plan_script.main(["--calibrate", *map(str, h100_runs.values()), "--gpu", "h100"]) == 0
     out = capsys.readouterr().out
-    assert (f"--efficiency 0.85 --memory_bound_bytes {MODEL_CONSTANTS['memory_bound_bytes']:g} "
+    assert (f"--efficiency 0.82 --memory_bound_bytes {MODEL_CONSTANTS['memory_bound_bytes']:g} "
             f"--compiled_fraction {MODEL_CONSTANTS['compiled_fraction']:g}") in out
     assert plan_script.main(["--calibrate", *map(str, h100_runs.values()), "--gpu", "h100", "--json"]) == 0
     report = json.loads(capsys.readouterr().out)
-    assert report["fitted_constants"]["efficiency"] == pytest.approx(0.85) and len(report["runs"]) == 6
+    assert report["fitted_constants"]["efficiency"] == pytest.approx(0.82) and len(report["runs"]) == 6
     assert plan_script.main(["--calibrate", str(h100_runs["noac_b1_eager"]), "--gpu", "a100"]) == 2
     assert "ran on NVIDIA H100 80GB HBM3: name the GPU the runs ran on" in capsys.readouterr().err
     argv = ["--predict", "--gpus", "1", "--gpu", "h100", "--json", *SHAPE, *H100_RUNS["noac_b1_eager"][0]]
@@ -135,13 +135,14 @@ def write_dry_run(folder, options, world_size, tps, reserved_gib, device="NVIDIA
 
 def test_one_rank_alone_on_one_gpu_calibrates_the_model(tmp_path):
     """Dry runs on real tensors are compared with the model's figure for a rank alone (no communication, no bubble):
-    on the H200 ranks the efficiency alone, refitted, takes every layout from up to 25% to within 8% (near 1: with
-    attention at FlashAttention-2's published H100 speed, the GEMM efficiency absorbs what the uncapped H200 ran
-    faster, attention included; scripts/calibrate_gpu.py measures attention itself)."""
+    on the H200 ranks the efficiency alone, refitted, takes every layout from up to 25% to within 8%, at a level above
+    the one fitted on the 500 W H100 clusters (with attention at FlashAttention-2's published H100 speed, the GEMM
+    efficiency absorbs what the uncapped H200 ran faster, attention included; scripts/calibrate_gpu.py measures
+    attention itself)."""
     runs = [read_run(write_dry_run(tmp_path / name, *spec)) for name, spec in H200_RANKS.items()]
     assert all(run.alone for run in runs) and runs[-1].world_size == 256 and runs[-1].layout.tp == 8
     fitted, table = calibrate(runs, GPUS["h200"])
-    assert 0.9 <= fitted["efficiency"] <= 1.0
+    assert MODEL_CONSTANTS["efficiency"] < fitted["efficiency"] <= 1.0
     before = max(abs(e["tps_model"] / e["tps_measured"] - 1) for e in table)
     after = max(abs(e["tps_fitted"] / e["tps_measured"] - 1) for e in table)
     assert before > 0.15 and after < 0.08, (before, after)

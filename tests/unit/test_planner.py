@@ -284,7 +284,7 @@ def test_parameter_traffic_is_paid_per_step_and_per_pass_not_per_token():
 
 def test_float8_weight_traffic_counts_each_cast_and_transposed_copy():
     """torchao's work on the weights, per weight element of the rank's blocks. Without FSDP each forward (and forward
-    full AC runs again) casts the fp32 weight (absolute maximum 4, cast 4 + 1), and autocast makes no copy of it
+    full AC runs again: all but w2's) casts the fp32 weight (absolute maximum 4, cast 4 + 1), and autocast makes no copy of it
     (4 + 2 less); backward casts it again: eager in full with a transposed copy (9 + 2), compiled with the forward's
     maximum, into the layout its product wants (4 + 1); a product per-op AC runs again casts with the maximum its
     policy saved (4 + 1). FSDP's bf16 all-gather: the same from the gathered bf16 weight (2 + 2 + 1, compiled
@@ -313,15 +313,16 @@ def test_float8_weight_traffic_counts_each_cast_and_transposed_copy():
                    microbatch=1, ac="full", float8=False, compile=True, async_tp=False)
     params = weights + embeddings
     assert parameter_bytes(alone, False) == pytest.approx(40 * params + 2 * 12 * params)
-    assert float8_bytes(alone) == pytest.approx(2 * (9 + 5 - 6 + 9) * weights)
-    assert float8_bytes(replace(alone, compile=False)) == pytest.approx(2 * (9 + 11 - 6 + 9) * weights)
+    rerun = weights - layers * f * d
+    assert float8_bytes(alone) == pytest.approx(2 * ((9 + 5 - 6) * weights + 9 * rerun))
+    assert float8_bytes(replace(alone, compile=False)) == pytest.approx(2 * ((9 + 11 - 6) * weights + 9 * rerun))
     # Per-op AC runs the products of wk, wo and w3 again, and casts their weights with the saved maximum.
     op = replace(alone, ac="op")
     recast = layers * (d * kv + q * d + d * f)
     assert float8_bytes(op) == pytest.approx(2 * ((9 + 5 - 6) * weights + 5 * recast))
     # FSDP 8 with bf16 all-gathers (TorchTitan's 8B and 70B configs): the gathered weight is cast.
     bf16_gathers = replace(alone, dp_shard=8, float8_all_gather=False)
-    assert float8_bytes(bf16_gathers) == pytest.approx(2 * (5 + 3 + 5) * weights)
+    assert float8_bytes(bf16_gathers) == pytest.approx(2 * ((5 + 3) * weights + 5 * rerun))
     # FSDP 8: float8 also halves what the gathers write (1 byte, not 2), counted with FSDP's casts.
     fsdp = replace(alone, dp_shard=8)
     gathers = passes = 2
@@ -379,6 +380,72 @@ def test_compiled_float8_backward_recasts_the_weight_with_the_forwards_maximum()
     torch._dynamo.reset()
 
 
+def test_full_ac_runs_every_linear_again_but_the_last_as_the_planner_counts():
+    """A block under full AC recomputes its forward in backward only up to the last tensor backward reads
+    (torch.utils.checkpoint's non-reentrant early stop; compiled, the partitioner recomputes only what backward
+    reads): w2's output is read by nothing, so its product does not run again. The products counted here, eager and
+    compiled, are the planner's (linear_gemms, NOT_RECOMPUTED_LINEARS)."""
+    import dataclasses
+    from functools import partial
+
+    import torch
+    from functorch.compile import make_boxed_func
+    from torch._dynamo.backends.common import aot_autograd
+    from torch._functorch.partitioners import min_cut_rematerialization_partition
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from torchtitan.models.llama3.args import model_args_for
+    from torchtitan.models.llama3.model import TransformerBlock, rope_table
+    from torchtitan.planner.cost import Layout, block_linear_shapes, linear_gemms
+
+    args = dataclasses.replace(model_args_for("debugmodel", 32), n_layers=1)
+    rope = rope_table(args, device=torch.device("cpu"))[:32]
+    x = torch.randn(2, 32, args.dim, requires_grad=True)
+    # A forward product is input @ weight.T: its second operand has the weight's (in, out) shape.
+    forward_operands = {name: shape for name, shape in block_linear_shapes(args, 1).items()}
+
+    class Products(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.shapes = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if func == torch.ops.aten.mm.default:
+                self.shapes.append(tuple(args[1].shape))
+            return func(*args, **(kwargs or {}))
+
+    eager = Products()
+    loss = checkpoint_wrapper(TransformerBlock(0, args), preserve_rng_state=False)(x, rope).sum()
+    with eager:
+        loss.backward()
+
+    graphs = {}
+
+    def keep(name, graph_module, example_inputs):
+        graphs[name] = graph_module
+        return make_boxed_func(graph_module)
+
+    backend = aot_autograd(fw_compiler=partial(keep, "forward"), bw_compiler=partial(keep, "backward"),
+                           partition_fn=min_cut_rematerialization_partition)
+    torch._dynamo.reset()
+    block = torch.compile(checkpoint_wrapper(TransformerBlock(0, args), preserve_rng_state=False), backend=backend)
+    block(x, rope).sum().backward()
+    torch._dynamo.reset()
+    compiled = [tuple(node.args[1].meta["val"].shape) for node in graphs["backward"].graph.nodes
+                if node.op == "call_function" and node.target == torch.ops.aten.mm.default]
+
+    layout = Layout(dp_replicate=1, dp_shard=1, tp=1, pp=1, cp=1, schedule=None, stages_per_rank=1, local_batch=2,
+                    microbatch=2, ac="full", float8=False, compile=False, async_tp=False)
+    forwards = [count for count, *_, forward in linear_gemms(args, layout, 32)[:-3] if forward]
+    # Seven linear layers; the planner runs six forwards twice, w2's once; backward holds two products per layer.
+    assert sorted(forwards) == [1] + [2] * 6
+    for products in (eager.shapes, compiled):
+        # The recomputed forward runs first, then each layer's two gradient products.
+        assert len(products) == 6 + 2 * 7
+        assert sorted(products[:6]) == sorted(shape for name, shape in forward_operands.items() if name != "w2")
+
+
 def test_float8_casts_of_whole_sequence_tensors_do_not_shrink_with_tensor_parallelism():
     """Under TP the block inputs and wo's and w2's output gradients are gathered over the sequence: their casts cost
     d per token on every rank, so a TP 8 rank casts far more than an eighth of what one GPU casts."""
@@ -388,7 +455,9 @@ def test_float8_casts_of_whole_sequence_tensors_do_not_shrink_with_tensor_parall
     args = model_args_for("70B", 8192)
     alone, tp8 = (float8_cast_bytes_per_token(args, t, "full") for t in (1, 8))
     assert tp8 > alone / 3
-    assert float8_cast_bytes_per_token(args, 8, "full") > float8_cast_bytes_per_token(args, 8, "op") > \
+    # Full AC casts again the inputs of every product but w2's: the two normalised inputs and wo's, as many as per-op
+    # AC casts for wk, w3 and wo.
+    assert float8_cast_bytes_per_token(args, 8, "full") == float8_cast_bytes_per_token(args, 8, "op") > \
         float8_cast_bytes_per_token(args, 8, "none")
 
 

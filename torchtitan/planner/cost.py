@@ -7,7 +7,8 @@ Per GPU and step (all stages of one pipeline rank together; the slowest pipeline
 
 - compute = matrix products by shape + attention + memory-bound time.
   Each linear layer's forward and two backward products per micro-batch, at their shapes (linear_gemms; full
-  activation checkpointing runs each block's forward again), each timed by gemm_seconds: whole output tiles at
+  activation checkpointing runs each block's forward again up to the last tensor backward reads, all but w2's
+  product), each timed by gemm_seconds: whole output tiles at
   the fitted efficiency, no faster than HBM reads its inputs, plus its output's store, so a thin TP shard runs
   slower per FLOP than the whole layer. Attention runs at its own speed, not the
   GEMM efficiency (planner/attention.py, attention_step): the pairs its mask leaves (causal s^2/2; block-causal
@@ -266,6 +267,11 @@ def _ring_seconds(buffer_bytes: float, size: int, bandwidth: float, calls: float
 
 # The linear layers whose products per-op AC runs again in backward (its policy saves the others' outputs).
 OP_RECOMPUTED_LINEARS = ("wk", "wo", "w3")
+# A block's forward run again in backward (full AC; per-block AC in the blocks it recomputes) stops once the last
+# tensor backward reads exists (torch.utils.checkpoint's non-reentrant early stop, on by default; compiled, the
+# partitioner recomputes only what backward reads): the block's last linear layer, whose output backward does not
+# read, does not run again, nor its Float8 casts (tests/unit/test_planner.py counts the products, eager and compiled).
+NOT_RECOMPUTED_LINEARS = ("w2",)
 
 
 def block_linear_shapes(args: TransformerModelArgs, t: int = 1) -> dict[str, tuple[int, int]]:
@@ -313,7 +319,7 @@ def float8_weight_bytes(weights: float, rerun_weights: float, recast_weights: fl
                         compiled: bool, gathers: int, gather_passes: int, microbatches: int) -> float:
     """HBM bytes per step of torchao's Float8 work on the weights of a rank's converted linear layers (tensorwise
     dynamic scaling). `weights`: the rank's elements of them (its TP shard of every block's linear layers);
-    `rerun_weights`: those whose forward full (or per-block) AC runs again whole, per micro-batch; `recast_weights`:
+    `rerun_weights`: those whose forward full (or per-block) AC runs again (all but w2's), per micro-batch; `recast_weights`:
     those whose product per-op AC runs again, with the absolute maximum its policy saved (aten.max). Per element:
 
     - With FSDP's float8 all-gather and precomputed scales (`gathered`; the planner's layouts set both): after the
@@ -467,8 +473,8 @@ def float8_cast_bytes_per_token(args: TransformerModelArgs, t: int, ac: str, ac_
 
     Every tensor a float8 matmul takes is read twice (its absolute maximum, then the scaled cast) and written once
     in float8: 5 bytes per element. Forward: the two normalised block inputs (each shared by its projections), wo's
-    and w2's inputs; full AC casts them again in the recomputed forward (per-block AC in the blocks it recomputes),
-    per-op AC the inputs of the matmuls it recomputes (wk, wo, w3). Backward: the gradients of the seven outputs.
+    and w2's inputs; full AC casts them again in the recomputed forward but w2's, which it does not run again
+    (per-block AC in the blocks it recomputes), per-op AC the inputs of the matmuls it recomputes (wk, wo, w3). Backward: the gradients of the seven outputs.
     The weight-gradient matmuls take the inputs and the output gradients transposed: one more float8 copy of each
     (2 bytes). Under TP the block inputs and the output gradients of wo and w2 are whole-sequence tensors (gathered
     from the sequence-parallel regions): they cost d per token on every rank, where the hidden state's other work
@@ -476,7 +482,7 @@ def float8_cast_bytes_per_token(args: TransformerModelArgs, t: int, ac: str, ac_
     d, q, kv, f = args.dim, args.n_heads * args.head_dim / t, args.kv_heads * args.head_dim / t, args.ffn_hidden_dim / t
     inputs = 2 * d + q + f
     output_grads = q + 2 * kv + 2 * d + 2 * f
-    recast = inputs * recomputed_blocks(ac, ac_every) + (2 * d + q if ac == "op" else 0.0)
+    recast = (inputs - f) * recomputed_blocks(ac, ac_every) + (2 * d + q if ac == "op" else 0.0)
     return 5 * (inputs + recast + output_grads) + 2 * (inputs + output_grads)
 
 
@@ -518,8 +524,8 @@ def linear_gemms(args: TransformerModelArgs, layout: Layout,
     Each linear layer of in x out (its TP shard: column-parallel layers split out, row-parallel ones in) runs, per
     micro-batch of M tokens (the whole gathered sequence under sequence-parallel TP, its 1/cp share under CP), its
     forward (M x in) @ (in x out), the input gradient (M x out) @ (out x in) and the weight gradient
-    (out x M) @ (M x in). Full AC runs every forward again (per-block AC those of the blocks it recomputes), per-op
-    AC those of wk, wo and w3. Float8 runs the blocks' products in float8 (torchao casts all three); the output layer
+    (out x M) @ (M x in). Full AC runs every forward but w2's again (per-block AC in the blocks it recomputes),
+    per-op AC those of wk, wo and w3. Float8 runs the blocks' products in float8 (torchao casts all three); the output layer
     stays bf16, on the last pipeline stage."""
     t, c = layout.tp, layout.cp
     m = round(layout.microbatch * seq_len / c)
@@ -527,7 +533,8 @@ def linear_gemms(args: TransformerModelArgs, layout: Layout,
     recomputed_by_op = OP_RECOMPUTED_LINEARS if layout.ac == "op" else ()
     gemms = []
     for name, (fan_in, fan_out) in block_linear_shapes(args, t).items():
-        forwards = blocks * (1 + layout.recomputed_blocks + (name in recomputed_by_op))
+        forwards = blocks * (1 + layout.recomputed_blocks * (name not in NOT_RECOMPUTED_LINEARS)
+                             + (name in recomputed_by_op))
         gemms += [(forwards, m, fan_in, fan_out, layout.float8, True),
                   (blocks, m, fan_out, fan_in, layout.float8, False),
                   (blocks, fan_out, m, fan_in, layout.float8, False)]
@@ -658,7 +665,8 @@ def step_time(args: TransformerModelArgs, layout: Layout, seq_len: int, gpu: GPU
         sizes = {name: fan_in * fan_out for name, (fan_in, fan_out) in block_linear_shapes(args, t).items()}
         weights = sum(sizes.values()) * layers
         recast_by_op = sum(sizes[name] for name in OP_RECOMPUTED_LINEARS) * layers if layout.ac == "op" else 0.0
-        parameter_bytes += float8_weight_bytes(weights, weights * recompute, recast_by_op, shard,
+        recast = (weights - sum(sizes[name] for name in NOT_RECOMPUTED_LINEARS) * layers) * recompute
+        parameter_bytes += float8_weight_bytes(weights, recast, recast_by_op, shard,
                                                float8_gathered(layout), layout.compile, gathers, passes, microbatches)
     parameter_s = parameter_bytes / gpu.hbm_bytes_per_s
     return StepTime(compute_s=compute_s, exposed_comm_s=exposed, bubble=bubble, fsdp_comm_s=fsdp_s, tp_comm_s=tp_s,
