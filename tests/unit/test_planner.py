@@ -337,18 +337,15 @@ def test_float8_weight_traffic_counts_each_cast_and_transposed_copy():
         + stage_params * 2 * (1 - 2))
 
 
-def test_compiled_float8_backward_recasts_the_weight_with_the_forwards_maximum():
-    """What float8_weight_bytes counts for a compiled block: torch's partitioner (the one inductor uses) saves the
-    forward's absolute maximum of the weight, a scalar, and the backward casts the bf16 weight again from it: one
-    cast of a weight-sized tensor to float8 and no reduction over the weight."""
+def partitioned_graphs(module, *inputs) -> dict:
+    """The forward and backward graphs torch's partitioner (the one inductor uses) makes of `module` compiled, after
+    one forward and backward of the sum of its output (in fp32)."""
     from functools import partial
 
     import torch
-    from torch import nn
     from functorch.compile import make_boxed_func
     from torch._dynamo.backends.common import aot_autograd
     from torch._functorch.partitioners import min_cut_rematerialization_partition
-    from torchao.float8 import Float8LinearConfig, convert_to_float8_training
 
     graphs = {}
 
@@ -358,11 +355,24 @@ def test_compiled_float8_backward_recasts_the_weight_with_the_forwards_maximum()
 
     backend = aot_autograd(fw_compiler=partial(keep, "forward"), bw_compiler=partial(keep, "backward"),
                            partition_fn=min_cut_rematerialization_partition)
+    torch._dynamo.reset()
+    torch.compile(module, backend=backend)(*inputs).float().sum().backward()
+    torch._dynamo.reset()
+    return graphs
+
+
+def test_compiled_float8_backward_recasts_the_weight_with_the_forwards_maximum():
+    """What float8_weight_bytes counts for a compiled block: torch's partitioner (the one inductor uses) saves the
+    forward's absolute maximum of the weight, a scalar, and the backward casts the bf16 weight again from it: one
+    cast of a weight-sized tensor to float8 and no reduction over the weight."""
+    import torch
+    from torch import nn
+    from torchao.float8 import Float8LinearConfig, convert_to_float8_training
+
     model = nn.Sequential(nn.Linear(64, 128, bias=False)).to(torch.bfloat16)
     convert_to_float8_training(model, config=Float8LinearConfig(emulate=True))
-    torch._dynamo.reset()
     x = torch.randn(32, 64, dtype=torch.bfloat16, requires_grad=True)
-    torch.compile(model, backend=backend)(x).float().sum().backward()
+    graphs = partitioned_graphs(model, x)
 
     def on_weight(graph_module, target):
         """The calls of `target` whose tensor argument has the weight's elements (128 x 64, either layout)."""
@@ -377,7 +387,6 @@ def test_compiled_float8_backward_recasts_the_weight_with_the_forwards_maximum()
     reduce = torch.ops.aten.max.default
     assert len(on_weight(graphs["forward"], reduce)) == 1 and len(float8_casts(graphs["forward"])) == 1
     assert on_weight(graphs["backward"], reduce) == [] and len(float8_casts(graphs["backward"])) == 1
-    torch._dynamo.reset()
 
 
 def test_full_ac_runs_every_linear_again_but_the_last_as_the_planner_counts():
@@ -386,12 +395,8 @@ def test_full_ac_runs_every_linear_again_but_the_last_as_the_planner_counts():
     reads): w2's output is read by nothing, so its product does not run again. The products counted here, eager and
     compiled, are the planner's (linear_gemms, NOT_RECOMPUTED_LINEARS)."""
     import dataclasses
-    from functools import partial
 
     import torch
-    from functorch.compile import make_boxed_func
-    from torch._dynamo.backends.common import aot_autograd
-    from torch._functorch.partitioners import min_cut_rematerialization_partition
     from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
     from torch.utils._python_dispatch import TorchDispatchMode
 
@@ -420,18 +425,7 @@ def test_full_ac_runs_every_linear_again_but_the_last_as_the_planner_counts():
     with eager:
         loss.backward()
 
-    graphs = {}
-
-    def keep(name, graph_module, example_inputs):
-        graphs[name] = graph_module
-        return make_boxed_func(graph_module)
-
-    backend = aot_autograd(fw_compiler=partial(keep, "forward"), bw_compiler=partial(keep, "backward"),
-                           partition_fn=min_cut_rematerialization_partition)
-    torch._dynamo.reset()
-    block = torch.compile(checkpoint_wrapper(TransformerBlock(0, args), preserve_rng_state=False), backend=backend)
-    block(x, rope).sum().backward()
-    torch._dynamo.reset()
+    graphs = partitioned_graphs(checkpoint_wrapper(TransformerBlock(0, args), preserve_rng_state=False), x, rope)
     compiled = [tuple(node.args[1].meta["val"].shape) for node in graphs["backward"].graph.nodes
                 if node.op == "call_function" and node.target == torch.ops.aten.mm.default]
 
