@@ -440,6 +440,114 @@ def test_full_ac_runs_every_linear_again_but_the_last_as_the_planner_counts():
         assert sorted(products[:6]) == sorted(shape for name, shape in forward_operands.items() if name != "w2")
 
 
+@pytest.fixture
+def fake_world_of_two():
+    """rank 0 of a fake two-rank world (no peers: every collective returns at once) and its mesh."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=2)
+    try:
+        yield init_device_mesh("cpu", (2,))
+    finally:
+        dist.destroy_process_group()
+
+
+def test_sequence_parallel_collectives_copy_their_buffers_as_the_planner_counts(fake_world_of_two):
+    """NCCL gathers and scatters along the batch, sequence parallelism along the sequence: DTensor's reduce-scatter
+    copies its input into rank order and its all-gather its output into sequence order, except for micro-batches of
+    one sequence (a view). Counted with a dispatch mode on DTensor's own redistributions, against
+    cost.sequence_reorder_bytes; async TP's fused kernels make none."""
+    import dataclasses
+
+    import torch
+    from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from torchtitan.models.llama3.args import model_args_for
+    from torchtitan.planner.cost import Layout, sequence_collectives, sequence_reorder_bytes
+
+    class Copies(TorchDispatchMode):
+        """Bytes read and written by the copies an operation makes (cat and clone)."""
+
+        def __init__(self):
+            super().__init__()
+            self.bytes = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            if func in (torch.ops.aten.cat.default, torch.ops.aten.clone.default):
+                self.bytes += 2 * out.numel() * out.element_size()
+            return out
+
+    def copied(batch: int, source, target) -> int:
+        local = torch.randn(batch, 8 if source == Shard(1) else 16, 32)
+        counter = Copies()
+        with counter:
+            DTensor.from_local(local, fake_world_of_two, [source], run_check=False).redistribute(
+                fake_world_of_two, [target]).to_local()
+        return counter.bytes
+
+    def buffer(batch: int) -> int:  # the whole-sequence buffer, 16 positions of 32 fp32 values per sequence
+        return batch * 16 * 32 * 4
+
+    assert copied(2, Shard(1), Replicate()) == 2 * buffer(2)
+    assert copied(1, Shard(1), Replicate()) == 0
+    assert copied(2, Partial(), Shard(1)) == 2 * buffer(2)
+    assert copied(1, Partial(), Shard(1)) == 2 * buffer(1)
+
+    args = model_args_for("debugmodel", 64)
+    layout = Layout(dp_replicate=1, dp_shard=1, tp=2, pp=1, cp=1, schedule=None, stages_per_rank=1, local_batch=2,
+                    microbatch=2, ac="none", float8=False, compile=True, async_tp=False)
+    collectives = sequence_collectives(args, layout, 64)
+    gathered, reduced = collectives[("all_gather", "tp")][1], collectives[("reduce_scatter", "tp")][1]
+    assert sequence_reorder_bytes(args, layout, 64) == 2 * (gathered + reduced)
+    # Compiled Float8 writes the reordered gather beside the input's float8 cast, which reads it anyway.
+    assert sequence_reorder_bytes(args, dataclasses.replace(layout, float8=True), 64) == gathered + 2 * reduced
+    one = dataclasses.replace(layout, local_batch=1, microbatch=1)
+    assert sequence_reorder_bytes(args, one, 64) == 2 * sequence_collectives(args, one, 64)[("reduce_scatter", "tp")][1]
+    assert sequence_reorder_bytes(args, dataclasses.replace(layout, async_tp=True), 64) == 0
+
+
+@pytest.mark.slow
+def test_compiled_sequence_parallel_collectives_copy_as_counted(fake_world_of_two):
+    """Inductor's code for the forward of a linear layer behind a sequence all-gather, and before a sequence
+    reduce-scatter: a copy kernel (cat) for a gather of two sequences, none for one; with Float8 the gather's
+    reorder fused into the input's cast (one kernel: its maximum, scale and the copy); a copy kernel before the
+    reduce-scatter of even one sequence (cost.sequence_reorder_bytes)."""
+    import torch
+    import torch.distributed._functional_collectives as funcol
+    from torch._inductor.utils import run_and_get_code
+    from torchao.float8 import Float8LinearConfig, convert_to_float8_training
+
+    group = fake_world_of_two.get_group()
+
+    def linear(float8: bool) -> torch.nn.Module:
+        layer = torch.nn.Sequential(torch.nn.Linear(32, 32, bias=False)).to(torch.bfloat16)
+        if float8:
+            convert_to_float8_training(layer, config=Float8LinearConfig(emulate=True))
+        return layer
+
+    def kernels_with_cat(fn, batch: int) -> list[str]:
+        torch._dynamo.reset()
+        with torch.no_grad():
+            _, code = run_and_get_code(torch.compile(fn), torch.randn(batch, 8, 32, dtype=torch.bfloat16))
+        torch._dynamo.reset()
+        # Each generated kernel is bound once: `cpp_fused_<what it fuses>_<n> = async_compile.cpp_pybinding(...)`.
+        names = [line.split(" = ")[0].strip() for line in "\n".join(code).splitlines()
+                 if " = async_compile." in line and line.lstrip().startswith("cpp_fused")]
+        return [name for name in names if "cat" in name]
+
+    bf16, float8 = linear(False), linear(True)
+    gathered = [kernels_with_cat(lambda x: bf16(funcol.all_gather_tensor(x, 1, group)), batch) for batch in (2, 1)]
+    assert len(gathered[0]) == 1 and "abs" not in gathered[0][0] and gathered[1] == []
+    (fused,) = kernels_with_cat(lambda x: float8(funcol.all_gather_tensor(x, 1, group)), 2)
+    assert "abs" in fused and "max" in fused
+    scattered = kernels_with_cat(lambda x: funcol.reduce_scatter_tensor(bf16(x), "sum", 1, group), 1)
+    assert len(scattered) == 1
+
+
 def test_float8_casts_of_whole_sequence_tensors_do_not_shrink_with_tensor_parallelism():
     """Under TP the block inputs and wo's and w2's output gradients are gathered over the sequence: their casts cost
     d per token on every rank, so a TP 8 rank casts far more than an eighth of what one GPU casts."""

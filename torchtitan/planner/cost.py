@@ -22,7 +22,8 @@ Per GPU and step (all stages of one pipeline rank together; the slowest pipeline
   Float8 adds its dynamic casts, counted from what
   torchao reads and writes (float8_cast_bytes_per_token: no constant); under TP some of them work on whole-sequence
   tensors, which is most of what makes the 70B and 405B layouts slower per token than the 8B ones. It runs at the
-  GPU's HBM bandwidth.
+  GPU's HBM bandwidth, as do the copies torch makes to gather and scatter sequence-parallel TP's buffers along the
+  sequence (sequence_reorder_bytes).
 - communication, each collective's bytes over the link it crosses (NVLink within a host of 8, the RDMA network
   between hosts; mesh dimensions are laid out pp, dp_replicate, dp_shard, cp, tp, the last varying fastest, so a
   dimension stays within a host when its stride x size <= 8). A ring moves (n - 1) / n of the buffer over its
@@ -406,6 +407,24 @@ def sequence_collectives(args: TransformerModelArgs, layout: Layout,
     return collectives
 
 
+def sequence_reorder_bytes(args: TransformerModelArgs, layout: Layout, seq_len: int) -> float:
+    """HBM bytes per step of the copies torch makes around sequence-parallel TP's collectives (read and written
+    once each). NCCL gathers and scatters along the first dimension, the batch; the sequence is the second. So each
+    reduce-scatter first copies its input into rank order (the functional collectives' chunk-and-cat), and each
+    all-gather copies its output into sequence order, except for micro-batches of one sequence, whose gathered
+    buffer torch returns as a view (`_maybe_view_chunk_cat`; the torch of the published runs copied those too).
+    Compiled alike, inductor emitting a copy kernel next to the linear layer that reads or writes the buffer,
+    except that compiled Float8's cast of a gathered input reads it once for both and writes the reordered copy
+    beside the float8 one: the write alone (inductor's code for each, on this CPU). Async TP's fused
+    collective-matmul kernels gather and scatter in sequence order themselves: none."""
+    if layout.tp == 1 or layout.async_tp:
+        return 0.0
+    sequence = sequence_collectives(args, layout, seq_len)
+    gather_copy = 1 if layout.compile and layout.float8 else 2
+    gathered = sequence[("all_gather", "tp")][1] if layout.microbatch > 1 else 0.0
+    return gather_copy * gathered + 2 * sequence[("reduce_scatter", "tp")][1]
+
+
 # torch's ring attention merges each block's output into the running one by log-sum-exp (_SDPAMerger), in fp32:
 # per element of the rank's output and merge step it reads the running output and the block's (cast to fp32) and
 # writes the rescaled sum: the block's cast to fp32 (2 + 4 bytes), the difference (4 + 4 + 4), its product with the
@@ -572,7 +591,8 @@ def step_time(args: TransformerModelArgs, layout: Layout, seq_len: int, gpu: GPU
     if layout.float8:
         memory_bound += float8_cast_bytes_per_token(args, t, layout.ac, layout.ac_every) * tokens * t * layers
     memory_bound *= compiled_fraction if layout.compile else 1.0
-    compute_s = matmul_s + memory_bound / gpu.hbm_bytes_per_s + attention.seconds
+    compute_s = (matmul_s + (memory_bound + sequence_reorder_bytes(args, layout, seq_len)) / gpu.hbm_bytes_per_s
+                 + attention.seconds)
 
     # FSDP over dp_shard x cp (stride tp), HSDP's replicas (stride dp_shard x cp x tp).
     stage_params = (block_weights * layers + args.vocab_size * args.dim * (2 / p)) / t
