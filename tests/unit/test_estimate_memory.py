@@ -188,7 +188,9 @@ def test_analytic_estimate_within_5_percent_of_the_trace(layout):
     assert abs(predicted / traced - 1) <= 0.05, f"analytic {predicted / 2**20:.1f} MiB, traced {traced / 2**20:.1f} MiB"
 
 
-@pytest.mark.parametrize("ac", ["none", "op"])
+# Each case traces torchao's Float8 block through dynamo, about 45 s here: the default run keeps per-op AC, the
+# planner's usual choice; the case without AC runs with the slow ones.
+@pytest.mark.parametrize("ac", [pytest.param("none", marks=pytest.mark.slow), "op"])
 def test_compiled_float8_block_saves_what_the_model_says(ac):
     """Inductor recomputes torchao's Float8 casts, and with them the norms' outputs, instead of saving them; under
     per-op AC it saves only the policy's tensors that backward reads (not w2's output). One compiled block with bf16
