@@ -502,12 +502,13 @@ def test_sequence_parallel_collectives_copy_their_buffers_as_the_planner_counts(
                     microbatch=2, ac="none", float8=False, compile=True, async_tp=False)
     collectives = sequence_collectives(args, layout, 64)
     gathered, reduced = collectives[("all_gather", "tp")][1], collectives[("reduce_scatter", "tp")][1]
-    assert sequence_reorder_bytes(args, layout, 64) == 2 * (gathered + reduced)
+    assert sequence_reorder_bytes(layout, collectives) == 2 * (gathered + reduced)
     # Compiled Float8 writes the reordered gather beside the input's float8 cast, which reads it anyway.
-    assert sequence_reorder_bytes(args, dataclasses.replace(layout, float8=True), 64) == gathered + 2 * reduced
+    assert sequence_reorder_bytes(dataclasses.replace(layout, float8=True), collectives) == gathered + 2 * reduced
     one = dataclasses.replace(layout, local_batch=1, microbatch=1)
-    assert sequence_reorder_bytes(args, one, 64) == 2 * sequence_collectives(args, one, 64)[("reduce_scatter", "tp")][1]
-    assert sequence_reorder_bytes(args, dataclasses.replace(layout, async_tp=True), 64) == 0
+    one_collectives = sequence_collectives(args, one, 64)
+    assert sequence_reorder_bytes(one, one_collectives) == 2 * one_collectives[("reduce_scatter", "tp")][1]
+    assert sequence_reorder_bytes(dataclasses.replace(layout, async_tp=True), collectives) == 0
 
 
 @pytest.mark.slow

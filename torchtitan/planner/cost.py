@@ -165,6 +165,10 @@ class Layout:
     def dp(self) -> int:
         return self.dp_replicate * self.dp_shard
 
+    def tokens_per_gpu(self, seq_len: int) -> float:
+        """Tokens one GPU's share of a step covers: its data-parallel rank's batch over TP x CP x PP."""
+        return self.local_batch * seq_len / (self.tp * self.cp * self.pp)
+
     @property
     def recomputed_blocks(self) -> float:
         """The share of blocks whose forward runs again whole in backward."""
@@ -407,7 +411,7 @@ def sequence_collectives(args: TransformerModelArgs, layout: Layout,
     return collectives
 
 
-def sequence_reorder_bytes(args: TransformerModelArgs, layout: Layout, seq_len: int) -> float:
+def sequence_reorder_bytes(layout: Layout, sequence: dict[tuple[str, str], tuple[int, float]]) -> float:
     """HBM bytes per step of the copies torch makes around sequence-parallel TP's collectives (read and written
     once each). NCCL gathers and scatters along the first dimension, the batch; the sequence is the second. So each
     reduce-scatter first copies its input into rank order (the functional collectives' chunk-and-cat), and each
@@ -416,10 +420,10 @@ def sequence_reorder_bytes(args: TransformerModelArgs, layout: Layout, seq_len: 
     Compiled alike, inductor emitting a copy kernel next to the linear layer that reads or writes the buffer,
     except that compiled Float8's cast of a gathered input reads it once for both and writes the reordered copy
     beside the float8 one: the write alone (inductor's code for each, on this CPU). Async TP's fused
-    collective-matmul kernels gather and scatter in sequence order themselves: none."""
+    collective-matmul kernels gather and scatter in sequence order themselves: none. `sequence`: the step's
+    collectives (sequence_collectives)."""
     if layout.tp == 1 or layout.async_tp:
         return 0.0
-    sequence = sequence_collectives(args, layout, seq_len)
     gather_copy = 1 if layout.compile and layout.float8 else 2
     gathered = sequence[("all_gather", "tp")][1] if layout.microbatch > 1 else 0.0
     return gather_copy * gathered + 2 * sequence[("reduce_scatter", "tp")][1]
@@ -591,7 +595,8 @@ def step_time(args: TransformerModelArgs, layout: Layout, seq_len: int, gpu: GPU
     if layout.float8:
         memory_bound += float8_cast_bytes_per_token(args, t, layout.ac, layout.ac_every) * tokens * t * layers
     memory_bound *= compiled_fraction if layout.compile else 1.0
-    compute_s = (matmul_s + (memory_bound + sequence_reorder_bytes(args, layout, seq_len)) / gpu.hbm_bytes_per_s
+    sequence = sequence_collectives(args, layout, seq_len)
+    compute_s = (matmul_s + (memory_bound + sequence_reorder_bytes(layout, sequence)) / gpu.hbm_bytes_per_s
                  + attention.seconds)
 
     # FSDP over dp_shard x cp (stride tp), HSDP's replicas (stride dp_shard x cp x tp).
@@ -613,7 +618,6 @@ def step_time(args: TransformerModelArgs, layout: Layout, seq_len: int, gpu: GPU
     fsdp_s = gather_s + reduce_s
 
     microbatches = layout.local_batch // layout.microbatch
-    sequence = sequence_collectives(args, layout, seq_len)
     tp_s, tp_exposed = 0.0, 0.0
     if t > 1:
         gather_calls, gathered = sequence[("all_gather", "tp")]
@@ -698,5 +702,5 @@ def tokens_per_second_per_gpu(args: TransformerModelArgs, layout: Layout, seq_le
                               **constants) -> float:
     """Tokens/s per GPU of the layout; `alone`: of one of its ranks with no communication (StepTime.seconds_alone)."""
     step = step_time(args, layout, seq_len, gpu, **constants)
-    return layout.local_batch * seq_len / (layout.tp * layout.cp * layout.pp) / (
+    return layout.tokens_per_gpu(seq_len) / (
         step.seconds_alone if alone else step.seconds)

@@ -139,7 +139,7 @@ def predict(flavor: str, layout: Layout, seq_len: int, gpu: GPU, config: JobConf
     else:
         tensors = estimate(config, layout.world_size, pipeline_rank=pipeline_rank).total
     step = step_time(args, layout, seq_len, gpu, **constants)
-    tokens = layout.local_batch * seq_len / (layout.tp * layout.cp * layout.pp)
+    tokens = layout.tokens_per_gpu(seq_len)
     # The validated rows are predicted here too (planner/validation.py imports this module).
     from torchtitan.planner.validation import envelope
 

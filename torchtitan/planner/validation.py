@@ -191,7 +191,7 @@ def attention_split_check(rows: list[Row], gpu: GPUSpec | None = None) -> tuple[
     for row in rows:
         layout, args, on = row.layout, row.args, gpu or row.gpu
         step = step_time(args, layout, row.seq_len, on)
-        tokens = layout.local_batch * row.seq_len / (layout.tp * layout.cp * layout.pp)
+        tokens = layout.tokens_per_gpu(row.seq_len)
         attention = attention_step(args, layout, row.seq_len, on).seconds * step.bubble / tokens
         parts.append((row, step.seconds / tokens - attention, attention, 1 / row.tps_per_gpu))
     # Least squares of (a x rest + b x attention) / published - 1 over the rows with CP <= 2: the 2 x 2 normal
@@ -352,8 +352,7 @@ def row_range(row: Row, validated: Envelope) -> tuple[float, float]:
     """The range (conservative and optimistic end, tokens/s per GPU) the planner gives `row`'s layout on its GPU and
     model shape under `validated`."""
     step = step_time(row.args, row.layout, row.seq_len, row.gpu)
-    tokens = row.layout.local_batch * row.seq_len / (row.layout.tp * row.layout.cp * row.layout.pp)
-    return validated.tps_range(step, tokens, row.layout, row.seq_len, row.gpu)
+    return validated.tps_range(step, row.layout.tokens_per_gpu(row.seq_len), row.layout, row.seq_len, row.gpu)
 
 
 def ranges_without_the_row() -> list[dict]:
