@@ -117,6 +117,9 @@ def test_block_causal_under_context_parallelism_is_traced(tmp_path):
      "option parallelism.enable_async_tensor_parallel"),
     (["--comm.fake_gpu", "h900"], "option comm.fake_gpu: unknown GPU 'h900'"),
     (["--comm.no_fake_tensors", "--comm.fake_steps", "0"], "option comm.fake_steps: 0 must be a positive integer"),
+    # Split backwards run torch.autograd.grad, whose graph torch's module tracker cannot hook (it raised mid-step).
+    (["--parallelism.pipeline_parallel_degree", "2", "--parallelism.pipeline_parallel_schedule", "ZBVZeroBubble"],
+     "option parallelism.pipeline_parallel_schedule: the dry run cannot trace ZBVZeroBubble"),
 ])
 def test_bad_layouts_are_one_line_errors(tmp_path, args, message):
     report = dry_run(tmp_path, 8, *args, expect_exit=2)

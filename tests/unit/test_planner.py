@@ -867,6 +867,93 @@ def test_pipeline_sends_on_the_critical_path():
     assert pipeline_p2p_seconds(model_args_for("8B", 8192), layout, 8192, gpu) == pytest.approx(14 * hop)
 
 
+@pytest.mark.parametrize("schedule", ["Interleaved1F1B", "LoopedBFS"])
+def test_pipeline_bubble_runs_torchs_own_schedule_and_meets_the_closed_form(schedule):
+    """Each rank runs torch's action list for the schedule, a pass starting when what it needs is done. With equal
+    stages a looped schedule's step is (m v + pp - 1) passes of one stage-micro-batch, whatever the forward's share
+    of the work: the closed form the planner used before, exactly. One micro-batch fewer than ranks, nothing
+    overlaps: every stage runs in turn."""
+    from torchtitan.planner.pipeline_schedule import bubble
+
+    for pp, v, microbatches in ((2, 2, 4), (4, 2, 8), (8, 2, 8), (4, 3, 8), (8, 2, 32)):
+        for forward, backward_input, backward_weight in ((1.0, 1.0, 1.0), (1.0, 2.0, 1.0), (2.0, 3.0, 0.5)):
+            expected = (microbatches * v + pp - 1) / (microbatches * v)
+            assert bubble(schedule, pp, v, microbatches, forward, backward_input, backward_weight) \
+                == pytest.approx(expected, rel=1e-12), (pp, v, microbatches, forward)
+    assert bubble("1F1B", 8, 1, 8, 1.0, 2.0, 1.0) == pytest.approx(15 / 8)
+    assert bubble("LoopedBFS", 4, 2, 1, 1.0, 2.0, 1.0) == pytest.approx(4)  # pp x v passes, one at a time
+
+
+def test_zero_bubble_schedules_fill_the_bubble_with_weight_passes():
+    """The split-backward schedules run the weight gradients where the others wait: their bubble is smaller than
+    Interleaved1F1B's on the same stages; with nothing to defer (no weight pass) it is no smaller."""
+    from torchtitan.planner.pipeline_schedule import bubble
+
+    pp, v, microbatches = 8, 2, 16
+    looped = bubble("Interleaved1F1B", pp, v, microbatches, 1.0, 1.0, 1.0)
+    for schedule in ("InterleavedZeroBubble", "ZBVZeroBubble", "DualPipeV"):
+        half = bubble(schedule, pp, v, microbatches, 1.0, 1.0, 1.0)
+        assert 1.0 < half < looped, schedule
+        assert bubble(schedule, pp, v, microbatches, 1.0, 2.0, 0.0) >= looped - 1e-9, schedule
+
+
+def test_in_flight_micro_batches_come_from_the_schedules_order():
+    """The activations each stage holds: for Interleaved1F1B the closed form the memory model was checked on
+    against dry runs, for every rank; the zero-bubble schedules keep a micro-batch's until its weight pass, so their
+    last rank holds as many as their first, where Interleaved1F1B's last holds pp + 1 fewer."""
+    from torchtitan.planner.pipeline_schedule import in_flight
+
+    for pp, v, microbatches in ((4, 2, 8), (8, 2, 16), (8, 3, 16), (16, 2, 32)):
+        for rank in range(pp):
+            warmup = (v - 1) * pp + 2 * (pp - 1 - rank) + 1
+            rounds, rest = divmod(warmup, pp * v)
+            closed = tuple(min(microbatches, rounds * pp + min(pp, max(0, rest - index * pp))) for index in range(v))
+            assert in_flight("Interleaved1F1B", pp, v, microbatches, rank) == closed, (pp, v, rank)
+    assert in_flight("GPipe", 8, 1, 16, 3) == (16,) and in_flight("1F1B", 8, 1, 16, 3) == (5,)
+    assert sum(in_flight("Interleaved1F1B", 8, 2, 16, 7)) == sum(in_flight("Interleaved1F1B", 8, 2, 16, 0)) - 14
+    for schedule in ("InterleavedZeroBubble", "ZBVZeroBubble", "DualPipeV"):
+        first, last = (sum(in_flight(schedule, 8, 2, 16, rank)) for rank in (0, 7))
+        assert last >= first >= 16, schedule
+
+
+def test_zero_bubble_layouts_are_searched_without_compile_and_marked():
+    """The search tries the zero-bubble schedules where the trainer runs them (eager blocks: a compiled block's
+    backward is one graph), and marks them: no published row ran one."""
+    from torchtitan.planner.search import candidate_layouts
+
+    candidates = candidate_layouts("8B", 16, 8192, 32, GPUS["h100"])
+    zero_bubble = [layout for layout in candidates if layout.schedule in ("ZBVZeroBubble", "InterleavedZeroBubble")]
+    assert zero_bubble and not any(layout.compile for layout in zero_bubble)
+    assert {layout.schedule for layout in candidates if layout.pp > 1} == {
+        "1F1B", "Interleaved1F1B", "ZBVZeroBubble", "InterleavedZeroBubble"}
+    layout = next(layout for layout in zero_bubble if layout.schedule == "ZBVZeroBubble")
+    reasons = predict("8B", layout, 8192, GPUS["h100"]).outside_envelope
+    assert any(reason.startswith("schedule ZBVZeroBubble (validated: 1F1B, Interleaved1F1B") for reason in reasons)
+
+
+@pytest.mark.parametrize("schedule, stages_per_rank", [("GPipe", 1), ("1F1B", 1), ("interleaved1f1b", 2),
+                                                       ("ZBVZeroBubble", 2)])
+def test_predict_reads_the_schedules_stages_per_rank(schedule, stages_per_rank):
+    """A single-stage schedule runs one stage per rank (GPipe was read as two, with half its bubble); the name is
+    matched as the trainer matches it. A V-shaped schedule's turn stays on one rank: one boundary fewer to send
+    across each way."""
+    from torchtitan.models.llama3.args import model_args_for
+    from torchtitan.planner.cost import pipeline_p2p_seconds
+
+    config = parse_args(["--job.config_file", "train_configs/llama3_8b.toml", "--parallelism.pipeline_parallel_degree",
+                         "4", "--parallelism.pipeline_parallel_schedule", schedule, "--training.local_batch_size", "8"])
+    layout = layout_from_config(config, 8)
+    assert (layout.stages_per_rank, layout.schedule.lower()) == (stages_per_rank, schedule.lower())
+    looped = layout_from_config(parse_args(["--job.config_file", "train_configs/llama3_8b.toml",
+                                            "--parallelism.pipeline_parallel_degree", "4",
+                                            "--training.local_batch_size", "8",
+                                            "--parallelism.pipeline_parallel_schedule", "Interleaved1F1B"]), 8)
+    sends = pipeline_p2p_seconds(model_args_for("8B", 8192), layout, 8192, GPUS["h100"])
+    per_boundary = pipeline_p2p_seconds(model_args_for("8B", 8192), looped, 8192, GPUS["h100"]) / (2 * 7)
+    boundaries = {1: 3, 2: 6 if schedule == "ZBVZeroBubble" else 7}[stages_per_rank]
+    assert sends == pytest.approx(2 * boundaries * per_boundary)
+
+
 def test_context_parallel_exchange_buffers_in_memory():
     """One layer's exchange during attention backward: allgather holds all c chunks of keys and values, alltoall two
     (the current and the incoming), so only allgather's grows with c at the same tokens per rank; block-causal

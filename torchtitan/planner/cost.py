@@ -60,8 +60,10 @@ Per GPU and step (all stages of one pipeline rank together; the slowest pipeline
   every forward and again in every backward (compiled: with the forward's maximum, into the layout its product
   wants). It does not grow with the tokens of a pass, so it weighs most at small
   batches on few GPUs (one GPU, one sequence of the 8B's shape: about a seventh of the step) and is noise at scale.
-- pipeline bubble: (micro-batches x v + pp - 1) / (micro-batches x v) for 1F1B-style schedules with v stages per
-  rank (v = 1: 1F1B; Interleaved1F1B: v >= 2); GPipe and LoopedBFS add the same warm-up and drain.
+- pipeline bubble: each rank runs torch's own action list of the schedule (planner/pipeline_schedule.py), a pass
+  starting when what it needs is done; the step's length over a rank's work. It reproduces
+  (micro-batches x v + pp - 1) / (micro-batches x v) for 1F1B, GPipe, Interleaved1F1B and LoopedBFS (v stages per
+  rank) and gives the zero-bubble schedules their smaller bubble, their weight-gradient passes filling it.
 
 The three fitted constants (GEMM efficiency: the level of a large, well-shaped product; memory-bound bytes, compiled
 fraction) are fitted on the three 8B rows
@@ -76,6 +78,7 @@ from dataclasses import dataclass
 
 from torchtitan.errors import UserError
 from torchtitan.models.llama3.args import TransformerModelArgs
+from torchtitan.planner import pipeline_schedule
 from torchtitan.planner.attention import attention_calls, attention_seconds
 from torchtitan.planner.hardware import GPU
 
@@ -458,15 +461,15 @@ class AttentionTime:
 
 def pipeline_p2p_seconds(args: TransformerModelArgs, layout: Layout, seq_len: int, gpu: GPU) -> float:
     """The sends on the pipeline's critical path: the first micro-batch's hidden states cross every stage boundary
-    before the last stage can start (v x pp - 1 hops with v stages per rank), and the last micro-batch's gradients
-    cross them back before the first stage's backward ends: 2 (v pp - 1) sends of one micro-batch's hidden states
-    (its sequence-parallel shard under TP, bf16), each one hop between ranks world / pp apart. The sends of the
-    steady state overlap the other micro-batches' compute."""
+    before the last stage can start (v x pp - 1 hops with v stages per rank, one fewer at a V's turn), and the last
+    micro-batch's gradients cross them back before the first stage's backward ends: two sends per boundary of one
+    micro-batch's hidden states (its sequence-parallel shard under TP, bf16), each one hop between ranks world / pp
+    apart. The sends of the steady state overlap the other micro-batches' compute."""
     if layout.pp == 1:
         return 0.0
     stride = layout.world_size // layout.pp
     hop_bytes = layout.microbatch * seq_len / (layout.cp * layout.tp) * args.dim * 2
-    hops = 2 * (layout.stages_per_rank * layout.pp - 1)
+    hops = 2 * pipeline_schedule.boundaries_between_ranks(layout.schedule, layout.pp, layout.stages_per_rank)
     return hops * (hop_bytes / _link_bandwidth(gpu, stride, 2) + ring_latency_seconds(gpu, stride, 2))
 
 
@@ -657,7 +660,10 @@ def step_time(args: TransformerModelArgs, layout: Layout, seq_len: int, gpu: GPU
 
     bubble, drained_s = 1.0, 0.0
     if p > 1:
-        bubble = (microbatches * layout.stages_per_rank + p - 1) / (microbatches * layout.stages_per_rank)
+        # One stage-micro-batch's passes in the shares the first micro-batch's forward uses below: the forward,
+        # the input gradients with what AC runs again, the weight gradients.
+        bubble = pipeline_schedule.bubble(layout.schedule, p, layout.stages_per_rank, microbatches, 1.0,
+                                        1.0 + recompute, 1.0)
         # The schedule keeps the parameters gathered from the first micro-batch (whose forward hides the
         # all-gathers) and reduces each stage's gradients after its last backward; the compute stream waits for
         # that reduction before it goes on (perform_reduce_grad ends in FSDP's finalize_backward), so none of it

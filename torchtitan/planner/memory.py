@@ -59,10 +59,13 @@ with saved-tensor hooks):
                                      rule, torch cannot compile TP on the CPU; on an H200 a rank of the 70B's FSDP 64
                                      x TP 4, Float8, micro-batch 2 allocated 51.2 GiB at its peak, 46.3 estimated)
   every N     every N-th block as `full`, the others as `none`
-A pipeline rank holds the activations of its in-flight micro-batches: 1F1B min(n_mb, p - rank), interleaved
-schedules (v stages per rank) a warm-up of (v - 1) x p + 2 x (p - 1 - rank) + 1 stage-micro-batches dealt p at a
-time to its stages in order (so its first stage holds the most), GPipe all n_mb. The last stage adds the final norm
-(T/t x d x 8 + T x d x a).
+A pipeline rank holds the activations of its in-flight micro-batches: 1F1B min(n_mb, p - rank), GPipe all n_mb,
+and a multi-stage schedule what torch's own action list for the rank leaves in flight on each stage when the rank
+holds the most (planner/pipeline_schedule.py: from a forward to its backward, or to its weight-gradient pass when
+the backward is split). For Interleaved1F1B (v stages per rank) that is a warm-up of (v - 1) x p + 2 x (p - 1 -
+rank) + 1 stage-micro-batches dealt p at a time to its stages in order (so its first stage holds the most); the
+zero-bubble schedules hold theirs until the weight pass, the last rank as many as the first. The last stage adds the
+final norm (T/t x d x 8 + T x d x a).
 Under PP a rank's backward peaks either in its first micro-batch (the other micro-batches' activations, the
 gradients of the blocks already done) or in a later one (one micro-batch fewer, the gradients of its stage and the
 later ones, and on the first stage the embedding's); with several stages per rank a stage's backward starts after
@@ -149,9 +152,7 @@ from torchtitan.distributed.pipeline_parallel import plan_pipeline
 from torchtitan.models.llama3.args import TransformerModelArgs, model_args_for, shape_overrides
 from torchtitan.models.llama3.model import Transformer, cpu_attention_in_fp32
 from torchtitan.models.llama3.pipeline import stage_ids_for_rank
-
-# Schedules that keep every micro-batch's activations until the backward starts.
-_ALL_IN_FLIGHT_SCHEDULES = ("GPipe", "LoopedBFS")
+from torchtitan.planner import pipeline_schedule
 
 
 @dataclass(frozen=True)
@@ -259,19 +260,10 @@ def _pipeline_layout(config: JobConfig, args: TransformerModelArgs, dims: Parall
         stages.append((blocks, "tok_embeddings" in names, "output" in names))
     per_rank = [[stages[s] for s in stage_ids_for_rank(r, dims.pp, plan.num_stages, plan.v_shaped)]
                 for r in range(dims.pp)]
-    n_mb, pp, v = plan.n_microbatches, dims.pp, plan.num_stages // dims.pp
+    v = plan.num_stages // dims.pp
 
     def in_flight(rank: int, stage_index: int) -> float:
-        if plan.schedule_name in _ALL_IN_FLIGHT_SCHEDULES:
-            return n_mb
-        if not plan.multi_stage:
-            return min(n_mb, pp - rank)
-        # Interleaved 1F1B's warm-up on this rank, in stage-micro-batches: forwards of `pp` micro-batches on
-        # its first stage, then `pp` on the next, and so on (round after round); each stage keeps what the
-        # warm-up gave it, since the steady state pairs every forward with a backward.
-        warmup = (v - 1) * pp + 2 * (pp - 1 - rank) + 1
-        rounds, rest = divmod(warmup, pp * v)
-        return min(n_mb, rounds * pp + min(pp, max(0, rest - stage_index * pp)))
+        return pipeline_schedule.in_flight(plan.schedule_name, dims.pp, v, plan.n_microbatches, rank)[stage_index]
 
     return per_rank, in_flight
 

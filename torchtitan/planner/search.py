@@ -15,11 +15,14 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from torchtitan.config import JobConfig, parse_args
+from torchtitan.distributed.pipeline_parallel import resolve_schedule
 from torchtitan.errors import UserError
 from torchtitan.models.llama3.args import llama3_flavors, model_args_for, shape_overrides
+from torchtitan.models.llama3.pipeline import requested_stage_count
 from torchtitan.planner.cost import Layout, float8_gathered, step_time
 from torchtitan.planner.hardware import GPU, headroom
 from torchtitan.planner.memory import estimate
+from torchtitan.planner.pipeline_schedule import multi_stage
 
 GIB = 2**30
 CONFIGS = Path(__file__).resolve().parents[2] / "train_configs"
@@ -181,14 +184,18 @@ def layout_from_config(config: JobConfig, world_size: int, document_length: floa
                         f"training.seq_len ({config.training.seq_len})")
     step_batch = config.training.global_batch_size // dims.dp if config.training.global_batch_size > 0 else \
         config.training.local_batch_size
-    stages_per_rank = 1
-    if dims.pp > 1 and parallelism.pipeline_parallel_schedule != "1F1B":
+    schedule, stages_per_rank = None, 1
+    if dims.pp > 1:
+        # As the trainer splits (pipeline_parallel.plan_pipeline): a single-stage schedule (GPipe, 1F1B) one stage
+        # per rank, a multi-stage one two unless the split options say otherwise.
+        schedule, _ = resolve_schedule(parallelism.pipeline_parallel_schedule)
         layers = model_args_for(config.model.flavor, config.training.seq_len,
                                 overrides=shape_overrides(config.model)).n_layers
-        per_stage = parallelism.pipeline_parallel_layers_per_stage
-        stages_per_rank = math.ceil((layers + 2) / per_stage) // dims.pp if per_stage else 2
+        stages_per_rank = requested_stage_count(
+            layers, dims.pp * (2 if multi_stage(schedule) else 1),
+            parallelism.pipeline_parallel_split_points, parallelism.pipeline_parallel_layers_per_stage) // dims.pp
     return Layout(dp_replicate=dims.dp_replicate, dp_shard=dims.dp_shard, tp=dims.tp, pp=dims.pp, cp=dims.cp,
-                  schedule=parallelism.pipeline_parallel_schedule if dims.pp > 1 else None,
+                  schedule=schedule,
                   stages_per_rank=stages_per_rank, local_batch=step_batch,
                   microbatch=parallelism.pipeline_parallel_microbatch_size if dims.pp > 1 else
                   config.training.local_batch_size,
@@ -202,6 +209,13 @@ def layout_from_config(config: JobConfig, world_size: int, document_length: floa
                   compiled_loss="loss" in config.compile.components,
                   document_length=document_length if config.model.attention_mask == "block_causal" else 0.0,
                   cp_rotate=parallelism.context_parallel_rotate_method)
+
+
+# The schedules searched, with their stages per rank: each of torch's whole-backward schedules is matched or beaten
+# by one of these (GPipe and LoopedBFS have 1F1B's and Interleaved1F1B's bubble and hold every micro-batch), and
+# the zero-bubble ones, which cannot run compiled blocks (DualPipeV is ZBVZeroBubble's order for a dense model).
+PIPELINE_SCHEDULES = (("1F1B", 1), ("Interleaved1F1B", 2), ("InterleavedZeroBubble", 2), ("ZBVZeroBubble", 2))
+SPLIT_BACKWARD_SCHEDULES = ("InterleavedZeroBubble", "ZBVZeroBubble")
 
 
 def _divisors(n: int) -> list[int]:
@@ -240,12 +254,14 @@ def candidate_layouts(flavor: str, gpus: int, seq_len: int, global_batch: int, g
             dp_shard = dp // dp_replicate
             if dp_replicate > 1 and dp_shard * cp * tp < gpu.gpus_per_host:
                 continue  # replicas only across hosts
-            schedules = [(None, 1)] if pp == 1 else [("1F1B", 1), ("Interleaved1F1B", 2)]
+            schedules = [(None, 1)] if pp == 1 else PIPELINE_SCHEDULES
             for (schedule, v), microbatch, ac, float8, compile_, async_tp in itertools.product(
                     schedules, _microbatches(local_batch, pp), ("op", "full"), (False, True), (False, True),
                     (False, True)):
                 if async_tp and (tp == 1 or not compile_):
                     continue
+                if compile_ and schedule in SPLIT_BACKWARD_SCHEDULES:
+                    continue  # a compiled block's backward is one graph (pipeline_parallel.plan_pipeline)
                 if float8 and gpu.fp8_flops == 0:
                     continue
                 candidates.append(Layout(dp_replicate=dp_replicate, dp_shard=dp_shard, tp=tp, pp=pp, cp=cp,

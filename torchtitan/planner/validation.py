@@ -250,6 +250,8 @@ class Envelope:
     other_gpu_errors: dict[str, tuple[int, float, float]] = dataclasses.field(default_factory=dict)
     """By GPU family outside the envelope: how many of OTHER's rows ran on it, and their least and largest relative
     error in tokens/s per GPU (the uncertainty a layout on that GPU carries, as far as those rows checked it)."""
+    schedules: frozenset[str] = frozenset()
+    """The pipeline schedules the rows ran."""
 
     @property
     def tps_error_range(self) -> tuple[float, float]:
@@ -310,6 +312,9 @@ class Envelope:
             reasons.append(f"float8 recipe {layout.float8_recipe} (predicted as tensorwise; TorchTitan's June-2025 "
                            f"rowwise runs, not modelled, ran {ROWWISE_OVER_TENSORWISE[0]:.2f}-"
                            f"{ROWWISE_OVER_TENSORWISE[1]:.2f}x of tensorwise's tokens/s, which the range carries)")
+        if layout.schedule is not None and layout.schedule not in self.schedules:
+            reasons.append(f"schedule {layout.schedule} (validated: {', '.join(sorted(self.schedules))}; its bubble "
+                           f"is torch's own order, run with the model's pass times)")
         if layout.world_size > self.max_world:
             reasons.append(f"{layout.world_size} GPUs (validated up to {self.max_world})")
         if overlap_ratio > self.max_overlap_ratio * (1 + 1e-9):
@@ -339,7 +344,8 @@ def envelope_of(rows: list[Row], long_context: list[Row], others: list[Row]) -> 
                     tps_errors=tuple(_error(row) for row in rows if not row.fitted),
                     long_context_errors=tuple((row.layout.cp, _error(row)) for row in long_context),
                     other_gpu_errors={family: (len(errors), min(errors), max(errors))
-                                      for family, errors in families.items()})
+                                      for family, errors in families.items()},
+                    schedules=frozenset(row.layout.schedule for row in rows if row.layout.schedule))
 
 
 @functools.lru_cache(maxsize=1)

@@ -1,0 +1,136 @@
+"""What a pipeline schedule costs beyond its stages' work, from the schedule's own order of actions: its bubble,
+the micro-batches each stage holds in flight, and the stage boundaries its sends cross between ranks.
+
+A multi-stage schedule (Interleaved1F1B, LoopedBFS, InterleavedZeroBubble, ZBVZeroBubble, DualPipeV) is a list of
+actions per rank that `_PipelineScheduleRuntime` runs in order: forwards, and backwards either whole or split into
+an input-gradient pass and a later weight-gradient pass (the zero-bubble schedules fill the warm-up and drain
+with the weight passes). Each rank here runs torch's own list, an action starting when the rank is free and what
+it needs is done: a forward the previous stage's forward of its micro-batch, a backward (or input-gradient pass)
+the next stage's and its own forward, a weight-gradient pass its input-gradient pass. The step's length over the
+work of one rank is the bubble. Sends are not on this clock (cost.pipeline_p2p_seconds counts those on the
+critical path).
+
+The single-stage schedules (GPipe, 1F1B) run imperatively, with no action list; with equal stages both take
+(n_microbatches + pp - 1) x (forward + backward), the closed form, which the multi-stage ones reproduce with one
+stage per rank's worth of work spread over v (tests/unit/test_planner.py checks Interleaved1F1B and LoopedBFS
+against (n_microbatches x v + pp - 1) / (n_microbatches x v)).
+"""
+
+from __future__ import annotations
+
+import functools
+from types import SimpleNamespace
+
+from torch import nn
+from torch.distributed.pipelining.schedules import PipelineScheduleMulti, ScheduleGPipe, _Action, _ComputationType, \
+    get_schedule_class
+
+from torchtitan.distributed.pipeline_parallel import V_SHAPED
+from torchtitan.models.llama3.pipeline import stage_ids_for_rank
+
+_FORWARD, _INPUT, _WEIGHT = _ComputationType.FORWARD, _ComputationType.BACKWARD_INPUT, \
+    _ComputationType.BACKWARD_WEIGHT
+_WHOLE_BACKWARD = _ComputationType.FULL_BACKWARD
+
+
+def multi_stage(schedule: str) -> bool:
+    return issubclass(get_schedule_class(schedule), PipelineScheduleMulti)
+
+
+def v_shaped(schedule: str) -> bool:
+    return issubclass(get_schedule_class(schedule), V_SHAPED)
+
+
+@functools.lru_cache(maxsize=256)
+def schedule_order(schedule: str, pp: int, stages_per_rank: int, microbatches: int) -> dict[int, tuple[_Action, ...]]:
+    """torch's action list of every rank for a multi-stage schedule (idle slots left out). The schedule computes
+    all ranks' lists when it is built; it is built here for rank 0 over stand-ins for its stages, which carry what
+    the schedule reads of them."""
+    stages = [SimpleNamespace(group_size=pp, group_rank=0, num_stages=pp * stages_per_rank, stage_index=index,
+                              is_first=index == 0, is_last=index == pp * stages_per_rank - 1, submod=nn.Identity())
+              for index in stage_ids_for_rank(0, pp, pp * stages_per_rank, v_shaped(schedule))]
+    order = get_schedule_class(schedule)(stages, microbatches).pipeline_order
+    return {rank: tuple(action for action in actions if action is not None) for rank, actions in order.items()}
+
+
+@functools.lru_cache(maxsize=4096)
+def bubble(schedule: str | None, pp: int, stages_per_rank: int, microbatches: int, forward: float,
+           backward_input: float, backward_weight: float) -> float:
+    """The step's length over one rank's work, for stages of equal work: `forward`, `backward_input` (recomputation
+    included) and `backward_weight` are one stage-micro-batch's passes, in any unit."""
+    if pp == 1:
+        return 1.0
+    if schedule is None or not multi_stage(schedule):
+        return (microbatches + pp - 1) / microbatches
+    durations = {_FORWARD: forward, _INPUT: backward_input, _WEIGHT: backward_weight,
+                 _WHOLE_BACKWARD: backward_input + backward_weight}
+    order = schedule_order(schedule, pp, stages_per_rank, microbatches)
+    last_stage = pp * stages_per_rank - 1
+    done: dict[tuple[str, int, int], float] = {}
+    clock = dict.fromkeys(order, 0.0)
+    position = dict.fromkeys(order, 0)
+
+    def key(part: _Action) -> tuple[str, int, int]:
+        # A whole backward completes the input gradient the previous stage waits for, as an input pass does.
+        kind = "I" if part.computation_type in (_INPUT, _WHOLE_BACKWARD) else part.computation_type.value
+        return kind, part.stage_index, part.microbatch_index
+
+    def needs(part: _Action) -> list[tuple[str, int, int]]:
+        stage, microbatch = part.stage_index, part.microbatch_index
+        if part.computation_type == _FORWARD:
+            return [("F", stage - 1, microbatch)] if stage > 0 else []
+        if part.computation_type == _WEIGHT:
+            return [("I", stage, microbatch)]
+        return [("F", stage, microbatch)] + ([("I", stage + 1, microbatch)] if stage < last_stage else [])
+
+    remaining = sum(len(actions) for actions in order.values())
+    while remaining:
+        progressed = False
+        for rank, actions in order.items():
+            while position[rank] < len(actions):
+                action = actions[position[rank]]
+                parts = action.sub_actions or (action,)  # DualPipeV runs a forward and a backward as one action
+                own = {key(part) for part in parts}
+                waits = [need for part in parts for need in needs(part) if need not in own]
+                if any(need not in done for need in waits):
+                    break
+                end = max([clock[rank], *(done[need] for need in waits)]) + sum(
+                    durations[part.computation_type] for part in parts)
+                done.update(dict.fromkeys(own, end))
+                clock[rank], position[rank] = end, position[rank] + 1
+                remaining -= 1
+                progressed = True
+        if not progressed:
+            raise RuntimeError(f"{schedule}'s action lists wait on each other (pp {pp}, {microbatches} micro-batches)")
+    work = microbatches * stages_per_rank * (forward + backward_input + backward_weight)
+    return max(clock.values()) / work
+
+
+@functools.lru_cache(maxsize=1024)
+def in_flight(schedule: str, pp: int, stages_per_rank: int, microbatches: int, rank: int) -> tuple[int, ...]:
+    """The micro-batches whose activations each of `rank`'s stages (in increasing stage order) holds when the rank
+    holds the most: a stage keeps a micro-batch's from its forward to its backward, or, with the backward split, to
+    its weight-gradient pass (which reads what the forward saved). For Interleaved1F1B and LoopedBFS this is their
+    closed form (tests/unit/test_planner.py); GPipe holds every micro-batch, 1F1B the pp - rank of its warm-up."""
+    if not multi_stage(schedule):
+        return (microbatches if get_schedule_class(schedule) is ScheduleGPipe else min(microbatches, pp - rank),)
+    stages = stage_ids_for_rank(rank, pp, pp * stages_per_rank, v_shaped(schedule))
+    held: dict[int, set[int]] = {stage: set() for stage in stages}
+    most: tuple[int, ...] = tuple(0 for _ in stages)
+    for action in schedule_order(schedule, pp, stages_per_rank, microbatches)[rank]:
+        for part in action.sub_actions or (action,):
+            if part.computation_type == _FORWARD:
+                held[part.stage_index].add(part.microbatch_index)
+            elif part.computation_type in (_WHOLE_BACKWARD, _WEIGHT):
+                held[part.stage_index].discard(part.microbatch_index)
+        now = tuple(len(held[stage]) for stage in stages)
+        if sum(now) > sum(most):
+            most = now
+    return most
+
+
+def boundaries_between_ranks(schedule: str | None, pp: int, stages_per_rank: int) -> int:
+    """Boundaries between consecutive stages that lie on different ranks: all of them, except the turn of a V
+    (ZBVZeroBubble, DualPipeV), whose stages pp - 1 and pp share the last rank."""
+    turns = 1 if schedule is not None and pp > 1 and v_shaped(schedule) else 0
+    return pp * stages_per_rank - 1 - turns
