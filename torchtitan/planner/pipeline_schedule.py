@@ -11,9 +11,9 @@ work of one rank is the bubble. Sends are not on this clock (cost.pipeline_p2p_s
 critical path).
 
 The single-stage schedules (GPipe, 1F1B) run imperatively, with no action list; with equal stages both take
-(n_microbatches + pp - 1) x (forward + backward), the closed form, which the multi-stage ones reproduce with one
-stage per rank's worth of work spread over v (tests/unit/test_planner.py checks Interleaved1F1B and LoopedBFS
-against (n_microbatches x v + pp - 1) / (n_microbatches x v)).
+(m + pp - 1) stage-micro-batch passes for m micro-batches (m >= pp), the closed form. The looped multi-stage schedules
+(Interleaved1F1B, LoopedBFS) come out of the simulation as (m v + pp - 1) / (m v) with v stages per rank, the
+textbook bubble, whatever the passes' shares (tests/unit/test_planner.py); the zero-bubble ones below it.
 """
 
 from __future__ import annotations
