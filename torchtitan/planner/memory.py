@@ -65,7 +65,8 @@ holds the most (planner/pipeline_schedule.py: from a forward to its backward, or
 the backward is split). For Interleaved1F1B (v stages per rank) that is a warm-up of (v - 1) x p + 2 x (p - 1 -
 rank) + 1 stage-micro-batches dealt p at a time to its stages in order (so its first stage holds the most); the
 zero-bubble schedules hold theirs until the weight pass, the last rank as many as the first. The last stage adds the
-final norm (T/t x d x 8 + T x d x a).
+final norm (T/t x d x 8 + T x d x a) per micro-batch in flight, and for each beyond the one whose loss runs what its
+loss saved for backward (the fp32 log-softmax, T x V/t x 4, and loss parallelism's extra copy; compiled, the logits).
 Under PP a rank's backward peaks either in its first micro-batch (the other micro-batches' activations, the
 gradients of the blocks already done) or in a later one (one micro-batch fewer, the gradients of its stage and the
 later ones, and on the first stage the embedding's); with several stages per rank a stage's backward starts after
@@ -379,6 +380,7 @@ def _estimate_rank(config: JobConfig, args: TransformerModelArgs, dims: Parallel
     # rank's stages holds it).
     blocks: list[tuple[float, float, float, float, int]] = []
     params = head_activations = head_copies = optimizer = 0.0
+    head_in_flight = 1
     has_head = False
     block_state = _optimizer_state(config, s.block_tensors(), t, fsdp)
     for stage_index, (n_blocks, has_embedding, stage_has_head) in enumerate(stages):
@@ -399,6 +401,7 @@ def _estimate_rank(config: JobConfig, args: TransformerModelArgs, dims: Parallel
             params += head_params
             optimizer += _optimizer_state(config, [("output", (s.vocab, s.d), 0), ("norms", (s.d,), None)], t, fsdp)
             head_activations += mbs * (tokens / t * s.d * 8 + tokens * s.d * a)
+            head_in_flight = mbs
             head_copies += s.vocab * s.d / t * 2 if autocast else 0.0
 
     sharded = params / fsdp
@@ -453,6 +456,11 @@ def _estimate_rank(config: JobConfig, args: TransformerModelArgs, dims: Parallel
     else:
         loss_forward, loss_backward = logits * (a + 8 if a != 4 else 8) + loss_parallel_extra, \
             logits * 12 + loss_parallel_extra
+    # A schedule that runs several forwards on the last stage before their backwards (GPipe, LoopedBFS, and the
+    # zero-bubble schedules until the weight pass) keeps what each one's loss saved for backward: the compiled
+    # loss its logits, the eager one its fp32 log-softmax (and loss parallelism's extra copy).
+    loss_saved = logits * a if compiled_loss else 4 * logits + loss_parallel_extra
+    activations += (head_in_flight - 1) * loss_saved
     # With every micro-batch in flight at once (GPipe, or a rank whose warm-up covers the batch) no forward runs
     # after a backward: the forwards see no gradients yet.
     steady_grads = resident_grads if dims.pp == 1 or any(
