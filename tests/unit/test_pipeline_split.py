@@ -357,6 +357,22 @@ def test_split_backward_schedules_refuse_compiled_blocks(schedule):
     plan_pipeline(meta_model(4), 2, job)
 
 
+@pytest.mark.parametrize("schedule", ["InterleavedZeroBubble", "ZBVZeroBubble", "DualPipeV"])
+def test_split_backward_schedules_refuse_per_op_checkpointing(schedule):
+    """torch's selective checkpoint lets a region run backward once; the weight pass would be a second (the run
+    failed at its first weight pass). Whole-block checkpointing, every block or every N-th, recomputes instead."""
+    job = config(schedule)
+    job.activation_checkpoint.mode, job.activation_checkpoint.selective_ac_option = "selective", "op"
+    with raises(rf"activation_checkpoint.selective_ac_option: per-op checkpointing lets a block run backward once, "
+                rf"and schedule {schedule} runs it twice .* \(GPipe, 1F1B, Interleaved1F1B, LoopedBFS\)"):
+        plan_pipeline(meta_model(4), 2, job)
+    job.activation_checkpoint.selective_ac_option = "2"
+    plan_pipeline(meta_model(4), 2, job)
+    whole = config("Interleaved1F1B")
+    whole.activation_checkpoint.mode, whole.activation_checkpoint.selective_ac_option = "selective", "op"
+    plan_pipeline(meta_model(4), 2, whole)
+
+
 @pytest.fixture
 def one_rank_pipeline(tmp_path):
     """A one-process gloo world whose one pipeline rank holds every stage (torch hands the activations between stages

@@ -64,7 +64,9 @@ and a multi-stage schedule what torch's own action list for the rank leaves in f
 holds the most (planner/pipeline_schedule.py: from a forward to its backward, or to its weight-gradient pass when
 the backward is split). For Interleaved1F1B (v stages per rank) that is a warm-up of (v - 1) x p + 2 x (p - 1 -
 rank) + 1 stage-micro-batches dealt p at a time to its stages in order (so its first stage holds the most); the
-zero-bubble schedules hold theirs until the weight pass, the last rank as many as the first. The last stage adds the
+zero-bubble schedules hold theirs until the weight pass, the last rank as many as the first, and under activation
+checkpointing a micro-batch awaiting its weight pass holds its blocks' whole activations (what the input-gradient
+pass rebuilt; the weight pass rebuilding them again is not counted, docs/scaling.md). The last stage adds the
 final norm (T/t x d x 8 + T x d x a) per micro-batch in flight, and for each beyond the one whose loss runs what its
 loss saved for backward (the fp32 log-softmax, T x V/t x 4, and loss parallelism's extra copy; compiled, the logits).
 Under PP a rank's backward peaks either in its first micro-batch (the other micro-batches' activations, the
@@ -253,7 +255,7 @@ def _pipeline_layout(config: JobConfig, args: TransformerModelArgs, dims: Parall
     """Per pipeline rank, its stages as (blocks, has embedding, has head); and in_flight(rank, stage index), the
     micro-batches whose activations a stage holds at once."""
     if dims.pp == 1:
-        return [[(args.n_layers, True, True)]], lambda rank, stage_index: 1
+        return [[(args.n_layers, True, True)]], lambda rank, stage_index, rebuilt: (1, 0)
     plan = plan_pipeline(_skeleton(args.n_layers), dims.pp, config)
     stages = []
     for names in plan.stage_names:
@@ -263,8 +265,10 @@ def _pipeline_layout(config: JobConfig, args: TransformerModelArgs, dims: Parall
                 for r in range(dims.pp)]
     v = plan.num_stages // dims.pp
 
-    def in_flight(rank: int, stage_index: int) -> float:
-        return pipeline_schedule.in_flight(plan.schedule_name, dims.pp, v, plan.n_microbatches, rank)[stage_index]
+    def in_flight(rank: int, stage_index: int, rebuilt: float) -> tuple[int, int]:
+        held, awaiting = pipeline_schedule.in_flight(plan.schedule_name, dims.pp, v, plan.n_microbatches, rank,
+                                                     round(rebuilt, 1))
+        return held[stage_index], awaiting[stage_index]
 
     return per_rank, in_flight
 
@@ -383,16 +387,22 @@ def _estimate_rank(config: JobConfig, args: TransformerModelArgs, dims: Parallel
     head_in_flight = 1
     has_head = False
     block_state = _optimizer_state(config, s.block_tensors(), t, fsdp)
+    # A split backward keeps what checkpointing rebuilt until the weight pass (pipeline_schedule.in_flight).
+    modes = _ac_modes(config, max(n_blocks for n_blocks, _, _ in stages))
+    checkpointed = _block_activations(s, tokens, seq_len, t, a, residual, autocast, modes[-1], device,
+                                      compiled_blocks, float8)
+    rebuilt_ratio = max(0.0, none - checkpointed) / checkpointed if modes[-1] != "none" else 0.0
     for stage_index, (n_blocks, has_embedding, stage_has_head) in enumerate(stages):
-        mbs = in_flight(rank, stage_index)
+        mbs, awaiting_weight_pass = in_flight(rank, stage_index, rebuilt_ratio)
         params += n_blocks * block_params + (s.vocab * s.d / t if has_embedding else 0.0)
         optimizer += n_blocks * block_state
         if has_embedding:
             optimizer += _optimizer_state(config, [("embeddings", (s.vocab, s.d), 0)], t, fsdp)
         for mode in _ac_modes(config, n_blocks):
-            saved = mbs * (_block_activations(s, tokens, seq_len, t, a, residual, autocast, mode, device,
-                                              compiled_blocks, float8)
-                           + cp_saved_bytes(config, s, tokens, t, dims.cp, a, mode, device))
+            per_micro_batch = (_block_activations(s, tokens, seq_len, t, a, residual, autocast, mode, device,
+                                                  compiled_blocks, float8)
+                               + cp_saved_bytes(config, s, tokens, t, dims.cp, a, mode, device))
+            saved = mbs * per_micro_batch + awaiting_weight_pass * max(0.0, none - per_micro_batch) * (mode != "none")
             rebuilt = none + block_copies if mode != "none" else 0.0
             # Autocast's cache hands every micro-batch the same copy of a weight.
             blocks.append((saved, rebuilt, block_copies if mode == "none" else 0.0, mbs, stage_index))

@@ -25,7 +25,7 @@ from torch import nn
 from torch.distributed.pipelining.schedules import PipelineScheduleMulti, ScheduleGPipe, _Action, _ComputationType, \
     get_schedule_class
 
-from torchtitan.distributed.pipeline_parallel import V_SHAPED
+from torchtitan.distributed.pipeline_parallel import SPLIT_BACKWARD, V_SHAPED
 from torchtitan.models.llama3.pipeline import stage_ids_for_rank
 
 _FORWARD, _INPUT, _WEIGHT = _ComputationType.FORWARD, _ComputationType.BACKWARD_INPUT, \
@@ -39,6 +39,11 @@ def multi_stage(schedule: str) -> bool:
 
 def v_shaped(schedule: str) -> bool:
     return issubclass(get_schedule_class(schedule), V_SHAPED)
+
+
+def split_backward(schedule: str) -> bool:
+    """Whether the schedule runs each backward as an input-gradient pass and a later weight-gradient pass."""
+    return issubclass(get_schedule_class(schedule), SPLIT_BACKWARD)
 
 
 @functools.lru_cache(maxsize=256)
@@ -107,26 +112,40 @@ def bubble(schedule: str | None, pp: int, stages_per_rank: int, microbatches: in
 
 
 @functools.lru_cache(maxsize=1024)
-def in_flight(schedule: str, pp: int, stages_per_rank: int, microbatches: int, rank: int) -> tuple[int, ...]:
+def in_flight(schedule: str, pp: int, stages_per_rank: int, microbatches: int, rank: int,
+              rebuilt: float = 0.0) -> tuple[tuple[int, ...], tuple[int, ...]]:
     """The micro-batches whose activations each of `rank`'s stages (in increasing stage order) holds when the rank
-    holds the most: a stage keeps a micro-batch's from its forward to its backward, or, with the backward split, to
-    its weight-gradient pass (which reads what the forward saved). For Interleaved1F1B and LoopedBFS this is their
-    closed form (tests/unit/test_planner.py); GPipe holds every micro-batch, 1F1B the pp - rank of its warm-up."""
+    holds the most, and of those, how many have run their input-gradient pass and await their weight pass.
+
+    A stage keeps a micro-batch's activations from its forward to its backward, or, with the backward split, to its
+    weight-gradient pass, which reads what the forward saved. Under activation checkpointing the input-gradient
+    pass has rebuilt the block's activations, and they too stay until the weight pass: a micro-batch awaiting it
+    weighs 1 + `rebuilt` (the rebuilt bytes over the checkpointed ones) when the moment of the most is found. For
+    Interleaved1F1B and LoopedBFS the count is their closed form (tests/unit/test_planner.py); GPipe holds every
+    micro-batch, 1F1B the pp - rank of its warm-up."""
     if not multi_stage(schedule):
-        return (microbatches if get_schedule_class(schedule) is ScheduleGPipe else min(microbatches, pp - rank),)
+        held = microbatches if get_schedule_class(schedule) is ScheduleGPipe else min(microbatches, pp - rank)
+        return (held,), (0,)
     stages = stage_ids_for_rank(rank, pp, pp * stages_per_rank, v_shaped(schedule))
-    held: dict[int, set[int]] = {stage: set() for stage in stages}
-    most: tuple[int, ...] = tuple(0 for _ in stages)
+    forwarded: dict[int, set[int]] = {stage: set() for stage in stages}
+    awaiting: dict[int, set[int]] = {stage: set() for stage in stages}
+    most, most_awaiting, most_weight = tuple(0 for _ in stages), tuple(0 for _ in stages), 0.0
     for action in schedule_order(schedule, pp, stages_per_rank, microbatches)[rank]:
         for part in action.sub_actions or (action,):
+            stage, microbatch = part.stage_index, part.microbatch_index
             if part.computation_type == _FORWARD:
-                held[part.stage_index].add(part.microbatch_index)
-            elif part.computation_type in (_WHOLE_BACKWARD, _WEIGHT):
-                held[part.stage_index].discard(part.microbatch_index)
-        now = tuple(len(held[stage]) for stage in stages)
-        if sum(now) > sum(most):
-            most = now
-    return most
+                forwarded[stage].add(microbatch)
+            elif part.computation_type == _INPUT:
+                awaiting[stage].add(microbatch)
+            else:  # a whole backward, or the weight pass
+                forwarded[stage].discard(microbatch)
+                awaiting[stage].discard(microbatch)
+        weight = sum(len(forwarded[stage]) + rebuilt * len(awaiting[stage]) for stage in stages)
+        if weight > most_weight:
+            most_weight = weight
+            most = tuple(len(forwarded[stage]) for stage in stages)
+            most_awaiting = tuple(len(awaiting[stage]) for stage in stages)
+    return most, most_awaiting
 
 
 def boundaries_between_ranks(schedule: str | None, pp: int, stages_per_rank: int) -> int:

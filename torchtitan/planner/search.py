@@ -211,11 +211,11 @@ def layout_from_config(config: JobConfig, world_size: int, document_length: floa
                   cp_rotate=parallelism.context_parallel_rotate_method)
 
 
-# The schedules searched, with their stages per rank: each of torch's whole-backward schedules is matched or beaten
-# by one of these (GPipe and LoopedBFS have 1F1B's and Interleaved1F1B's bubble and hold every micro-batch), and
-# the zero-bubble ones, which cannot run compiled blocks (DualPipeV is ZBVZeroBubble's order for a dense model).
-PIPELINE_SCHEDULES = (("1F1B", 1), ("Interleaved1F1B", 2), ("InterleavedZeroBubble", 2), ("ZBVZeroBubble", 2))
-SPLIT_BACKWARD_SCHEDULES = ("InterleavedZeroBubble", "ZBVZeroBubble")
+# The schedules searched, with their stages per rank. GPipe and LoopedBFS have 1F1B's and Interleaved1F1B's bubble
+# and hold every micro-batch. The zero-bubble schedules are left to --predict: they cannot run compiled blocks, and
+# under activation checkpointing, which every searched layout has, their weight passes run the blocks' forward
+# again, a peak the memory model does not count (docs/scaling.md, "Pipeline schedules").
+PIPELINE_SCHEDULES = (("1F1B", 1), ("Interleaved1F1B", 2))
 
 
 def _divisors(n: int) -> list[int]:
@@ -260,8 +260,6 @@ def candidate_layouts(flavor: str, gpus: int, seq_len: int, global_batch: int, g
                     (False, True)):
                 if async_tp and (tp == 1 or not compile_):
                     continue
-                if compile_ and schedule in SPLIT_BACKWARD_SCHEDULES:
-                    continue  # a compiled block's backward is one graph (pipeline_parallel.plan_pipeline)
                 if float8 and gpu.fp8_flops == 0:
                     continue
                 candidates.append(Layout(dp_replicate=dp_replicate, dp_shard=dp_shard, tp=tp, pp=pp, cp=cp,

@@ -25,6 +25,7 @@ from torchtitan.models.llama3.args import TransformerModelArgs, model_args_for
 from torchtitan.planner.cost import (MODEL_CONSTANTS, Layout, StepTime, attention_step, block_linear_params,
                                      step_time, tokens_per_second_per_gpu)
 from torchtitan.planner.hardware import GPU as GPUSpec, GPUS
+from torchtitan.planner.pipeline_schedule import split_backward
 from torchtitan.planner.search import CONFIGS, PRESET_TOML, Prediction, layout_overrides, predict, reserved_gib
 
 PUBLISHED = Path(__file__).resolve().parent / "data" / "torchtitan_llama3_h100.csv"
@@ -315,6 +316,10 @@ class Envelope:
         if layout.schedule is not None and layout.schedule not in self.schedules:
             reasons.append(f"schedule {layout.schedule} (validated: {', '.join(sorted(self.schedules))}; its bubble "
                            f"is torch's own order, run with the model's pass times)")
+            if layout.ac != "none" and split_backward(layout.schedule):
+                reasons.append("activation checkpointing under a split backward: the weight passes run the blocks' "
+                               "forward again, a peak the memory model does not count (CPU runs with full AC, "
+                               "docs/scaling.md: 1.45-1.60x the model's)")
         if layout.world_size > self.max_world:
             reasons.append(f"{layout.world_size} GPUs (validated up to {self.max_world})")
         if overlap_ratio > self.max_overlap_ratio * (1 + 1e-9):
