@@ -67,8 +67,9 @@ rank) + 1 stage-micro-batches dealt p at a time to its stages in order (so its f
 zero-bubble schedules hold theirs until the weight pass, the last rank as many as the first, and under activation
 checkpointing a micro-batch awaiting its weight pass holds its blocks' whole activations (what the input-gradient
 pass rebuilt; the weight pass rebuilding them again is not counted, docs/scaling.md). The last stage adds the
-final norm (T/t x d x 8 + T x d x a) per micro-batch in flight, and for each beyond the one whose loss runs what its
-loss saved for backward (the fp32 log-softmax, T x V/t x 4, and loss parallelism's extra copy; compiled, the logits).
+final norm (T/t x d x 8 + T x d x a) per micro-batch in flight, and for each beyond the one whose loss runs its
+logits, which the schedule keeps as the stage's output, and what its loss saved for backward (T x V/t x (a + 4): the
+fp32 log-softmax, and loss parallelism's extra copy; compiled, the logits alone).
 Under PP a rank's backward peaks either in its first micro-batch (the other micro-batches' activations, the
 gradients of the blocks already done) or in a later one (one micro-batch fewer, the gradients of its stage and the
 later ones, and on the first stage the embedding's); with several stages per rank a stage's backward starts after
@@ -467,9 +468,10 @@ def _estimate_rank(config: JobConfig, args: TransformerModelArgs, dims: Parallel
         loss_forward, loss_backward = logits * (a + 8 if a != 4 else 8) + loss_parallel_extra, \
             logits * 12 + loss_parallel_extra
     # A schedule that runs several forwards on the last stage before their backwards (GPipe, LoopedBFS, and the
-    # zero-bubble schedules until the weight pass) keeps what each one's loss saved for backward: the compiled
-    # loss its logits, the eager one its fp32 log-softmax (and loss parallelism's extra copy).
-    loss_saved = logits * a if compiled_loss else 4 * logits + loss_parallel_extra
+    # zero-bubble schedules until the weight pass) keeps each one's logits, the stage's output (stage.fwd_cache),
+    # and what its loss saved for backward: nothing more compiled, the fp32 log-softmax eager (and loss
+    # parallelism's extra copy).
+    loss_saved = logits * a if compiled_loss else (a + 4) * logits + loss_parallel_extra
     activations += (head_in_flight - 1) * loss_saved
     # With every micro-batch in flight at once (GPipe, or a rank whose warm-up covers the batch) no forward runs
     # after a backward: the forwards see no gradients yet.
