@@ -36,7 +36,8 @@ import torch
 from torchtitan.config import JobConfig, to_toml
 from torchtitan.distributed.fake import GIB, CollectiveCounter, StepMemoryTracker, dry_run_patches
 from torchtitan.distributed.parallel_dims import ParallelDims
-from torchtitan.distributed.pipeline_parallel import SCHEDULE_OPTION, SCHEDULES, SPLIT_BACKWARD, resolve_schedule
+from torchtitan.distributed.pipeline_parallel import (SCHEDULE_OPTION, SPLIT_BACKWARD, resolve_schedule,
+                                                      whole_backward_schedules)
 from torchtitan.errors import UserError
 from torchtitan.models.llama3.args import model_args_for, shape_overrides
 from torchtitan.models.llama3.parallelize import validate_parallelism
@@ -89,12 +90,11 @@ def dry_run_config(config: JobConfig, world_size: int) -> JobConfig:
                                         overrides=shape_overrides(config.model)), dims, config, config.comm.fake_device)
     schedule, schedule_class = resolve_schedule(config.parallelism.pipeline_parallel_schedule)
     if dims.pp > 1 and issubclass(schedule_class, SPLIT_BACKWARD):
-        whole = [name for name in SCHEDULES if not issubclass(resolve_schedule(name)[1], SPLIT_BACKWARD)]
         raise UserError(f"option {SCHEDULE_OPTION}: the dry run cannot trace {schedule}, which splits each backward "
                         f"into input- and weight-gradient passes (torch.autograd.grad) that torch's memory tracker "
                         f"cannot follow (its module tracker's gradient hooks fail there); dry-run the same stages "
-                        f"with {', '.join(whole)}, or predict {schedule} with scripts/plan.py --predict, which counts "
-                        f"the micro-batches it keeps until their weight passes")
+                        f"with {', '.join(whole_backward_schedules())}, or predict {schedule} with scripts/plan.py "
+                        f"--predict, which counts the micro-batches it keeps until their weight passes")
     peak_flops = config.metrics.peak_flops
     if config.comm.fake_device == "cuda" and not peak_flops:
         peak_flops = gpu_named(config.comm.fake_gpu, "comm.fake_gpu").bf16_flops

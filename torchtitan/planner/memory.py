@@ -388,11 +388,13 @@ def _estimate_rank(config: JobConfig, args: TransformerModelArgs, dims: Parallel
     head_in_flight = 1
     has_head = False
     block_state = _optimizer_state(config, s.block_tensors(), t, fsdp)
-    # A split backward keeps what checkpointing rebuilt until the weight pass (pipeline_schedule.in_flight).
-    modes = _ac_modes(config, max(n_blocks for n_blocks, _, _ in stages))
-    checkpointed = _block_activations(s, tokens, seq_len, t, a, residual, autocast, modes[-1], device,
+    # A split backward keeps what checkpointing rebuilt until the weight pass (pipeline_schedule.in_flight): per
+    # checkpointed block (per-op AC's, or a whole block's under full and per-block AC), that over what it saved.
+    ac = config.activation_checkpoint
+    checkpointed_mode = "op" if ac.mode == "selective" and ac.selective_ac_option == "op" else "full"
+    checkpointed = _block_activations(s, tokens, seq_len, t, a, residual, autocast, checkpointed_mode, device,
                                       compiled_blocks, float8)
-    rebuilt_ratio = max(0.0, none - checkpointed) / checkpointed if modes[-1] != "none" else 0.0
+    rebuilt_ratio = max(0.0, none - checkpointed) / checkpointed if ac.mode != "none" else 0.0
     for stage_index, (n_blocks, has_embedding, stage_has_head) in enumerate(stages):
         mbs, awaiting_weight_pass = in_flight(rank, stage_index, rebuilt_ratio)
         params += n_blocks * block_params + (s.vocab * s.d / t if has_embedding else 0.0)
