@@ -34,6 +34,7 @@ from pathlib import Path
 import torch
 
 from torchtitan.config import JobConfig, to_toml
+from torchtitan.distributed import torch_compat
 from torchtitan.distributed.fake import GIB, CollectiveCounter, StepMemoryTracker, dry_run_patches
 from torchtitan.distributed.parallel_dims import ParallelDims
 from torchtitan.distributed.pipeline_parallel import (SCHEDULE_OPTION, SPLIT_BACKWARD, resolve_schedule,
@@ -128,6 +129,7 @@ def run(config: JobConfig, trainer_class: type) -> dict:
     pipeline is dry-run too, and both peaks are reported.
     """
     start = time.perf_counter()
+    torch_compat.require("dry_run")
     rank, world_size = resolve_world(config)
     if not config.comm.fake_tensors:
         return _measure_rank(_without_files(config, world_size), trainer_class, rank, world_size, start)
@@ -360,13 +362,12 @@ def _stage_ids(trainer) -> list[int]:
     schedule = trainer.pp_schedule
     if schedule is None:
         return [0]
-    stages = getattr(schedule, "_stages", None) or [schedule._stage]
-    return [stage.stage_index for stage in stages]
+    return [stage.stage_index for stage in torch_compat.schedule_stages(schedule)]
 
 
 def _num_stages(trainer) -> int:
     schedule = trainer.pp_schedule
-    return 1 if schedule is None else schedule._num_stages
+    return 1 if schedule is None else torch_compat.schedule_stages(schedule)[0].num_stages
 
 
 def _log_summary(report: dict, path: Path) -> None:

@@ -15,7 +15,6 @@ from collections.abc import Iterator
 
 import torch
 import torch.distributed as dist
-from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import loss_parallel
 from torch.profiler import record_function
@@ -38,12 +37,13 @@ from torchtitan.distributed.compile import compile_loss
 from torchtitan.distributed.compression import (compensation_state_bytes, compression_stats,
                                                 require_compensation_fits)
 from torchtitan.distributed.context_parallel import context_parallel_context, shard_documents
+from torchtitan.distributed import torch_compat
 from torchtitan.distributed.fake import host_values
 from torchtitan.distributed.fault_tolerance import (QuorumError, data_slice, peer_checkpoint_folders,
                                                     setup_fault_tolerance)
 from torchtitan.distributed.fsdp import TORCH_DTYPES
 from torchtitan.distributed.parallel_dims import ParallelDims
-from torchtitan.distributed.pipeline_parallel import pipeline_llama
+from torchtitan.distributed.pipeline_parallel import is_multi_stage, pipeline_llama
 from torchtitan.dry_run import FAKE_BOS_ID
 from torchtitan.dry_run import run as dry_run
 from torchtitan.errors import UserError
@@ -95,6 +95,8 @@ class Trainer:
                            overrides=shape_overrides(config.model)),
             attention_device=self.target_device_type)
         validate_parallelism(self.model_args, self.parallel_dims, config, self.target_device_type)
+        torch_compat.require_torch_features(config, self.target_device_type, multi_stage_pipeline=(
+            self.parallel_dims.pp_enabled and is_multi_stage(config.parallelism.pipeline_parallel_schedule)))
         self.grad_accumulation_steps = self._grad_accumulation_steps()
         self.dataloader = None if self.dry_run else self._build_dataloader(
             config.training.dataset, config.training.dataset_path, config.training.local_batch_size,
@@ -129,7 +131,7 @@ class Trainer:
                                       2 * self._parameter_and_gradient_bytes(),
                                       *memory_capacity(self.device, int(os.environ.get("LOCAL_WORLD_SIZE", "1"))))
         # A dry run materialises the model as fake tensors (shapes, no storage); its steps run in the same mode.
-        self.fake_mode = FakeTensorMode(allow_non_fake_inputs=True) if self.fake_tensors else None
+        self.fake_mode = torch_compat.get("FakeTensorMode")(allow_non_fake_inputs=True) if self.fake_tensors else None
         with self.fake_mode or contextlib.nullcontext():
             for part in self.model_parts:
                 dist_utils.materialize_model(part, self.device, config.training.enable_cpu_offload)
@@ -604,6 +606,8 @@ def main(argv: list[str] | None = None) -> int:
     # above the allocated one (docs/scaling.md). A value the user set wins.
     os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
     init_logger()
+    if untested := torch_compat.untested_torch():
+        logger.warning(untested)
     trainer = None
     try:
         config = parse_args(argv)

@@ -106,30 +106,34 @@ def test_unknown_rotate_method():
 
 
 def test_private_torch_api_still_there():
-    """The CPU registration rests on these private torch symbols: a rename must fail here, not in a training run."""
-    from torch.distributed.tensor.experimental._context_parallel import _attention, _sharding_rules
+    """The CPU registration rests on these private torch symbols (torch_compat): a rename must fail here, not in a
+    training run."""
+    from torchtitan.distributed import torch_compat
 
     def names(fn):
         return list(inspect.signature(fn).parameters)
 
     where = "torch.distributed.tensor.experimental._context_parallel"
-    assert isinstance(getattr(_attention, "custom_ops", None), dict), \
-        f"{where}._attention.custom_ops (the table CP dispatches SDPA ops through) is gone"
-    assert "custom_ops" in inspect.getsource(_attention._enable_cp_dtensor_dispatcher), \
+    assert torch_compat.missing_names("cpu_ring_attention") == []
+    custom_ops = torch_compat.get("cp_custom_ops")
+    assert isinstance(custom_ops, dict), f"{where}._attention.custom_ops (the table CP dispatches SDPA ops through)"
+    enable = inspect.getmodule(torch_compat.get("ring_attention"))._enable_cp_dtensor_dispatcher
+    assert "custom_ops" in inspect.getsource(enable), \
         f"{where}._attention._enable_cp_dtensor_dispatcher no longer installs custom_ops"
-    assert names(_attention._templated_ring_attention)[:6] == ["group", "seq_dim", "op", "query", "key", "value"], \
+    assert names(torch_compat.get("ring_attention"))[:6] == ["group", "seq_dim", "op", "query", "key", "value"], \
         f"{where}._attention._templated_ring_attention changed its signature"
-    assert names(_attention._templated_ring_attention_backward)[:11] == [
+    assert names(torch_compat.get("ring_attention_backward"))[:11] == [
         "group", "seq_dim", "op", "grad_out", "grad_out_name", "query", "key", "value", "out", "logsumexp",
         "is_causal"], f"{where}._attention._templated_ring_attention_backward changed its signature"
-    assert names(_attention.set_rotate_method) == ["rotate_method"], f"{where}._attention.set_rotate_method changed"
-    assert names(_sharding_rules._op_strategy_context)[:3] == ["op_overload", "strategy_func", "schema_info"], \
-        f"{where}._sharding_rules._op_strategy_context changed"
-    dispatcher = torch.distributed.tensor.DTensor._op_dispatcher
+    assert names(torch_compat.get("set_rotate_method")) == ["rotate_method"], f"{where}: set_rotate_method changed"
+    assert names(torch_compat.get("cp_strategy_context"))[:3] == ["op_overload", "strategy_func", "schema_info"], \
+        f"{torch_compat.found_path('cp_strategy_context')} changed"
+    dispatcher = torch_compat.get("dtensor_dispatcher")
     for attribute in ("unwrap_to_op_info", "wrap", "sharding_propagator"):
         assert hasattr(dispatcher, attribute), f"DTensor._op_dispatcher.{attribute} is gone"
 
-    forward, backward = cp.CPU_SDPA._schema, cp.CPU_SDPA_BACKWARD._schema
+    sdpa, sdpa_backward = cp._cpu_sdpa_ops()
+    forward, backward = sdpa._schema, sdpa_backward._schema
     assert [r.name for r in forward.returns] == ["output", "logsumexp"], forward
     assert [a.name for a in backward.arguments] == [
         "grad_out", "query", "key", "value", "out", "logsumexp", "dropout_p", "is_causal", "attn_mask", "scale"], \
@@ -139,5 +143,5 @@ def test_private_torch_api_still_there():
 
     cp.register_cpu_ring_attention()
     cp.register_cpu_ring_attention()
-    assert _attention.custom_ops[cp.CPU_SDPA] is cp._cpu_sdpa_handler
-    assert _attention.custom_ops[cp.CPU_SDPA_BACKWARD] is cp._cpu_sdpa_handler
+    assert custom_ops[sdpa] is cp._cpu_sdpa_handler
+    assert custom_ops[sdpa_backward] is cp._cpu_sdpa_handler

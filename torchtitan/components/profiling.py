@@ -17,6 +17,7 @@ from collections.abc import Iterator
 import torch
 
 from torchtitan.config.job_config import JobConfig
+from torchtitan.distributed import torch_compat
 from torchtitan.tools.files import atomic_write
 from torchtitan.tools.logging import logger
 
@@ -79,18 +80,18 @@ class _CudaMemoryRecorder:
     def __init__(self, config: JobConfig, rank: int, step: int):
         self.folder = _folder(config, config.profiling.save_memory_snapshot_folder)
         self.freq, self.rank, self.step_num = config.profiling.profile_freq, rank, step
-        torch.cuda.memory._record_memory_history(max_entries=100_000)
+        torch_compat.get("record_memory_history")(max_entries=100_000)
 
     def step(self) -> None:
         self.step_num += 1
         if self.step_num % self.freq == 0:
             path = os.path.join(self.folder, f"rank{self.rank}_step{self.step_num}_memory_snapshot.pickle")
             with atomic_write(path, "wb") as f:
-                pickle.dump(torch.cuda.memory._snapshot(), f)
+                pickle.dump(torch_compat.get("memory_snapshot")(), f)
             logger.info(f"CUDA memory snapshot written to {path}")
 
     def close(self) -> None:
-        torch.cuda.memory._record_memory_history(enabled=None)
+        torch_compat.get("record_memory_history")(enabled=None)
 
 
 @contextlib.contextmanager

@@ -8,22 +8,28 @@ the same trade, so the recipes of both compare like for like.
 
 import torch
 from torch import nn
-from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
 from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
 
 from torchtitan.config.job_config import ActivationCheckpoint
+from torchtitan.distributed import torch_compat
 
-_OPS_TO_SAVE = {
-    torch.ops.aten.mm.default,
-    torch.ops.aten._scaled_mm.default,
-    torch.ops.aten._scaled_dot_product_flash_attention.default,
-    torch.ops.aten._scaled_dot_product_efficient_attention.default,
-    torch.ops.aten._scaled_dot_product_cudnn_attention.default,
-    torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default,
-    torch.ops._c10d_functional.reduce_scatter_tensor.default,
+def _ops(*names: str) -> set:
+    """The ops of these 'namespace.op' names that this torch has (the attention kernels differ between releases)."""
+    found = set()
+    for name in names:
+        namespace, op = name.split(".")
+        packet = getattr(getattr(torch.ops, namespace), op, None)
+        if packet is not None:
+            found.add(packet.default)
+    return found
+
+
+_OPS_TO_SAVE = _ops(
+    "aten.mm", "aten._scaled_mm", "aten._scaled_dot_product_flash_attention",
+    "aten._scaled_dot_product_efficient_attention", "aten._scaled_dot_product_cudnn_attention",
+    "aten._scaled_dot_product_flash_attention_for_cpu", "_c10d_functional.reduce_scatter_tensor",
     # Float8's amax computations: cheap to keep, costly to redo under tensor parallelism.
-    torch.ops.aten.max.default,
-}
+    "aten.max")
 
 
 def _per_op_policy():
@@ -51,6 +57,7 @@ def apply_ac(model: nn.Module, config: ActivationCheckpoint) -> None:
     every_nth = int(config.selective_ac_option) if config.mode == "selective" and \
         config.selective_ac_option != "op" else 1
     per_op = config.mode == "selective" and config.selective_ac_option == "op"
+    checkpoint_wrapper = torch_compat.get("checkpoint_wrapper")
     for index, (name, block) in enumerate(list(model.layers.items())):
         if (index + 1) % every_nth:
             continue

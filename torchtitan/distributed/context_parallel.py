@@ -11,13 +11,14 @@ CPU, this module therefore
   (`custom_ops` in `torch.distributed.tensor.experimental._context_parallel._attention`), once: torch merges that
   table into DTensor's dispatcher only while a CP context is open;
 - installs sequence-sharded (`Shard(2)`) sharding rules for the two ops only while the context is open, through
-  `_op_strategy_context` of `..._context_parallel._sharding_rules`, exactly as torch does for the CUDA ops:
+  the temporary-strategy hook of `..._context_parallel._sharding_rules`, exactly as torch does for the CUDA ops:
   outside CP a sequence-sharded SDPA would be wrong;
 - computes with torch's `_templated_ring_attention` and `_templated_ring_attention_backward`, so head-tail load
   balancing and both rotate methods (allgather, alltoall) behave as on GPUs.
 
-These are private torch symbols; `tests/unit/test_context_parallel.py` pins them, and a torch that handles the CPU
-op itself is left alone.
+These are private torch symbols, reached through `torch_compat` (torch 2.14 installs single-dimension strategies
+where 2.13 installed op strategies); `tests/unit/test_context_parallel.py` pins them, and a torch that handles the
+CPU op itself is left alone.
 
 Packed documents (`model.attention_mask = "block_causal"`) take another path, on every device: ring attention merges
 causal blocks, not arbitrary masks. Each rank all-gathers the keys and values of the whole sequence and attends its
@@ -46,32 +47,30 @@ and positions are sharded by it alike. `scripts/cp_balance.py` measures it (docs
 
 import contextlib
 import functools
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 
 import torch
 import torch.distributed as dist
-import torch.distributed._functional_collectives as funcol
 from torch import Tensor
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor, Shard
-from torch.distributed.tensor._op_schema import OpSchema, OpStrategy
-from torch.distributed.tensor._ops.utils import expand_to_full_mesh_op_strategy
 from torch.distributed.tensor.experimental import context_parallel
-from torch.distributed.tensor.experimental._context_parallel import _attention as cp_attention
-from torch.distributed.tensor.experimental._context_parallel._sharding_rules import _op_strategy_context
 from torch.nn.attention.flex_attention import BlockMask
 
-from torchtitan.distributed.fake import is_fake
+from torchtitan.distributed import torch_compat
 from torchtitan.errors import UserError
 from torchtitan.models.llama3.model import GatheredDocuments, build_block_mask, document_positions
 
 ROTATE_METHODS = ("allgather", "alltoall")
 
-aten = torch.ops.aten
-CPU_SDPA = aten._scaled_dot_product_flash_attention_for_cpu.default
-CPU_SDPA_BACKWARD = aten._scaled_dot_product_flash_attention_for_cpu_backward.default
 # torch's ring attention hard-codes (batch, heads, seq, head_dim) for q/k/v; the logsumexp is (batch, heads, seq).
 SEQ_DIM = 2
+
+
+def _cpu_sdpa_ops() -> tuple["torch._ops.OpOverload", "torch._ops.OpOverload"]:
+    """The CPU's SDPA op and its backward (looked up when CP runs on the CPU, not at import)."""
+    aten = torch.ops.aten
+    return (aten._scaled_dot_product_flash_attention_for_cpu.default,
+            aten._scaled_dot_product_flash_attention_for_cpu_backward.default)
 
 
 @contextlib.contextmanager
@@ -83,7 +82,8 @@ def context_parallel_context(cp_mesh: DeviceMesh, buffers: list[Tensor], buffer_
     if rotate_method not in ROTATE_METHODS:
         raise UserError(f"option parallelism.context_parallel_rotate_method: {rotate_method!r} is not valid; "
                         f"valid: {', '.join(ROTATE_METHODS)}")
-    cp_attention.set_rotate_method(rotate_method)
+    if rotate_method != "allgather":  # torch's default: a torch without the setter still runs it
+        torch_compat.get("set_rotate_method")(rotate_method)
     with contextlib.ExitStack() as stack:
         if cp_mesh.device_type == "cpu":
             stack.enter_context(_cpu_sharding_rules())
@@ -95,35 +95,28 @@ def context_parallel_context(cp_mesh: DeviceMesh, buffers: list[Tensor], buffer_
 @contextlib.contextmanager
 def _cpu_sharding_rules() -> Iterator[None]:
     register_cpu_ring_attention()
+    sdpa, sdpa_backward = _cpu_sdpa_ops()
+    custom_ops = torch_compat.get("cp_custom_ops")
     with contextlib.ExitStack() as stack:
-        for op, strategy in ((CPU_SDPA, _cpu_sdpa_strategy), (CPU_SDPA_BACKWARD, _cpu_sdpa_backward_strategy)):
-            if cp_attention.custom_ops[op] is _cpu_sdpa_handler:
-                stack.enter_context(_op_strategy_context(op, strategy))
+        # (output, logsumexp) from (query, key, value); (grad_query, grad_key, grad_value) from (grad_out, query, key,
+        # value, out, logsumexp): all sharded on the sequence.
+        for op, tensors, input_index in ((sdpa, 5, 2), (sdpa_backward, 9, 3)):
+            if custom_ops[op] is _cpu_sdpa_handler:
+                stack.enter_context(torch_compat.sequence_sharded_strategy(op, tensors, input_index))
         yield
 
 
 def register_cpu_ring_attention() -> None:
     """Route the CPU SDPA ops to ring attention whenever a CP context is open. Idempotent; a handler torch itself
     provides for these ops wins."""
-    for op in (CPU_SDPA, CPU_SDPA_BACKWARD):
-        cp_attention.custom_ops.setdefault(op, _cpu_sdpa_handler)
+    custom_ops = torch_compat.get("cp_custom_ops")
+    for op in _cpu_sdpa_ops():
+        custom_ops.setdefault(op, _cpu_sdpa_handler)
 
 
-def _cpu_sdpa_strategy(op_schema: OpSchema) -> OpStrategy:
-    # (output, logsumexp) from (query, key, value), all sharded on the sequence.
-    return expand_to_full_mesh_op_strategy(op_schema.get_mesh_from_args(), op_schema, [[Shard(SEQ_DIM)] * 5],
-                                           input_index=2)
-
-
-def _cpu_sdpa_backward_strategy(op_schema: OpSchema) -> OpStrategy:
-    # (grad_query, grad_key, grad_value) from (grad_out, query, key, value, out, logsumexp).
-    return expand_to_full_mesh_op_strategy(op_schema.get_mesh_from_args(validate=False), op_schema,
-                                           [[Shard(SEQ_DIM)] * 9], input_index=3)
-
-
-def _cpu_sdpa_handler(op_call: torch._ops.OpOverload, args: tuple[object, ...], kwargs: dict[str, object]) -> object:
+def _cpu_sdpa_handler(op_call: "torch._ops.OpOverload", args: tuple[object, ...], kwargs: dict[str, object]) -> object:
     """DTensor's entry for the CPU SDPA ops while CP is on: local shards in, ring attention, sharded DTensors out."""
-    dispatcher = DTensor._op_dispatcher
+    dispatcher = torch_compat.get("dtensor_dispatcher")
     op_info = dispatcher.unwrap_to_op_info(op_call, args, kwargs)
     if op_info.local_kwargs.get("attn_mask") is not None:
         raise NotImplementedError("context parallel attention supports is_causal masking only, not attn_mask")
@@ -131,7 +124,7 @@ def _cpu_sdpa_handler(op_call: torch._ops.OpOverload, args: tuple[object, ...], 
     output_sharding = op_info.output_sharding
     if output_sharding is None or output_sharding.needs_redistribute:
         raise AssertionError(f"context parallel {op_call} expects query, key and value sharded on the sequence")
-    ring: Callable[..., tuple[Tensor, ...]] = _RING_ATTENTION[op_call]
+    ring = _ring_sdpa if op_call is _cpu_sdpa_ops()[0] else _ring_sdpa_backward
     local_results = ring(op_info.compute_mesh.get_group(), *op_info.local_args, **op_info.local_kwargs)
     return dispatcher.wrap(local_results, output_sharding.output_spec)
 
@@ -139,23 +132,18 @@ def _cpu_sdpa_handler(op_call: torch._ops.OpOverload, args: tuple[object, ...], 
 def _ring_sdpa(group: dist.ProcessGroup, query: Tensor, key: Tensor, value: Tensor, dropout_p: float = 0.0,
                is_causal: bool = False, *, attn_mask: Tensor | None = None,
                scale: float | None = None) -> tuple[Tensor, ...]:
-    return cp_attention._templated_ring_attention(group, SEQ_DIM, CPU_SDPA, query=query, key=key, value=value,
-                                                  is_causal=is_causal, dropout_p=dropout_p, scale=scale)
+    return torch_compat.get("ring_attention")(group, SEQ_DIM, _cpu_sdpa_ops()[0], query=query, key=key, value=value,
+                                              is_causal=is_causal, dropout_p=dropout_p, scale=scale)
 
 
 def _ring_sdpa_backward(group: dist.ProcessGroup, grad_out: Tensor, query: Tensor, key: Tensor, value: Tensor,
                         out: Tensor, logsumexp: Tensor, dropout_p: float, is_causal: bool, *,
                         attn_mask: Tensor | None = None, scale: float | None = None) -> tuple[Tensor, ...]:
     # The CPU backward's parameter names are the ones the templated backward passes by keyword.
-    return cp_attention._templated_ring_attention_backward(
-        group, SEQ_DIM, CPU_SDPA_BACKWARD, grad_out=grad_out, grad_out_name="grad_out", query=query, key=key,
+    return torch_compat.get("ring_attention_backward")(
+        group, SEQ_DIM, _cpu_sdpa_ops()[1], grad_out=grad_out, grad_out_name="grad_out", query=query, key=key,
         value=value, out=out, logsumexp=logsumexp, is_causal=is_causal, dropout_p=dropout_p, scale=scale)
 
-
-_RING_ATTENTION: dict[torch._ops.OpOverload, Callable[..., tuple[Tensor, ...]]] = {
-    CPU_SDPA: _ring_sdpa,
-    CPU_SDPA_BACKWARD: _ring_sdpa_backward,
-}
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -211,7 +199,7 @@ def shard_documents(cp_mesh: DeviceMesh, document_ids: Tensor, tensors: list[Ten
     `balanced_chunk_order` gives it by the work of the batch's mask, in sequence order."""
     cp, rank = cp_mesh.size(), cp_mesh.get_local_rank()
     num_chunks = CHUNKS_PER_RANK * cp
-    if is_fake(document_ids):
+    if torch_compat.is_fake(document_ids):
         # A dry run's tensors have no values to count; its sequences are one document each (dry_run.FAKE_BOS_ID),
         # which head-tail balances exactly.
         order = head_tail_order(cp, CHUNKS_PER_RANK)
@@ -237,7 +225,7 @@ def visible_keys(query_ids: Tensor, query_positions: Tensor, key_ids: Tensor, ke
 
 def _gather_sequence(tensor: Tensor, group: dist.ProcessGroup) -> Tensor:
     # (batch, heads, local seq, head_dim) -> the sequence of every rank, rank after rank; backward: reduce-scatter.
-    return funcol.all_gather_single_autograd(tensor.contiguous(), SEQ_DIM, group)
+    return torch_compat.all_gather_autograd(tensor, SEQ_DIM, group)
 
 
 class DocumentsAcrossRanks:
@@ -251,7 +239,7 @@ class DocumentsAcrossRanks:
         if positions is None:
             raise ValueError("block-causal attention under context parallelism needs each token's position")
         # Document ids and positions of the whole sequence, in the order the keys and values will be gathered in.
-        keys = funcol.wait_tensor(funcol.all_gather_single(torch.stack([document_ids, positions]), 2, self.group))
+        keys = torch_compat.all_gather(torch.stack([document_ids, positions]), 2, self.group)
         # FlexAttention where it has a backward (on CUDA, as document_mask() chooses), SDPA with booleans elsewhere.
         mask = visible_keys(document_ids, positions, keys[0], keys[1], flex=document_ids.device.type == "cuda")
         return GatheredDocuments(mask, functools.partial(_gather_sequence, group=self.group))

@@ -17,33 +17,28 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch._subclasses.fake_tensor import FakeTensorMode, unset_fake_temporarily
-from torch.distributed._tools.fake_collectives import CollectiveOp, collective_ops, sync_ops
-from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker
-from torch.distributed._tools.mem_tracker import MemTracker
 from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
-from torch.utils._python_dispatch import TorchDispatchMode
 
+from torchtitan.distributed import torch_compat
+
+# torch's private tools, which only a dry run uses: a torch that lacks one refuses the dry run at start-up
+# (torch_compat.require_torch_features) and still imports this module.
+FSDPMemTracker = torch_compat.private_base("FSDPMemTracker")
+MemTracker = torch_compat.private_base("MemTracker")
+TorchDispatchMode = torch_compat.private_base("TorchDispatchMode")
 
 GIB = 2**30
 
 
 def init_fake_process_group(rank: int, world_size: int) -> None:
-    # Importing the module registers the `fake` backend with torch.distributed: only a dry run pays for it.
-    from torch.testing._internal.distributed.fake_pg import FakeStore
-
-    dist.init_process_group("fake", rank=rank, world_size=world_size, store=FakeStore())
-
-
-def is_fake(t: torch.Tensor) -> bool:
-    from torch._subclasses.fake_tensor import is_fake as _is_fake
-    return _is_fake(t)
+    # Looking up the store imports its module, which registers the `fake` backend: only a dry run pays for it.
+    dist.init_process_group("fake", rank=rank, world_size=world_size, store=torch_compat.get("FakeStore")())
 
 
 def host_values(t: torch.Tensor) -> list[float]:
     """`t.tolist()` for a 1-D tensor; a fake tensor (dry run) has no values: it reads as zeros (finite, no stop)."""
-    if is_fake(t):
+    if torch_compat.is_fake(t):
         return [0.0] * t.numel()
     return t.tolist()
 
@@ -57,7 +52,7 @@ _KIND = {
 }
 
 
-def _kind_of(func: torch._ops.OpOverload) -> str:
+def _kind_of(func: "torch._ops.OpOverload") -> str:
     name = func._schema.name.split("::", 1)[1].strip("_")
     for prefix, kind in _KIND.items():
         if name.startswith(prefix):
@@ -73,12 +68,12 @@ def _tensor_bytes(value: Any) -> int:
     return 0
 
 
-def _buffer_bytes(func: torch._ops.OpOverload, result: Any, args: tuple, kwargs: dict | None) -> int:
+def _buffer_bytes(func: "torch._ops.OpOverload", result: Any, args: tuple, kwargs: dict | None) -> int:
     """The larger of what goes in and what comes out, counted by element (torch's `CollectiveOp` counts some ops by
     their input and some by the whole storage a view belongs to): the gathered output of an all-gather, the
     unreduced input of a reduce-scatter, the tensor of an all-reduce, the buffer of an all-to-all."""
     if _kind_of(func) == "p2p":
-        return CollectiveOp.get_comm_tensor_size(func, result, args, kwargs)
+        return torch_compat.get("fake_collectives").CollectiveOp.get_comm_tensor_size(func, result, args, kwargs)
     return max(_tensor_bytes(result), *(_tensor_bytes(arg) for arg in args))
 
 
@@ -112,8 +107,9 @@ class CollectiveCounter(TorchDispatchMode):
         if any(issubclass(t, DTensor) for t in types):
             return NotImplemented
         result = func(*args, **(kwargs or {}))
-        if func in collective_ops and func not in sync_ops:
-            group = CollectiveOp.get_process_group(func, args)
+        tracked = torch_compat.get("fake_collectives")
+        if func in tracked.collective_ops and func not in tracked.sync_ops:
+            group = tracked.CollectiveOp.get_process_group(func, args)
             dim = self._dim_of_group.get(group.group_name, f"group {group.group_name}")
             record = self.records[(_kind_of(func), dim)]
             record["count"] += 1
@@ -139,24 +135,23 @@ def dry_run_patches(target_device: str, fake_tensors: bool = True) -> contextlib
     """What a dry run changes in torch and torchao while it runs, each because fake tensors, the fake backend or
     the CPU mesh standing in for the target's cannot do what the original does; the accounting is unchanged (see
     each replacement). On real tensors only the fake backend's part applies."""
-    from torch.distributed.pipelining.schedules import _PipelineSchedule
     from torch.distributed.tensor import placement_types
-    from torch.distributed.tensor._sharding_prop import ShardingPropagator
 
     stack = contextlib.ExitStack()
-    if hasattr(_PipelineSchedule, "_warmup_p2p"):  # torch 2.13's vote on static shapes; older torch has none
-        stack.enter_context(_replaced(_PipelineSchedule, "_warmup_p2p", _static_pipeline_warmup))
+    schedule_base = torch_compat.get("PipelineSchedule")
+    if hasattr(schedule_base, "_warmup_p2p"):  # torch 2.13's vote on static shapes; older torch has none
+        stack.enter_context(_replaced(schedule_base, "_warmup_p2p", _static_pipeline_warmup))
     if not fake_tensors:
         return stack
     if target_device != "cpu":
         stack.enter_context(_replaced(placement_types, "shard_dim_alltoall", _shard_dim_alltoall_as_on_gpus))
-    propagate = ShardingPropagator._propagate_tensor_meta_non_cached
-    stack.enter_context(_replaced(ShardingPropagator, "_propagate_tensor_meta_non_cached",
-                                  _separate_propagation(propagate)))
+    propagator = torch_compat.get("ShardingPropagator")
+    stack.enter_context(_replaced(propagator, "_propagate_tensor_meta_non_cached",
+                                  _separate_propagation(propagator._propagate_tensor_meta_non_cached)))
     stack.enter_context(_replaced(torch.Tensor, "pin_memory", _pinning_without_storage(torch.Tensor.pin_memory)))
     # torch.compile that components call themselves (FlexDeMo's selection) runs eagerly, as the model does: a compiled
     # kernel would read the storage fake tensors do not have.
-    stack.enter_context(torch._dynamo.config.patch(disable=True))
+    stack.enter_context(torch.compiler.set_stance("force_eager"))
     try:
         from torchao.float8.fsdp_utils import WeightWithDynamicFloat8CastTensor
     except ImportError:
@@ -173,10 +168,9 @@ def _shard_dim_alltoall_as_on_gpus(input, gather_dim, shard_dim, mesh, mesh_dim)
     405B a column-split embedding's output, 256 MiB per micro-batch in flight). A dry run for GPUs runs on a CPU
     mesh: issue the GPUs' all-to-all (the fake backend has one, and the collective counter sees it) and return a
     tensor of its own, as the GPUs' kernel does."""
-    from torch.distributed import _functional_collectives as funcol
-
-    group = funcol._resolve_group((mesh, mesh_dim))
-    out = torch.ops._dtensor.shard_dim_alltoall(input, gather_dim, shard_dim, funcol._group_or_group_name(group))
+    group = torch_compat.get("resolve_group")((mesh, mesh_dim))
+    out = torch.ops._dtensor.shard_dim_alltoall(input, gather_dim, shard_dim,
+                                                torch_compat.get("group_or_group_name")(group))
     return torch.empty_like(out, memory_format=torch.contiguous_format)
 
 
@@ -185,7 +179,8 @@ def _separate_propagation(original):
     it finds active. In a dry run that is the run's own mode, where the memory trackers would count those
     global-shape tensors (a full-vocabulary fp32 copy of the logits, say) as this rank's memory. Give the
     propagation a fake mode of its own, which the trackers skip."""
-    propagation_mode = FakeTensorMode()
+    propagation_mode = torch_compat.get("FakeTensorMode")()
+    unset_fake_temporarily = torch_compat.get("unset_fake_temporarily")
 
     def propagate(self, op_schema):
         with unset_fake_temporarily(), propagation_mode:
@@ -197,17 +192,15 @@ def _static_pipeline_warmup(self, stages, has_backward, p2p_done) -> None:
     """At its first step a pipeline schedule lets its stages vote, over point-to-point messages, whether all of
     them know their shapes (static) or must exchange them (dynamic). The fake backend delivers no message, so the
     vote cannot be read; a dry run gives every stage its shapes (`static_stage_shapes`), which is the static case."""
-    from torch.distributed.pipelining._utils import InferenceMode
-
     for stage in stages:
-        stage._inference_mode = InferenceMode.STATIC
+        stage._inference_mode = torch_compat.get("PipelineInferenceMode").STATIC
 
 
 def _pinning_without_storage(original):
     """FSDP's CPU offload pins the host copies of the shards; a fake tensor has no memory to pin (torch raises
     "NYI: aten._pin_memory"). The accounting is the same pinned or not: pinning returns the tensor itself."""
     def pin_memory(self, *args, **kwargs):
-        return self if is_fake(self) else original(self, *args, **kwargs)
+        return self if torch_compat.is_fake(self) else original(self, *args, **kwargs)
     return pin_memory
 
 

@@ -1,4 +1,6 @@
-"""Data parallelism: FSDP2 (`fully_shard`, HSDP on a 2-D mesh) and DDP (replication on FSDP2's machinery).
+"""Data parallelism: FSDP2 (`fully_shard`, HSDP on a 2-D mesh) and DDP (replication on FSDP2's machinery: its
+`replicate`, or, on a torch without it, `fully_shard` over the 2-D (replicate, shard) mesh whose shard dimension is one
+rank, which is the same computation: every parameter whole on every rank, gradients all-reduced over replicas).
 
 The loss is already divided by the global count of valid tokens, so gradient reductions must sum: the default
 (averaging over ranks) would divide a second time. Every data-parallel module is set to a divide factor of 1.
@@ -8,9 +10,10 @@ import warnings
 
 import torch
 from torch import nn
-from torch.distributed._composable.replicate_with_fsdp import replicate
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, OffloadPolicy, fully_shard
+
+from torchtitan.distributed import torch_compat
 
 TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -48,9 +51,15 @@ def apply_fsdp(model: nn.Module, dp_mesh: DeviceMesh, *, param_dtype: str, reduc
     _sum_gradient_reductions(model)
 
 
-def apply_ddp(model: nn.Module, dp_mesh: DeviceMesh, *, param_dtype: str, reduce_dtype: str) -> None:
-    """Replicate the model over `dp_mesh`; gradients are all-reduced (summed) during backward."""
+def apply_ddp(model: nn.Module, dp_mesh: DeviceMesh, hsdp_mesh: DeviceMesh, *, param_dtype: str,
+              reduce_dtype: str) -> None:
+    """Replicate the model over `dp_mesh`; gradients are all-reduced (summed) during backward. `hsdp_mesh`: the
+    (replicate, shard) mesh with a one-rank shard dimension, for a torch without FSDP2's replicate."""
     mp_policy = MixedPrecisionPolicy(param_dtype=TORCH_DTYPES[param_dtype], reduce_dtype=TORCH_DTYPES[reduce_dtype])
+    replicate = torch_compat.lookup("replicate")
+    if replicate is None:
+        def replicate(module: nn.Module, mesh: DeviceMesh, mp_policy: MixedPrecisionPolicy) -> None:
+            fully_shard(module, mesh=hsdp_mesh, mp_policy=mp_policy, reshard_after_forward=False)
     for block in model.layers.values():
         replicate(block, mesh=dp_mesh, mp_policy=mp_policy)
     replicate(model, mesh=dp_mesh, mp_policy=mp_policy)

@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from torchtitan.config.job_config import Parallelism
+from torchtitan.distributed.torch_compat import flatten_mesh
 from torchtitan.errors import UserError
 
 MESH_DIMS = ("pp", "dp_replicate", "dp_shard", "cp", "tp")
@@ -56,11 +57,10 @@ class ParallelDims:
         sizes = (self.pp, self.dp_replicate, self.dp_shard, self.cp, self.tp)
         mesh = init_device_mesh(device_type, sizes, mesh_dim_names=MESH_DIMS)
         self._meshes = {"root": mesh,
-                        "dp": mesh["dp_replicate", "dp_shard"]._flatten(mesh_dim_name="dp"),
-                        "dp_shard_cp": mesh["dp_shard", "cp"]._flatten(mesh_dim_name="dp_shard_cp"),
-                        "dp_cp": mesh["dp_replicate", "dp_shard", "cp"]._flatten(mesh_dim_name="dp_cp")}
-        # The same mesh (and process groups) as slicing the root by ("dp_replicate", "dp_shard_cp") would give.
-        self._meshes["hsdp"] = DeviceMesh._concatenate([mesh["dp_replicate"], self._meshes["dp_shard_cp"]])
+                        "dp": flatten_mesh(mesh, ("dp_replicate", "dp_shard"), "dp"),
+                        "dp_shard_cp": flatten_mesh(mesh, ("dp_shard", "cp"), "dp_shard_cp"),
+                        "dp_cp": flatten_mesh(mesh, ("dp_replicate", "dp_shard", "cp"), "dp_cp"),
+                        "hsdp": flatten_mesh(mesh, ("dp_shard", "cp"), "dp_shard_cp", leading="dp_replicate")}
         return mesh
 
     def get_mesh(self, name: str) -> DeviceMesh:

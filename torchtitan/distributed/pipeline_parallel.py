@@ -27,12 +27,11 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.pipelining import PipelineStage
 from torch.distributed.pipelining.schedules import (FORWARD, PipelineScheduleMulti, PipelineScheduleSingle,
                                                     ScheduleDualPipeV, ScheduleInterleavedZeroBubble,
-                                                    ScheduleZBVZeroBubble, _Action, _add_send_recv,
-                                                    _add_unshard_reshard, _PipelineSchedule, _PipelineScheduleRuntime,
-                                                    get_schedule_class)
+                                                    ScheduleZBVZeroBubble, get_schedule_class)
 from torch.distributed.tensor import DTensor, Shard
 
 from torchtitan.config import JobConfig, validation_shape
+from torchtitan.distributed import torch_compat
 from torchtitan.distributed.parallel_dims import ParallelDims
 from torchtitan.errors import UserError
 from torchtitan.models.llama3.model import DocumentMask, document_mask
@@ -40,6 +39,8 @@ from torchtitan.models.llama3.parallelize import parallelize_llama
 from torchtitan.models.llama3.pipeline import (LAYERS_PER_STAGE_OPTION, SPLIT_POINTS_OPTION, build_stage_module,
                                                requested_stage_count, split_into_stages, stage_ids_for_rank)
 from torchtitan.tools.logging import logger
+
+Schedule = PipelineScheduleSingle | PipelineScheduleMulti
 
 SCHEDULES = ("GPipe", "1F1B", "Interleaved1F1B", "LoopedBFS", "InterleavedZeroBubble", "ZBVZeroBubble", "DualPipeV")
 SCHEDULE_OPTION = "parallelism.pipeline_parallel_schedule"
@@ -54,7 +55,7 @@ SPLIT_BACKWARD = (ScheduleInterleavedZeroBubble, ScheduleZBVZeroBubble, Schedule
 @dataclass(frozen=True)
 class PipelinePlan:
     schedule_name: str
-    schedule_class: type[_PipelineSchedule]
+    schedule_class: type[Schedule]
     n_microbatches: int
     stage_names: list[list[str]]
     """The module names each stage keeps, by stage index."""
@@ -113,7 +114,15 @@ def plan_pipeline(model: nn.Module, pp_degree: int, config: JobConfig) -> Pipeli
     return PipelinePlan(name, schedule_class, n_microbatches, stage_names, v_shaped)
 
 
-def resolve_schedule(name: str) -> tuple[str, type[_PipelineSchedule]]:
+def is_multi_stage(name: str) -> bool:
+    """Whether schedule `name` runs several stages per rank (an unknown name is refused by plan_pipeline)."""
+    try:
+        return issubclass(resolve_schedule(name)[1], PipelineScheduleMulti)
+    except UserError:
+        return False
+
+
+def resolve_schedule(name: str) -> tuple[str, type[Schedule]]:
     """The canonical name (matched case-insensitively, as torch does) and torch's schedule class."""
     canonical = {schedule.lower(): schedule for schedule in SCHEDULES}.get(name.lower())
     if canonical is None:
@@ -140,7 +149,7 @@ def microbatch_count(local_batch_size: int, microbatch_size: int) -> int:
 
 
 def _check_stage_count(num_stages: int, n_layers: int, pp_degree: int, name: str,
-                       schedule_class: type[_PipelineSchedule], split_points: list[str],
+                       schedule_class: type[Schedule], split_points: list[str],
                        layers_per_stage: int | None) -> None:
     fits, needed = _stage_count_rule(schedule_class, pp_degree)
     if fits(num_stages):
@@ -155,7 +164,7 @@ def _check_stage_count(num_stages: int, n_layers: int, pp_degree: int, name: str
                     f"{', '.join(map(str, valid)) or 'none (choose another schedule or degree)'}")
 
 
-def _stage_count_rule(schedule_class: type[_PipelineSchedule], pp_degree: int) -> tuple[Callable[[int], bool], str]:
+def _stage_count_rule(schedule_class: type[Schedule], pp_degree: int) -> tuple[Callable[[int], bool], str]:
     """Which stage counts the schedule can run, and that rule in words."""
     if issubclass(schedule_class, PipelineScheduleSingle):
         return (lambda count: count == pp_degree), f"exactly {pp_degree} stages (one per rank)"
@@ -191,7 +200,7 @@ def _rounds(n_microbatches: int, pp_degree: int) -> int:
 
 def pipeline_llama(model: nn.Module, world_mesh: DeviceMesh, parallel_dims: ParallelDims, config: JobConfig,
                    device: torch.device, loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
-                   ) -> tuple[_PipelineSchedule, list[nn.Module], bool, bool]:
+                   ) -> tuple[Schedule, list[nn.Module], bool, bool]:
     """Split the meta `model`, parallelise this rank's stages, and build the schedule.
 
     Returns (schedule, this rank's stage modules in stage order, whether it runs the first stage, whether it runs
@@ -316,33 +325,34 @@ class _ForwardOnlyEval:
         finally:
             self.pipeline_order_with_comms = training_order
 
-    def _forward_only_order(self) -> dict[int, list[_Action]]:
-        forwards = {rank: _add_unshard_reshard([forward for action in actions if action is not None
-                                                for forward in _forwards_of(action)])
+    def _forward_only_order(self) -> dict[int, list]:
+        add_unshard_reshard = torch_compat.get("add_unshard_reshard")
+        forwards = {rank: add_unshard_reshard([forward for action in actions if action is not None
+                                               for forward in _forwards_of(action)])
                     for rank, actions in self.pipeline_order.items()}
-        return _add_send_recv(forwards, stage_to_rank=lambda stage: self.stage_index_to_group_rank[stage],
-                              num_stages=self._num_stages)
+        return torch_compat.get("add_send_recv")(
+            forwards, stage_to_rank=lambda stage: self.stage_index_to_group_rank[stage], num_stages=self._num_stages)
 
 
-def _forwards_of(action: _Action) -> list[_Action]:
+def _forwards_of(action) -> list:
     """The forward part of an action (DualPipeV overlaps a forward with a backward in one action)."""
     parts = action.sub_actions if action.sub_actions is not None else (action,)
     return [part for part in parts if part.computation_type == FORWARD]
 
 
-def _with_forward_only_eval(schedule_class: type[_PipelineSchedule]) -> type[_PipelineSchedule]:
+def _with_forward_only_eval(schedule_class: type[Schedule]) -> type[Schedule]:
     return type(schedule_class.__name__, (_ForwardOnlyEval, schedule_class), {"__module__": __name__})
 
 
 def _build_schedule(plan: PipelinePlan, stages: list[PipelineStage], loss_fn: Callable,
-                    csv_path: str | None) -> _PipelineSchedule:
+                    csv_path: str | None) -> Schedule:
     if not plan.multi_stage:
         return plan.schedule_class(stages[0], plan.n_microbatches, loss_fn=loss_fn, scale_grads=False)
     if not csv_path:
         return _with_forward_only_eval(plan.schedule_class)(stages, plan.n_microbatches, loss_fn=loss_fn,
                                                             scale_grads=False)
-    schedule = _with_forward_only_eval(_PipelineScheduleRuntime)(stages, plan.n_microbatches, loss_fn=loss_fn,
-                                                                 scale_grads=False)
+    schedule = _with_forward_only_eval(torch_compat.get("PipelineScheduleRuntime"))(
+        stages, plan.n_microbatches, loss_fn=loss_fn, scale_grads=False)
     try:
         schedule._load_csv(csv_path)
     except (AssertionError, KeyError, RuntimeError, ValueError) as e:

@@ -17,6 +17,7 @@ from torch.distributed.tensor import Replicate, Shard
 from torch.distributed.tensor.parallel import (ColwiseParallel, PrepareModuleInput, RowwiseParallel,
                                                SequenceParallel, parallelize_module)
 
+from torchtitan.distributed import torch_compat
 
 
 def apply_tp(model: nn.Module, tp_mesh: DeviceMesh, *, loss_parallel: bool, async_tp: bool) -> None:
@@ -54,7 +55,5 @@ def apply_tp(model: nn.Module, tp_mesh: DeviceMesh, *, loss_parallel: bool, asyn
 def enable_async_tp(tp_mesh: DeviceMesh) -> None:
     """Let inductor fuse TP collectives with matmuls through symmetric memory (CUDA + NCCL + compile; checked by
     validate_parallelism)."""
-    from torch.distributed._symmetric_memory import enable_symm_mem_for_group
-
-    torch._inductor.config._micro_pipeline_tp = True
-    enable_symm_mem_for_group(tp_mesh.get_group().group_name)
+    torch_compat.get("inductor_config")._micro_pipeline_tp = True
+    torch_compat.get("enable_symm_mem_for_group")(tp_mesh.get_group().group_name)

@@ -12,10 +12,11 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, distribute_tensor
 
+from torchtitan.distributed import torch_compat
 from torchtitan.distributed.fake import init_fake_process_group
 from torchtitan.errors import UserError
 from torchtitan.models.llama3.model import parameter_generator
-from torchtitan.tools.logging import logger
+from torchtitan.tools.logging import logger, warn_once
 
 
 # What bounds rank-to-rank waits right now, named in the message when one fails: the option, its value, and whether
@@ -125,10 +126,15 @@ def new_group_with_own_timeout(seconds: int) -> dist.ProcessGroup:
 def set_train_timeout(seconds: int) -> None:
     """After the first step, bound every collective by the (shorter) training timeout, except in the groups that
     have their own."""
+    set_timeout, groups = torch_compat.lookup("set_pg_timeout"), torch_compat.lookup("process_groups")
+    if set_timeout is None or groups is None:
+        warn_once(f"comm.train_timeout_seconds: torch {torch.__version__} cannot shorten a process group's timeout "
+                  f"after it is created; collectives keep comm.init_timeout_seconds for the whole run")
+        return
     timeout = datetime.timedelta(seconds=seconds)
-    for group in [dist.group.WORLD, *dist.distributed_c10d._world.pg_map]:
+    for group in [dist.group.WORLD, *groups]:
         if not any(group is own for own in _groups_with_own_timeout):
-            dist.distributed_c10d._set_pg_timeout(timeout, group)
+            set_timeout(timeout, group)
     _timeout_in_force.update(option="comm.train_timeout_seconds", seconds=seconds, joining=False)
 
 

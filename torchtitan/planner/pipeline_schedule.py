@@ -20,21 +20,17 @@ from __future__ import annotations
 
 import functools
 from types import SimpleNamespace
+from typing import Any
 
 from torch import nn
-from torch.distributed.pipelining.schedules import PipelineScheduleMulti, ScheduleGPipe, _Action, _ComputationType, \
-    get_schedule_class
+from torch.distributed.pipelining.schedules import (BACKWARD_INPUT, BACKWARD_WEIGHT, FORWARD, FULL_BACKWARD,
+                                                    ScheduleGPipe, get_schedule_class)
 
-from torchtitan.distributed.pipeline_parallel import SPLIT_BACKWARD, V_SHAPED
+from torchtitan.distributed.pipeline_parallel import SPLIT_BACKWARD, V_SHAPED, is_multi_stage
 from torchtitan.models.llama3.pipeline import stage_ids_for_rank
 
-_FORWARD, _INPUT, _WEIGHT = _ComputationType.FORWARD, _ComputationType.BACKWARD_INPUT, \
-    _ComputationType.BACKWARD_WEIGHT
-_WHOLE_BACKWARD = _ComputationType.FULL_BACKWARD
+Action = Any  # an entry of a schedule's action list (torch's private _Action)
 
-
-def multi_stage(schedule: str) -> bool:
-    return issubclass(get_schedule_class(schedule), PipelineScheduleMulti)
 
 
 def v_shaped(schedule: str) -> bool:
@@ -47,7 +43,7 @@ def split_backward(schedule: str) -> bool:
 
 
 @functools.lru_cache(maxsize=256)
-def schedule_order(schedule: str, pp: int, stages_per_rank: int, microbatches: int) -> dict[int, tuple[_Action, ...]]:
+def schedule_order(schedule: str, pp: int, stages_per_rank: int, microbatches: int) -> dict[int, tuple[Action, ...]]:
     """torch's action list of every rank for a multi-stage schedule (idle slots left out). The schedule computes
     all ranks' lists when it is built; it is built here for rank 0 over stand-ins for its stages, which carry what
     the schedule reads of them."""
@@ -65,26 +61,26 @@ def bubble(schedule: str | None, pp: int, stages_per_rank: int, microbatches: in
     included) and `backward_weight` are one stage-micro-batch's passes, in any unit."""
     if pp == 1:
         return 1.0
-    if schedule is None or not multi_stage(schedule):
+    if schedule is None or not is_multi_stage(schedule):
         return (microbatches + pp - 1) / microbatches
-    durations = {_FORWARD: forward, _INPUT: backward_input, _WEIGHT: backward_weight,
-                 _WHOLE_BACKWARD: backward_input + backward_weight}
+    durations = {FORWARD: forward, BACKWARD_INPUT: backward_input, BACKWARD_WEIGHT: backward_weight,
+                 FULL_BACKWARD: backward_input + backward_weight}
     order = schedule_order(schedule, pp, stages_per_rank, microbatches)
     last_stage = pp * stages_per_rank - 1
     done: dict[tuple[str, int, int], float] = {}
     clock = dict.fromkeys(order, 0.0)
     position = dict.fromkeys(order, 0)
 
-    def key(part: _Action) -> tuple[str, int, int]:
+    def key(part: Action) -> tuple[str, int, int]:
         # A whole backward completes the input gradient the previous stage waits for, as an input pass does.
-        kind = "I" if part.computation_type in (_INPUT, _WHOLE_BACKWARD) else part.computation_type.value
+        kind = "I" if part.computation_type in (BACKWARD_INPUT, FULL_BACKWARD) else part.computation_type.value
         return kind, part.stage_index, part.microbatch_index
 
-    def needs(part: _Action) -> list[tuple[str, int, int]]:
+    def needs(part: Action) -> list[tuple[str, int, int]]:
         stage, microbatch = part.stage_index, part.microbatch_index
-        if part.computation_type == _FORWARD:
+        if part.computation_type == FORWARD:
             return [("F", stage - 1, microbatch)] if stage > 0 else []
-        if part.computation_type == _WEIGHT:
+        if part.computation_type == BACKWARD_WEIGHT:
             return [("I", stage, microbatch)]
         return [("F", stage, microbatch)] + ([("I", stage + 1, microbatch)] if stage < last_stage else [])
 
@@ -123,7 +119,7 @@ def in_flight(schedule: str, pp: int, stages_per_rank: int, microbatches: int, r
     weighs 1 + `rebuilt` (the rebuilt bytes over the checkpointed ones) when the moment of the most is found. For
     Interleaved1F1B and LoopedBFS the count is their closed form (tests/unit/test_planner.py); GPipe holds every
     micro-batch, 1F1B the pp - rank of its warm-up."""
-    if not multi_stage(schedule):
+    if not is_multi_stage(schedule):
         held = microbatches if get_schedule_class(schedule) is ScheduleGPipe else min(microbatches, pp - rank)
         return (held,), (0,)
     stages = stage_ids_for_rank(rank, pp, pp * stages_per_rank, v_shaped(schedule))
@@ -133,9 +129,9 @@ def in_flight(schedule: str, pp: int, stages_per_rank: int, microbatches: int, r
     for action in schedule_order(schedule, pp, stages_per_rank, microbatches)[rank]:
         for part in action.sub_actions or (action,):
             stage, microbatch = part.stage_index, part.microbatch_index
-            if part.computation_type == _FORWARD:
+            if part.computation_type == FORWARD:
                 forwarded[stage].add(microbatch)
-            elif part.computation_type == _INPUT:
+            elif part.computation_type == BACKWARD_INPUT:
                 awaiting[stage].add(microbatch)
             else:  # a whole backward, or the weight pass
                 forwarded[stage].discard(microbatch)

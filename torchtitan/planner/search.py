@@ -15,14 +15,13 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from torchtitan.config import JobConfig, parse_args
-from torchtitan.distributed.pipeline_parallel import resolve_schedule
+from torchtitan.distributed.pipeline_parallel import is_multi_stage, resolve_schedule
 from torchtitan.errors import UserError
 from torchtitan.models.llama3.args import llama3_flavors, model_args_for, shape_overrides
 from torchtitan.models.llama3.pipeline import requested_stage_count
 from torchtitan.planner.cost import Layout, float8_gathered, step_time
 from torchtitan.planner.hardware import GPU, headroom
 from torchtitan.planner.memory import estimate
-from torchtitan.planner.pipeline_schedule import multi_stage
 
 GIB = 2**30
 CONFIGS = Path(__file__).resolve().parents[2] / "train_configs"
@@ -192,7 +191,7 @@ def layout_from_config(config: JobConfig, world_size: int, document_length: floa
         layers = model_args_for(config.model.flavor, config.training.seq_len,
                                 overrides=shape_overrides(config.model)).n_layers
         stages_per_rank = requested_stage_count(
-            layers, dims.pp * (2 if multi_stage(schedule) else 1),
+            layers, dims.pp * (2 if is_multi_stage(schedule) else 1),
             parallelism.pipeline_parallel_split_points, parallelism.pipeline_parallel_layers_per_stage) // dims.pp
     return Layout(dp_replicate=dims.dp_replicate, dp_shard=dims.dp_shard, tp=dims.tp, pp=dims.pp, cp=dims.cp,
                   schedule=schedule,

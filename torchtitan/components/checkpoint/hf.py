@@ -24,10 +24,9 @@ from torch import nn
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 from torch.distributed.checkpoint.state_dict import get_model_state_dict
 from torch.distributed.tensor import DTensor, Replicate, Shard
-from torch.distributed.tensor.placement_types import _StridedShard
-from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
 from torchtitan.components.checkpoint.safe_io import dcp_load, read_metadata, without_collectives
+from torchtitan.distributed import torch_compat
 from torchtitan.errors import UserError
 from torchtitan.models.llama3.args import TransformerModelArgs
 from torchtitan.models.llama3.state_dict_adapter import (_HF_IGNORED_SUFFIX, CONFIG_FILE, DEFAULT_MAX_SHARD_BYTES,
@@ -133,11 +132,11 @@ def _local_block(name: str, value: torch.Tensor) -> tuple[tuple[int, ...], tuple
             continue
         later = math.prod(mesh.size(j) for j in range(index + 1, len(placements))
                           if type(placements[j]) is Shard and placements[j].dim == placement.dim)
-        if not (isinstance(placement, _StridedShard) and placement.split_factor == later):
+        if not (isinstance(placement, torch_compat.get("StridedShard")) and placement.split_factor == later):
             raise ValueError(f"{name}: placements {placements} leave this rank's part in several blocks; the Hugging "
                              f"Face import reads one block per tensor (Shard, Replicate, FSDP's _StridedShard over "
                              f"TP)")
-    shape, offset = compute_local_shape_and_global_offset(value.shape, mesh, placements)
+    shape, offset = torch_compat.get("compute_local_shape_and_global_offset")(value.shape, mesh, placements)
     return tuple(offset), tuple(shape)
 
 

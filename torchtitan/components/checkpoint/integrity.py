@@ -23,6 +23,7 @@ from torch.distributed.checkpoint.storage import WriteResult
 from torch.futures import Future
 
 from torchtitan.components.checkpoint.safe_io import METADATA_FILE, FileWriter, describe
+from torchtitan.distributed import torch_compat
 from torchtitan.errors import UserError
 from torchtitan.tools.cost import Cost, Stopwatch
 from torchtitan.tools.files import atomic_write
@@ -132,8 +133,10 @@ class ChecksummedFileWriter(FileWriter):
     def reset(self, checkpoint_id: str | os.PathLike | None = None) -> None:
         # DCP's save calls this first, before any collective of the save.
         super().reset(checkpoint_id)
-        if self._collective_timeout_s is not None and os.getpid() != self._created_in_pid and dist.is_initialized():
-            dist.distributed_c10d._set_pg_timeout(timedelta(seconds=self._collective_timeout_s))
+        set_timeout = torch_compat.lookup("set_pg_timeout")
+        if self._collective_timeout_s is not None and os.getpid() != self._created_in_pid and dist.is_initialized() \
+                and set_timeout is not None:
+            set_timeout(timedelta(seconds=self._collective_timeout_s))
 
     def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future[list[WriteResult]]:
         results = super().write_data(plan, planner).wait()

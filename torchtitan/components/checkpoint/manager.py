@@ -22,7 +22,6 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import nn
 from torch.distributed.checkpoint import CheckpointException
-from torch.distributed.checkpoint._traverse import set_element
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, set_model_state_dict
@@ -32,8 +31,10 @@ from torch.distributed.checkpoint.stateful import Stateful
 from torchtitan.components.checkpoint.hf import export_hf_from_dcp, load_hf_model
 from torchtitan.components.checkpoint.integrity import ChecksummedFileWriter, fsync_dir, verify_checkpoint
 from torchtitan.components.checkpoint.safe_io import (METADATA_FILE, FileWriter, dcp_load, describe, deserialize,
-                                                      is_storage_error, read_metadata, serialize, without_collectives)
+                                                      is_storage_error, read_metadata, serialize, set_element,
+                                                      without_collectives)
 from torchtitan.config.job_config import Checkpoint as CheckpointConfig
+from torchtitan.distributed import torch_compat
 from torchtitan.distributed.compression import EXACT
 from torchtitan.distributed.utils import collectives_bounded_by, new_group_with_own_timeout
 from torchtitan.errors import UserError
@@ -234,7 +235,7 @@ def _stop_checkpoint_process() -> None:
     torch stops it (a terminate request, then a join) only when it collects the process's handle, a module global;
     left to interpreter exit, the pipe closes first and the process prints an EOFError traceback. Dropping the handle
     runs that shutdown now; a later save starts a new process."""
-    executor = sys.modules.get("torch.distributed.checkpoint._async_process_executor")
+    executor = sys.modules.get(torch_compat.PRIVATE_NAMES["async_checkpoint_executor"].paths[0])
     if executor is not None and getattr(executor, "_CHECKPOINT_PROCESS", None) is not None:
         executor._CHECKPOINT_PROCESS = None
 

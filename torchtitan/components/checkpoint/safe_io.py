@@ -11,18 +11,34 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint import CheckpointException, DefaultLoadPlanner, FileSystemReader
-from torch.distributed.checkpoint._traverse import set_element
-from torch.distributed.checkpoint.filesystem import _FileSystemWriter
+from torch.distributed.checkpoint import CheckpointException, DefaultLoadPlanner, FileSystemReader, FileSystemWriter
 from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
 from torch.distributed.checkpoint.planner import ReadItem, SavePlan, SavePlanner
 from torch.distributed.checkpoint.storage import WriteResult
 from torch.futures import Future
 
+from torchtitan.distributed import torch_compat
 from torchtitan.errors import UserError
 from torchtitan.models.llama3.state_dict_adapter import is_hf_folder
 
 METADATA_FILE = ".metadata"
+
+
+def set_element(root: dict, path: tuple[str | int, ...], value: Any) -> None:
+    """Put `value` at `path` of a nested state dict (DCP's flattened-key path: strings index dicts, integers lists),
+    making the dicts and lists on the way, as DCP nests what it loads."""
+    node: Any = root
+    for key, next_key in zip(path, path[1:]):
+        if isinstance(node, list):
+            node.extend([None] * (key + 1 - len(node)))
+            if node[key] is None:
+                node[key] = [] if isinstance(next_key, int) else {}
+        else:
+            node.setdefault(key, [] if isinstance(next_key, int) else {})
+        node = node[key]
+    if isinstance(node, list):
+        node.extend([None] * (path[-1] + 1 - len(node)))
+    node[path[-1]] = value
 
 
 class WeightsOnlyLoadPlanner(DefaultLoadPlanner):
@@ -80,8 +96,9 @@ class SafeFileSystemReader(FileSystemReader):
         return metadata
 
 
-class FileWriter(_FileSystemWriter):
-    """DCP's file writer (without the staging that FileSystemWriter adds: async saves stage with their own stager),
+class FileWriter(torch_compat.lookup("FileSystemWriterBase") or FileSystemWriter):
+    """DCP's file writer (without the staging that FileSystemWriter adds where torch lets it be left out: async saves
+    stage with their own stager),
     raising the OSError of a failed write itself. When the disk fills under torch.save, closing its zip writer fails
     in turn with a RuntimeError ("unexpected pos ...") that hides the OSError, and DCP hands errors between ranks
     without what they were raised while handling: a full disk would end the run with that RuntimeError's traceback

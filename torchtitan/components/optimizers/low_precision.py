@@ -31,6 +31,7 @@ from torch.distributed.tensor import DTensor
 
 from torchtitan.components.optimizers import BuildContext, gradient, local, register_optimizer
 from torchtitan.config.job_config import Optimizer as OptimizerConfig
+from torchtitan.distributed import torch_compat
 from torchtitan.errors import UserError
 
 
@@ -161,7 +162,7 @@ def _torchao_adamw(class_name: str, groups: list[dict], config: OptimizerConfig)
             # apart by their inner shapes (torchao 0.18 gives them no cache hash): a graph cached for one shape is
             # handed to another (an FSDP shard after a one-process run: `wrong number of dimensions`). Inductor's
             # own cache still serves the step.
-            with torch._functorch.config.patch(enable_autograd_cache=False):
+            with torch_compat.patched_config("functorch_config", enable_autograd_cache=False):
                 return super().step(closure)
 
         def state_dict(self) -> dict:

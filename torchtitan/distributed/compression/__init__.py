@@ -19,6 +19,7 @@ from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor, Shard
 
 from torchtitan.config.job_config import Comm, JobConfig
+from torchtitan.distributed import torch_compat
 from torchtitan.distributed.compression.loco import (LOCO_ERROR_BITS, CompressedReduceScatter, ErrorFeedback, LoCo,
                                                      LoCoOptions)
 from torchtitan.distributed.compression.qsdp import QuantizedAllGather
@@ -150,8 +151,12 @@ def apply_compression(model: nn.Module, config: JobConfig) -> None:
 
 
 def fsdp_param_groups(module: FSDPModule) -> list:
-    """The parameter groups of one FSDP module (torch 2.13 holds a list; earlier torch one group or None)."""
-    state = module._get_fsdp_state()
+    """The parameter groups of one FSDP module (torch 2.13 holds a list; earlier torch one group or None). Empty on a
+    torch without FSDP's state accessor, where no compressed collective can be installed (refused at start-up)."""
+    get_state = torch_compat.lookup("FSDPModule._get_fsdp_state")
+    if get_state is None:
+        return []
+    state = get_state(module)
     if hasattr(state, "_fsdp_param_groups"):
         return state._fsdp_param_groups
     return [state._fsdp_param_group] if state._fsdp_param_group is not None else []
@@ -174,7 +179,7 @@ def compression_stats(model_parts: list[nn.Module]) -> dict[str, int]:
     """Bytes this rank has sent through the compressed collectives, and what full precision would have sent."""
     stats = {"sent_bytes": 0, "uncompressed_bytes": 0}
     for group in _param_groups(model_parts):
-        for comm in (group._reduce_scatter_comm, group._all_gather_comm):
+        for comm in (getattr(group, "_reduce_scatter_comm", None), getattr(group, "_all_gather_comm", None)):
             if isinstance(comm, (CompressedReduceScatter, QuantizedAllGather)):
                 stats["sent_bytes"] += comm.sent_bytes
                 stats["uncompressed_bytes"] += comm.uncompressed_bytes

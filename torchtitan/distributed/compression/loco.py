@@ -24,8 +24,8 @@ from typing import ClassVar
 
 import torch
 import torch.distributed as dist
-from torch.distributed.fsdp._fully_shard._fsdp_api import ReduceScatter
 
+from torchtitan.distributed import torch_compat
 from torchtitan.distributed.compression.quantize import decode, encode, encode_and_restore, payload_bytes
 
 # LoCo stores its error in 8-bit codes, as the paper does.
@@ -167,7 +167,7 @@ class LoCo:
         return torch.zeros(world, payload_bytes(segments, LOCO_ERROR_BITS), dtype=torch.uint8, device=device)
 
 
-class CompressedReduceScatter(ReduceScatter):
+class CompressedReduceScatter(torch_compat.private_base("FSDPReduceScatter")):
     """A reduce-scatter (sum) that sends `bits`-bit payloads; one instance per FSDP module (its compensation state's
     layout is that module's reduce-scatter input). `compensation`: ErrorFeedback, LoCo, or None (QSDP)."""
 

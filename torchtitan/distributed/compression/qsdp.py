@@ -21,10 +21,9 @@ import weakref
 
 import torch
 import torch.distributed as dist
-from torch.distributed.fsdp._fully_shard._fsdp_api import AllGather
-from torch.distributed.fsdp._fully_shard._fsdp_param import FSDPParam, ShardedState
 from torch.optim.optimizer import register_optimizer_step_post_hook
 
+from torchtitan.distributed import torch_compat
 from torchtitan.distributed.compression.quantize import decode, encode
 
 
@@ -40,9 +39,8 @@ def _forget_codes(optimizer, args, kwargs) -> None:
 register_optimizer_step_post_hook(_forget_codes)
 
 
-class QuantizedAllGather(AllGather):
-    def __init__(self, bits: int, rotate: bool, segments: list[int] | None = None,
-                 fsdp_params: list[FSDPParam] | None = None):
+class QuantizedAllGather(torch_compat.private_base("FSDPAllGather")):
+    def __init__(self, bits: int, rotate: bool, segments: list[int] | None = None, fsdp_params: list | None = None):
         """`fsdp_params`: the module's parameters, whose shards FSDP copies into the all-gather input (in order);
         given, the codes are reused while the shards are unchanged."""
         self.bits = bits
@@ -83,7 +81,7 @@ class QuantizedAllGather(AllGather):
         """Identifies the full-precision shards FSDP copied into the input; None when they cannot be tracked."""
         version = []
         for fsdp_param in self.fsdp_params:
-            if fsdp_param.sharded_state != ShardedState.SHARDED:
+            if fsdp_param.sharded_state != torch_compat.get("FSDPShardedState").SHARDED:
                 return None  # gathered from the post-forward reshard (reshard_after_forward = an int)
             # The optimizer's in-place update bumps the DTensor parameter's own counter (not its local tensor's:
             # nn.Parameter detached it); a write into the local tensor or FSDP's padded buffer bumps theirs.

@@ -98,5 +98,5 @@ def parallelize_llama(model: nn.Module, world_mesh: DeviceMesh, parallel_dims: P
                    reshard_policy=config.parallelism.fsdp_reshard_after_forward, **precision)
         apply_compression(model, config)
     elif parallel_dims.ddp_enabled:
-        apply_ddp(model, world_mesh["dp_replicate"], **precision)
+        apply_ddp(model, world_mesh["dp_replicate"], parallel_dims.get_mesh("hsdp"), **precision)
     return model
