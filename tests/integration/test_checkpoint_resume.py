@@ -137,7 +137,7 @@ def dataloader_state(checkpoint: Path) -> dict:
 # Exact resumption in the same layout
 
 
-@pytest.mark.parametrize("async_mode", ["disabled", "async",
+@pytest.mark.parametrize("async_mode", [pytest.param("disabled", marks=pytest.mark.smoke), "async",
                                         pytest.param("async_with_pinned_mem", marks=pytest.mark.slow)])
 def test_one_process_resume_is_bitwise_exact(tmp_path, runs, async_mode):
     mode = ["--checkpoint.async_mode", async_mode]
@@ -151,7 +151,8 @@ def test_one_process_resume_is_bitwise_exact(tmp_path, runs, async_mode):
     assert grad_norms(after_save(rows)) == grad_norms(after_save(straight))
 
 
-@pytest.mark.parametrize("layout", ["fsdp2", pytest.param("fsdp2_tp2", marks=pytest.mark.slow),
+@pytest.mark.parametrize("layout", [pytest.param("fsdp2", marks=pytest.mark.smoke),
+                                    pytest.param("fsdp2_tp2", marks=pytest.mark.slow),
                                     pytest.param("hsdp2x2", marks=pytest.mark.slow)])
 def test_multi_rank_resume_is_exact(tmp_path, runs, layout):
     dump = tmp_path / layout

@@ -31,6 +31,7 @@ def collectives(report: dict) -> dict[tuple[str, str], dict]:
     return {(c["kind"], c["mesh_dim"]): c for c in report["collectives"]}
 
 
+@pytest.mark.smoke
 def test_debug_model_world_64_pp_fsdp_tp(tmp_path):
     """PP 2 x FSDP 8 x TP 4 on 64 fake ranks: the exact parameter shard, the collectives of each dimension, and
     the memory of both ends of the pipeline."""
@@ -97,6 +98,7 @@ def test_8b_on_8_gpus(tmp_path):
     assert 20 < report["peak_memory_gib"] < 79.6
 
 
+@pytest.mark.smoke
 def test_block_causal_under_context_parallelism_is_traced(tmp_path):
     """Packed documents under CP 2 x FSDP 2: each of the debug model's 6 layers gathers its keys and values over the
     CP group in forward and reduce-scatters their gradients in backward (the dry run's batches are one document per

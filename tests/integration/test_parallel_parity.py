@@ -45,6 +45,7 @@ def reference(tmp_path_factory) -> list[dict]:
     return train(tmp_path_factory.mktemp("reference"), 1, [*BASE, *batch_args(1)])
 
 
+@pytest.mark.smoke
 @pytest.mark.parametrize("name,nproc,dp,options", LAYOUTS, ids=[layout[0] for layout in LAYOUTS])
 def test_layout_matches_single_process(tmp_path, reference, name, nproc, dp, options):
     assert_follows_reference(tmp_path / name, name, nproc, [*BASE, *batch_args(dp), *options], reference)

@@ -51,7 +51,8 @@ COMPILE_LAYOUTS = {
 }
 
 
-@pytest.mark.parametrize("layout", list(COMPILE_LAYOUTS))
+@pytest.mark.parametrize("layout", [pytest.param(layout, marks=pytest.mark.smoke) if layout == "fsdp2" else layout
+                                    for layout in COMPILE_LAYOUTS])
 def test_compile_matches_eager(tmp_path, reference, layout):
     """Every block and the loss compiled with inductor, alone, with FSDP, CP, PP and full AC: fusion reorders float
     operations, nothing more. (TP: the next test.)"""
@@ -108,7 +109,8 @@ def test_full_checkpointing_halves_activation_memory():
     assert step_bytes["full"] <= 0.5 * step_bytes["none"], step_bytes
 
 
-@pytest.mark.parametrize("recipe,layout", [("tensorwise", "fsdp2"), ("rowwise", "tp2"),
+@pytest.mark.parametrize("recipe,layout", [pytest.param("tensorwise", "fsdp2", marks=pytest.mark.smoke),
+                                           ("rowwise", "tp2"),
                                            pytest.param("rowwise", "fsdp2", marks=pytest.mark.slow),
                                            pytest.param("tensorwise", "tp2", marks=pytest.mark.slow)])
 def test_float8_emulated_distributed(tmp_path, reference, recipe, layout):

@@ -15,6 +15,8 @@ from torchtitan.errors import UserError
 from torchtitan.models.llama3.args import model_args_for
 from torchtitan.models.llama3.model import Transformer
 
+pytestmark = pytest.mark.smoke
+
 BATCH, SEQ_LEN = 2, 64
 ROTATE_METHODS = ("allgather", "alltoall")
 

@@ -285,6 +285,7 @@ def cp_results(tmp_path_factory, pipeline_batch) -> Path:
     return tmp
 
 
+@pytest.mark.smoke
 @pytest.mark.parametrize("degree", [2, 4])
 @pytest.mark.parametrize("restart_positions", [False, True])
 @pytest.mark.parametrize("name", BATCH_NAMES)

@@ -17,6 +17,8 @@ from torchtitan.config import JobConfig
 from torchtitan.distributed import torch_compat
 from torchtitan.distributed.torch_compat import FEATURES, PRIVATE_NAMES
 
+pytestmark = pytest.mark.smoke
+
 ROOT = Path(__file__).resolve().parents[2]
 
 # One configuration per feature that asks for that feature and no other (on the CPU), as TOML-style overrides.

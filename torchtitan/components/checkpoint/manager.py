@@ -338,8 +338,8 @@ class CheckpointManager:
         if config.enable and not config.load_only and config.async_mode != "disabled":
             if tuple(int(part) for part in torch.__version__.split(".")[:2]) < (2, 13):
                 # Better at start-up than at the second save, hours into a run.
-                raise UserError(f"option checkpoint.async_mode: {config.async_mode!r} needs torch 2.13 or newer, "
-                                f"the oldest this project supports; this is torch {torch.__version__} (torch 2.11's "
+                raise UserError(f"option checkpoint.async_mode: {config.async_mode!r} needs torch 2.13 or newer; "
+                                f"this is torch {torch.__version__} (torch 2.11's "
                                 f"DCP stager fails at the second async save, pytorch/pytorch#183413). Upgrade torch, "
                                 f"or set checkpoint.async_mode = 'disabled'")
             # Staging copies the state into CPU buffers that the stager keeps and refills at every save (a fresh
