@@ -153,8 +153,9 @@ PRIVATE_NAMES: dict[str, PrivateName] = {
         ("torch.distributed.tensor._utils:compute_local_shape_and_global_offset",), "hf_sharded_checkpoint"),
     # Checkpoint writing without FileSystemWriter's own staging (async saves stage with their own stager).
     "FileSystemWriterBase": PrivateName(("torch.distributed.checkpoint.filesystem:_FileSystemWriter",), None),
-    # A process group's timeout, shortened after the first step (comm.train_timeout_seconds).
-    "set_pg_timeout": PrivateName(("torch.distributed.distributed_c10d:_set_pg_timeout",), None),
+    # A process group's timeout, shortened after the first step (comm.train_timeout_seconds): public from torch 2.14.
+    "set_pg_timeout": PrivateName(("torch.distributed:set_timeout",
+                                   "torch.distributed.distributed_c10d:_set_pg_timeout"), None),
     "process_groups": PrivateName(("torch.distributed.distributed_c10d:_world.pg_map",), None),
     "record_memory_history": PrivateName(("torch.cuda.memory:_record_memory_history",), "memory_snapshot"),
     "memory_snapshot": PrivateName(("torch.cuda.memory:_snapshot",), "memory_snapshot"),
