@@ -143,7 +143,7 @@ def dry_run_patches(target_device: str, fake_tensors: bool = True) -> contextlib
         stack.enter_context(_replaced(schedule_base, "_warmup_p2p", _static_pipeline_warmup))
     if not fake_tensors:
         return stack
-    if target_device != "cpu":
+    if target_device != "cpu" and torch_compat.lookup("resolve_group") and torch_compat.lookup("group_or_group_name"):
         stack.enter_context(_replaced(placement_types, "shard_dim_alltoall", _shard_dim_alltoall_as_on_gpus))
     propagator = torch_compat.get("ShardingPropagator")
     stack.enter_context(_replaced(propagator, "_propagate_tensor_meta_non_cached",

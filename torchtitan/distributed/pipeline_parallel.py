@@ -105,7 +105,14 @@ def plan_pipeline(model: nn.Module, pp_degree: int, config: JobConfig) -> Pipeli
     _check_stage_count(num_stages, n_layers, pp_degree, name, schedule_class, split_points, layers_per_stage)
     if not csv_path:
         _check_microbatches(n_microbatches, name, pp_degree, num_stages)
-    validation_batch_size = validation_shape(config)[0]
+    validation_batch_size, validation_seq_len = validation_shape(config)
+    if config.validation.enable and not torch_compat.PIPELINE_SHAPES_PER_MODE and \
+            (validation_batch_size, validation_seq_len) != (config.training.local_batch_size, config.training.seq_len):
+        raise UserError(f"options validation.local_batch_size / validation.seq_len: under pipeline parallelism torch "
+                        f"{torch.__version__} learns the stages' shapes once (2.13 and later learn them again for "
+                        f"evaluation), so validation must use training's ({config.training.local_batch_size} x "
+                        f"{config.training.seq_len}), not {validation_batch_size} x {validation_seq_len}; leave "
+                        f"[validation]'s shape unset, or use torch 2.13 or newer")
     if config.validation.enable and validation_batch_size % n_microbatches:
         raise UserError(f"option validation.local_batch_size: under pipeline parallelism a validation batch is "
                         f"split into the {n_microbatches} training micro-batches, so "

@@ -33,10 +33,16 @@ TESTED_TORCH = ("2.11", "2.13", "2.14")
 """The torch releases the test suite runs on (CI: the full suite on the README's, a smoke set on the other)."""
 
 
+RELEASE = tuple(int(part) for part in torch.__version__.split("+")[0].split(".")[:2])
+
+PIPELINE_SHAPES_PER_MODE = RELEASE >= (2, 13)
+"""torch 2.13's pipeline schedules infer the stages' shapes again when switching between training and evaluation;
+earlier ones infer them once."""
+
+
 def untested_torch() -> str | None:
     """A warning line when this torch is not a tested release (None when it is)."""
-    release = ".".join(torch.__version__.split("+")[0].split(".")[:2])
-    if release in TESTED_TORCH:
+    if ".".join(map(str, RELEASE)) in TESTED_TORCH:
         return None
     return (f"torch {torch.__version__} is not a tested release (tested: {', '.join(TESTED_TORCH)}): a feature whose "
             f"private torch names it lacks is refused at start-up; other differences are untested")
@@ -100,9 +106,10 @@ PRIVATE_NAMES: dict[str, PrivateName] = {
     "PipelineSchedule": PrivateName(("torch.distributed.pipelining.schedules:_PipelineSchedule",), "dry_run"),
     # Only a torch whose schedules vote on static shapes (2.13 on) has it, and only that vote needs it.
     "PipelineInferenceMode": PrivateName(("torch.distributed.pipelining._utils:InferenceMode",), None),
-    "resolve_group": PrivateName(("torch.distributed._functional_collectives:_resolve_group",), "dry_run"),
-    "group_or_group_name": PrivateName(("torch.distributed._functional_collectives:_group_or_group_name",),
-                                       "dry_run"),
+    # A GPU-target dry run issues the GPUs' all-to-all for a shard move (fake.py); a torch without these names (2.11)
+    # traces the CPU mesh's all-gather instead.
+    "resolve_group": PrivateName(("torch.distributed._functional_collectives:_resolve_group",), None),
+    "group_or_group_name": PrivateName(("torch.distributed._functional_collectives:_group_or_group_name",), None),
     # Context parallelism: torch's ring attention, driven for the CPU's SDPA op (context_parallel.py).
     "ring_attention": PrivateName((f"{_CP}._attention:_templated_ring_attention",), "cpu_ring_attention"),
     "ring_attention_backward": PrivateName((f"{_CP}._attention:_templated_ring_attention_backward",),

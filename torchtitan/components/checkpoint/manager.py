@@ -336,7 +336,7 @@ class CheckpointManager:
         # for it (wait_for_staging), or it would change the weights while they are being copied.
         self._staging: Future | None = None
         if config.enable and not config.load_only and config.async_mode != "disabled":
-            if tuple(int(part) for part in torch.__version__.split(".")[:2]) < (2, 13):
+            if torch_compat.RELEASE < (2, 13):
                 # Better at start-up than at the second save, hours into a run.
                 raise UserError(f"option checkpoint.async_mode: {config.async_mode!r} needs torch 2.13 or newer; "
                                 f"this is torch {torch.__version__} (torch 2.11's "
