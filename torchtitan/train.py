@@ -581,8 +581,8 @@ class Trainer:
         a peer's state (healing) or a sync, so nothing is saved: the other groups hold the state, and a restarted
         group heals from them or resumes from its last checkpoint."""
         self.preempted = self.left_quorum = True
-        logger.warning(f"{stopped}; exiting without a checkpoint of this (the other groups hold the state; the "
-                       f"last checkpoint of this group is in {self.checkpointer.folder})")
+        logger.warning(f"{stopped}; exiting without a new checkpoint (the other groups hold the state; this "
+                       f"group's checkpoints are in {self.checkpointer.folder})")
 
     def close(self) -> None:
         # Also after an error: flushes the metrics and releases the file (idempotent after train() closed it).

@@ -183,8 +183,8 @@ def test_replica_groups_command_lines(fake_slurm):
             "--local-ranks-filter", "0", "--role", "rank", "--tee", "3", "--max-restarts", "3", "-m",
             "torchtitan.train", "--job.config_file", "train_configs/debug_model.toml", "--fault_tolerance.enable",
             "--fault_tolerance.group_size", "2", "--fault_tolerance.min_replica_size", "1",
-            "--fault_tolerance.replica_id", str(group), "--training.steps", "5", "--fault_tolerance.join_timeout_seconds",
-            "2", "TORCHFT_LIGHTHOUSE=http://node-a:29510",
+            "--fault_tolerance.replica_id", str(group), "--training.steps", "5",
+            "--fault_tolerance.join_timeout_seconds", "2", "TORCHFT_LIGHTHOUSE=http://node-a:29510",
             # Console lines name the group beside the rank (torchrun fills in ${rank}).
             f"TORCHELASTIC_LOG_LINE_PREFIX_TEMPLATE=[group{group} rank${{rank}}] "]
 

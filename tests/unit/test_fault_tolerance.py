@@ -4,9 +4,11 @@ groups, and a lighthouse that is not there. The run itself: tests/integration/te
 import copy
 import os
 import re
+import select
 import signal
 import socket
 import subprocess
+import sys
 import threading
 import time
 from datetime import timedelta
@@ -21,6 +23,7 @@ from torchtitan.distributed.fault_tolerance import (GroupStopped, QuorumError, Q
                                                    lighthouse_address, peer_checkpoint_folders, quorum_problem,
                                                    wait_for_lighthouse)
 from torchtitan.distributed.lighthouse import main as lighthouse_main
+from torchtitan.distributed.utils import LAUNCHER_PID_ENV, end_with_launcher
 from torchtitan.distributed.lighthouse import (heartbeats, lighthouse_flags, refuse_a_second_copy,
                                                survivor_pause_bound_s)
 from torchtitan.errors import UserError
@@ -117,7 +120,8 @@ FAKE_LAUNCH_COMMANDS = {
     # The lighthouse module's answers, and the group's torchrun (torchtitan.launch), which trains until SIGTERM.
     "python": """#!/bin/bash
 case "$2 $3" in
-  "torchtitan.distributed.lighthouse flags") echo "--min_replicas 1 --join_timeout_ms 1000 --heartbeat_timeout_ms 5000";;
+  "torchtitan.distributed.lighthouse flags")
+    echo "--min_replicas 1 --join_timeout_ms 1000 --heartbeat_timeout_ms 5000";;
   "torchtitan.distributed.lighthouse check") echo "check $4" >> "$FAKE_DIR/calls";;
   "torchtitan.launch "*)
     group=$(printf '%s\\n' "$@" | grep -A1 -x -- --fault_tolerance.replica_id | tail -1)
@@ -203,6 +207,39 @@ def test_run_train_sh_with_a_group_id_becomes_the_groups_torchrun(fake_launch):
         script.communicate()
     assert (folder / "calls").read_text().splitlines() == ["check 1", "launcher 1: [group1 rank${rank}] ",
                                                            "launcher 1 SIGTERM"]
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="Linux's parent-death signal")
+def test_a_worker_ends_with_its_launcher():
+    """torchrun starts each worker in a session of its own: a SIGKILLed torchrun left its workers training (a replica
+    group relaunched beside them was the group twice). A worker of torchtitan.launch now gets SIGTERM when its
+    launcher dies; one whose launcher died before it asked stops at once."""
+    read_end, write_end = os.pipe()
+    launcher = os.fork()
+    if launcher == 0:  # the launcher: starts a worker, then waits
+        os.close(read_end)
+        if os.fork() == 0:
+            end_with_launcher({LAUNCHER_PID_ENV: str(os.getppid())})
+            os.write(write_end, b"r")
+            time.sleep(60)
+            os._exit(0)
+        os.close(write_end)
+        time.sleep(60)
+        os._exit(0)
+    os.close(write_end)
+    try:
+        assert os.read(read_end, 1) == b"r"
+        os.kill(launcher, signal.SIGKILL)
+        os.waitpid(launcher, 0)
+        # The worker holds the pipe's other end: it is closed once the worker is gone.
+        assert select.select([read_end], [], [], 10)[0] and os.read(read_end, 1) == b""
+    finally:
+        os.close(read_end)
+    orphan = os.fork()
+    if orphan == 0:
+        end_with_launcher({LAUNCHER_PID_ENV: "1"})
+        os._exit(0)
+    assert os.waitpid(orphan, 0)[1] == signal.SIGTERM
 
 
 def bare_group(config: FaultTolerance, manager) -> ReplicaGroup:

@@ -30,6 +30,7 @@ from torchtitan.errors import UserError
 from torchtitan.models.llama3.model import checkpoint_name
 from torchtitan.tools.logging import logger
 
+
 class QuorumError(RuntimeError):
     """A step's quorum was not formed: the trainer stops with one line and the exit code of a communication failure
     (EXIT_COMM_FAILURE), so that the group's torchrun restarts it."""

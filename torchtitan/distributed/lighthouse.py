@@ -150,20 +150,21 @@ def refuse_a_second_copy(config: FaultToleranceConfig, address: str) -> None:
 def main(argv: list[str]) -> int:
     from torchtitan.config import parse_args
 
-    command, groups, options = (argv[:1], argv[1:2], argv[2:]) if argv[:1] == ["check"] else (argv[:1], [], argv[1:])
-    if command not in (["flags"], ["check"]) or (command == ["check"] and not re.fullmatch(r"\d+(,\d+)*", *groups or [""])):
+    command = argv[0] if argv else ""
+    groups = argv[1] if command == "check" and len(argv) > 1 else ""
+    if command not in ("flags", "check") or (command == "check" and not re.fullmatch(r"\d+(,\d+)*", groups)):
         print("usage: python -m torchtitan.distributed.lighthouse flags [trainer options]\n"
               "       python -m torchtitan.distributed.lighthouse check GROUP[,GROUP...] [trainer options]",
               file=sys.stderr)
         return 2
     try:
-        config = parse_args(options).fault_tolerance
-        if command == ["flags"]:
+        config = parse_args(argv[2:] if command == "check" else argv[1:]).fault_tolerance
+        if command == "flags":
             print(" ".join(lighthouse_flags(config)))
             return 0
         address = lighthouse_address(config, dict(os.environ))
         wait_for_lighthouse(address, config.connect_timeout_seconds)
-        for group in map(int, groups[0].split(",")):
+        for group in map(int, groups.split(",")):
             refuse_a_second_copy(dataclasses.replace(config, replica_id=group), address)
     except UserError as e:
         print(f"error: {e}", file=sys.stderr)
