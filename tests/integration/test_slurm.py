@@ -51,9 +51,14 @@ exec sleep 60
 """,
     # The launcher (`python -m torchtitan.launch ...`): records its arguments one per line in launcher.args (the
     # last launch) and in a launch.* file of its own (with the lighthouse it was given); with FAKE_TRAIN_SECONDS it
-    # trains until then or until SIGTERM. The lighthouse's settings come from the real interpreter.
+    # trains until then or until SIGTERM. Asked for the lighthouse's flags (python -m torchtitan.distributed.lighthouse
+    # flags, tested in tests/unit/test_fault_tolerance.py), records the options and answers a join timeout of 2 s.
     "python": """#!/bin/bash
-if [ "$1 $2" = "-m torchtitan.distributed.lighthouse" ]; then exec "$REAL_PYTHON" "$@"; fi
+if [ "$1 $2 $3" = "-m torchtitan.distributed.lighthouse flags" ]; then
+  echo "lighthouse flags ${*:4}" >> "$FAKE_DIR/calls"
+  echo "--min_replicas 1 --join_timeout_ms 2000 --heartbeat_timeout_ms 5000"
+  exit 0
+fi
 printf '%s\\n' "$@" > "$FAKE_DIR/launcher.args"
 { printf '%s\\n' "$@"; echo "TORCHFT_LIGHTHOUSE=${TORCHFT_LIGHTHOUSE:-}"
   echo "TORCHELASTIC_LOG_LINE_PREFIX_TEMPLATE=${TORCHELASTIC_LOG_LINE_PREFIX_TEMPLATE:-}"; } \\
@@ -82,7 +87,6 @@ def fake_slurm(tmp_path):
         (bin_dir / name).write_text(text)
         (bin_dir / name).chmod(0o755)
     env = {**clean_environment(), "PATH": f"{bin_dir}{os.pathsep}{os.environ['PATH']}", "FAKE_DIR": str(tmp_path),
-           "REAL_PYTHON": sys.executable,
            "SLURM_JOB_ID": JOB_ID, "SLURM_JOB_NODELIST": "node-[a-b]", "SLURM_NNODES": "2"}
     return tmp_path, env
 
@@ -172,8 +176,12 @@ def test_replica_groups_command_lines(fake_slurm):
     folder, env = fake_slurm
     proc = dry_run({**env, "FT_GROUPS": "2"}, "--training.steps", "5", "--fault_tolerance.join_timeout_seconds", "2")
     assert proc.returncode == 0, proc.stderr
-    assert calls(folder)[0] == "scontrol show hostnames node-[a-b]"
-    assert sorted(calls(folder)[1:]) == [f"srun --nodes 1 --ntasks 1 --relative {i}" for i in (0, 1)] + [
+    assert calls(folder)[:2] == [
+        "scontrol show hostnames node-[a-b]",
+        "lighthouse flags --job.config_file train_configs/debug_model.toml --fault_tolerance.enable "
+        "--fault_tolerance.group_size 2 --fault_tolerance.min_replica_size 1 --training.steps 5 "
+        "--fault_tolerance.join_timeout_seconds 2"]
+    assert sorted(calls(folder)[2:]) == [f"srun --nodes 1 --ntasks 1 --relative {i}" for i in (0, 1)] + [
         "torchft_lighthouse --min_replicas 1 --join_timeout_ms 2000 --heartbeat_timeout_ms 5000 --bind [::]:29510"]
     launches = sorted((path.read_text().splitlines() for path in folder.glob("launch.*")), key=lambda a: a[7])
     for group, (args, host) in enumerate(zip(launches, ("node-a", "node-b"))):

@@ -121,6 +121,7 @@ FAKE_LAUNCH_COMMANDS = {
     "python": """#!/bin/bash
 case "$2 $3" in
   "torchtitan.distributed.lighthouse flags")
+    echo "lighthouse flags ${*:4}" >> "$FAKE_DIR/calls"
     echo "--min_replicas 1 --join_timeout_ms 1000 --heartbeat_timeout_ms 5000";;
   "torchtitan.distributed.lighthouse check") echo "check $4" >> "$FAKE_DIR/calls";;
   "torchtitan.launch "*)
@@ -184,10 +185,13 @@ def test_sigterm_to_run_train_sh_stops_every_group_then_the_lighthouse(fake_laun
         script.kill()
         script.communicate()
     calls = (folder / "calls").read_text().splitlines()
-    assert calls[0] == "torchft_lighthouse --min_replicas 1 --join_timeout_ms 1000 --heartbeat_timeout_ms 5000 " \
-                       "--bind [::]:29510"
-    assert sorted(calls[1:3]) == ["launcher 0: [group0 rank${rank}] ", "launcher 1: [group1 rank${rank}] "]
-    assert sorted(calls[3:5]) == ["launcher 0 SIGTERM", "launcher 1 SIGTERM"] and calls[5:] == ["lighthouse SIGTERM"]
+    # The lighthouse with the flags the job's options give (tested above), asked with the options the groups get.
+    assert calls[:2] == [f"lighthouse flags --job.config_file {REPO}/train_configs/debug_model.toml "
+                         f"--fault_tolerance.enable --fault_tolerance.group_size 2 --fault_tolerance.min_replica_size 1",
+                         "torchft_lighthouse --min_replicas 1 --join_timeout_ms 1000 --heartbeat_timeout_ms 5000 "
+                         "--bind [::]:29510"]
+    assert sorted(calls[2:4]) == ["launcher 0: [group0 rank${rank}] ", "launcher 1: [group1 rank${rank}] "]
+    assert sorted(calls[4:6]) == ["launcher 0 SIGTERM", "launcher 1 SIGTERM"] and calls[6:] == ["lighthouse SIGTERM"]
     assert not any(alive(pid) for pid in [*launchers, lighthouse])
 
 
