@@ -14,7 +14,11 @@
 #                group while the others train on. FT_MIN_REPLICAS (default 1): fewest groups a step commits with.
 #                FT_GROUP_ID=i: start only group i, against the lighthouse at TORCHFT_LIGHTHOUSE (a group per
 #                machine); otherwise a lighthouse is started on port FT_LIGHTHOUSE_PORT (default 29510) unless
-#                TORCHFT_LIGHTHOUSE names one
+#                TORCHFT_LIGHTHOUSE names one. The lighthouse is started with the options' fault_tolerance.
+#                min_replica_size, join_timeout_seconds and heartbeat_timeout_seconds; each group is checked first
+#                (the lighthouse reachable, the group not running already: one error line). Console lines start with
+#                [group<i> rank<r>]. SIGTERM or Ctrl-C to this script stops every group (its torchrun and workers),
+#                then the lighthouse; with FT_GROUP_ID the script becomes the group's torchrun (same PID)
 # Extra arguments go to the trainer, e.g.  ./run_train.sh --training.steps 20 --parallelism.tensor_parallel_degree 2
 set -euo pipefail
 
@@ -46,12 +50,17 @@ if [ -n "${FT_GROUPS:-}" ]; then
     exit 2
   fi
   FT_MIN_REPLICAS=${FT_MIN_REPLICAS:-1}
-  group() {  # one replica group: a torchrun job that restarts its workers
-    python -m torchtitan.launch --nproc_per_node="$NGPU" --rdzv_backend c10d --rdzv_endpoint="localhost:0" \
+  ft_options=(--job.config_file "$CONFIG_FILE" --fault_tolerance.enable --fault_tolerance.group_size "$FT_GROUPS"
+    --fault_tolerance.min_replica_size "$FT_MIN_REPLICAS")
+  check() {  # before the groups' torchruns: the lighthouse is reachable and groups $1 (i,j,...) are not running
+    python -m torchtitan.distributed.lighthouse check "$1" "${ft_options[@]}" "${@:2}"
+  }
+  group() {  # replica group $1: a torchrun job that restarts its workers, in place of the calling (sub)shell, so
+    # that its PID is torchrun's: a signal to it reaches the workers. Console lines start with the group and rank.
+    TORCHELASTIC_LOG_LINE_PREFIX_TEMPLATE="[group$1 rank\${rank}] " exec python -m torchtitan.launch \
+      --nproc_per_node="$NGPU" --rdzv_backend c10d --rdzv_endpoint="localhost:0" \
       --max-restarts "${FT_MAX_RESTARTS:-3}" --local-ranks-filter "$LOG_RANK" --role rank --tee 3 \
-      -m torchtitan.train --job.config_file "$CONFIG_FILE" --fault_tolerance.enable \
-      --fault_tolerance.group_size "$FT_GROUPS" --fault_tolerance.replica_id "$1" \
-      --fault_tolerance.min_replica_size "$FT_MIN_REPLICAS" "${@:2}"
+      -m torchtitan.train "${ft_options[@]}" --fault_tolerance.replica_id "$1" "${@:2}"
   }
   if [ -n "${FT_GROUP_ID:-}" ]; then
     if ! [[ "$FT_GROUP_ID" =~ ^[0-9]+$ ]] || [ "$FT_GROUP_ID" -ge "$FT_GROUPS" ]; then
@@ -65,16 +74,37 @@ if [ -n "${FT_GROUPS:-}" ]; then
       exit 2
     fi
     export TORCHFT_LIGHTHOUSE
+    check "$FT_GROUP_ID" "$@" || exit $?
     group "$FT_GROUP_ID" "$@"
-    exit $?
   fi
   pids=()
-  # The groups and the lighthouse end with this script (an interrupted launch leaves no process behind).
-  trap 'kill ${pids[@]+"${pids[@]}"} ${lighthouse:-} 2>/dev/null' EXIT INT TERM
+  lighthouse=
+  # The groups and the lighthouse end with this script (an interrupted launch leaves no process behind): the
+  # groups first (SIGTERM: each finishes or leaves its step), waited for, then the lighthouse.
+  stop_all() {
+    trap - EXIT INT TERM
+    if [ ${#pids[@]} -gt 0 ]; then
+      kill -TERM "${pids[@]}" 2>/dev/null || true
+      wait "${pids[@]}" 2>/dev/null || true
+    fi
+    if [ -n "$lighthouse" ]; then
+      kill -TERM "$lighthouse" 2>/dev/null || true
+      wait "$lighthouse" 2>/dev/null || true
+    fi
+  }
+  trap stop_all EXIT
+  trap 'stop_all; exit 143' TERM
+  trap 'stop_all; exit 130' INT
   if [ -z "${TORCHFT_LIGHTHOUSE:-}" ]; then
-    torchft_lighthouse --min_replicas "$FT_MIN_REPLICAS" --bind "[::]:${FT_LIGHTHOUSE_PORT:-29510}" &
+    # The lighthouse with the job's settings (fault_tolerance.min_replica_size, join_timeout_seconds,
+    # heartbeat_timeout_seconds).
+    flags=$(python -m torchtitan.distributed.lighthouse flags "${ft_options[@]}" "$@") || exit 2
+    # shellcheck disable=SC2086
+    torchft_lighthouse $flags --bind "[::]:${FT_LIGHTHOUSE_PORT:-29510}" &
     lighthouse=$!
     export TORCHFT_LIGHTHOUSE="http://localhost:${FT_LIGHTHOUSE_PORT:-29510}"
+  else
+    check "$(seq -s, 0 $((FT_GROUPS - 1)))" "$@" || exit $?
   fi
   for ((i = 0; i < FT_GROUPS; i++)); do
     group "$i" "$@" &

@@ -240,7 +240,8 @@ _FORMATS: dict[str, Callable[[float], str]] = {
 # The goodput table's columns: the account's key -> the column's name.
 _GOODPUT_COLUMNS = {"wall_s": "wall s", "productive_s": "productive s", "startup_s": "start-up + compile s",
                     "checkpoint_s": "checkpoint s", "data_s": "data s", "validation_s": "validation s",
-                    "skipped_s": "skipped steps s", "lost_s": "lost work s", "restart_s": "restart s",
+                    "skipped_s": "skipped steps s", "quorum_wait_s": "quorum wait s", "lost_s": "lost work s",
+                    "restart_s": "restart s",
                     "other_s": "other s", "lost_steps": "steps redone"}
 
 

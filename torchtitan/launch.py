@@ -19,11 +19,14 @@ from torch.distributed.elastic.multiprocessing.api import SignalException
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 from torch.distributed.run import parse_args, run
 
+from torchtitan.distributed.utils import LAUNCHER_PID_ENV
 from torchtitan.tools.logging import CONSOLE_IS_TTY_ENV, LAUNCHER_PREFIXES_RANK_ENV
 
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    # The workers stop when this agent dies, however it dies (torchtitan.distributed.utils.end_with_launcher).
+    os.environ[LAUNCHER_PID_ENV] = str(os.getpid())
     tee = Std.from_str(args.tee)  # a dict when set per local rank: then torchrun's prefixes are left as they are
     if isinstance(tee, Std) and tee & Std.ERR:
         # The workers inherit this environment. The template is torchrun's; ${rank} is the global rank.

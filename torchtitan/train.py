@@ -39,8 +39,8 @@ from torchtitan.distributed.compression import (compensation_state_bytes, compre
 from torchtitan.distributed.context_parallel import context_parallel_context, shard_documents
 from torchtitan.distributed import torch_compat
 from torchtitan.distributed.fake import host_values
-from torchtitan.distributed.fault_tolerance import (QuorumError, data_slice, peer_checkpoint_folders,
-                                                    setup_fault_tolerance)
+from torchtitan.distributed.fault_tolerance import (GroupStopped, QuorumError, data_slice, join_checks,
+                                                    peer_checkpoint_folders, setup_fault_tolerance)
 from torchtitan.distributed.fsdp import TORCH_DTYPES
 from torchtitan.distributed.parallel_dims import ParallelDims
 from torchtitan.distributed.pipeline_parallel import is_multi_stage, pipeline_llama
@@ -168,6 +168,7 @@ class Trainer:
         self.preempt_requested = False
         self._sigterm_before = None
         self.preempted = False
+        self.left_quorum = False
         self.fault_tolerance = setup_fault_tolerance(config.fault_tolerance, {
             "model": self.checkpointer.model, "optimizer": self.optimizers, "lr_scheduler": self.lr_schedulers,
             "dataloader": self.dataloader, "train_state": self.train_state}, dict(os.environ), self.model_parts)
@@ -446,10 +447,17 @@ class Trainer:
         with maybe_enable_profiling(config, self.rank, self.train_state.step, self.device) as profiler, \
                 maybe_enable_memory_snapshot(config, self.rank, self.device, self.train_state.step) as memory_profiler:
             while self.train_state.step < config.training.steps:
-                if self.fault_tolerance is not None and self.fault_tolerance.start_step():
-                    # Recovered from a peer: read on from its data position.
-                    data_iterator = iter(self.dataloader)
-                    self.health.healed(self.train_state.step)
+                if self.fault_tolerance is not None:
+                    self.health.mark()
+                    try:
+                        healed = self.fault_tolerance.start_step()
+                    except GroupStopped as stopped:
+                        self._left(stopped)
+                        break
+                    self.health.quorum_formed(self.train_state.step if healed else None)
+                    if healed:
+                        # Recovered from a peer: read on from its data position.
+                        data_iterator = iter(self.dataloader)
                 step = self.train_state.step + 1
                 if step % config.training.gc_freq == 0 or config.training.gc_debug:
                     gc.collect(1)
@@ -463,12 +471,18 @@ class Trainer:
                     continue
                 self.train_state.step = step
                 self.train_state.tokens_seen += batch_tokens
-                if self.fault_tolerance is not None and self.fault_tolerance.sync(step):
-                    # LocalSGD or DiLoCo healed this group from a peer at a sync: go on from the peer's step and
-                    # data position.
-                    data_iterator = iter(self.dataloader)
-                    step = self.train_state.step
-                    self.health.healed(step)
+                if self.fault_tolerance is not None:
+                    try:
+                        healed = self.fault_tolerance.sync(step)
+                    except GroupStopped as stopped:
+                        self._left(stopped)
+                        break
+                    if healed:
+                        # LocalSGD or DiLoCo healed this group from a peer at a sync: go on from the peer's step and
+                        # data position.
+                        data_iterator = iter(self.dataloader)
+                        step = self.train_state.step
+                        self.health.healed(step)
                 window["steps"] += 1
                 if step == first_step:
                     dist_utils.set_train_timeout(config.comm.train_timeout_seconds)
@@ -497,7 +511,7 @@ class Trainer:
                     break
         with self.health.timed("checkpoint"):
             self.checkpointer.close()
-        self.health.finish("preempted" if self.preempted else "finished")
+        self.health.finish("left" if self.left_quorum else "preempted" if self.preempted else "finished")
         self.metrics.close()
         if not self.preempted:
             logger.info("Training finished")
@@ -558,8 +572,19 @@ class Trainer:
         return total
 
     def _on_sigterm(self, signum, frame) -> None:
-        # Finish the current step, checkpoint it, and exit so that a requeued job continues from here.
+        # Finish the current step, checkpoint it, and exit so that a requeued job continues from here. A replica
+        # group waiting for a quorum leaves it at once instead (GroupStopped raised here, in the wait).
         self.preempt_requested = True
+        if self.fault_tolerance is not None:
+            self.fault_tolerance.stop()
+
+    def _left(self, stopped: GroupStopped) -> None:
+        """The replica group left the quorum on SIGTERM: no step is in flight; the weights may be half-way through
+        a peer's state (healing) or a sync, so nothing is saved: the other groups hold the state, and a restarted
+        group heals from them or resumes from its last checkpoint."""
+        self.preempted = self.left_quorum = True
+        logger.warning(f"{stopped}; exiting without a new checkpoint (the other groups hold the state; this "
+                       f"group's checkpoints are in {self.checkpointer.folder})")
 
     def close(self) -> None:
         # Also after an error: flushes the metrics and releases the file (idempotent after train() closed it).
@@ -605,6 +630,7 @@ def main(argv: list[str] | None = None) -> int:
     # memory: measured on an H200, the reserved peak of the 8B on 8 GPUs (one rank, compiled, per-op AC) was 21%
     # above the allocated one (docs/scaling.md). A value the user set wins.
     os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
+    dist_utils.end_with_launcher(dict(os.environ))
     init_logger()
     if untested := torch_compat.untested_torch():
         logger.warning(untested)
@@ -614,6 +640,8 @@ def main(argv: list[str] | None = None) -> int:
         if config.fault_tolerance.enable:  # each replica group is a job of its own: metrics, checkpoints, records
             replica = f"replica_{config.fault_tolerance.replica_id}"
             config.job.dump_folder = os.path.join(config.job.dump_folder, replica)
+            # Before writing anything there: a second copy of a running group must not touch its files.
+            join_checks(config.fault_tolerance, dict(os.environ))
         try:
             os.makedirs(config.job.dump_folder, exist_ok=True)
         except OSError as e:

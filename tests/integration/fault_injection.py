@@ -5,7 +5,9 @@ product: it lives here and patches the Trainer from outside).
 
 Environment:
     FAULT_PLAN        comma-separated `kind@step:rank` entries (`rank` may be `*` for every rank), e.g.
-                      `sigkill@5:1`. Kinds, each at the start of that step's forward-backward:
+                      `sigkill@5:1`; `kind@step:rank/group` injects only in that replica group (fault tolerance:
+                      the groups of one launch share the plan). Kinds, each at the start of that step's
+                      forward-backward:
                         nan           the loss (hence every gradient) of that rank becomes NaN for that step
                         inf           the loss of that rank becomes +Inf for that step
                         spike         the loss of that rank is multiplied by FAULT_SPIKE_FACTOR for that step (a
@@ -28,6 +30,9 @@ Environment:
                       and one in that step's checkpoint save:
                         sigkill_in_save  the rank SIGKILLs itself once DCP has written the checkpoint, before it
                                          is published (renamed from step-N.incomplete to step-N)
+                      and one before that step's quorum (replica groups, per-step mode), after the previous step's
+                      commit vote:
+                        sigkill_at_quorum  the rank SIGKILLs itself
     SIGUSR1 sent to a rank from outside stalls it for FAULT_SLEEP_SECONDS wherever its main thread is (a hang at
     a moment chosen by the test, not by step number; the process's other threads, torchft's heartbeats among them,
     run on). Installed on every rank.
@@ -37,7 +42,8 @@ Environment:
     FAULT_SPIKE_FACTOR   the loss factor of a `spike` (default 100)
     FAULT_SLEEP_SECONDS  length of a `sleep` stall (default 60)
     FAULT_SLOW_SECONDS   extra data-loading time per step of a `slow` rank (default 0.2)
-    FAULT_REPORT_DIR  if set, each rank appends JSON lines to events-rank<R>-attempt<A>.jsonl there: every fault
+    FAULT_REPORT_DIR  if set (`{group}` in it is the replica group), each rank appends JSON lines to
+                      events-rank<R>-attempt<A>.jsonl there: every fault
                       it injects (written before acting, so a SIGKILL is recorded too), a digest of its local
                       parameter shards after each step (and whether torchft committed it) and at each logged step (after the
                       step's end), a replica group's first quorum request (`first_quorum`, per-step mode), and its exit
@@ -46,6 +52,7 @@ Environment:
 
 import hashlib
 import json
+import logging
 import os
 import signal
 import sys
@@ -63,7 +70,15 @@ ATTEMPT = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
 STEP_KINDS = ("nan", "inf", "spike", "bad_batch", "inf_grad", "sleep", "sigkill", "sigterm", "sigint",
               "sigterm_agent")
 KILL_IN_NEXT_SAVE = False
-KINDS = (*STEP_KINDS, "sigkill_in_save", "slow")
+KINDS = (*STEP_KINDS, "sigkill_in_save", "sigkill_at_quorum", "slow")
+
+
+def replica_group(argv: list[str]) -> str:
+    """This process's replica group (--fault_tolerance.replica_id), or "" without one."""
+    return argv[argv.index("--fault_tolerance.replica_id") + 1] if "--fault_tolerance.replica_id" in argv else ""
+
+
+GROUP = replica_group(sys.argv)
 
 
 def parse_plan(text: str) -> dict[int, str]:
@@ -71,11 +86,13 @@ def parse_plan(text: str) -> dict[int, str]:
     faults = {}
     for entry in filter(None, (part.strip() for part in text.split(","))):
         kind, _, where = entry.partition("@")
+        where, _, group = where.partition("/")
         step, _, rank = where.partition(":")
-        if kind not in KINDS or not step.isdigit() or not (rank == "*" or rank.isdigit()):
-            raise SystemExit(f"fault_injection: bad FAULT_PLAN entry {entry!r}; expected kind@step:rank with kind "
-                             f"in {', '.join(KINDS)}")
-        if rank == "*" or int(rank) == RANK:
+        if kind not in KINDS or not step.isdigit() or not (rank == "*" or rank.isdigit()) or \
+                not (group == "" or group.isdigit()):
+            raise SystemExit(f"fault_injection: bad FAULT_PLAN entry {entry!r}; expected kind@step:rank or "
+                             f"kind@step:rank/group with kind in {', '.join(KINDS)}")
+        if (rank == "*" or int(rank) == RANK) and group in ("", GROUP):
             faults[int(step)] = kind
     return faults
 
@@ -84,7 +101,8 @@ def report(event: dict) -> None:
     folder = os.environ.get("FAULT_REPORT_DIR")
     if not folder:
         return
-    path = Path(folder) / f"events-rank{RANK}-attempt{ATTEMPT}.jsonl"
+    path = Path(folder.replace("{group}", GROUP)) / f"events-rank{RANK}-attempt{ATTEMPT}.jsonl"
+    path.parent.mkdir(parents=True, exist_ok=True)
     with open(path, "a") as f:
         f.write(json.dumps({"rank": RANK, "attempt": ATTEMPT, "time": time.time(), **event}) + "\n")
         f.flush()
@@ -182,19 +200,25 @@ def install(faults: dict[int, str]) -> None:
     asked = []
 
     def reporting_start_step(self):
+        step = self.states["train_state"].step + 1
         # When this process first asks the lighthouse for a quorum: a restarted group's start-up is over.
         if not asked:
             asked.append(True)
-            report({"event": "first_quorum", "step": self.states["train_state"].step + 1})
+            report({"event": "first_quorum", "step": step})
+        if faults.get(step) == "sigkill_at_quorum" and step not in fired:
+            fired.add(step)
+            report({"event": "inject", "kind": "sigkill_at_quorum", "step": step})
+            os.kill(os.getpid(), signal.SIGKILL)
         return start_step(self)
 
     train.Trainer.forward_backward = faulty_forward_backward
     train.Trainer._next_batches = slow_next_batches
     dcp.save = faulty_dcp_save
+    if os.environ.get("FAULT_REPORT_DIR") or "sigkill_at_quorum" in faults.values():
+        ReplicaGroup.start_step = reporting_start_step
     if os.environ.get("FAULT_REPORT_DIR"):
         train.Trainer.train_step = reporting_train_step
         train.Trainer._log_step = reporting_log_step
-        ReplicaGroup.start_step = reporting_start_step
 
 
 def kill_in_next_save(signum, frame) -> None:
@@ -222,4 +246,10 @@ def main() -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    # As torchtitan.train's: a process exits without joining threads (torchft's quorum thread may still wait on a
+    # request when a group left its quorum).
+    exit_code = main()
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(exit_code)

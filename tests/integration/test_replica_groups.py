@@ -254,7 +254,7 @@ def test_three_groups_of_two_processes_train_on_while_a_killed_one_restarts_and_
     times = sorted(row["time"] for row in survivors[0])
     gaps = [b - a for a, b in zip(times, times[1:])]
     median = sorted(gaps)[len(gaps) // 2]
-    bound = PROCESS_GROUP_TIMEOUT_S + HEARTBEAT_TIMEOUT_S + JOIN_TIMEOUT_S + 4 * median
+    bound = bound_s(median)
     assert max(gaps) < bound, (max(gaps), bound)
     # The steps between group 1's last before the kill and its first after it.
     during = [row["step"] for row in survivors[0] if before[-1]["step"] < row["step"] < after[0]["step"]]
@@ -598,3 +598,177 @@ def test_lighthouse_killed_and_restarted(tmp_path):
         f"{max(r['time'] for r in groups.steps(name) if r['attempt'] == 0) - killed_at:+.1f} s, resumed at step "
         f"{first[name]}, first step after {min(r['time'] for r in groups.steps(name) if r['attempt'] == 1) - killed_at:.1f} s"
         for name in ("group0", "group1")))
+
+
+def test_a_second_copy_of_a_running_group_is_refused_while_the_first_trains_on(tmp_path):
+    """Group 1 trains with group 0; a second copy of group 1 is started (its launcher was stopped and its worker left
+    training, then the group was launched again). The copy read the same data slice, wrote into the same dump
+    folder, and joined the quorum as a group more: 3 groups of group_size 2, group 1's slice counted twice in every
+    update. Now it stops with one error line before writing anything, and the two groups train on (10 more steps
+    watched, then they are stopped), never more than two in a quorum."""
+    from torchft.coordination import LighthouseServer
+
+    from torchtitan.components.health import read_records
+
+    lighthouse = LighthouseServer(bind="[::]:0", min_replicas=1, join_timeout_ms=1000)
+    groups = Groups(tmp_path, lighthouse.address())
+
+    def counted() -> set[int]:
+        """The numbers of groups in group 0's quorums so far."""
+        return set(groups.replica_groups(0).values()) if (tmp_path / "dump" / "replica_0" / "metrics.jsonl").exists() \
+            else set()
+
+    try:
+        groups.start("group0", 0, steps=100_000)
+        groups.wait_until(lambda: last_step(tmp_path / "group0") >= 1, "group 0 trained a step", ("group0",))
+        groups.start("group1", 1, steps=100_000)
+        groups.wait_until(lambda: len(groups.steps("group1")) >= 3, "group 1 trained 3 steps with group 0",
+                          ("group0", "group1"))
+        groups.start("copy", 1, steps=100_000)
+        groups.wait_until(lambda: groups.procs["copy"].poll() is not None or 3 in counted(),
+                          "the copy stopped or joined", ("group0", "group1"))
+        refused_at = last_step(tmp_path / "group1")
+        groups.wait_until(lambda: last_step(tmp_path / "group1") >= refused_at + 10, "group 1 trained on",
+                          ("group0", "group1"))
+    finally:
+        groups.stop()
+        lighthouse.shutdown()
+    output = groups.output("copy")
+    assert groups.procs["copy"].returncode != 0
+    # One line from the trainer (the rest is plain torchrun's report of a failed worker: run_train.sh's launcher
+    # leaves it out).
+    errors = [line for line in output.splitlines() if "error:" in line]
+    assert len(errors) == 1 and "Traceback" not in output.split("failed (exitcode")[0], output[-6000:]
+    assert "option fault_tolerance.replica_id: replica group 1 is running already" in errors[0], errors
+    assert [row["code"] for row in events(tmp_path / "copy")] == [2]
+    # Nothing of the copy in group 1's folder: one run's record, every step's metrics once.
+    assert len(read_records(tmp_path / "dump" / "replica_1")) == 1
+    logged = [row["step"] for row in map(json.loads, (tmp_path / "dump" / "replica_1" / "metrics.jsonl").read_text()
+                                         .splitlines()) if "loss" in row]
+    assert len(logged) == len(set(logged)) and logged[-1] >= refused_at + 10
+    assert counted() <= {1, 2} and set(groups.replica_groups(1).values()) <= {1, 2}, counted()
+    assert_same_weights(groups.steps("group0"), groups.steps("group1"))
+    print(f"the copy stopped with group 1 at step {refused_at}: {errors[0]}")
+
+
+def shipped_launch(tmp_path: Path, groups: int, nproc: int, options: list[str], **env: str) -> subprocess.Popen:
+    """run_train.sh with FT_GROUPS: the lighthouse it starts and the groups' torchruns, as shipped; only the trainer
+    module is the fault injector's (a `python` first in PATH swaps the module name). Output in <tmp>/launch.log,
+    each group's fault reports in <tmp>/<group>/."""
+    shim = tmp_path / "bin"
+    shim.mkdir()
+    (shim / "python").write_text(f"""#!/bin/bash
+args=()
+for arg in "$@"; do [ "$arg" = torchtitan.train ] && arg={INJECTOR}; args+=("$arg"); done
+exec {sys.executable} "${{args[@]}}"
+""")
+    (shim / "python").chmod(0o755)
+    with socket.socket() as probe:
+        probe.bind(("", 0))
+        port = probe.getsockname()[1]
+    environ = {**os.environ, "PATH": f"{shim}{os.pathsep}{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}",
+               "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1", "NGPU": str(nproc), "FT_GROUPS": str(groups),
+               "FT_LIGHTHOUSE_PORT": str(port), "FAULT_REPORT_DIR": str(tmp_path / "{group}"),
+               "FAULT_SLOW_SECONDS": "0.2", **env}
+    for name in ("TORCHFT_LIGHTHOUSE", "FT_GROUP_ID"):
+        environ.pop(name, None)
+    command = [str(REPO / "run_train.sh"), *TINY, "--training.local_batch_size", "2", "--job.dump_folder",
+               str(tmp_path / "dump"), "--fault_tolerance.process_group_timeout_ms",
+               str(1000 * PROCESS_GROUP_TIMEOUT_S), "--fault_tolerance.join_timeout_seconds", str(JOIN_TIMEOUT_S),
+               "--fault_tolerance.quorum_timeout_seconds", "120", *options]
+    return subprocess.Popen(command, cwd=REPO, env=environ, stdout=open(tmp_path / "launch.log", "w"),
+                            stderr=subprocess.STDOUT, start_new_session=True)
+
+
+def finish_launch(launch: subprocess.Popen, timeout_s: float) -> None:
+    try:
+        launch.wait(timeout=timeout_s)
+    finally:
+        if launch.poll() is None:
+            os.killpg(launch.pid, signal.SIGTERM)
+            launch.wait(timeout=60)
+
+
+def committed_pauses(folder: Path) -> tuple[float, float]:
+    """(longest, median) time between two committed steps of a group's rank 0."""
+    times = sorted(row["time"] for row in events(folder) if row["event"] == "step" and row["committed"])
+    gaps = [b - a for a, b in zip(times, times[1:])]
+    return max(gaps), sorted(gaps)[len(gaps) // 2]
+
+
+def bound_s(median: float) -> float:
+    from torchtitan.config.job_config import FaultTolerance
+    from torchtitan.distributed.lighthouse import survivor_pause_bound_s
+
+    # The configuration's bound, plus the steps around the wait (the failed one run again, the one after).
+    return survivor_pause_bound_s(FaultTolerance(process_group_timeout_ms=1000 * PROCESS_GROUP_TIMEOUT_S,
+                                                 join_timeout_seconds=JOIN_TIMEOUT_S,
+                                                 heartbeat_timeout_seconds=HEARTBEAT_TIMEOUT_S)) + 4 * median
+
+
+def test_a_group_whose_process_died_leaves_the_quorum_at_once_under_the_shipped_launch(tmp_path):
+    """FT_GROUPS=2 NGPU=2 ./run_train.sh: group 1's rank 1 dies after a step's commit vote, before the next quorum.
+    Its rank 0 waited in that quorum for the dead rank's request, heartbeating, and took torchrun's SIGTERM as a
+    preemption: group 0 waited for it torchrun's 30 s grace, plus the heartbeat timeout (37 s measured). Now the
+    signal takes group 1 out of the quorum at once: group 0's longest pause between committed steps is within
+    survivor_pause_bound_s (the configuration's 5 + 5 + 1 s) plus 4 median steps, and that wait is booked as its
+    own goodput category. Group 1's torchrun restarts it; it heals and both finish. Console lines name the group."""
+    steps, kill_at = 80, 30
+    launch = shipped_launch(tmp_path, 2, 2, ["--training.steps", str(steps), "--parallelism.data_parallel_shard_degree",
+                                              "2"], FAULT_PLAN=f"slow@1:*,sigkill_at_quorum@{kill_at}:1/1",
+                            FAULT_ATTEMPT="0", FT_MAX_RESTARTS="1")
+    finish_launch(launch, 600)
+    output = (tmp_path / "launch.log").read_text(errors="replace")
+    assert launch.returncode == 0, output[-6000:]
+    injected = [row["step"] for row in events(tmp_path / "1", rank=1) if row.get("kind") == "sigkill_at_quorum"]
+    assert injected == [kill_at], "group 1 trained step 29 with group 0, then was killed"
+    longest, median = committed_pauses(tmp_path / "0")
+    assert longest < bound_s(median), (longest, bound_s(median))
+    assert "SIGTERM while waiting for the quorum of step" in output, output[-6000:]
+    from torchtitan.components.health import read_records
+
+    waited = read_records(tmp_path / "dump" / "replica_0")[-1].seconds["quorum_wait"]
+    assert waited >= longest - 2 * median, (waited, longest)
+    assert "[group0 rank0]" in output and "[group1 rank0]" in output
+    restarted = [row["step"] for row in events(tmp_path / "1") if row["event"] == "step" and row["attempt"] == 1]
+    assert restarted and restarted[-1] == steps
+    print(f"group 0's longest pause {longest:.1f} s (bound {bound_s(median):.1f} s, median step {median:.2f} s), "
+          f"booked quorum_wait {waited:.1f} s")
+
+
+def test_a_hung_group_is_left_out_after_the_join_timeout_the_launcher_gives_the_lighthouse(tmp_path):
+    """FT_GROUPS=3 ./run_train.sh, the --fault_tolerance.join_timeout_seconds of the job 1 s: group 1 stalls 20 s in
+    a step (heartbeating). The launcher started the lighthouse with torchft's 60 s join timeout whatever the job
+    said, so groups 0 and 2 waited out the stall; now they form their quorum 1 s after giving up on group 1's
+    collective, within survivor_pause_bound_s plus 4 median steps."""
+    steps, stall_at = 80, 30
+    launch = shipped_launch(tmp_path, 3, 1, ["--training.steps", str(steps)],
+                            FAULT_PLAN=f"slow@1:*,sleep@{stall_at}:0/1", FAULT_SLEEP_SECONDS=str(STALL_S))
+    finish_launch(launch, 600)
+    output = (tmp_path / "launch.log").read_text(errors="replace")
+    assert launch.returncode == 0, output[-6000:]
+    assert [row["step"] for row in events(tmp_path / "1") if row.get("kind") == "sleep"] == [stall_at]
+    for group in ("0", "2"):
+        longest, median = committed_pauses(tmp_path / group)
+        assert longest < bound_s(median) < STALL_S, (group, longest, bound_s(median))
+        print(f"group {group}'s longest pause {longest:.1f} s (bound {bound_s(median):.1f} s)")
+
+
+def test_no_lighthouse_is_one_line_from_the_shipped_launch(tmp_path):
+    """FT_GROUP_ID with a lighthouse that is not there: the trainer's error made torchrun restart the group
+    FT_MAX_RESTARTS times, so the line came four times, after four connect timeouts. run_train.sh checks first."""
+    with socket.socket() as unused:
+        unused.bind(("127.0.0.1", 0))
+        address = f"http://127.0.0.1:{unused.getsockname()[1]}"
+        environ = {**os.environ, "PYTHONPATH": str(REPO), "PATH": f"{Path(sys.executable).parent}{os.pathsep}"
+                   f"{os.environ['PATH']}", "FT_GROUPS": "2", "FT_GROUP_ID": "0", "TORCHFT_LIGHTHOUSE": address,
+                   "NGPU": "1"}
+        proc = subprocess.run([str(REPO / "run_train.sh"), *TINY, "--job.dump_folder", str(tmp_path),
+                               "--fault_tolerance.connect_timeout_seconds", "1"], cwd=REPO, env=environ,
+                              capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 2
+    assert proc.stderr.splitlines() == [
+        f"error: option fault_tolerance.lighthouse: no torchft lighthouse reachable at {address} within 1 s "
+        f"(fault_tolerance.connect_timeout_seconds): [Errno 111] Connection refused; start it first "
+        f"(torchft_lighthouse, or run_train.sh with FT_GROUPS)"], proc.stderr
+    assert not list(tmp_path.iterdir()), "no torchrun, no trainer"

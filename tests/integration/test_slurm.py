@@ -51,10 +51,18 @@ exec sleep 60
 """,
     # The launcher (`python -m torchtitan.launch ...`): records its arguments one per line in launcher.args (the
     # last launch) and in a launch.* file of its own (with the lighthouse it was given); with FAKE_TRAIN_SECONDS it
-    # trains until then or until SIGTERM.
+    # trains until then or until SIGTERM. Asked for the lighthouse's flags (python -m torchtitan.distributed.lighthouse
+    # flags, tested in tests/unit/test_fault_tolerance.py), records the options and answers a join timeout of 2 s.
     "python": """#!/bin/bash
+if [ "$1 $2 $3" = "-m torchtitan.distributed.lighthouse flags" ]; then
+  echo "lighthouse flags ${*:4}" >> "$FAKE_DIR/calls"
+  echo "--min_replicas 1 --join_timeout_ms 2000 --heartbeat_timeout_ms 5000"
+  exit 0
+fi
 printf '%s\\n' "$@" > "$FAKE_DIR/launcher.args"
-{ printf '%s\\n' "$@"; echo "TORCHFT_LIGHTHOUSE=${TORCHFT_LIGHTHOUSE:-}"; } > "$(mktemp "$FAKE_DIR/launch.XXXXXX")"
+{ printf '%s\\n' "$@"; echo "TORCHFT_LIGHTHOUSE=${TORCHFT_LIGHTHOUSE:-}"
+  echo "TORCHELASTIC_LOG_LINE_PREFIX_TEMPLATE=${TORCHELASTIC_LOG_LINE_PREFIX_TEMPLATE:-}"; } \\
+  > "$(mktemp "$FAKE_DIR/launch.XXXXXX")"
 if [ -n "${FAKE_TRAIN_SECONDS:-}" ]; then
   trap 'echo "launcher SIGTERM" >> "$FAKE_DIR/calls"; kill $!; exit 143' TERM
   echo $$ > "$FAKE_DIR/launcher.pid"
@@ -162,14 +170,19 @@ def test_cancelled_job_is_not_requeued(fake_slurm):
 
 
 def test_replica_groups_command_lines(fake_slurm):
-    """FT_GROUPS=2 on 2 nodes: a lighthouse on the first node and one job step per group, each a torchrun of its own
-    node with its own rendezvous, restarting its workers, told its group and the lighthouse."""
+    """FT_GROUPS=2 on 2 nodes: a lighthouse on the first node, with the job's join and heartbeat timeouts, and one
+    job step per group, each a torchrun of its own node with its own rendezvous, restarting its workers, told its
+    group and the lighthouse."""
     folder, env = fake_slurm
-    proc = dry_run({**env, "FT_GROUPS": "2"}, "--training.steps", "5")
+    proc = dry_run({**env, "FT_GROUPS": "2"}, "--training.steps", "5", "--fault_tolerance.join_timeout_seconds", "2")
     assert proc.returncode == 0, proc.stderr
-    assert calls(folder)[0] == "scontrol show hostnames node-[a-b]"
-    assert sorted(calls(folder)[1:]) == [f"srun --nodes 1 --ntasks 1 --relative {i}" for i in (0, 1)] + [
-        "torchft_lighthouse --min_replicas 1 --bind [::]:29510"]
+    assert calls(folder)[:2] == [
+        "scontrol show hostnames node-[a-b]",
+        "lighthouse flags --job.config_file train_configs/debug_model.toml --fault_tolerance.enable "
+        "--fault_tolerance.group_size 2 --fault_tolerance.min_replica_size 1 --training.steps 5 "
+        "--fault_tolerance.join_timeout_seconds 2"]
+    assert sorted(calls(folder)[2:]) == [f"srun --nodes 1 --ntasks 1 --relative {i}" for i in (0, 1)] + [
+        "torchft_lighthouse --min_replicas 1 --join_timeout_ms 2000 --heartbeat_timeout_ms 5000 --bind [::]:29510"]
     launches = sorted((path.read_text().splitlines() for path in folder.glob("launch.*")), key=lambda a: a[7])
     for group, (args, host) in enumerate(zip(launches, ("node-a", "node-b"))):
         assert args == [
@@ -177,9 +190,11 @@ def test_replica_groups_command_lines(fake_slurm):
             "--rdzv_backend", "c10d", "--rdzv_endpoint", f"{host}:29500", "--shutdown_timeout", "110",
             "--local-ranks-filter", "0", "--role", "rank", "--tee", "3", "--max-restarts", "3", "-m",
             "torchtitan.train", "--job.config_file", "train_configs/debug_model.toml", "--fault_tolerance.enable",
-            "--fault_tolerance.group_size", "2", "--fault_tolerance.replica_id", str(group),
-            "--fault_tolerance.min_replica_size", "1", "--training.steps", "5",
-            "TORCHFT_LIGHTHOUSE=http://node-a:29510"]
+            "--fault_tolerance.group_size", "2", "--fault_tolerance.min_replica_size", "1",
+            "--fault_tolerance.replica_id", str(group), "--training.steps", "5",
+            "--fault_tolerance.join_timeout_seconds", "2", "TORCHFT_LIGHTHOUSE=http://node-a:29510",
+            # Console lines name the group beside the rank (torchrun fills in ${rank}).
+            f"TORCHELASTIC_LOG_LINE_PREFIX_TEMPLATE=[group{group} rank${{rank}}] "]
 
 
 @pytest.mark.parametrize("change,message", [

@@ -113,7 +113,8 @@ def test_goodput_from_run_records_or_the_last_logged_metrics(tmp_path):
     rows = table_rows(out, table=1)
     assert rows["crashed"] == {"run": "crashed", "goodput %": "20.0", "wall s": "50.0", "productive s": "10.0",
                                "start-up + compile s": "10.0", "checkpoint s": "0.0", "data s": "0.0",
-                               "validation s": "0.0", "skipped steps s": "0.0", "lost work s": "3.0",
+                               "validation s": "0.0", "skipped steps s": "0.0", "quorum wait s": "0.0",
+                               "lost work s": "3.0",
                                "restart s": "25.0", "other s": "2.0", "steps redone": "3"}
     assert (rows["clean"]["goodput %"], rows["clean"]["start-up + compile s"],
             rows["clean"]["data s"]) == ("80.0", "2.0", "n/a")

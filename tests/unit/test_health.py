@@ -336,6 +336,33 @@ def test_a_step_the_quorum_did_not_commit_is_skipped_time(tmp_path):
     assert health.goodput.run.seconds["skipped"] >= 0.01 and health.goodput.run.seconds["productive"] == 0.0
 
 
+def test_a_replica_groups_wait_for_the_quorum_is_its_own_category(tmp_path):
+    """The time from a step's end to its quorum is the wait for the other groups: milliseconds while they are live,
+    the lighthouse's timeouts after one failed (8 s here, before step 3). It was booked as "other", where a failed
+    group's cost to the survivors could not be told from logging. A quorum at which this group healed is
+    start-up."""
+    clock = Clock(0.0)
+    health = Health(HealthConfig(), str(tmp_path), rank=1, device=torch.device("cpu"), checkpoint_stalls=[])
+    health.goodput = Goodput("unused", write_records=False, stalls=[], start=0.0, clock=clock)
+    health.begin(0)
+    for step, wait_s in ((1, 0.01), (2, 0.01), (3, 8.0)):
+        clock.advance(0.5)  # the previous step's end: logging
+        health.mark()
+        clock.advance(wait_s)
+        health.quorum_formed(None)
+        clock.advance(1.0)
+        health.goodput.add_step(step, applied=True)
+    health.mark()
+    clock.advance(2.0)
+    health.quorum_formed(10)
+    account = health.goodput.snapshot()
+    seconds = health.goodput.run.seconds
+    assert seconds["quorum_wait"] == pytest.approx(8.02) and seconds["other"] == pytest.approx(1.5)
+    assert seconds["startup"] == pytest.approx(2.0) and health.goodput.run.last_step == 10
+    assert account["quorum_wait_s"] == pytest.approx(8.02)
+    account_sums_to_wall(account)
+
+
 # ------------------------------------------------------------------------------------------------------------------
 # Re-running a skipped step
 

@@ -90,6 +90,49 @@ def test_a_checkpoint_resumes_the_stream_from_its_own_position(tmp_path, hub_cli
         assert {name for name, _ in hub.downloads} <= set(files[2:]), hub.downloads
 
 
+def test_a_checkpoint_keeps_the_stream_position_however_far_the_tokenizers_read_ahead(tmp_path, hub_client,
+                                                                                      monkeypatch):
+    """32 tokenizer workers read 32 x 4 tasks x 64 = 8,192 documents ahead of the packer, which was as many stream
+    positions as were kept: from 32 workers on, the checkpoint had none and a resume downloaded every file before
+    it again. (The workers are threads here, the same pool interface without 32 process start-ups: they only
+    encode; the reading and the positions are the training process's.)"""
+    from multiprocessing.pool import ThreadPool
+
+    from torchtitan.components.datasets import text
+
+    monkeypatch.setattr(text, "worker_pool", ThreadPool)
+    per_file = 1000
+    root = tmp_path / "long"
+    (root / "data").mkdir(parents=True)
+    files = [f"train-{i:05d}-of-00012.parquet" for i in range(12)]
+    for i, name in enumerate(files):
+        pq.write_table(pa.table({"text": [f"f{i} r{j}" for j in range(per_file)]}), root / "data" / name,
+                       row_group_size=250)
+    tokenizer = build_tokenizer("")
+
+    def dataset(num_workers: int) -> TextDataset:
+        return TextDataset(dataset="x", dataset_path="org/data", text_field="text", tokenizer=tokenizer, seq_len=16,
+                           dp_rank=0, dp_degree=1, infinite=False, num_workers=num_workers,
+                           stream_retry=StreamRetry(4, 0.001))
+
+    with HubServer(root) as hub:
+        hub_client(hub.url)
+        reading = dataset(32)
+        iterator = iter(reading)
+        while reading.state_dict()["anchor_document"] <= 2 * per_file:  # into the third file
+            next(iterator)
+        state = reading.state_dict()
+        assert state["anchor_stream"] is not None
+        following = [inputs.tolist() for inputs, _ in itertools.islice(iterator, 3)]
+        iterator.close()
+        resumed = dataset(0)
+        resumed.load_state_dict(json.loads(json.dumps(state)))
+        hub.downloads.clear()
+        assert [inputs.tolist() for inputs, _ in itertools.islice(iter(resumed), 3)] == following
+        # It resumes at the stream's last batch boundary, in the third file or at the end of the second.
+        assert files[0] not in {name for name, _ in hub.downloads}, hub.downloads
+
+
 def test_stalled_reads_and_resuming_at_a_later_document_under_faults(repository, hub_client, monkeypatch, caplog):
     import huggingface_hub.constants
 
@@ -101,9 +144,10 @@ def test_stalled_reads_and_resuming_at_a_later_document_under_faults(repository,
         source = Source(dataset="x", dataset_path="org/data", text_field="text", section="training",
                         retry=StreamRetry(max_attempts=4, backoff_seconds=0.001))
         documents = load_documents(source)
-        reader = documents.read_from(0)
-        assert list(itertools.islice(reader, later)) == EXPECTED[:later]
-        position = documents.position(later)
+        reader = documents.read_positioned(0)
+        read = list(itertools.islice(reader, later))
+        assert [value for value, _ in read] == EXPECTED[:later]
+        position = read[-1][1]
         reader.close()
         # Resumed from the stream's own position, it meets 7 stalled reads.
         hub.parquet_requests, hub.stall = 0, 7

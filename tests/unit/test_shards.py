@@ -5,14 +5,17 @@ import itertools
 import json
 import os
 import resource
+import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 import pytest
 
 from scripts import tokenize_dataset
 from torchtitan.components.datasets import build_dataloader
-from torchtitan.components.datasets.shards import ShardAccess, ShardDataset, permute, write_manifest
+from torchtitan.components.datasets.shards import (ShardAccess, ShardDataset, ShardMaps, TokenShards, permute,
+                                                   write_manifest)
 from torchtitan.components.tokenizer import build_tokenizer
 from torchtitan.errors import UserError
 from tests.unit.reader_threads import live_reader_threads, read_where_expected, record_reading_threads
@@ -304,21 +307,27 @@ def test_sha256_checked_on_first_open_for_a_sample_or_all(shards, tokenizer, tmp
 
 
 def open_files_under(folder: str) -> int:
-    return sum(os.path.realpath(f"/proc/self/fd/{fd}").startswith(folder) for fd in os.listdir("/proc/self/fd"))
+    count = 0
+    for fd in os.listdir("/proc/self/fd"):
+        try:
+            target = os.readlink(f"/proc/self/fd/{fd}")
+        except FileNotFoundError:  # a reader thread closed it since the listing
+            continue
+        count += target.startswith(folder)
+    return count
 
 
 def maps_under(folder: str) -> int:
     return sum(1 for line in open("/proc/self/maps") if folder in line)
 
 
-@pytest.fixture(scope="module")
-def many_shards(tmp_path_factory, tokenizer):
-    """300 shards of 3 windows of random ids each, and every 50th empty."""
-    folder = tmp_path_factory.mktemp("many_shards")
+def random_shards(folder, tokenizer, count: int, empty_every: int = 0) -> str:
+    """`count` shards of 3 windows of random ids each (every `empty_every`-th one empty)."""
     rng = np.random.default_rng(0)
     entries = []
-    for index in range(306):
-        tokens = rng.integers(0, tokenizer.vocab_size, 0 if index % 51 == 50 else 3 * (SEQ_LEN + 1), dtype=np.uint16)
+    for index in range(count):
+        empty = empty_every and index % empty_every == empty_every - 1
+        tokens = rng.integers(0, tokenizer.vocab_size, 0 if empty else 3 * (SEQ_LEN + 1), dtype=np.uint16)
         tokens.tofile(folder / f"shard-{index:05d}.bin")
         np.array([0, len(tokens)][: 2 if len(tokens) else 1], dtype=np.int64).tofile(folder / f"shard-{index:05d}.idx")
         entries.append({"name": f"shard-{index:05d}", "num_tokens": len(tokens), "num_documents": int(len(tokens) > 0),
@@ -327,23 +336,128 @@ def many_shards(tmp_path_factory, tokenizer):
     return str(folder)
 
 
+@pytest.fixture(scope="module")
+def many_shards(tmp_path_factory, tokenizer):
+    """306 shards of 3 windows each, every 51st empty."""
+    return random_shards(tmp_path_factory.mktemp("many_shards"), tokenizer, 306, empty_every=51)
+
+
 @pytest.mark.skipif(not os.path.exists("/proc/self/fd"), reason="counts this process's open files (Linux)")
 def test_reads_through_more_shards_than_open_files_allow(many_shards, tokenizer):
     # Every shard open at once (one descriptor and one map each) ended in "Too many open files" beyond the limit.
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
     resource.setrlimit(resource.RLIMIT_NOFILE, (len(os.listdir("/proc/self/fd")) + 40, hard))
+    threads, cached = 2, 8
     try:
-        loader = shard_loader(many_shards, tokenizer, num_workers=2, max_open=8)
+        loader = shard_loader(many_shards, tokenizer, num_workers=threads, max_open=cached)
         dataset = loader.dataset
         seen = 0
-        for step, (inputs, _) in enumerate(loader):
+        for inputs, _ in loader:
             seen += len(inputs)
-            if step % 25 == 0:
-                # The cache's bound, plus a map each reader thread may still copy out of after its eviction.
-                assert open_files_under(many_shards) <= 8 + 2 and maps_under(many_shards) <= 8 + 2
-        assert seen == 900 and dataset.shards._maps.opened >= 300 and len(dataset.shards._maps) == 8
+            # The cache's maps; per reader thread one more, the map it copies out of after its eviction or the one
+            # it opens (two descriptors while it opens: the file's and the map's; or the map's and its document
+            # index's, while it checks them); and the folder's index, memory-mapped since it was opened.
+            assert maps_under(many_shards) <= cached + threads + 1
+            assert open_files_under(many_shards) <= cached + 2 * threads + 1
+        assert seen == 900 and dataset.shards._maps.opened >= 300 and len(dataset.shards._maps) == cached
     finally:
         resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
+
+
+def test_threads_needing_the_same_shard_open_and_check_it_once(tmp_path, tokenizer, monkeypatch):
+    # Both opened it (and hashed it) when the second asked before the first had it cached: a map more than the
+    # cache's bound per duplicate, and a checksum read more.
+    reader = ShardDataset(path=random_shards(tmp_path, tokenizer, 2), tokenizer=tokenizer, seq_len=SEQ_LEN,
+                          dp_rank=0, dp_degree=1, infinite=False, seed=0).shards
+    asking = threading.Semaphore(0)
+    get = ShardMaps.get
+
+    def counting_get(self, key, open_map):
+        asking.release()
+        return get(self, key, open_map)
+
+    open_shard = TokenShards._open_shard
+    openings = []
+
+    def open_once_both_asked(self, shard):
+        # The first opening goes on once the second thread has asked for the shard too.
+        openings.append(shard)
+        if len(openings) == 1:
+            assert asking.acquire(timeout=10) and asking.acquire(timeout=10)
+        return open_shard(self, shard)
+
+    hashed = count_calls(monkeypatch, TokenShards, "_verify")
+    monkeypatch.setattr(ShardMaps, "get", counting_get)
+    monkeypatch.setattr(TokenShards, "_open_shard", open_once_both_asked)
+    with ThreadPoolExecutor(2) as pool:
+        reads = [pool.submit(reader.read, start, SEQ_LEN) for start in (0, SEQ_LEN)]
+        first, second = (read.result(timeout=30) for read in reads)
+    assert np.array_equal(np.concatenate([first, second]), reader.read(0, 2 * SEQ_LEN))
+    assert openings == [0] and reader._maps.opened == 1 and hashed == [0]
+
+
+def count_calls(monkeypatch, cls, name: str) -> list:
+    """The first argument (after self) of every call of `cls.name` from now on."""
+    calls = []
+    method = getattr(cls, name)
+
+    def counting(self, first, *args, **kwargs):
+        calls.append(first)
+        return method(self, first, *args, **kwargs)
+
+    monkeypatch.setattr(cls, name, counting)
+    return calls
+
+
+@pytest.mark.parametrize("num_workers", [0, 2])
+def test_verify_all_shards_hashes_each_shard_once_per_process(tmp_path, tokenizer, monkeypatch, num_workers):
+    # Every opening hashed its shard: with the shards read at random through a cache smaller than their number,
+    # most reads open one, and 100 shards were hashed 1,819 times over 3 epochs.
+    folder = random_shards(tmp_path, tokenizer, 100)
+    hashed = count_calls(monkeypatch, TokenShards, "_verify")
+    loader = shard_loader(folder, tokenizer, infinite=True, num_workers=num_workers, max_open=8, verify_all=True)
+    batches = 3 * 100 * 3 // 2  # 3 epochs of 300 windows, batch 2
+    assert len(windows(itertools.islice(loader, batches))) == 2 * batches
+    assert loader.dataset.shards._maps.opened > 2 * 100, "shards were closed and opened again"
+    assert sorted(hashed) == list(range(100))
+    # Another loader of the same shards in this process (the next validation's) checks none again ...
+    windows(shard_loader(folder, tokenizer, max_open=8, verify_all=True))
+    assert len(hashed) == 100
+    # ... but a file replaced since.
+    tokens = np.fromfile(os.path.join(folder, "shard-00007.bin"), dtype=np.uint16)
+    tokens[0] = (tokens[0] + 1) % tokenizer.vocab_size
+    tokens.tofile(os.path.join(folder, "shard-00007.bin"))
+    with pytest.raises(UserError, match="shard-00007.bin does not match its sha256"):
+        windows(shard_loader(folder, tokenizer, max_open=8, verify_all=True))
+
+
+@pytest.mark.parametrize("change, problem", [
+    ({"dtype": "float16"}, "has dtype = 'float16'; token ids are stored as uint16 or uint32"),
+    ({"dtype": "int16"}, "has dtype = 'int16'; token ids are stored as uint16 or uint32"),
+    ({"dtype": None}, "lacks 'dtype'"),
+    ({"num_tokens": None}, "lacks 'num_tokens'"),
+    ({"num_shards": "5"}, "has num_shards = '5', not a count"),
+    ({"tokenizer": None}, "lacks 'tokenizer'"),
+    ({"tokenizer.vocab_size": None}, "lacks tokenizer.vocab_size"),
+    ({"tokenizer.vocab_size": 70000}, "has dtype = 'uint16', which cannot hold the ids of its vocabulary of 70000"),
+])
+def test_a_manifest_the_reader_cannot_use_is_one_error_line(shards, tokenizer, tmp_path, change, problem):
+    # float16 read the ids as other numbers and trained on them; int16 and a missing key ended in a traceback.
+    copy = copy_shards(shards, tmp_path)
+    manifest = json.loads((copy / "manifest.json").read_text())
+    for key, value in change.items():
+        record, _, key = key.rpartition(".")
+        entry = manifest[record] if record else manifest
+        if value is None:
+            del entry[key]
+        else:
+            entry[key] = value
+    (copy / "manifest.json").write_text(json.dumps(manifest))
+    with pytest.raises(UserError) as error:
+        windows(shard_loader(str(copy), tokenizer))
+    message = str(error.value)
+    assert f"the shard manifest {copy / 'manifest.json'} {problem}" in message and "\n" not in message, message
+    assert message.endswith("re-create the folder with scripts/tokenize_dataset.py"), message
 
 
 @pytest.mark.skipif(not os.path.exists("/proc/self/fd"), reason="sets this process's open-file limit (Linux)")

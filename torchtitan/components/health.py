@@ -4,7 +4,8 @@ The trainer makes one `Health` per rank and calls it at a few points of its loop
 
 - `timed(category)` around the loop's parts (data, step, validation, checkpoint): the wall time of the process is
   attributed, end to end, to productive steps, start-up and compilation, checkpoint stalls, data waits,
-  validation, skipped steps and the rest ("other": logging, garbage collection). Rank 0 keeps a record of its run
+  validation, skipped steps, a replica group's waits for the quorum of the groups (what a failed group costs the
+  others) and the rest ("other": logging, garbage collection). Rank 0 keeps a record of its run
   in `<dump_folder>/health/`; a later run of the same folder (a restart, a resume) reads the earlier records, so
   that steps it redoes count as lost work and the time between a crash and its restart counts as restart time.
 - `skip_update(...)` after each step's loss and gradient norm are known: whether to drop the update (non-finite,
@@ -38,7 +39,7 @@ from torchtitan.tools.logging import logger
 
 RECORDS_FOLDER = "health"
 # Where a run's wall time goes; the job-level accounting adds the two that span runs (lost, restart).
-RUN_CATEGORIES = ("productive", "startup", "checkpoint", "data", "validation", "skipped", "other")
+RUN_CATEGORIES = ("productive", "startup", "checkpoint", "data", "validation", "skipped", "quorum_wait", "other")
 JOB_CATEGORIES = (*RUN_CATEGORIES, "lost", "restart")
 # How a run ended: after these, the time until the next launch is not the job's (it was not running, by intent).
 CLEAN_ENDS = ("finished", "preempted")
@@ -83,8 +84,9 @@ class RunRecord:
     update of the record); `productive_at` maps each step the run checkpointed (and, for a replica group that fell
     behind and healed, the steps it healed from and to) to the productive seconds it had accumulated by then, so
     that a later run resuming from one of those steps knows how much work it redoes.
-    `ended`: "finished", "preempted", or "" while running (or after it crashed, was killed or stopped on an error:
-    the record is then as of its last update)."""
+    `ended`: "finished", "preempted", "left" (a replica group that left the quorum on SIGTERM: torchrun restarting
+    it after one of its processes failed, or a scheduler stopping it), or "" while running (or after it crashed,
+    was killed or stopped on an error: the record is then as of its last update)."""
 
     start: float
     end: float
@@ -464,6 +466,20 @@ class Health:
                            f"or other non-deterministic fault on some rank (check the hosts: ECC errors, GPU health, "
                            f"dmesg) (health.rerun_bad_steps)")
         return reproducible
+
+    def mark(self) -> None:
+        """The time since the last mark was "other" (before a part timed by its end, such as the quorum)."""
+        self.goodput.add("other")
+
+    def quorum_formed(self, healed_to: int | None) -> None:
+        """The step's quorum of replica groups formed (torchft). The time since the last mark was the wait for it:
+        milliseconds a step while the groups are live, the heartbeat and join timeouts of the lighthouse after one
+        failed (what its failure costs the others), "quorum_wait"; or, if this group was behind and received a live
+        group's state of step `healed_to`, healing (start-up)."""
+        if healed_to is None:
+            self.goodput.add("quorum_wait")
+        else:
+            self.goodput.healed(healed_to)
 
     def not_committed(self) -> None:
         """The replica groups' quorum did not commit this step (torchft): its time is skipped, not productive."""

@@ -629,6 +629,12 @@ class FaultTolerance:
     quorum_timeout_seconds: float = 300.0
     """Longest wait for a step's quorum (the other groups reaching the step, a restarted group healing); past it the group stops with exit code 4, for its torchrun to restart it."""
 
+    join_timeout_seconds: float = 10.0
+    """The lighthouse's wait for a group that heartbeats but has not asked for the step's quorum (a hung group), before it forms the quorum of the others (torchft's join_timeout_ms, 60 s there). run_train.sh and multinode_trainer.slurm start the lighthouse with it; a lighthouse started otherwise has its own."""
+
+    heartbeat_timeout_seconds: float = 5.0
+    """The lighthouse counts a group dead once its last heartbeat is this old (torchft's heartbeat_timeout_ms). Passed to the lighthouse by run_train.sh and multinode_trainer.slurm. A live group waits at most process_group_timeout_ms + heartbeat_timeout_seconds + join_timeout_seconds for a failed one, before its steps' own time."""
+
 
 @dataclass
 class JobConfig:

@@ -674,7 +674,8 @@ def _validate_fault_tolerance(config: JobConfig) -> None:
         raise UserError(f"option fault_tolerance.min_replica_size: {ft.min_replica_size} must be in [1, group_size = "
                         f"{ft.group_size}]")
     for key in ("fault_tolerance.process_group_timeout_ms", "fault_tolerance.connect_timeout_seconds",
-                "fault_tolerance.quorum_timeout_seconds", "fault_tolerance.sync_steps"):
+                "fault_tolerance.quorum_timeout_seconds", "fault_tolerance.sync_steps",
+                "fault_tolerance.join_timeout_seconds", "fault_tolerance.heartbeat_timeout_seconds"):
         if get_option(config, key) <= 0:
             raise UserError(f"option {key}: {get_option(config, key)} must be positive")
     if ft.semi_sync_method == "diloco":

@@ -10,12 +10,11 @@ resumes from its own checkpoint as any run does. Semi-synchronous modes (torchft
 groups every sync_steps steps instead.
 """
 
-import socket
-import time
+import contextlib
+from collections.abc import Iterator
 from datetime import timedelta
-from typing import Any
 from pathlib import Path
-from urllib.parse import urlparse
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -24,12 +23,12 @@ from torch.distributed.tensor import DTensor
 
 from torchtitan.config.job_config import FaultTolerance as FaultToleranceConfig
 from torchtitan.config.job_config import JobConfig
+from torchtitan.distributed.lighthouse import (connect_to_lighthouse, group_prefix, lighthouse_address,
+                                               refuse_a_second_copy, wait_for_lighthouse)
 from torchtitan.distributed.utils import placed_like
 from torchtitan.errors import UserError
 from torchtitan.models.llama3.model import checkpoint_name
 from torchtitan.tools.logging import logger
-
-LIGHTHOUSE_ENV = "TORCHFT_LIGHTHOUSE"
 
 
 class QuorumError(RuntimeError):
@@ -37,39 +36,53 @@ class QuorumError(RuntimeError):
     (EXIT_COMM_FAILURE), so that the group's torchrun restarts it."""
 
 
-def lighthouse_address(config: FaultToleranceConfig, environ: dict[str, str]) -> str:
-    """fault_tolerance.lighthouse, else $TORCHFT_LIGHTHOUSE (the variable torchft and TorchTitan read)."""
-    address = config.lighthouse or environ.get(LIGHTHOUSE_ENV, "")
-    if not address:
-        raise UserError(f"option fault_tolerance.lighthouse: not set and {LIGHTHOUSE_ENV} is not in the environment; "
-                        f"give the lighthouse's address (http://host:port), or launch with run_train.sh and FT_GROUPS "
-                        f"(docs/resilience.md)")
-    return address
+class GroupStopped(Exception):
+    """SIGTERM reached this process while it waited for a quorum (or before it asked for one): the group left."""
 
 
-def connect_to_lighthouse(address: str, timeout_s: float) -> None:
-    """Open and close a TCP connection to the lighthouse (OSError if none is accepted)."""
-    url = urlparse(address if "://" in address else f"http://{address}")
-    if url.hostname is None or url.port is None:
-        raise UserError(f"option fault_tolerance.lighthouse: {address!r} is not an address of the form "
-                        f"http://host:port")
-    socket.create_connection((url.hostname, url.port), timeout=timeout_s).close()
+class QuorumGuard:
+    """Between torchft's manager and its client (the manager's `_client`): checks the groups of every quorum before
+    the step uses it. A quorum that holds a group twice (a second copy of it, started while it ran) or more groups
+    than fault_tolerance.group_size would count a data slice twice in the step's average: every group in it votes
+    against committing (torchft does not count the step; it is run again), and the newcomer, a process in its first
+    quorum, stops with one error line instead of taking part. Semi-synchronous modes go through the same client."""
+
+    def __init__(self, client: Any, config: FaultToleranceConfig):
+        self._client = client
+        self._config = config
+        self._quorums = 0
+        self.problem: str | None = None
+
+    def _quorum(self, **kwargs: Any) -> Any:
+        result = self._client._quorum(**kwargs)
+        self._quorums += 1
+        self.problem = quorum_problem(list(result.replica_ids), self._config)
+        if self.problem is not None:
+            if self._quorums == 1:
+                raise UserError(f"replica group {self._config.replica_id}: {self.problem}; this process joined last "
+                                f"and stops without taking part")
+            logger.warning(f"replica group {self._config.replica_id}: {self.problem}; this step is not committed")
+        return result
+
+    def should_commit(self, group_rank: int, step: int, should_commit: bool, timeout: timedelta) -> bool:
+        return self._client.should_commit(group_rank, step, should_commit and self.problem is None, timeout=timeout)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._client, name)
 
 
-def wait_for_lighthouse(address: str, timeout_s: float) -> None:
-    """Return once the lighthouse accepts a TCP connection; one error line if it does not within `timeout_s`.
-    torchft itself would retry its heartbeats forever and fail only at the first quorum's timeout."""
-    deadline = time.monotonic() + timeout_s
-    while True:
-        try:
-            connect_to_lighthouse(address, min(5.0, timeout_s))
-            return
-        except OSError as e:
-            if time.monotonic() >= deadline:
-                raise UserError(f"option fault_tolerance.lighthouse: no torchft lighthouse reachable at {address} "
-                                f"within {timeout_s:g} s (fault_tolerance.connect_timeout_seconds): {e}; start it "
-                                f"first (torchft_lighthouse, or run_train.sh with FT_GROUPS)") from None
-            time.sleep(min(0.5, max(0.0, deadline - time.monotonic())))
+def quorum_problem(replica_ids: list[str], config: FaultToleranceConfig) -> str | None:
+    """Why a quorum of these torchft replica ids (`torchtitan_ft_<group>:<uuid>`) cannot be committed, or None."""
+    groups = [replica.split(":")[0] for replica in replica_ids]
+    twice = sorted({group for group in groups if groups.count(group) > 1})
+    if twice:
+        return (f"the quorum holds {' and '.join(twice)} twice ({', '.join(sorted(replica_ids))}): a second copy of a "
+                f"running group joined (option fault_tolerance.replica_id; stop the running copy first: its launcher "
+                f"and workers)")
+    if len(groups) > config.group_size:
+        return (f"the quorum holds {len(groups)} replica groups ({', '.join(sorted(replica_ids))}), more than "
+                f"fault_tolerance.group_size = {config.group_size}: launch every group with the same group_size")
+    return None
 
 
 class DiLoCoState(Stateful):
@@ -127,6 +140,10 @@ class ReplicaGroup:
         self.config = config
         self.states = states
         self.healed = False
+        # SIGTERM: the group leaves the quorum (stop()).
+        self.stop_requested = False
+        self.stopped = False
+        self.waiting_for_quorum = False
         self.address = address = lighthouse_address(config, environ)
         wait_for_lighthouse(address, config.connect_timeout_seconds)
         timeout = timedelta(milliseconds=config.process_group_timeout_ms)
@@ -150,7 +167,7 @@ class ReplicaGroup:
                 # and runs forward, so that it takes part in that step with its batch like any other group.
                 use_async_quorum=False,
                 # torchft derives global ranks from the id's trailing digits (TorchTitan's naming).
-                replica_id=f"torchtitan_ft_{config.replica_id}", lighthouse_addr=address, timeout=timeout,
+                replica_id=group_prefix(config.replica_id), lighthouse_addr=address, timeout=timeout,
                 quorum_timeout=timedelta(seconds=config.quorum_timeout_seconds),
                 connect_timeout=timedelta(seconds=config.connect_timeout_seconds))
 
@@ -160,6 +177,7 @@ class ReplicaGroup:
         dist.barrier()
         if rank != 0:
             self.manager = manager()
+        self.manager._client = QuorumGuard(self.manager._client, config)
         self.committed = True
         self.semi_sync = self._semi_sync(model_parts)
 
@@ -212,12 +230,44 @@ class ReplicaGroup:
         if self.semi_sync is not None:
             return False
         self.healed = False
-        try:
+        with self._quorum():
             self.manager.start_quorum()
-        except TimeoutError as e:
-            raise self._quorum_failed(e) from None
         self._log_healed()
         return self.healed
+
+    @contextlib.contextmanager
+    def _quorum(self) -> Iterator[None]:
+        """Around a wait for a quorum: a SIGTERM before or during it ends it (GroupStopped, from stop())."""
+        self.waiting_for_quorum = True
+        try:
+            if self.stop_requested:
+                self.stop()
+            yield
+        except TimeoutError as e:
+            raise self._quorum_failed(e) from None
+        finally:
+            self.waiting_for_quorum = False
+
+    def stop(self) -> None:
+        """SIGTERM (torchrun stopping the group after one of its processes failed, or a scheduler stopping the job).
+        While this process waits for a quorum, or before it asks for one, the group leaves at once: its heartbeats
+        stop (torchft's manager server on the group's rank 0), so that the lighthouse drops it after
+        heartbeat_timeout_seconds instead of the other groups waiting for it as long as this process lives (a rank
+        whose peer died waits in the quorum for the peer's request, and torchrun gives it 30 s to exit), and the wait
+        ends with GroupStopped. In a step, the step is finished first (the trainer saves it if it is committed)."""
+        self.stop_requested = True
+        if not self.waiting_for_quorum or self.stopped:
+            return
+        self.stopped = True
+        if self.manager._manager is not None:
+            self.manager._manager.shutdown()
+        raise GroupStopped(f"replica group {self.config.replica_id}: SIGTERM while waiting for the quorum of "
+                           f"{self._quorum_name()}; the group left the quorum at once (heartbeats stopped)")
+
+    def _quorum_name(self) -> str:
+        # torchft counts committed quorums: steps, or in semi-synchronous modes syncs.
+        return (f"step {self.manager.current_step() + 1}" if self.semi_sync is None
+                else f"sync {self.manager.current_step() + 1}")
 
     def sync(self, step: int) -> bool:
         """LocalSGD or DiLoCo, after the optimizer step of `step`: every sync_steps steps, join a quorum, then
@@ -228,7 +278,7 @@ class ReplicaGroup:
         if self.semi_sync is None or step % self.config.sync_steps:
             return False
         self.healed = False
-        try:
+        with self._quorum():
             if self.config.semi_sync_method == "local_sgd":
                 self.semi_sync.sync()
             else:
@@ -239,8 +289,6 @@ class ReplicaGroup:
                 fragment = self.semi_sync._fragments[0]
                 fragment.prepare_sync()
                 fragment.perform_sync()
-        except TimeoutError as e:
-            raise self._quorum_failed(e) from None
         self._log_healed()
         return self.healed
 
@@ -259,9 +307,7 @@ class ReplicaGroup:
             now = "accepts connections now (it was restarted, or the other groups did not reach this step)"
         except OSError:
             now = "is unreachable"
-        # torchft counts committed quorums: steps, or in semi-synchronous modes syncs.
-        when = (f"step {self.manager.current_step() + 1}" if self.semi_sync is None
-                else f"sync {self.manager.current_step() + 1}")
+        when = self._quorum_name()
         return QuorumError(
             f"replica group {self.config.replica_id}: no quorum for {when} within "
             f"fault_tolerance.quorum_timeout_seconds = {self.config.quorum_timeout_seconds:g} s; the lighthouse at "
@@ -296,7 +342,18 @@ class ReplicaGroup:
         return self.manager.num_participants()
 
     def shutdown(self) -> None:
-        self.manager.shutdown(wait=False)
+        # A group stopped in a quorum has its manager server shut down, and a quorum request still pending in
+        # torchft's thread: the process exits without waiting for it.
+        if not self.stopped:
+            self.manager.shutdown(wait=False)
+
+
+def join_checks(config: FaultToleranceConfig, environ: dict[str, str]) -> None:
+    """Before a group's process writes anything: the lighthouse is reachable (within connect_timeout_seconds), and
+    this replica group is not running already (one error line each)."""
+    address = lighthouse_address(config, environ)
+    wait_for_lighthouse(address, config.connect_timeout_seconds)
+    refuse_a_second_copy(config, address)
 
 
 def data_slice(config: FaultToleranceConfig, dp_rank: int, dp_degree: int) -> tuple[int, int]:

@@ -1,9 +1,12 @@
 """Process-group set-up, seeding, sharding-independent weight init and gradient clipping across meshes."""
 
 import contextlib
+import ctypes
 import datetime
 import os
 import random
+import signal
+import sys
 from collections.abc import Iterator
 
 import torch
@@ -22,6 +25,23 @@ from torchtitan.tools.logging import logger, warn_once
 # What bounds rank-to-rank waits right now, named in the message when one fails: the option, its value, and whether
 # the process is still joining the group.
 _timeout_in_force: dict = {"option": "comm.init_timeout_seconds", "seconds": None, "joining": True}
+
+# Set by torchtitan.launch for its workers: the PID of the torchrun agent that starts them.
+LAUNCHER_PID_ENV = "TORCHTITAN_LAUNCHER_PID"
+_PR_SET_PDEATHSIG = 1
+
+
+def end_with_launcher(environ: dict[str, str]) -> None:
+    """A worker of torchtitan.launch gets SIGTERM when its torchrun agent dies (Linux's parent-death signal), as
+    when the agent is stopped by a signal it can handle (it then signals its workers itself). torchrun starts each
+    worker in a session of its own, so without this a SIGKILLed agent left its workers training: a relaunched
+    replica group beside them was the same group twice. A worker whose agent died before this is set stops at once."""
+    launcher = environ.get(LAUNCHER_PID_ENV)
+    if not launcher or not sys.platform.startswith("linux"):
+        return
+    ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGTERM, 0, 0, 0)
+    if os.getppid() != int(launcher):
+        os.kill(os.getpid(), signal.SIGTERM)
 
 
 

@@ -15,7 +15,6 @@ import os
 import random
 import re
 import time
-from collections import OrderedDict
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -41,23 +40,29 @@ _CHUNK = 256
 class Documents:
     """The raw text values of a dataset, readable in order from any document index.
 
-    `read_from(start, position)` reads from document `start`; a stream starts at `position` instead when given (its
-    own state before that document, as `position(start)` returned it while an earlier pass read it), which costs at
-    most the re-reading of one of the stream's files, where skipping to `start` reads every record before it."""
+    `read_positioned(start, position)` yields, from document `start` on, each document's value with the stream's
+    own position after it (None where documents are indexed directly). A stream starts at `position` instead of
+    skipping to `start` when given (the position after document `start - 1`, as an earlier pass yielded it), which
+    costs at most the re-reading of one of the stream's files, where skipping to `start` reads every record before
+    it. The position travels with its document, so it is known however far a reader runs ahead of the consumer.
+    `read_from` yields the values alone."""
 
-    def __init__(self, read_from: Callable[[int, dict | None], Iterator[Any]], size: int | None,
-                 position: Callable[[int], dict | None] = lambda index: None) -> None:
-        self.read_from = read_from
+    def __init__(self, read_positioned: Callable[[int, dict | None], Iterator[tuple[Any, dict | None]]],
+                 size: int | None) -> None:
+        self.read_positioned = read_positioned
         self.size = size
-        self.position = position
+
+    def read_from(self, start: int, position: dict | None = None) -> Iterator[Any]:
+        return (value for value, _ in self.read_positioned(start, position))
 
 
 def _sized_documents(read: Callable[[int, int], Sequence[Any]], size: int) -> Documents:
-    def read_from(start: int, position: dict | None = None) -> Iterator[Any]:
+    def read_positioned(start: int, position: dict | None = None) -> Iterator[tuple[Any, None]]:
         for chunk_start in range(start, size, _CHUNK):
-            yield from read(chunk_start, min(chunk_start + _CHUNK, size))
+            for value in read(chunk_start, min(chunk_start + _CHUNK, size)):
+                yield value, None
 
-    return Documents(read_from, size)
+    return Documents(read_positioned, size)
 
 
 @dataclass(frozen=True)
@@ -121,21 +126,11 @@ def _retrying(call: Callable[[], Any], option: str, retry: StreamRetry) -> Any:
             attempt += 1
 
 
-# Stream positions kept after the documents most recently read: the position of a checkpoint's anchor document is
-# looked up there. Tokenizer processes read ahead of the packer by at most a few thousand documents.
-_POSITIONS_KEPT = 8192
-
-
 def _streaming_documents(dataset: Any, field: str, field_option: str, source_option: str,
                          retry: StreamRetry) -> Documents:
-    # The stream's own position (shard, and record inside it) after each of the last documents read in this pass.
-    after: OrderedDict[int, dict] = OrderedDict()
-
-    def read_from(start: int, position: dict | None = None) -> Iterator[Any]:
-        after.clear()
+    def read_positioned(start: int, position: dict | None = None) -> Iterator[tuple[Any, dict]]:
         # A view of its own for each pass: a loaded position stays the start of the view it was loaded into.
         rows = dataset.skip(0 if position is not None else start)
-        index = start
         # A failed read resumes after the last record read, so that no record is lost or read twice.
         attempt = 1
         while True:
@@ -149,12 +144,8 @@ def _streaming_documents(dataset: Any, field: str, field_option: str, source_opt
                             f"they have {', '.join(map(repr, row))}"
                         )
                     position = rows.state_dict()
-                    after[index] = position
-                    if len(after) > _POSITIONS_KEPT:
-                        after.popitem(last=False)
-                    index += 1
                     attempt = 1
-                    yield row[field]
+                    yield row[field], position
                 return
             except UserError:
                 raise
@@ -162,7 +153,7 @@ def _streaming_documents(dataset: Any, field: str, field_option: str, source_opt
                 _wait_or_fail(error, attempt, source_option, retry)
                 attempt += 1
 
-    return Documents(read_from, None, lambda index: after.get(index - 1))
+    return Documents(read_positioned, None)
 
 
 class Source:

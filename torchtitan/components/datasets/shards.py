@@ -49,6 +49,7 @@ import resource
 import threading
 from collections import OrderedDict
 from collections.abc import Callable, Iterator
+from concurrent.futures import Future
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -128,6 +129,40 @@ def write_manifest(folder: Path, tokenizer: Any, shards: list[dict[str, Any]], s
         json.dump(manifest, f, indent=1)
 
 
+# What the reader takes from a manifest beside its format: the tokenizer's record, the ids' dtype and the totals.
+_MANIFEST_KEYS = ("tokenizer", "dtype", "num_tokens", "num_documents", "num_shards")
+_TOKENIZER_KEYS = ("sha256", "vocab_size")
+_TOKEN_DTYPES = ("uint16", "uint32")
+
+
+def _manifest_problem(manifest: dict) -> str | None:
+    """What is wrong with a manifest of the current format (a key missing, or a value the reader cannot use), or
+    None. A dtype other than the writer's would read the ids as other numbers: wrong tokens (float16), or negative
+    ids (int16)."""
+    for key in _MANIFEST_KEYS:
+        if key not in manifest:
+            return f"lacks {key!r}"
+    tokenizer = manifest["tokenizer"]
+    if not isinstance(tokenizer, dict):
+        return f"has tokenizer = {tokenizer!r}, not the tokenizer's record (file, sha256, vocab_size, BOS/EOS ids)"
+    for key in _TOKENIZER_KEYS:
+        if key not in tokenizer:
+            return f"lacks tokenizer.{key}"
+    vocab_size = tokenizer["vocab_size"]
+    if type(vocab_size) is not int or vocab_size < 1:
+        return f"has tokenizer.vocab_size = {vocab_size!r}, not a positive integer"
+    for key in ("num_tokens", "num_documents", "num_shards"):
+        if type(manifest[key]) is not int or manifest[key] < 0:
+            return f"has {key} = {manifest[key]!r}, not a count"
+    dtype = manifest["dtype"]
+    if dtype not in _TOKEN_DTYPES:
+        return (f"has dtype = {dtype!r}; token ids are stored as {' or '.join(_TOKEN_DTYPES)} (the smallest that holds "
+                f"the vocabulary)")
+    if np.iinfo(dtype).max < vocab_size - 1:
+        return f"has dtype = {dtype!r}, which cannot hold the ids of its vocabulary of {vocab_size}"
+    return None
+
+
 @dataclass(frozen=True)
 class ShardAccess:
     """How token shards are opened: at most `max_open_shards` memory maps open per loader (each holds a file
@@ -142,17 +177,25 @@ class ShardAccess:
 # opens. Windows are read in a random order, so these are a random sample, another on every rank; each costs one
 # read of the whole shard.
 CHECKSUM_SAMPLE = 4
+# The shard files this process has checked, (folder, shard) -> the file's (device, inode, size, mtime): each is
+# hashed once per process, however often the cache of maps closes and opens it again.
+_CHECKED: dict[tuple[str, int], tuple[int, ...]] = {}
+_CHECKED_LOCK = threading.Lock()
 
 
 class ShardMaps:
     """A bounded cache of open shard memory maps, least recently used closed first, shared by the token shards one
     loader reads (a mixture's sources too): however many shards there are, a process holds at most `capacity` maps
-    and file descriptors for them (plus one per reader thread, while it copies out of a map just evicted)."""
+    for them, plus, per reader thread, the one it copies out of (just evicted) or opens (while opening, its file's
+    descriptor and its map's: two). A shard that several threads need at once is opened once: the others wait
+    for it."""
 
     def __init__(self, capacity: int):
         self.capacity = capacity
         self.opened = 0
         self._maps: OrderedDict[tuple[str, int], mmap.mmap] = OrderedDict()
+        # Shards being opened, by the thread that opens them: a thread that needs one of them waits for its result.
+        self._opening: dict[tuple[str, int], Future] = {}
         # Reader threads (training.num_workers) read concurrently.
         self._lock = threading.Lock()
 
@@ -162,16 +205,31 @@ class ShardMaps:
             if mapping is not None:
                 self._maps.move_to_end(key)
                 return mapping
+            opening = self._opening.get(key)
+            if opening is None:
+                opening = self._opening[key] = Future()
+                opener = True
+            else:
+                opener = False
+        if not opener:
+            return opening.result()
         # Opened outside the lock: other threads keep reading their cached shards meanwhile (a checksum takes long).
-        mapping = open_map()
+        try:
+            mapping = open_map()
+        except BaseException as error:
+            with self._lock:
+                del self._opening[key]
+            opening.set_exception(error)
+            raise
         with self._lock:
+            del self._opening[key]
             self.opened += 1
             self._maps[key] = mapping
-            self._maps.move_to_end(key)
             while len(self._maps) > self.capacity:
                 # Not closed explicitly: a thread may still be copying out of it. The last reference dropped unmaps
                 # it and closes its file descriptor.
                 self._maps.popitem(last=False)
+        opening.set_result(mapping)
         return mapping
 
     def __len__(self) -> int:
@@ -199,8 +257,9 @@ class TokenShards:
         self._index = self._read_index(manifest)
         self.num_tokens = int(manifest["num_tokens"])
         self.bytes_read = 0
-        self._verified = 0
-        # Reader threads (training.num_workers) add to bytes_read and open shards concurrently.
+        # The shards whose checksum this reader checked (the sample, when not every shard is checked).
+        self._sampled: set[int] = set()
+        # Reader threads (training.num_workers) add to bytes_read concurrently.
         self._count_lock = threading.Lock()
         logger.info(f"token shards {self.folder}: {self.num_tokens:,} tokens, {manifest['num_documents']:,} "
                     f"documents in {manifest['num_shards']:,} shard(s), memory-mapped on demand (at most "
@@ -217,6 +276,10 @@ class TokenShards:
             found = manifest.get("format") if isinstance(manifest, dict) else None
             raise UserError(f"{self.option}: {file} has format {found!r}, not {FORMAT!r}; re-create the folder "
                             f"with scripts/tokenize_dataset.py")
+        problem = _manifest_problem(manifest)
+        if problem:
+            raise UserError(f"{self.option}: the shard manifest {file} {problem}; re-create the folder with "
+                            f"scripts/tokenize_dataset.py")
         return manifest
 
     def _read_index(self, manifest: dict) -> np.ndarray:
@@ -257,7 +320,9 @@ class TokenShards:
         num_tokens = self._shard_range(shard)[1]
         try:
             with open(data, "rb") as f:
-                size = os.fstat(f.fileno()).st_size
+                stat = os.fstat(f.fileno())
+                size = stat.st_size
+                identity = (stat.st_dev, stat.st_ino, size, stat.st_mtime_ns)
                 if size != num_tokens * self._itemsize:
                     raise self._corrupt(data, f"has {size} bytes, the manifest says {num_tokens * self._itemsize} "
                                               f"(truncated or corrupt)")
@@ -275,12 +340,25 @@ class TokenShards:
         # span around it (8 MiB on the machine measured, for a window of a few KiB). read() asks for each window's
         # pages at once instead (MADV_WILLNEED).
         mapping.madvise(mmap.MADV_RANDOM)
-        with self._count_lock:
-            verify = self._access.verify_all_shards or self._verified < CHECKSUM_SAMPLE
-            self._verified += verify
-        if verify:
+        if self._to_check(shard, identity):
             self._verify(shard, data, mapping)
+            with _CHECKED_LOCK:
+                _CHECKED[(str(self.folder), shard)] = identity
         return mapping
+
+    def _to_check(self, shard: int, identity: tuple[int, ...]) -> bool:
+        """Whether this opening of `shard` (its file's `identity`) is checked: not if this process checked the same
+        file before (the cache of maps closed it and it is opened again, here or by another loader of the process:
+        a mixture's, the next validation's; a file replaced since has another identity), else for every shard with
+        `verify_all_shards`, or for the first CHECKSUM_SAMPLE shards this reader opens."""
+        with _CHECKED_LOCK:
+            if _CHECKED.get((str(self.folder), shard)) == identity:
+                return False
+            if self._access.verify_all_shards:
+                return True
+            if len(self._sampled) < CHECKSUM_SAMPLE:
+                self._sampled.add(shard)
+            return shard in self._sampled
 
     def _verify(self, shard: int, data: Path, mapping: mmap.mmap) -> None:
         """The shard's sha256 and its index's ends against the manifest."""
@@ -324,6 +402,8 @@ class TokenShards:
             page_start = first_byte - first_byte % mmap.PAGESIZE
             mapping.madvise(mmap.MADV_WILLNEED, page_start, first_byte + count * self._itemsize - page_start)
             out[filled : filled + count] = np.frombuffer(mapping, dtype=self._dtype, count=count, offset=first_byte)
+            # Let go of it before the window's next shard is mapped: a thread holds at most one map beside the cache.
+            del mapping
             filled += count
             shard += 1
         with self._count_lock:

@@ -24,7 +24,9 @@ every rank after every batch, and an anchor: the stream position of the start of
 before it (it may differ between ranks, and any such anchor is valid). So one rank's state resumes
 every rank of a run, also one with another data-parallel degree or rank. Resuming seeks straight to
 the anchor instead of re-tokenizing everything before it: map-style datasets index the document
-directly, streaming datasets skip the documents before it without tokenizing them.
+directly, streaming datasets restart from their own position before it (`anchor_stream`, carried with
+each document through the tokenizer processes, so known however far they read ahead; a checkpoint
+without one skips the documents before it without tokenizing them).
 
 Empty documents (and null values) contribute nothing to the stream: a `BOS EOS` pair carries no
 text to learn from. Where the documents come from, and what is wrong with a source that cannot be read, is
@@ -73,6 +75,10 @@ _STATE_KEYS = (
 
 # A place in the token stream: (epoch, document index, token index inside that document's tokens).
 _Position = tuple[int, int, int]
+# A stream's own positions before and after a document (None: a dataset that indexes documents directly).
+_Stream = tuple[dict | None, dict | None]
+# A document as it passes the tokenizer processes: its index and stream positions.
+_Key = tuple[int, _Stream]
 
 
 class _Tokenizer(Protocol):
@@ -101,9 +107,10 @@ def worker_pool(num_workers: int, initializer: Callable, initargs: tuple) -> Any
 
 
 def _encode_in_workers(
-    texts: Iterator[tuple[int, str]], pool: Any, num_workers: int
-) -> Iterator[tuple[int, list[int]]]:
-    """(document index, tokens) of `texts`, in order, tokenized by the pool's processes, which run ahead.
+    texts: Iterator[tuple[_Key, str]], pool: Any, num_workers: int
+) -> Iterator[tuple[_Key, list[int]]]:
+    """(key, tokens) of the (key, text) pairs of `texts`, in order, tokenized by the pool's processes, which run
+    ahead. The key (the document's index and stream position) stays here.
 
     The documents are read here and sent in chunks; results come back in submission order, so the token stream, and
     with it every window and every checkpointed position, is the same as with tokenization in this process.
@@ -111,19 +118,19 @@ def _encode_in_workers(
     chunks = iter(lambda: list(itertools.islice(texts, _WORKER_CHUNK)), [])
     pending: deque = deque()
 
-    def submit(chunk: list[tuple[int, str]]) -> None:
-        indices = [index for index, _ in chunk]
-        pending.append((indices, pool.apply_async(_encode_chunk, ([text for _, text in chunk],))))
+    def submit(chunk: list[tuple[_Key, str]]) -> None:
+        keys = [key for key, _ in chunk]
+        pending.append((keys, pool.apply_async(_encode_chunk, ([text for _, text in chunk],))))
 
     for chunk in itertools.islice(chunks, num_workers * _TASKS_PER_WORKER):
         submit(chunk)
     try:
         while pending:
-            indices, result = pending.popleft()
+            keys, result = pending.popleft()
             following = next(chunks, None)
             if following is not None:
                 submit(following)
-            yield from zip(indices, result.get())
+            yield from zip(keys, result.get())
     finally:
         # The pool is terminated after this: a worker still encoding then could send a result larger than a pipe's
         # buffer after the pool stopped reading results, holding the lock that terminating needs (a hang, seen in
@@ -181,10 +188,9 @@ class TextDataset(IterableDataset, Stateful):
         self._next_window = 0
         self._anchor_window = 0
         self._anchor: _Position = (0, 0, 0)
-        # A stream's own position before the anchor's document, when known (a resume then starts there instead of
-        # skipping every document before it), and the epoch being read.
+        # A stream's own position before the anchor's document (a resume then starts there instead of skipping every
+        # document before it).
         self._anchor_stream: dict | None = None
-        self._reading_epoch = 0
 
     def _check_has_text(self) -> None:
         """Fail at construction, not at the first step, when a dataset of known size has no text."""
@@ -200,24 +206,30 @@ class TextDataset(IterableDataset, Stateful):
     def _text(self, value: Any, index: int) -> str:
         return document_text(self._source, value, index)
 
-    def _texts(self, start: int, position: dict | None = None) -> Iterator[tuple[int, str]]:
-        """(document index, text) of every non-empty document from `start` (a stream: from `position`) on."""
-        for index, value in enumerate(self._documents.read_from(start, position), start=start):
+    def _texts(self, start: int, position: dict | None = None) -> Iterator[tuple[_Key, str]]:
+        """((document index, its stream positions), text) of every non-empty document from `start` (a stream: from
+        `position`, the stream's position before `start`) on. An empty document's position after it is the next
+        document's before it."""
+        before = position
+        for index, (value, after) in enumerate(self._documents.read_positioned(start, position), start=start):
             text = self._text(value, index)
             if text:
-                yield index, text
+                yield (index, (before, after)), text
+            before = after
 
-    def _encoded(self, start: int, pool: Any, position: dict | None) -> Iterator[tuple[int, list[int]]]:
-        """(document index, tokens) of the documents from `start` on, tokenized here or by the worker processes."""
+    def _encoded(self, start: int, pool: Any, position: dict | None) -> Iterator[tuple[_Key, list[int]]]:
+        """((document index, stream positions), tokens) of the documents from `start` on, tokenized here or by the
+        worker processes."""
         if pool is None:
-            for index, text in self._texts(start, position):
-                yield index, self._tokenizer.encode(text, add_bos=True, add_eos=True)
+            for key, text in self._texts(start, position):
+                yield key, self._tokenizer.encode(text, add_bos=True, add_eos=True)
             return
         yield from _encode_in_workers(self._texts(start, position), pool, self._num_workers)
 
-    def _tokenized(self, epoch: int, start: int, position: dict | None = None) -> Iterator[tuple[int, int, list[int]]]:
-        """(epoch, document index, tokens) of every non-empty document from the given position on (a stream's own
-        `position` of document `start`, when given)."""
+    def _tokenized(self, epoch: int, start: int,
+                   position: dict | None = None) -> Iterator[tuple[int, int, list[int], _Stream]]:
+        """(epoch, document index, tokens, stream positions) of every non-empty document from the given position on
+        (a stream's own `position` before document `start`, when given)."""
         # One pool for the whole iteration (every epoch): it stops when the iteration does. In the interpreter's
         # teardown, multiprocessing's exit handler has stopped it already.
         pool = worker_pool(self._num_workers, _init_worker, (self._tokenizer,)) if self._num_workers else None
@@ -228,14 +240,13 @@ class TextDataset(IterableDataset, Stateful):
                 pool.terminate()
 
     def _tokenized_with(self, epoch: int, start: int, pool: Any,
-                        position: dict | None) -> Iterator[tuple[int, int, list[int]]]:
+                        position: dict | None) -> Iterator[tuple[int, int, list[int], _Stream]]:
         while True:
             seen_tokens = False
-            self._reading_epoch = epoch
-            for index, tokens in self._encoded(start, pool, position):
+            for (index, stream), tokens in self._encoded(start, pool, position):
                 if tokens:
                     seen_tokens = True
-                    yield epoch, index, tokens
+                    yield epoch, index, tokens, stream
             # Only a pass over a whole epoch proves there is no text; it would otherwise loop forever.
             if start == 0 and not seen_tokens:
                 raise UserError(f"{self._source.option()} has no documents with text")
@@ -245,14 +256,15 @@ class TextDataset(IterableDataset, Stateful):
             logger.info(f"dataset {self._source.label}: starting epoch {epoch + 1}")
 
     def _windows(self, epoch: int, document: int, token: int,
-                 position: dict | None) -> Iterator[tuple[list[int], _Position]]:
-        """Windows of `seq_len + 1` tokens from a stream position, each with the next window's start."""
+                 position: dict | None) -> Iterator[tuple[list[int], _Position, dict | None]]:
+        """Windows of `seq_len + 1` tokens from a stream position, each with the next window's start and the
+        stream's own position before that start's document."""
         span = self._seq_len + 1
-        # Not yet consumed documents, as [epoch, document index, tokens, first unconsumed token].
+        # Not yet consumed documents, as [epoch, document index, tokens, first unconsumed token, stream positions].
         pending: deque[list] = deque()
         buffered = 0
         first = True
-        for e, d, tokens in self._tokenized(epoch, document, position):
+        for e, d, tokens, stream in self._tokenized(epoch, document, position):
             start = 0
             if first:
                 first = False
@@ -263,7 +275,7 @@ class TextDataset(IterableDataset, Stateful):
                         f"the data and tokenizer of the checkpointed run, or without its data loader state"
                     )
                 start = token
-            pending.append([e, d, tokens, start])
+            pending.append([e, d, tokens, start, stream])
             buffered += len(tokens) - start
             while buffered >= span:
                 window: list[int] = []
@@ -277,30 +289,28 @@ class TextDataset(IterableDataset, Stateful):
                         pending.popleft()
                 buffered -= span
                 if pending:
-                    following = (pending[0][0], pending[0][1], pending[0][3])
+                    following, before = (pending[0][0], pending[0][1], pending[0][3]), pending[0][4][0]
                 else:
-                    following = (e, d + 1, 0)
-                yield window, following
+                    following, before = (e, d + 1, 0), stream[1]
+                yield window, following, before
 
     def __iter__(self) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
         degree, rank = self._dp_degree, self._dp_rank
         base = self._next_window
         index = self._anchor_window
-        for window, following in self._windows(*self._anchor, self._anchor_stream):
+        for window, following, following_stream in self._windows(*self._anchor, self._anchor_stream):
             offset = index - base
             if offset >= 0 and offset % degree == rank:
                 # Updated before yielding: the loader may save the state right after this sample.
                 self._next_window = base + (offset // degree + 1) * degree
                 self._anchor_window = index + 1
                 self._anchor = following
-                # Known while the anchor's document is among the last read in this epoch's pass.
-                self._anchor_stream = self._documents.position(following[1]) \
-                    if following[0] == self._reading_epoch else None
+                self._anchor_stream = following_stream
                 sample = torch.tensor(window, dtype=torch.long)
                 yield sample[:-1], sample[1:]
             index += 1
         if base == 0 and index < degree:
-            num_tokens = sum(len(tokens) for _, _, tokens in self._tokenized(0, 0))
+            num_tokens = sum(len(tokens) for _, _, tokens, _ in self._tokenized(0, 0))
             raise UserError(
                 f"{self._source.option()} has {num_tokens} tokens, {index} window(s) of "
                 f"{self._source.section}.seq_len + 1 = {self._seq_len + 1} tokens, but each of the "
