@@ -67,7 +67,7 @@ def _compile_counts() -> dict:
     torch.manual_seed(0)
     model = Transformer(model_args_for("tiny", 32))
     model.init_weights(seed=0)
-    tokens = torch.randint(0, model.vocab_size, (2, 33))
+    tokens = torch.randint(0, model_args_for("tiny", 32).vocab_size, (2, 33))
     eager = torch.nn.functional.cross_entropy(model(tokens[:, :-1]).flatten(0, 1), tokens[:, 1:].flatten())
     counters.clear()
     for block in model.layers.values():

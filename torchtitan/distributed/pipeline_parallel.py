@@ -22,6 +22,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
+import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.pipelining import PipelineStage
@@ -216,6 +217,12 @@ def pipeline_llama(model: nn.Module, world_mesh: DeviceMesh, parallel_dims: Para
     pp_mesh = world_mesh["pp"]
     pp_rank, pp_degree = pp_mesh.get_local_rank(), pp_mesh.size()
     plan = plan_pipeline(model, pp_degree, config)
+    if plan.v_shaped and torch_compat.RELEASE < (2, 13) and dist.get_backend(pp_mesh.get_group()) == "gloo":
+        # Measured on torch 2.11: "Pair is not connected" at the first step, for ZBVZeroBubble and DualPipeV alike.
+        raise UserError(f"option {SCHEDULE_OPTION}: {plan.schedule_name} runs two stages per rank that exchange with "
+                        f"the same neighbour both ways, which gloo's point-to-point set-up fails on torch "
+                        f"{torch.__version__} (2.13 and later set the pairs up first); use a looped schedule "
+                        f"(Interleaved1F1B, InterleavedZeroBubble), or torch 2.13 or newer")
     stages, parts = [], []
     for stage_id in stage_ids_for_rank(pp_rank, pp_degree, plan.num_stages, plan.v_shaped):
         part = parallelize_llama(build_stage_module(model, plan.stage_names[stage_id]), world_mesh,
