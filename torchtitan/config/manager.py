@@ -631,12 +631,23 @@ def validate(config: JobConfig) -> None:
     if config.training.num_workers < 0:
         raise UserError(f"option training.num_workers: {config.training.num_workers} must be 0 (tokenize and read in "
                         f"the training process) or positive")
-    if config.model.attention_mask == "block_causal" and config.parallelism.context_parallel_degree > 1 and \
-            config.parallelism.context_parallel_rotate_method != "allgather":
+    parallelism = config.parallelism
+    if config.model.attention_mask == "block_causal" and parallelism.context_parallel_degree > 1:
+        if parallelism.context_parallel_method == "ring":
+            raise UserError("option parallelism.context_parallel_method: 'ring' does not work with model.attention_mask "
+                            "= 'block_causal' (ring attention is causal only), whose context parallelism all-gathers "
+                            "keys and values; use 'allgather_kv'")
+        if parallelism.context_parallel_rotate_method != "allgather":
+            raise UserError(f"option parallelism.context_parallel_rotate_method: "
+                            f"{parallelism.context_parallel_rotate_method!r} does not work with model.attention_mask "
+                            f"= 'block_causal', whose context parallelism all-gathers keys and values (ring attention "
+                            f"is causal only); use 'allgather'")
+    if parallelism.context_parallel_degree > 1 and parallelism.context_parallel_method == "allgather_kv" and \
+            parallelism.context_parallel_rotate_method != "allgather":
         raise UserError(f"option parallelism.context_parallel_rotate_method: "
-                        f"{config.parallelism.context_parallel_rotate_method!r} does not work with model.attention_mask "
-                        f"= 'block_causal', whose context parallelism all-gathers keys and values (ring attention is "
-                        f"causal only); use 'allgather'")
+                        f"{parallelism.context_parallel_rotate_method!r} rotates the ring's keys and values, and "
+                        f"parallelism.context_parallel_method = 'allgather_kv' all-gathers them instead; set "
+                        f"context_parallel_method = 'ring' to rotate them, or leave the rotate method at 'allgather'")
     if config.model.document_positions and config.model.attention_mask != "block_causal":
         raise UserError("option model.document_positions: true needs model.attention_mask = 'block_causal' (with "
                         "causal attention a document sees the ones before it, so its positions continue)")

@@ -147,12 +147,22 @@ def _ring_sdpa_backward(group: dist.ProcessGroup, grad_out: Tensor, query: Tenso
 
 
 # ----------------------------------------------------------------------------------------------------------------
-# Packed documents: block-causal attention over keys and values gathered from the whole CP group
+# Keys and values gathered from the whole CP group: packed documents (block-causal), and one causal sequence
+
+def gathers_keys_and_values(config) -> bool:
+    """Whether context parallelism all-gathers the grouped keys and values (model.attention_mask = block_causal, or
+    causal with parallelism.context_parallel_method = allgather_kv) rather than running torch's ring attention."""
+    parallelism = config.parallelism
+    return parallelism.context_parallel_degree > 1 and (
+        config.model.attention_mask == "block_causal" or parallelism.context_parallel_method == "allgather_kv")
+
 
 # Chunks per rank of the balanced assignment. With 2 (head-tail's cut), windows of 131072 tokens of packed documents
 # on CP 8 left the busiest rank 1.22-1.62x the mean attention work on average; with 8, 1.01-1.03x, worst window 1.05x
 # (scripts/cp_balance.py, docs/parallelism.md). The sequence must split into 8 x cp chunks (parallelize.py checks).
 CHUNKS_PER_RANK = 8
+# One causal sequence: head-tail's two chunks per rank balance it exactly (the ring's cut, 2 x cp chunks).
+CAUSAL_CHUNKS_PER_RANK = 2
 
 
 def chunk_work(document_ids: Tensor, num_chunks: int) -> Tensor:
@@ -194,57 +204,74 @@ def balanced_chunk_order(work: Tensor, cp: int) -> list[int]:
     return min(greedy, head_tail_order(cp, per_rank), key=busiest)
 
 
-def shard_documents(cp_mesh: DeviceMesh, document_ids: Tensor, tensors: list[Tensor]) -> list[Tensor]:
+def shard_documents(cp_mesh: DeviceMesh, document_ids: Tensor | None, tensors: list[Tensor]) -> list[Tensor]:
     """This rank's share of (batch, seq) `tensors` (inputs, labels, document ids, positions): the chunks that
-    `balanced_chunk_order` gives it by the work of the batch's mask, in sequence order."""
+    `balanced_chunk_order` gives it by the work of the batch's mask, in sequence order. Without `document_ids` the
+    sequences are causal, one document each: head-tail's two chunks per rank, as the ring shards them."""
     cp, rank = cp_mesh.size(), cp_mesh.get_local_rank()
-    num_chunks = CHUNKS_PER_RANK * cp
-    if torch_compat.is_fake(document_ids):
+    per_rank = CHUNKS_PER_RANK if document_ids is not None else CAUSAL_CHUNKS_PER_RANK
+    num_chunks = per_rank * cp
+    if document_ids is None or torch_compat.is_fake(document_ids):
         # A dry run's tensors have no values to count; its sequences are one document each (dry_run.FAKE_BOS_ID),
         # which head-tail balances exactly.
-        order = head_tail_order(cp, CHUNKS_PER_RANK)
+        order = head_tail_order(cp, per_rank)
     else:
         order = balanced_chunk_order(chunk_work(document_ids, num_chunks), cp)
-    mine = order[rank * CHUNKS_PER_RANK:(rank + 1) * CHUNKS_PER_RANK]
+    mine = order[rank * per_rank:(rank + 1) * per_rank]
     return [torch.cat([tensor.chunk(num_chunks, dim=1)[chunk] for chunk in mine], dim=1) for tensor in tensors]
 
 
-def visible_keys(query_ids: Tensor, query_positions: Tensor, key_ids: Tensor, key_positions: Tensor,
+def visible_keys(query_ids: Tensor | None, query_positions: Tensor, key_ids: Tensor | None, key_positions: Tensor,
                  flex: bool) -> BlockMask | Tensor:
-    """Where a query sees a key: same document, key not later. Positions may be global or restart per document: both
-    increase inside a document, so either orders its tokens. A BlockMask for FlexAttention with `flex`, else
-    (batch, 1, queries, keys) booleans."""
+    """Where a query sees a key: same document, key not later; without ids (one causal sequence), key not later.
+    Positions may be global or restart per document: both increase inside a document, so either orders its tokens.
+    A BlockMask for FlexAttention with `flex`, else (batch, 1, queries, keys) booleans."""
+    batch, queries, keys = query_positions.shape[0], query_positions.shape[1], key_positions.shape[1]
     if flex:
-        def visible(b, h, q, kv):
-            return (query_ids[b, q] == key_ids[b, kv]) & (query_positions[b, q] >= key_positions[b, kv])
+        if query_ids is None:
+            def visible(b, h, q, kv):
+                return query_positions[b, q] >= key_positions[b, kv]
+        else:
+            def visible(b, h, q, kv):
+                return (query_ids[b, q] == key_ids[b, kv]) & (query_positions[b, q] >= key_positions[b, kv])
 
-        return build_block_mask(visible, query_ids.shape[0], query_ids.shape[1], key_ids.shape[1], query_ids.device)
-    same_document = query_ids[:, :, None] == key_ids[:, None, :]
-    return (same_document & (query_positions[:, :, None] >= key_positions[:, None, :])).unsqueeze(1)
+        return build_block_mask(visible, batch, queries, keys, query_positions.device)
+    not_later = query_positions[:, :, None] >= key_positions[:, None, :]
+    if query_ids is not None:
+        not_later &= query_ids[:, :, None] == key_ids[:, None, :]
+    return not_later.unsqueeze(1)
 
 
-def _gather_sequence(tensor: Tensor, group: dist.ProcessGroup) -> Tensor:
-    # (batch, heads, local seq, head_dim) -> the sequence of every rank, rank after rank; backward: reduce-scatter.
-    return torch_compat.all_gather_autograd(tensor, SEQ_DIM, group)
+def _gather_keys_and_values(key: Tensor, value: Tensor, group: dist.ProcessGroup) -> tuple[Tensor, Tensor]:
+    """(batch, kv heads, local seq, head_dim) keys and values -> those of the whole sequence, rank after rank, in one
+    all-gather (one call's latency, not two); backward: one reduce-scatter of their gradients. Grouped heads stay
+    grouped: the kernels take them as they are (enable_gqa)."""
+    heads = key.shape[1]
+    gathered = torch_compat.all_gather_autograd(torch.cat([key, value], dim=1), SEQ_DIM, group)
+    return gathered[:, :heads], gathered[:, heads:]
 
 
 class DocumentsAcrossRanks:
     """The model's document mask under context parallelism (`Transformer.build_document_mask`): from this rank's
-    document ids and positions, the mask of its queries against the keys of every rank, and how to gather them."""
+    document ids (None: one causal sequence) and positions, the mask of its queries against the keys of every rank,
+    and how to gather them."""
 
     def __init__(self, group: dist.ProcessGroup):
         self.group = group
 
-    def __call__(self, document_ids: Tensor, positions: Tensor | None) -> GatheredDocuments:
+    def __call__(self, document_ids: Tensor | None, positions: Tensor | None) -> GatheredDocuments:
         if positions is None:
-            raise ValueError("block-causal attention under context parallelism needs each token's position")
+            raise ValueError("attention under context parallelism over gathered keys needs each token's position")
         # Document ids and positions of the whole sequence, in the order the keys and values will be gathered in.
-        keys = torch_compat.all_gather(torch.stack([document_ids, positions]), 2, self.group)
+        local = positions[None] if document_ids is None else torch.stack([document_ids, positions])
+        keys = torch_compat.all_gather(local, 2, self.group)
+        key_ids, key_positions = (None, keys[0]) if document_ids is None else (keys[0], keys[1])
         # FlexAttention where it has a backward (on CUDA, as document_mask() chooses), SDPA with booleans elsewhere.
-        mask = visible_keys(document_ids, positions, keys[0], keys[1], flex=document_ids.device.type == "cuda")
-        return GatheredDocuments(mask, functools.partial(_gather_sequence, group=self.group))
+        mask = visible_keys(document_ids, positions, key_ids, key_positions, flex=positions.device.type == "cuda")
+        return GatheredDocuments(mask, functools.partial(_gather_keys_and_values, group=self.group))
 
 
 def apply_document_cp(model: torch.nn.Module, cp_mesh: DeviceMesh) -> None:
-    """Let the model's (or pipeline stage's) block-causal attention see the documents on the other CP ranks."""
+    """Let the model's (or pipeline stage's) attention see the keys and values on the other CP ranks: block-causal
+    over packed documents, or causal (`gathers_keys_and_values`)."""
     model.build_document_mask = DocumentsAcrossRanks(cp_mesh.get_group())

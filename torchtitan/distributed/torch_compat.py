@@ -59,9 +59,8 @@ class Feature:
 FEATURES: dict[str, Feature] = {
     "dry_run": Feature("comm.mode = 'fake_backend' (the dry run)", "run on real devices, or use a tested torch"),
     "cpu_ring_attention": Feature(
-        "parallelism.context_parallel_degree > 1 with model.attention_mask = 'causal' on the CPU (ring attention)",
-        "use model.attention_mask = 'block_causal' (its context parallelism uses public collectives only), or run "
-        "on GPUs"),
+        "parallelism.context_parallel_method = 'ring' (context_parallel_degree > 1, causal attention) on the CPU",
+        "use context_parallel_method = 'allgather_kv' (public collectives only), or run on GPUs"),
     "cp_rotate_method": Feature("parallelism.context_parallel_rotate_method = 'alltoall'", "use 'allgather'"),
     "activation_checkpointing": Feature("activation_checkpoint.mode = 'full' or 'selective'",
                                         "set activation_checkpoint.mode = 'none'"),
@@ -236,12 +235,14 @@ def requested_features(config: Any, device_type: str, multi_stage_pipeline: bool
     """The FEATURES that `config` turns on for a run on `device_type` (`multi_stage_pipeline`: its pipeline
     schedule holds several stages per rank)."""
     parallelism = config.parallelism
+    # torch's ring attention runs for causal attention under CP with context_parallel_method = ring; the other CP
+    # paths gather keys and values with public collectives.
+    ring_attention = parallelism.context_parallel_degree > 1 and config.model.attention_mask == "causal" and \
+        parallelism.context_parallel_method == "ring"
     requested = {
         "dry_run": config.comm.mode == "fake_backend",
-        "cpu_ring_attention": parallelism.context_parallel_degree > 1 and device_type == "cpu"
-        and config.model.attention_mask == "causal",
-        "cp_rotate_method": parallelism.context_parallel_degree > 1
-        and parallelism.context_parallel_rotate_method != "allgather",
+        "cpu_ring_attention": ring_attention and device_type == "cpu",
+        "cp_rotate_method": ring_attention and parallelism.context_parallel_rotate_method != "allgather",
         "activation_checkpointing": config.activation_checkpoint.mode != "none",
         "async_tp": parallelism.enable_async_tensor_parallel,
         "fsdp_hooks": config.comm.gradient_compression != "none" or config.comm.weight_quantization != "none",
