@@ -825,11 +825,12 @@ def test_attention_split_check_recovers_factors_and_shows_a_jump():
     assert [e["residual"] for e in table] == pytest.approx([0.5 if e["cp"] >= 4 else 0.0 for e in table], abs=1e-9)
 
 
-def test_context_parallel_exchange_per_rotate_method_and_mask():
-    """allgather: each attention call (forward, recomputed forward, backward) gathers all c chunks of keys and values
-    (heads expanded); alltoall: it passes one chunk on c - 1 times; both pass the fp32 key/value gradients c times
-    in backward. Block-causal gathers the grouped (8 KV heads) keys and values of the whole sequence per forward and
-    reduce-scatters their gradients."""
+def test_context_parallel_exchange_per_method_and_mask():
+    """The ring, allgather: each attention call (forward, recomputed forward, backward) gathers all c chunks of keys
+    and values (heads expanded); alltoall: it passes one chunk on c - 1 times; both pass the fp32 key/value gradients
+    c times in backward. Gathered (the default, and block-causal): each forward gathers the grouped (8 KV heads) keys
+    and values of the whole sequence in one call per layer, 1/4 of the ring's call at 8B's 32 heads, and backward
+    reduce-scatters their gradients; the positions (and block-causal, document ids) are gathered once per forward."""
     import dataclasses
 
     from torchtitan.models.llama3.args import model_args_for
@@ -838,19 +839,26 @@ def test_context_parallel_exchange_per_rotate_method_and_mask():
     s, c = 131072, 4
     args = model_args_for("8B", s)
     layout = Layout(dp_replicate=1, dp_shard=2, tp=1, pp=1, cp=c, schedule=None, stages_per_rank=1, local_batch=1,
-                    microbatch=1, ac="full", float8=False, compile=True, async_tp=False)
+                    microbatch=1, ac="full", float8=False, compile=True, async_tp=False, cp_method="ring")
     chunk = s / c * 2 * 32 * 128 * 2  # keys and values of one rank's tokens, 32 heads, bf16
-    gathered = sequence_collectives(args, layout, s)
-    assert gathered[("all_gather", "cp")] == (3 * 32, pytest.approx(3 * 32 * c * chunk))
-    assert gathered[("all_to_all", "cp")] == (c * 32, pytest.approx(c * 32 * 2 * chunk))
+    ring = sequence_collectives(args, layout, s)
+    assert ring[("all_gather", "cp")] == (3 * 32, pytest.approx(3 * 32 * c * chunk))
+    assert ring[("all_to_all", "cp")] == (c * 32, pytest.approx(c * 32 * 2 * chunk))
     rotated = sequence_collectives(args, dataclasses.replace(layout, cp_rotate="alltoall"), s)
     assert set(rotated) == {("all_to_all", "cp")}
     assert rotated[("all_to_all", "cp")] == (3 * 32 * (c - 1) + c * 32,
                                              pytest.approx(3 * 32 * (c - 1) * chunk + c * 32 * 2 * chunk))
-    documents = sequence_collectives(args, dataclasses.replace(layout, document_length=4096.0), s)
     whole = s * 2 * 8 * 128 * 2
-    assert documents == {("all_gather", "cp"): (2 * 32, pytest.approx(2 * 32 * whole)),
+    assert whole * args.n_heads / args.kv_heads == c * chunk
+    gathered = sequence_collectives(args, dataclasses.replace(layout, cp_method="allgather_kv"), s)
+    assert gathered == {("all_gather", "cp"): (2 * 32 + 1, pytest.approx(2 * 32 * whole + s * 8)),
+                        ("reduce_scatter", "cp"): (32, pytest.approx(32 * whole))}
+    documents = sequence_collectives(args, dataclasses.replace(layout, document_length=4096.0), s)
+    assert documents == {("all_gather", "cp"): (2 * 32 + 1, pytest.approx(2 * 32 * whole + 2 * s * 8)),
                          ("reduce_scatter", "cp"): (32, pytest.approx(32 * whole))}
+    # Per-op AC saves attention's output, not the gathered keys and values it read: backward gathers them again.
+    per_op = sequence_collectives(args, dataclasses.replace(layout, cp_method="allgather_kv", ac="op"), s)
+    assert per_op[("all_gather", "cp")] == (2 * 32 + 1, pytest.approx(2 * 32 * whole + s * 8))
 
 
 def test_pipeline_sends_on_the_critical_path():
@@ -962,9 +970,10 @@ def test_predict_reads_the_schedules_stages_per_rank(schedule, stages_per_rank):
 
 
 def test_context_parallel_exchange_buffers_in_memory():
-    """One layer's exchange during attention backward: allgather holds all c chunks of keys and values, alltoall two
-    (the current and the incoming), so only allgather's grows with c at the same tokens per rank; block-causal
-    gathers the grouped heads (8 of 32 for 8B)."""
+    """One layer's exchange during attention backward: the ring's allgather holds all c chunks of keys and values,
+    alltoall two (the current and the incoming), so only allgather's grows with c at the same tokens per rank; the
+    gathered method (the default, and block-causal) holds the grouped heads (8 of 32 for 8B) of the whole sequence
+    and their gradients."""
     from torchtitan.models.llama3.args import model_args_for
     from torchtitan.planner.memory import _Shapes, cp_exchange_bytes
 
@@ -975,10 +984,12 @@ def test_context_parallel_exchange_buffers_in_memory():
         return cp_exchange_bytes(config, shapes, tokens, 1, cp, 2, "cuda")
 
     chunk = tokens * 2 * 4096 * 2
-    assert exchange(8) - exchange(4) == pytest.approx(4 * chunk)
-    rotate = ["--parallelism.context_parallel_rotate_method", "alltoall"]
-    assert exchange(8, *rotate) == exchange(4, *rotate) == pytest.approx(exchange(4) - 2 * chunk)
-    assert exchange(4, "--model.attention_mask", "block_causal") == pytest.approx(2 * 4 * tokens * 2 * 1024 * 2)
+    ring = ["--parallelism.context_parallel_method", "ring"]
+    assert exchange(8, *ring) - exchange(4, *ring) == pytest.approx(4 * chunk)
+    rotate = [*ring, "--parallelism.context_parallel_rotate_method", "alltoall"]
+    assert exchange(8, *rotate) == exchange(4, *rotate) == pytest.approx(exchange(4, *ring) - 2 * chunk)
+    gathered = 2 * 4 * tokens * 2 * 1024 * 2
+    assert exchange(4) == exchange(4, "--model.attention_mask", "block_causal") == pytest.approx(gathered)
     assert exchange(1) == 0
 
 

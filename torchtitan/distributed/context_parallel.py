@@ -246,9 +246,10 @@ def _gather_keys_and_values(key: Tensor, value: Tensor, group: dist.ProcessGroup
     """(batch, kv heads, local seq, head_dim) keys and values -> those of the whole sequence, rank after rank, in one
     all-gather (one call's latency, not two); backward: one reduce-scatter of their gradients. Grouped heads stay
     grouped: the kernels take them as they are (enable_gqa)."""
-    heads = key.shape[1]
     gathered = torch_compat.all_gather_autograd(torch.cat([key, value], dim=1), SEQ_DIM, group)
-    return gathered[:, :heads], gathered[:, heads:]
+    # Split, not sliced: backward concatenates the two gradients into one buffer for the reduce-scatter, where a
+    # slice's backward would allocate a whole zero buffer for each.
+    return gathered.split(key.shape[1], dim=1)
 
 
 class DocumentsAcrossRanks:

@@ -107,7 +107,9 @@ def layout_overrides(layout: Layout, seq_len: int, n_layers: int) -> list[str]:
     if layout.document_length:
         options += ["--model.attention_mask", "block_causal"]
     if layout.cp > 1:
-        options += ["--parallelism.context_parallel_rotate_method", layout.cp_rotate]
+        options += ["--parallelism.context_parallel_method", layout.cp_method]
+        if layout.cp_method == "ring":
+            options += ["--parallelism.context_parallel_rotate_method", layout.cp_rotate]
     if float8_gathered(layout):
         # Float8 all-gathers under FSDP: half the bytes of bf16 (TorchTitan's 405B recipe; tensorwise scaling only).
         options += ["--quantize.linear.float8.enable_fsdp_float8_all_gather",
@@ -207,7 +209,7 @@ def layout_from_config(config: JobConfig, world_size: int, document_length: floa
                   async_tp=parallelism.enable_async_tensor_parallel,
                   compiled_loss="loss" in config.compile.components,
                   document_length=document_length if config.model.attention_mask == "block_causal" else 0.0,
-                  cp_rotate=parallelism.context_parallel_rotate_method)
+                  cp_method=parallelism.context_parallel_method, cp_rotate=parallelism.context_parallel_rotate_method)
 
 
 # The schedules searched, with their stages per rank. GPipe and LoopedBFS have 1F1B's and Interleaved1F1B's bubble
@@ -229,9 +231,10 @@ def _microbatches(local_batch: int, pp: int) -> list[int]:
 
 
 def candidate_layouts(flavor: str, gpus: int, seq_len: int, global_batch: int, gpu: GPU,
-                      document_length: float = 0.0, cp_rotate: str = "allgather") -> list[Layout]:
+                      document_length: float = 0.0, cp_method: str = "allgather_kv",
+                      cp_rotate: str = "allgather") -> list[Layout]:
     """Every layout of `gpus` GPUs that the model's shapes and the global batch allow; causal attention unless
-    `document_length` (Layout.document_length), CP's keys and values exchanged by `cp_rotate`."""
+    `document_length` (Layout.document_length), causal CP run by `cp_method` (the ring rotating by `cp_rotate`)."""
     args = model_args_for(flavor, seq_len)
     candidates = []
     # CP up to 4, and for long sequences up to one 8,192-token shard per rank (at most 32): a 256k sequence is what
@@ -265,7 +268,7 @@ def candidate_layouts(flavor: str, gpus: int, seq_len: int, global_batch: int, g
                                          schedule=schedule, stages_per_rank=v, local_batch=local_batch,
                                          microbatch=microbatch, ac=ac, float8=float8, compile=compile_,
                                          async_tp=async_tp, document_length=document_length,
-                                         cp_rotate=cp_rotate))
+                                         cp_method=cp_method, cp_rotate=cp_rotate))
     return candidates
 
 
@@ -280,12 +283,13 @@ RANKINGS = {"conservative": "tps_conservative", "predicted": "tps_per_gpu", "wit
 
 def plan(flavor: str, gpus: int, gpu: GPU, seq_len: int, global_batch: int,
          fixed: dict[str, bool] | None = None, constants: dict[str, float] | None = None,
-         rank_by: str = "conservative", document_length: float = 0.0, cp_rotate: str = "allgather") -> list[Prediction]:
+         rank_by: str = "conservative", document_length: float = 0.0, cp_method: str = "allgather_kv",
+         cp_rotate: str = "allgather") -> list[Prediction]:
     """The layouts that fit, fastest first, each with its fastest micro-batch; `fixed` pins techniques (float8,
     compile, async_tp) on or off; `constants` replace the model's fitted ones (cost.step_time's keywords);
     `rank_by` (RANKINGS): the conservative end of each layout's range (default: no more overlap than the validated
     rows had), the prediction (the optimistic end), or the speed it keeps if no communication overlaps compute;
-    `document_length` and `cp_rotate`: the attention mask and CP's exchange (candidate_layouts)."""
+    `document_length`, `cp_method` and `cp_rotate`: the attention mask and CP's exchange (candidate_layouts)."""
     if flavor not in llama3_flavors:
         raise UserError(f"option --flavor: unknown flavor {flavor!r}; valid: {', '.join(llama3_flavors)}")
     if (fixed or {}).get("float8") and not gpu.fp8_flops:
@@ -295,7 +299,7 @@ def plan(flavor: str, gpus: int, gpu: GPU, seq_len: int, global_batch: int,
         raise UserError(f"option --document_length: {document_length:g} is not 0 (causal) or a length of 1 to "
                         f"--seq_len ({seq_len}) tokens")
     candidates = [layout for layout in candidate_layouts(flavor, gpus, seq_len, global_batch, gpu, document_length,
-                                                         cp_rotate)
+                                                         cp_method, cp_rotate)
                   if all(getattr(layout, name) == value for name, value in (fixed or {}).items())]
     if not candidates:
         raise UserError(f"no layout of {gpus} GPUs divides flavor {flavor} (heads, KV heads, vocabulary) and a "
