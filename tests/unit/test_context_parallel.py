@@ -75,12 +75,12 @@ def cp_worker(rank: int, world_size: int, store_path: str, out_dir: str) -> None
         # The same causal sequence, each rank's head-tail chunks attending to the keys and values of all, gathered
         # with their heads grouped (the spy records the heads of each gathered buffer: keys and values together).
         gathered_heads = []
-        gather = torch_compat.all_gather_autograd
+        gather = torch_compat.all_gather_autograd_function()
 
         def spy(tensor, dim, group):
             gathered_heads.append(tensor.shape[1])
             return gather(tensor, dim, group)
-        torch_compat.all_gather_autograd = spy
+        torch_compat.all_gather_autograd_function = lambda: spy
         cp.apply_document_cp(model, mesh["cp"])
         inputs, labels = batch()
         positions = torch.arange(SEQ_LEN).expand_as(inputs)

@@ -278,7 +278,7 @@ def _gather_worker(rank: int, out_dir: str, use_private: bool) -> None:
     dist.init_process_group("gloo", rank=rank, world_size=2, store=dist.FileStore(f"{out_dir}/store", 2),
                             timeout=datetime.timedelta(seconds=60))
     local = torch.arange(6.0).reshape(1, 2, 3).add(10 * rank).requires_grad_()
-    gathered = torch_compat.all_gather_autograd(local, 2, dist.group.WORLD)
+    gathered = torch_compat.all_gather_autograd_function()(local, 2, dist.group.WORLD)
     (gathered * torch.arange(1.0, 7.0)).sum().backward()
     plain = torch_compat.all_gather(local.detach(), 2, dist.group.WORLD)
     torch.save({"gathered": gathered.detach(), "plain": plain, "grad": local.grad}, f"{out_dir}/rank{rank}.pt")

@@ -47,7 +47,7 @@ and positions are sharded by it alike. `scripts/cp_balance.py` measures it (docs
 
 import contextlib
 import functools
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 import torch
 import torch.distributed as dist
@@ -242,11 +242,12 @@ def visible_keys(query_ids: Tensor | None, query_positions: Tensor, key_ids: Ten
     return not_later.unsqueeze(1)
 
 
-def _gather_keys_and_values(key: Tensor, value: Tensor, group: dist.ProcessGroup) -> tuple[Tensor, Tensor]:
+def _gather_keys_and_values(key: Tensor, value: Tensor, gather: Callable[[Tensor, int, dist.ProcessGroup], Tensor],
+                            group: dist.ProcessGroup) -> tuple[Tensor, Tensor]:
     """(batch, kv heads, local seq, head_dim) keys and values -> those of the whole sequence, rank after rank, in one
-    all-gather (one call's latency, not two); backward: one reduce-scatter of their gradients. Grouped heads stay
-    grouped: the kernels take them as they are (enable_gqa)."""
-    gathered = torch_compat.all_gather_autograd(torch.cat([key, value], dim=1), SEQ_DIM, group)
+    all-gather (`gather`: torch_compat's autograd all-gather; one call's latency, not two); backward: one
+    reduce-scatter of their gradients. Grouped heads stay grouped: the kernels take them as they are (enable_gqa)."""
+    gathered = gather(torch.cat([key, value], dim=1), SEQ_DIM, group)
     # Split, not sliced: backward concatenates the two gradients into one buffer for the reduce-scatter, where a
     # slice's backward would allocate a whole zero buffer for each.
     return gathered.split(key.shape[1], dim=1)
@@ -269,7 +270,9 @@ class DocumentsAcrossRanks:
         key_ids, key_positions = (None, keys[0]) if document_ids is None else (keys[0], keys[1])
         # FlexAttention where it has a backward (on CUDA, as document_mask() chooses), SDPA with booleans elsewhere.
         mask = visible_keys(document_ids, positions, key_ids, key_positions, flex=positions.device.type == "cuda")
-        return GatheredDocuments(mask, functools.partial(_gather_keys_and_values, group=self.group))
+        # The collective is looked up here, outside the blocks that torch.compile may trace.
+        return GatheredDocuments(mask, functools.partial(
+            _gather_keys_and_values, gather=torch_compat.all_gather_autograd_function(), group=self.group))
 
 
 def apply_document_cp(model: torch.nn.Module, cp_mesh: DeviceMesh) -> None:

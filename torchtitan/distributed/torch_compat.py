@@ -21,7 +21,7 @@ collectives are missing, `fully_shard` over a one-rank shard dimension where FSD
 import contextlib
 import functools
 import importlib
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -341,16 +341,17 @@ def flatten_mesh(root: Any, dims: tuple[str, ...], name: str, leading: str | Non
     return merged[name] if leading is None else merged[leading, name]
 
 
-def all_gather_autograd(tensor: torch.Tensor, dim: int, group: Any) -> torch.Tensor:
-    """The group's tensors concatenated along `dim`, rank after rank; backward: the gradient's slice of each rank,
-    summed over the group (a reduce-scatter). The functional collectives (traceable by torch.compile), else
-    torch.distributed.nn's autograd all-gather."""
+def all_gather_autograd_function() -> Callable[[torch.Tensor, int, Any], torch.Tensor]:
+    """(tensor, dim, group) -> the group's tensors concatenated along `dim`, rank after rank; backward: the
+    gradient's slice of each rank, summed over the group (a reduce-scatter). The functional collectives (traceable by
+    torch.compile), else torch.distributed.nn's autograd all-gather. Looked up when called: code that torch.compile
+    traces gets the function from outside the traced region (dynamo cannot follow the lookup's imports)."""
     gather = lookup("all_gather_autograd")
     if gather is not None:
-        return gather(tensor.contiguous(), dim, group)
+        return lambda tensor, dim, group: gather(tensor.contiguous(), dim, group)
     from torch.distributed.nn.functional import all_gather as autograd_all_gather
 
-    return torch.cat(autograd_all_gather(tensor.contiguous(), group=group), dim=dim)
+    return lambda tensor, dim, group: torch.cat(autograd_all_gather(tensor.contiguous(), group=group), dim=dim)
 
 
 def all_gather(tensor: torch.Tensor, dim: int, group: Any) -> torch.Tensor:
