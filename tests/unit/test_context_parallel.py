@@ -136,6 +136,27 @@ def test_gathered_keys_and_values_keep_their_heads_grouped(cp_results):
     assert cp_results["allgather_kv"]["gathered_heads"] == [2 * args.kv_heads] * args.n_layers
 
 
+def test_context_parallel_method_options():
+    """The gathered keys and values by default; the ring's rotate method only with the ring; block-causal attention
+    only over gathered keys (the ring is causal only)."""
+    from torchtitan.config import parse_args
+
+    cp2 = ["--parallelism.context_parallel_degree", "2"]
+    assert parse_args(cp2).parallelism.context_parallel_method == "allgather_kv"
+    alltoall = ["--parallelism.context_parallel_rotate_method", "alltoall"]
+    assert parse_args([*cp2, "--parallelism.context_parallel_method", "ring", *alltoall]).parallelism.\
+        context_parallel_rotate_method == "alltoall"
+    with pytest.raises(UserError, match=r"context_parallel_rotate_method: 'alltoall' rotates the ring's keys and "
+                                        r"values, and parallelism.context_parallel_method = 'allgather_kv' all-gathers "
+                                        r"them instead; set context_parallel_method = 'ring'"):
+        parse_args([*cp2, *alltoall])
+    with pytest.raises(UserError, match=r"context_parallel_method: 'ring' does not work with model.attention_mask = "
+                                        r"'block_causal' .*use 'allgather_kv'"):
+        parse_args([*cp2, "--parallelism.context_parallel_method", "ring", "--model.attention_mask", "block_causal"])
+    # Without context parallelism neither option does anything: nothing to refuse.
+    parse_args(alltoall)
+
+
 def test_unknown_rotate_method():
     with pytest.raises(UserError, match=r"context_parallel_rotate_method: 'ring' .* allgather, alltoall"):
         with cp.context_parallel_context(None, [], [], set(), "ring"):
