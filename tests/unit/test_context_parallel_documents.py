@@ -98,6 +98,20 @@ def test_flex_attention_mask_over_gathered_keys_matches_the_sdpa_mask(monkeypatc
     torch.testing.assert_close(*outputs, rtol=1e-4, atol=1e-5)
 
 
+def test_the_mask_follows_the_models_attention_device():
+    """FlexAttention's BlockMask where the model's attention runs on CUDA, even over tensors on the host (a dry run for
+    GPUs: the memory of the GPUs' kernel, not of the CPU's dense boolean mask); booleans where it runs on the CPU,
+    and by the mesh's device where the model does not say."""
+    import dataclasses
+
+    for attention_device, mesh_device, flex in (("cuda", "cpu", True), ("cpu", "cpu", False), (None, "cpu", False),
+                                                (None, "cuda", True)):
+        with torch.device("meta"):
+            model = Transformer(dataclasses.replace(model_args_for("tiny", SEQ_LEN), attention_device=attention_device))
+        cp.apply_document_cp(model, SimpleNamespace(device_type=mesh_device, get_group=lambda: None))
+        assert model.build_document_mask.flex is flex, (attention_device, mesh_device)
+
+
 def test_one_document_is_balanced_as_head_tail_does():
     # One causal document cut in chunks of c tokens: chunk i has c^2 i + c(c+1)/2 visible pairs, and chunks s + r and
     # s + 2cp-1-r add up to c^2 (2s + 2cp-1) + c(c+1) for every r: every rank gets exactly the mean.

@@ -258,8 +258,9 @@ class DocumentsAcrossRanks:
     document ids (None: one causal sequence) and positions, the mask of its queries against the keys of every rank,
     and how to gather them."""
 
-    def __init__(self, group: dist.ProcessGroup):
+    def __init__(self, group: dist.ProcessGroup, flex: bool):
         self.group = group
+        self.flex = flex
 
     def __call__(self, document_ids: Tensor | None, positions: Tensor | None) -> GatheredDocuments:
         if positions is None:
@@ -268,8 +269,7 @@ class DocumentsAcrossRanks:
         local = positions[None] if document_ids is None else torch.stack([document_ids, positions])
         keys = torch_compat.all_gather(local, 2, self.group)
         key_ids, key_positions = (None, keys[0]) if document_ids is None else (keys[0], keys[1])
-        # FlexAttention where it has a backward (on CUDA, as document_mask() chooses), SDPA with booleans elsewhere.
-        mask = visible_keys(document_ids, positions, key_ids, key_positions, flex=positions.device.type == "cuda")
+        mask = visible_keys(document_ids, positions, key_ids, key_positions, flex=self.flex)
         # The collective is looked up here, outside the blocks that torch.compile may trace.
         return GatheredDocuments(mask, functools.partial(
             _gather_keys_and_values, gather=torch_compat.all_gather_autograd_function(), group=self.group))
@@ -277,5 +277,8 @@ class DocumentsAcrossRanks:
 
 def apply_document_cp(model: torch.nn.Module, cp_mesh: DeviceMesh) -> None:
     """Let the model's (or pipeline stage's) attention see the keys and values on the other CP ranks: block-causal
-    over packed documents, or causal (`gathers_keys_and_values`)."""
-    model.build_document_mask = DocumentsAcrossRanks(cp_mesh.get_group())
+    over packed documents, or causal (`gathers_keys_and_values`). FlexAttention where it has a backward, on CUDA (the
+    model's attention device: a dry run for GPUs takes their path on fake tensors of the host), SDPA with booleans
+    elsewhere."""
+    device = model.args.attention_device or cp_mesh.device_type
+    model.build_document_mask = DocumentsAcrossRanks(cp_mesh.get_group(), flex=device == "cuda")
