@@ -188,7 +188,7 @@ def paper_table() -> str:
         layout = dataclasses.replace(PAPER, cp_method=method)
         predicted = predict("405B", layout, SEQ_LEN, gpu)
         ranked = plan("405B", layout.world_size, gpu, SEQ_LEN, layout.local_batch * layout.dp,
-                      fixed={"float8": False}, rank_by="predicted", cp_method=method)
+                      fixed={"float8": False}, rank_by="predicted", cp_methods=(method,))
         degrees = ("dp_shard", "tp", "cp", "pp")
         same = [i for i, p in enumerate(ranked, 1)
                 if all(getattr(p.layout, name) == getattr(layout, name) for name in degrees)]

@@ -34,7 +34,8 @@ from torchtitan.config import parse_args, parse_script_args  # noqa: E402
 from torchtitan.errors import UserError  # noqa: E402
 from torchtitan.planner.cost import MODEL_CONSTANTS, Layout  # noqa: E402
 from torchtitan.planner.hardware import GPU, GPUS, calibrated_gpu, gpu_named, require_same_gpu  # noqa: E402
-from torchtitan.planner.search import RANKINGS, Prediction, exclusions, layout_from_config, plan, predict  # noqa: E402
+from torchtitan.planner.search import (CP_METHODS, RANKINGS, Prediction, exclusions, layout_from_config,  # noqa: E402
+                                       plan, predict)
 
 
 def describe(layout: Layout) -> str:
@@ -270,8 +271,9 @@ def main(argv: list[str] | None = None) -> int:
                         help="block-causal attention over packed documents of this E[len^2] / E[len] in tokens (their "
                              "length, if all are alike); 0: causal over the whole sequence. With --predict, needed "
                              "when model.attention_mask is block_causal")
-    parser.add_argument("--cp_method", choices=("allgather_kv", "ring"), default="allgather_kv",
-                        help="how causal context parallelism runs (parallelism.context_parallel_method)")
+    parser.add_argument("--cp_method", choices=CP_METHODS, default=None,
+                        help="only layouts whose causal context parallelism runs so "
+                             "(parallelism.context_parallel_method); default: either")
     parser.add_argument("--cp_rotate", choices=("allgather", "alltoall"), default="allgather",
                         help="with --cp_method ring: how the ring exchanges keys and values "
                              "(parallelism.context_parallel_rotate_method)")
@@ -353,7 +355,8 @@ def main(argv: list[str] | None = None) -> int:
                      if getattr(args, name) is not None}
             results = plan(args.flavor, args.gpus, gpu, args.seq_len, global_batch, fixed, constants,
                            rank_by=args.rank_by, document_length=args.document_length,
-                           cp_method=args.cp_method, cp_rotate=args.cp_rotate)[:args.top]
+                           cp_methods=(args.cp_method,) if args.cp_method else CP_METHODS,
+                           cp_rotate=args.cp_rotate)[:args.top]
     except UserError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

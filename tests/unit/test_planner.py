@@ -130,6 +130,58 @@ def test_overrides_round_trip_through_the_trainer_config():
     assert accumulating
 
 
+def test_search_tries_both_context_parallel_methods_and_their_options_round_trip():
+    """Causal CP layouts come with each method (the trainer runs the one their options name); block-causal ones
+    gather (the ring is causal only); without CP there is nothing to choose."""
+    import dataclasses
+
+    from torchtitan.planner.search import candidate_layouts
+
+    gpu = GPUS["h100"]
+    causal = candidate_layouts("8B", 32, 131072, 4, gpu)
+    assert {c.cp_method for c in causal if c.cp > 1} == {"allgather_kv", "ring"}
+    assert {c.cp_method for c in causal if c.cp == 1} == {"allgather_kv"}
+    assert {c.cp_method for c in candidate_layouts("8B", 32, 131072, 4, gpu, document_length=4096.0)} == {
+        "allgather_kv"}
+    assert {c.cp_method for c in candidate_layouts("8B", 32, 131072, 4, gpu, cp_methods=("ring",)) if c.cp > 1} == {
+        "ring"}
+    gathered = next(c for c in causal if c.cp == 8 and c.cp_method == "allgather_kv")
+    for layout in (gathered, dataclasses.replace(gathered, cp_method="ring"),
+                   dataclasses.replace(gathered, cp_method="ring", cp_rotate="alltoall")):
+        config = trainer_config("8B", layout, 131072)
+        assert (config.parallelism.context_parallel_method, config.parallelism.context_parallel_rotate_method) == (
+            layout.cp_method, layout.cp_rotate)
+        assert layout_from_config(config, layout.world_size) == layout
+
+
+def test_context_parallel_methods_at_the_llama3_papers_405b_layout():
+    """TP 8 x CP 16 x PP 16 at 131,072 tokens (the Llama 3 paper's): the CP group spans 16 hosts. The ring passes
+    16 times the gathered method's bytes per call (128 query heads for 8 KV heads) and more calls, over the network,
+    behind at most 1/16 of attention: most of it is exposed. The gathered keys and values are exposed whole but are
+    a few percent of the step."""
+    import dataclasses
+
+    from scripts.long_context import PAPER, SEQ_LEN
+    from torchtitan.models.llama3.args import model_args_for
+    from torchtitan.planner.cost import sequence_collectives, step_time
+
+    args, gpu = model_args_for("405B", SEQ_LEN), GPUS["h100"]
+    steps, cp_bytes = {}, {}
+    for method in ("allgather_kv", "ring"):
+        layout = dataclasses.replace(PAPER, cp_method=method)
+        steps[method] = step_time(args, layout, SEQ_LEN, gpu)
+        cp_bytes[method] = sum(size for (_, dim), (_, size) in sequence_collectives(args, layout, SEQ_LEN).items()
+                               if dim == "cp")
+    # Full AC: the ring gathers in 3 calls per block and passes the fp32 gradients on c times (2 x one call's bytes),
+    # the gathered method 2 gathers and a reduce-scatter of 1/16 of a ring call each: 5 / 3 x 16.
+    assert cp_bytes["ring"] / cp_bytes["allgather_kv"] == pytest.approx(5 / 3 * 16, rel=1e-3)
+    gathered, ring = steps["allgather_kv"], steps["ring"]
+    assert ring.cp_comm_s > 20 * gathered.cp_comm_s
+    assert gathered.cp_comm_s < 0.05 * gathered.seconds
+    assert ring.exposed_comm_s - gathered.exposed_comm_s > 0.5 * ring.cp_comm_s
+    assert ring.seconds > 1.5 * gathered.seconds
+
+
 def test_micro_batches_are_searched_and_accumulation_regathers_the_weights():
     """The published 405B layouts (8 pipeline micro-batches of 4) are candidates; without PP, each gradient-
     accumulation micro-step gathers and reduces the weights again, so splitting the batch costs FSDP traffic."""

@@ -28,6 +28,11 @@ CONFIGS = Path(__file__).resolve().parents[2] / "train_configs"
 PRESET_TOML = {"8B": "llama3_8b.toml", "70B": "llama3_70b.toml", "405B": "llama3_405b.toml",
                "debugmodel": "debug_model.toml"}
 SCHEDULES = ("1F1B", "Interleaved1F1B")
+# Causal context parallelism's methods (parallelism.context_parallel_method), searched both: the ring's exchange
+# hides behind attention on NVLink and its kernel is FlashAttention's, where FlexAttention over gathered keys runs at
+# its published fraction of it; the gathered keys and values are n_heads / n_kv_heads times fewer bytes, which wins
+# where CP crosses hosts (docs/parallelism.md).
+CP_METHODS = ("allgather_kv", "ring")
 
 
 @dataclass(frozen=True)
@@ -231,10 +236,11 @@ def _microbatches(local_batch: int, pp: int) -> list[int]:
 
 
 def candidate_layouts(flavor: str, gpus: int, seq_len: int, global_batch: int, gpu: GPU,
-                      document_length: float = 0.0, cp_method: str = "allgather_kv",
+                      document_length: float = 0.0, cp_methods: tuple[str, ...] = CP_METHODS,
                       cp_rotate: str = "allgather") -> list[Layout]:
     """Every layout of `gpus` GPUs that the model's shapes and the global batch allow; causal attention unless
-    `document_length` (Layout.document_length), causal CP run by `cp_method` (the ring rotating by `cp_rotate`)."""
+    `document_length` (Layout.document_length); causal CP run by each of `cp_methods` (the ring rotating by
+    `cp_rotate`), block-causal CP by gathered keys and values (the ring is causal only)."""
     args = model_args_for(flavor, seq_len)
     candidates = []
     # CP up to 4, and for long sequences up to one 8,192-token shard per rank (at most 32): a 256k sequence is what
@@ -257,9 +263,11 @@ def candidate_layouts(flavor: str, gpus: int, seq_len: int, global_batch: int, g
             if dp_replicate > 1 and dp_shard * cp * tp < gpu.gpus_per_host:
                 continue  # replicas only across hosts
             schedules = [(None, 1)] if pp == 1 else PIPELINE_SCHEDULES
-            for (schedule, v), microbatch, ac, float8, compile_, async_tp in itertools.product(
+            # Without CP the method does nothing: one layout, with the trainer's default.
+            methods = cp_methods if cp > 1 and not document_length else (Layout.cp_method,)
+            for (schedule, v), microbatch, ac, float8, compile_, async_tp, cp_method in itertools.product(
                     schedules, _microbatches(local_batch, pp), ("op", "full"), (False, True), (False, True),
-                    (False, True)):
+                    (False, True), methods):
                 if async_tp and (tp == 1 or not compile_):
                     continue
                 if float8 and gpu.fp8_flops == 0:
@@ -283,13 +291,14 @@ RANKINGS = {"conservative": "tps_conservative", "predicted": "tps_per_gpu", "wit
 
 def plan(flavor: str, gpus: int, gpu: GPU, seq_len: int, global_batch: int,
          fixed: dict[str, bool] | None = None, constants: dict[str, float] | None = None,
-         rank_by: str = "conservative", document_length: float = 0.0, cp_method: str = "allgather_kv",
+         rank_by: str = "conservative", document_length: float = 0.0, cp_methods: tuple[str, ...] = CP_METHODS,
          cp_rotate: str = "allgather") -> list[Prediction]:
     """The layouts that fit, fastest first, each with its fastest micro-batch; `fixed` pins techniques (float8,
     compile, async_tp) on or off; `constants` replace the model's fitted ones (cost.step_time's keywords);
     `rank_by` (RANKINGS): the conservative end of each layout's range (default: no more overlap than the validated
     rows had), the prediction (the optimistic end), or the speed it keeps if no communication overlaps compute;
-    `document_length`, `cp_method` and `cp_rotate`: the attention mask and CP's exchange (candidate_layouts)."""
+    `document_length`, `cp_methods` and `cp_rotate`: the attention mask and the CP methods searched
+    (candidate_layouts)."""
     if flavor not in llama3_flavors:
         raise UserError(f"option --flavor: unknown flavor {flavor!r}; valid: {', '.join(llama3_flavors)}")
     if (fixed or {}).get("float8") and not gpu.fp8_flops:
@@ -299,7 +308,7 @@ def plan(flavor: str, gpus: int, gpu: GPU, seq_len: int, global_batch: int,
         raise UserError(f"option --document_length: {document_length:g} is not 0 (causal) or a length of 1 to "
                         f"--seq_len ({seq_len}) tokens")
     candidates = [layout for layout in candidate_layouts(flavor, gpus, seq_len, global_batch, gpu, document_length,
-                                                         cp_method, cp_rotate)
+                                                         cp_methods, cp_rotate)
                   if all(getattr(layout, name) == value for name, value in (fixed or {}).items())]
     if not candidates:
         raise UserError(f"no layout of {gpus} GPUs divides flavor {flavor} (heads, KV heads, vocabulary) and a "
