@@ -6,6 +6,7 @@ From the repository root:
     python scripts/long_context.py bytes     # CP bytes per rank and step: K/V gathered against the ring, 8B/70B/405B
     python scripts/long_context.py recipes   # the 8B (8 GPUs) and 405B (TP 8 x CP 16 x PP 16) recipes, full size
     python scripts/long_context.py paper     # the planner on the Llama 3 paper's 405B layout, both CP methods
+    python scripts/long_context.py methods   # the planner: which CP method is faster, over the layouts it searches
 
 `bytes` dry-runs each flavor's shape with two blocks (context parallelism's collectives are per block; the
 planner's count, which must equal the dry run's there, scales them to the whole depth) on a layout whose FSDP group
@@ -17,6 +18,9 @@ reduce-scatter's input, an all-to-all's buffer).
 `recipes` dry-runs RECIPES at full size (minutes and a few GB of host memory each; both ends of the 405B pipeline)
 and prints each rank's peak memory by category, its collectives over the CP group, and the analytic estimate and
 prediction of the planner for the same configuration (H100 SXM).
+
+`methods` is the planner alone: for every causal CP layout the search considers (scripts/plan.py, H100 SXM hosts of
+8) on a few clusters, the predicted step with each method, and how many layouts each wins, by how much.
 
 `paper` is the planner alone: the Llama 3 paper's (Dubey et al. 2024, arXiv:2407.21783, Table 4) 405B layout at
 131,072 tokens, 16,384 H100s, TP 8 x CP 16 x PP 16 x DP 8, 16 sequences per data-parallel rank, bf16, reported at
@@ -43,10 +47,10 @@ from torchtitan.config import parse_args  # noqa: E402
 from torchtitan.errors import UserError  # noqa: E402
 from torchtitan.models.llama3.args import model_args_for  # noqa: E402
 from torchtitan.models.llama3.model import Transformer, count_parameters, flops_per_token  # noqa: E402
-from torchtitan.planner.cost import Layout, sequence_collectives  # noqa: E402
+from torchtitan.planner.cost import Layout, sequence_collectives, step_time  # noqa: E402
 from torchtitan.planner.hardware import GPUS  # noqa: E402
 from torchtitan.planner.memory import estimate  # noqa: E402
-from torchtitan.planner.search import layout_from_config, plan, predict  # noqa: E402
+from torchtitan.planner.search import candidate_layouts, layout_from_config, plan, predict  # noqa: E402
 
 GIB = 2**30
 SEQ_LEN = 131072
@@ -201,14 +205,35 @@ def paper_table() -> str:
     return "\n".join(lines)
 
 
+# (flavor, GPUs, global batch in sequences) at 32,768 and 131,072 tokens.
+METHOD_CLUSTERS = (("8B", 8, 1), ("8B", 64, 8), ("70B", 256, 32), ("405B", 2048, 256))
+
+
+def methods_table() -> str:
+    gpu = GPUS["h100"]
+    lines = ["| model on GPUs | seq_len | causal CP layouts | ring faster | ring step / gathered step: least, median, "
+             "most |", "|---|---|---|---|---|"]
+    for flavor, gpus, global_batch in METHOD_CLUSTERS:
+        for seq_len in (32768, SEQ_LEN):
+            args = model_args_for(flavor, seq_len)
+            ratios = sorted(step_time(args, dataclasses.replace(layout, cp_method="ring"), seq_len, gpu).seconds
+                            / step_time(args, layout, seq_len, gpu).seconds
+                            for layout in candidate_layouts(flavor, gpus, seq_len, global_batch, gpu,
+                                                            cp_methods=("allgather_kv",)) if layout.cp > 1)
+            lines.append(f"| {flavor} on {gpus} | {seq_len:,} | {len(ratios)} | {sum(r < 1 for r in ratios)} | "
+                         f"{ratios[0]:.2f}, {ratios[len(ratios) // 2]:.2f}, {ratios[-1]:.2f} |")
+    return "\n".join(lines)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog=Path(__file__).name, description=__doc__.split("\n\n")[0])
-    parser.add_argument("what", choices=("bytes", "recipes", "paper"))
+    parser.add_argument("what", choices=("bytes", "recipes", "paper", "methods"))
     parser.add_argument("--methods", nargs="+", choices=METHODS, default=["allgather_kv"],
                         help="with recipes: the parallelism.context_parallel_method(s) to dry-run")
     args = parser.parse_args(argv)
     try:
-        print({"bytes": bytes_table, "paper": paper_table}[args.what]() if args.what != "recipes"
+        print({"bytes": bytes_table, "paper": paper_table, "methods": methods_table}[args.what]()
+              if args.what != "recipes"
               else recipes_table(args.methods))
     except UserError as e:
         print(f"error: {e}", file=sys.stderr)

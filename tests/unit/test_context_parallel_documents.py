@@ -333,3 +333,19 @@ def test_losses_and_gradients_match_one_process(cp_results, pipeline_batch, name
         difference = (grad - reference["grads"][name]).abs().max().item()
         largest = reference["grads"][name].abs().max().item()
         assert difference <= 1e-5 * max(1.0, largest), f"{name}: gradient differs by {difference:.3g} (largest entry {largest:.3g})"
+
+
+def test_per_op_activation_checkpointing_saves_flex_attention():
+    """Per-op AC keeps attention's output, whichever kernel ran it: on GPUs FlexAttention (over gathered keys, or
+    packed documents) and the compiled region that runs it, as SDPA's, instead of running attention again in
+    backward (what the planner counts for per-op AC)."""
+    from torch.utils.checkpoint import CheckpointPolicy
+
+    from torchtitan.distributed.activation_checkpoint import _per_op_policy
+
+    policy = _per_op_policy()
+    context = SimpleNamespace(is_recompute=False)
+    for op in (torch.ops.higher_order.flex_attention, torch.ops.higher_order.inductor_compiled_code,
+               torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default):
+        assert policy(context, op) == CheckpointPolicy.MUST_SAVE, op
+    assert policy(context, torch.ops.aten.add.Tensor) == CheckpointPolicy.PREFER_RECOMPUTE

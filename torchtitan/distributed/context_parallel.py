@@ -1,4 +1,13 @@
-"""Context parallelism: torch's `context_parallel` ring attention, made to work on CPU as well as on GPUs.
+"""Context parallelism: attention over keys and values all-gathered from the CP group (the default, and packed
+documents), or torch's `context_parallel` ring attention, made to work on CPU as well as on GPUs.
+
+Two methods run causal attention (parallelism.context_parallel_method, docs/parallelism.md compares them):
+
+- allgather_kv (the default; the Llama 3 paper's, section 3.3.2): every layer all-gathers the grouped keys and
+  values of the whole sequence (n_kv_heads of the rank's TP shard, not expanded to the query heads) and attends the
+  rank's head-tail chunks to them under the causal mask by global positions: packed documents' path below, with
+  one document. The ring moves n_heads / n_kv_heads times those bytes per call (4x for Llama 3.1 8B, 16x for 405B).
+- ring: torch's ring attention, to which the GPU attention path passes keys and values expanded to the query heads.
 
 torch 2.13 shards SDPA over the sequence only for the CUDA attention kernels (flash, memory-efficient, cuDNN). On
 CPU, SDPA runs `aten._scaled_dot_product_flash_attention_for_cpu`, which has neither a context-parallel handler nor
@@ -20,13 +29,14 @@ These are private torch symbols, reached through `torch_compat` (torch 2.14 inst
 where 2.13 installed op strategies); `tests/unit/test_context_parallel.py` pins them, and a torch that handles the
 CPU op itself is left alone.
 
-Packed documents (`model.attention_mask = "block_causal"`) take another path, on every device: ring attention merges
-causal blocks, not arbitrary masks. Each rank all-gathers the keys and values of the whole sequence and attends its
-own queries to them under the block-causal mask of its tokens, as the Llama 3 paper does for document masks:
+Packed documents (`model.attention_mask = "block_causal"`) always take the other path, on every device: ring attention
+merges causal blocks, not arbitrary masks. Each rank all-gathers the keys and values of the whole sequence and
+attends its own queries to them under the block-causal mask of its tokens, as the Llama 3 paper does for document
+masks:
 
 - the exchange is cheap: with grouped-query attention K and V are each n_kv_heads / n_heads of the query's size
-  (1/4 for Llama 3.1 8B), one all-gather per layer; its backward is a reduce-scatter of the key and value gradients
-  (`all_gather_single_autograd` of torch's functional collectives);
+  (1/4 for Llama 3.1 8B), one all-gather of both per layer; its backward is a reduce-scatter of the key and value
+  gradients (`all_gather_single_autograd` of torch's functional collectives);
 - the mask is exact for any layout of documents: a query sees a key when both belong to the same document and the
   key's position is not later (document positions or global ones, both increase inside a document), whichever rank
   holds it, so no block has to be skipped or merged by hand and the result is the single-process one;

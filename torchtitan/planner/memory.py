@@ -124,14 +124,15 @@ under full AC, backward peak: compiled bf16 22% below it, compiled Float8 2.5% b
 their weights themselves: under autocast no bf16 weight copies.
 
 Context parallelism's exchange buffers (cp_exchange_bytes, cp_saved_bytes; T = this rank's tokens, c = CP degree,
-h = the attention's key/value width: q/t on CUDA, whose kernels take the heads expanded, kv/t on CPU):
-  causal, allgather   one layer's gathered keys and values during its attention call, c x T x 2h x a, plus in
+h = the ring's key/value width: q/t on CUDA, whose kernels take the heads expanded, kv/t on CPU):
+  K/V gathered        (the default, context_parallel_method = allgather_kv, and block-causal) the gathered grouped
+                      keys and values (kv heads), c x T x 2 kv/t x a, and in backward their gradients before the
+                      reduce-scatter (the same again); without AC each layer saves its gathered keys and values for
+                      backward (per-op AC's policy saves attention's output, not them: backward gathers them again)
+  ring, allgather     one layer's gathered keys and values during its attention call, c x T x 2h x a, plus in
                       backward the fp32 accumulators of the query gradient (T x q/t x 4) and of the rotating key
                       and value gradients (two chunks, the current and the incoming: 2 x T x 2h x 4)
-  causal, alltoall    the current and the incoming chunk, 2 x T x 2h x a, and the same fp32 accumulators
-  block-causal        the gathered grouped keys and values (kv heads), c x T x 2 kv/t x a, and in backward their
-                      gradients before the reduce-scatter (the same again); without AC (or per-op AC, whose policy
-                      saves attention's inputs) each layer saves its gathered keys and values for backward
+  ring, alltoall      the current and the incoming chunk, 2 x T x 2h x a, and the same fp32 accumulators
 These add to a block's backward transients; the saved ones to its activations.
 
 Not modelled: allocator fragmentation (planner/hardware.py's headroom adds it); eager Float8 saves the
@@ -311,7 +312,7 @@ def cp_exchange_bytes(config: JobConfig, s: _Shapes, tokens: float, t: int, cp: 
 def cp_saved_bytes(config: JobConfig, s: _Shapes, tokens: float, t: int, cp: int, a: int, mode: str,
                    device: str) -> float:
     """Bytes one layer saves for backward of CP's gathered keys and values (module docstring)."""
-    if not gathers_keys_and_values(config) or mode == "full":
+    if not gathers_keys_and_values(config) or mode in ("full", "op"):
         return 0.0
     return cp * tokens * _cp_key_value_width(config, s, t, device) * a
 
