@@ -222,8 +222,8 @@ def shard_documents(cp_mesh: DeviceMesh, document_ids: Tensor | None, tensors: l
     per_rank = CHUNKS_PER_RANK if document_ids is not None else CAUSAL_CHUNKS_PER_RANK
     num_chunks = per_rank * cp
     if document_ids is None or torch_compat.is_fake(document_ids):
-        # A dry run's tensors have no values to count; its sequences are one document each (dry_run.FAKE_BOS_ID),
-        # which head-tail balances exactly.
+        # Head-tail balances one document exactly: a causal sequence's, and a dry run's (its tensors have no values
+        # to count; its sequences are one document each, dry_run.FAKE_BOS_ID).
         order = head_tail_order(cp, per_rank)
     else:
         order = balanced_chunk_order(chunk_work(document_ids, num_chunks), cp)

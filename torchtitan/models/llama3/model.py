@@ -264,7 +264,7 @@ class Transformer(nn.Module):
         self.register_buffer("rope", rope_table(args, device=torch.device("meta")), persistent=False)
         # Document ids (None: one causal sequence) and positions -> the attention's mask, when context parallelism
         # attends to the keys of every rank (distributed/context_parallel.py: apply_document_cp).
-        self.build_document_mask: Callable[[torch.Tensor, torch.Tensor | None], DocumentMask] | None = None
+        self.build_document_mask: Callable[[torch.Tensor | None, torch.Tensor | None], DocumentMask] | None = None
 
     def forward(self, tokens: torch.Tensor, document_ids: torch.Tensor | None = None,
                 positions: torch.Tensor | None = None) -> torch.Tensor:
