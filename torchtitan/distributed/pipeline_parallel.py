@@ -130,6 +130,14 @@ def is_multi_stage(name: str) -> bool:
         return False
 
 
+def is_split_backward(name: str) -> bool:
+    """Whether schedule `name` runs each backward as an input- and a later weight-gradient pass."""
+    try:
+        return issubclass(resolve_schedule(name)[1], SPLIT_BACKWARD)
+    except UserError:
+        return False
+
+
 def resolve_schedule(name: str) -> tuple[str, type[Schedule]]:
     """The canonical name (matched case-insensitively, as torch does) and torch's schedule class."""
     canonical = {schedule.lower(): schedule for schedule in SCHEDULES}.get(name.lower())
