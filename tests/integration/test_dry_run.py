@@ -203,6 +203,26 @@ def test_out_of_memory_verdict_adds_the_planners_headroom():
     check_fits({"max_peak_memory_gib": 67.8, "max_device_peak_memory_gib": 67.8, "layout": layout}, gpu)
 
 
+@pytest.mark.parametrize("method", ["loco", pytest.param("error_feedback", marks=pytest.mark.slow),
+                                    pytest.param("qsdp", marks=pytest.mark.slow),
+                                    pytest.param("none", marks=pytest.mark.slow)])
+def test_a_rank_that_compresses_gradients_is_dry_run(tmp_path, method):
+    """FSDP 8 with each gradient compression: every FSDP module (6 blocks, the embedding, and the final norm with the
+    output layer, sharded together) reduces its gradients once a step, in one exchange of codes (an all-to-all)
+    that covers all its parameters, as a real run does. The memory tracker had split the norm and output layer's
+    group into one reduction per module: the first, before the norm's gradient existed, was refused by the
+    compressed reduce-scatter (a row without the norm's values), and without compression it was a reduce-scatter
+    too many, with the output layer gathered again."""
+    report = dry_run(tmp_path, 8, "--comm.gradient_compression", method, "--training.seq_len", "128",
+                     "--training.local_batch_size", "2")
+    found = collectives(report)
+    exchange = ("reduce_scatter" if method == "none" else "all_to_all", "dp_shard")
+    assert found[exchange]["count"] == 8, report["collectives"]
+    assert method == "none" or ("reduce_scatter", "dp_shard") not in found
+    # Forward gathers all 8 modules; backward gathers again all but the output layer's group (kept gathered).
+    assert found[("all_gather", "dp_shard")]["count"] == 15
+
+
 def test_flexdemo_exchanges_its_components_once_per_step(tmp_path):
     """FlexDeMo compiles its own selection kernel; a dry run runs it eagerly, like the model (a compiled kernel would
     read the storage fake tensors do not have), and its one exchange per step is one all-gather across replicas of
