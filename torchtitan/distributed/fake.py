@@ -155,8 +155,8 @@ def dry_run_patches(target_device: str, fake_tensors: bool = True) -> contextlib
     stack.enter_context(_replaced(ShardingPropagator, "_propagate_tensor_meta_non_cached",
                                   _separate_propagation(propagate)))
     stack.enter_context(_replaced(torch.Tensor, "pin_memory", _pinning_without_storage(torch.Tensor.pin_memory)))
-    # torch.compile that components call themselves (FlexDeMo's selection) runs eagerly, as the model does: a compiled
-    # kernel would read the storage fake tensors do not have.
+    # torch.compile that components call themselves (FlexAttention and its block mask on the GPU path) runs eagerly,
+    # as the model does: a compiled kernel would read the storage fake tensors do not have.
     stack.enter_context(torch._dynamo.config.patch(disable=True))
     try:
         from torchao.float8.fsdp_utils import WeightWithDynamicFloat8CastTensor
