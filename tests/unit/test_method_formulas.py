@@ -103,7 +103,8 @@ def test_ranger21_positive_negative_momentum_stable_weight_decay_and_norm_loss()
     weight, grads = torch.randn(shape, generator=torch.Generator().manual_seed(3)), gradients(shape, steps=3)
     result = run(lambda p: Ranger21([{"params": [p], "weight_decay": WD}], lr=LR, betas=(beta1, beta2), eps=eps,
                                     agc_clip=0.0, agc_eps=1e-3, gradient_centralization=False, pnm_momentum=b0,
-                                    norm_loss=norm_loss, lookahead_steps=0, lookahead_alpha=0.5), weight, grads)
+                                    norm_loss=norm_loss, lookahead_steps=0, lookahead_alpha=0.5,
+                                    gradient_normalization=False, softplus=False), weight, grads)
     expected = weight.clone()
     positive, negative, v = torch.zeros(shape), torch.zeros(shape), torch.zeros(shape)
     for t, grad in enumerate(grads, 1):
@@ -120,6 +121,45 @@ def test_ranger21_positive_negative_momentum_stable_weight_decay_and_norm_loss()
         expected = expected * (1 - LR * 2 * norm_loss * (1 - 1 / (expected.norm(dim=1, keepdim=True) + 1e-8)))
         expected = expected - LR / (1 - beta1 ** t) * momentum / (v_hat.sqrt() + eps)
     assert torch.allclose(result, expected, atol=1e-6)
+
+
+@pytest.mark.parametrize("shape", [(8, 12), (40,)], ids=["matrix", "vector"])
+def test_ranger21_normalized_centralized_gradient_and_softplus_denominator(shape):
+    """The reference's defaults using_normgc and softplus (lessw2020/Ranger21): each row of a matrix's gradient
+    loses its mean, then the gradient is divided by its unbiased standard deviation over the whole tensor plus 1e-8
+    (a vector only by that), and both moments see that gradient; Adam's denominator sqrt(v_hat) + eps becomes
+    softplus(x) = ln(1 + exp(50 x)) / 50. Gradients of order 1e-3, so that the normalisation scales them by about
+    1e3, and half of the denominators are small enough for softplus to lift them."""
+    beta1, beta2, eps, b0 = 0.9, 0.99, 1e-8, 1.0
+    weight = torch.randn(shape, generator=torch.Generator().manual_seed(3))
+    grads = [grad * 1e-3 for grad in gradients(shape, steps=3)]
+    result = run(lambda p: Ranger21([{"params": [p], "weight_decay": 0.0}], lr=LR, betas=(beta1, beta2), eps=eps,
+                                    agc_clip=0.0, agc_eps=1e-3, gradient_centralization=True, pnm_momentum=b0,
+                                    norm_loss=0.0, lookahead_steps=0, lookahead_alpha=0.5), weight, grads)
+    expected = weight.clone()
+    positive, negative, v = torch.zeros(shape), torch.zeros(shape), torch.zeros(shape)
+    for t, grad in enumerate(grads, 1):
+        if len(shape) > 1:
+            grad = grad - grad.mean(dim=1, keepdim=True)
+        n = grad.numel()
+        grad = grad / (((grad - grad.mean()) ** 2).sum() / (n - 1)).sqrt().add(1e-8)
+        if t % 2:
+            positive = beta1 ** 2 * positive + (1 - beta1 ** 2) * grad
+            this, other = positive, negative
+        else:
+            negative = beta1 ** 2 * negative + (1 - beta1 ** 2) * grad
+            this, other = negative, positive
+        v = beta2 * v + (1 - beta2) * grad * grad
+        denominator = (v / (1 - beta2 ** t)).sqrt() + eps
+        denominator = denominator + torch.log1p(torch.exp(-50 * denominator)) / 50  # ln(1 + e^(50 x)) / 50, x > 0
+        momentum = ((1 + b0) * this - b0 * other) / math.sqrt((1 + b0) ** 2 + b0 ** 2)
+        expected = expected - LR / (1 - beta1 ** t) * momentum / denominator
+    assert torch.allclose(result, expected, atol=1e-6)
+    plain = run(lambda p: Ranger21([{"params": [p], "weight_decay": 0.0}], lr=LR, betas=(beta1, beta2), eps=eps,
+                                   agc_clip=0.0, agc_eps=1e-3, gradient_centralization=True, pnm_momentum=b0,
+                                   norm_loss=0.0, lookahead_steps=0, lookahead_alpha=0.5,
+                                   gradient_normalization=False, softplus=False), weight, grads)
+    assert not torch.allclose(plain, expected, atol=1e-4)  # the two components change the step
 
 
 # FlexDeMo at three replicas: DeMo's step (bloc97/DeMo, demo.py), written out again below.

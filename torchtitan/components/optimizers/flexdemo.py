@@ -189,8 +189,8 @@ class FlexDeMo(torch.optim.Optimizer):
         shape = tuple(delta.shape)
         height, width = tile_shape(shape, self.chunk_size)
         coefficients = transform(to_tiles(delta, self.chunk_size), height, width)
-        indices = coefficients.abs().topk(sent_per_tile(shape, self.chunk_size, self.topk), dim=1,
-                                          sorted=False).indices
+        # Sorted: torch's CPU topk took 26x longer unsorted (92 ms against 3.5 ms for the 144 tiles of 2304 x 256).
+        indices = coefficients.abs().topk(sent_per_tile(shape, self.chunk_size, self.topk), dim=1).indices
         values = coefficients.gather(1, indices)
         sent = torch.zeros_like(coefficients).scatter_(1, indices, values)
         delta.sub_(from_tiles(transform(sent, height, width, inverse=True), shape, self.chunk_size))
