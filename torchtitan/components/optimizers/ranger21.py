@@ -62,6 +62,9 @@ class Ranger21Options:
 
     TABLE: ClassVar[str] = "ranger21"
     OLD_PREFIX: ClassVar[str] = "ranger_"  # optimizer.ranger_<option>, deprecated
+    # The options that had flat names (the softplus and normalisation options came with the table).
+    OLD_OPTIONS: ClassVar[tuple[str, ...]] = ("agc_clip", "agc_eps", "gradient_centralization", "pnm_momentum",
+                                              "norm_loss", "lookahead_steps", "lookahead_alpha")
 
     agc_clip: float = 0.01
     """Ranger21: adaptive gradient clipping, the largest ratio of a unit's gradient norm to its weight norm (a unit: a row of a matrix, a whole vector). 0 disables it."""
