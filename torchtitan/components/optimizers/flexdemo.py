@@ -31,7 +31,7 @@ parameter's dtype: 6 bytes per sent coefficient, 32 of each 4096-value tile by d
 Under HSDP, FSDP shards and reduce-scatters within a replica (a host) as usual; this optimizer then owns the
 exchange across replicas: one all-gather per step of every parameter's payload. Each replica sends (R - 1) / R of
 the gathered payload, so the bytes per rank grow with the replica count R where a ring all-reduce's stay near twice
-the tensor: docs/recipes.md, "FlexDeMo at more replicas", has the table.
+the tensor: docs/recipes.md, "FlexDeMo: DeMo's step, at more replicas", has the table.
 """
 
 import functools

@@ -11,7 +11,8 @@ Compensation (`comp_t` is what is added to step t's gradient before quantizing; 
   fp32, `comp_{t+1} = e_t`. After any number of steps, what was sent plus the residuals equals the sum of the
   gradients. 4 bytes per value of the input, every rank.
 - `LoCo` (Xie et al., "LoCo: Low-Bit Communication Adaptor for Large-scale Model Training", 2024), as DeepSpeed
-  implements it (ZeRO++'s `zeropp_loco_param`: `loco_swizzled_quant_kernel` and `all_to_all_loco_quant_reduce`):
+  implements it (ZeRO++'s `zeropp_loco_param`: `loco_swizzled_quant_kernel` and `all_to_all_loco_quant_reduce`, the
+  code the authors link to, DeepSpeed PR 6730):
   the compensation is a moving average of the compensation errors, `e_t = beta * e_{t-1} + (1 - beta) *
   (h_t - Q(h_t))`, `comp_{t+1} = e_t`, stored between steps as 8-bit blockwise codes (about 1 byte per value), and
   reset to zero every `reset_interval` optimizer steps (the error of steps long past no longer estimates the
