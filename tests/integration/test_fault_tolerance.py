@@ -268,7 +268,8 @@ def compression_state(checkpoint: Path) -> dict:
     return {key: value for key, value in state.items() if "compression." in key}
 
 
-@pytest.mark.parametrize("method", ["loco", pytest.param("error_feedback", marks=pytest.mark.slow)])
+@pytest.mark.slow
+@pytest.mark.parametrize("method", ["loco", "error_feedback"])
 def test_a_skipped_step_leaves_the_compensation_state_as_it_was(tmp_path, method):
     """Compressed gradients (FSDP 2, 2 micro-batches a step) with on_nonfinite = skip, the spike guard and re-runs
     of skipped steps. Every rank's loss is NaN in step 3, rank 1's is 100x in step 6 (in every computation of the
@@ -301,6 +302,7 @@ def test_a_skipped_step_leaves_the_compensation_state_as_it_was(tmp_path, method
     assert all(isinstance(losses[step], float) and math.isfinite(losses[step]) for step in (4, 5, 7, 8)), losses
 
 
+@pytest.mark.slow
 def test_a_gradient_spike_on_one_flexdemo_replica_is_skipped_by_every_replica(tmp_path):
     """FlexDeMo on 2 DDP replicas, which never all-reduce their gradients: each replica's gradient norm is its own.
     Rank 1's gradients are 100x in step 5 (its loss is not). The spike guard decides on the replicas' root mean

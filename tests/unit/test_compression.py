@@ -177,6 +177,24 @@ def test_a_dropped_step_leaves_the_compensation_as_it_was(compensation):
     assert not torch.equal(compensation.raw, before)
 
 
+def test_the_optimizer_step_commits_the_compensation_and_dropped_gradients_discard_it():
+    """The trainer's two ends of a step: `step()` applies the gradients and commits what their reductions staged;
+    `zero_grad()` (a skipped update, the start of a re-run, a step torchft did not commit) drops them and it."""
+    from types import SimpleNamespace
+
+    from torchtitan.components.optimizer import build_optimizers
+
+    model = torch.nn.Linear(4, 4)
+    container = build_optimizers([model], JobConfig().optimizer)
+    calls = []
+    container.compression = SimpleNamespace(commit=lambda: calls.append("commit"),
+                                            discard=lambda: calls.append("discard"))
+    model.weight.grad, model.bias.grad = torch.ones(4, 4), torch.ones(4)
+    container.step()
+    container.zero_grad()
+    assert calls == ["commit", "discard"]
+
+
 @pytest.mark.parametrize("compensation", [ErrorFeedback(), LoCo(0.8, 0, [128])], ids=["error_feedback", "loco"])
 def test_state_set_by_a_checkpoint_is_recorded_on_the_reduction_stream(monkeypatch, compensation):
     """A checkpoint sets the state on the default stream; the reduction reads and releases it on FSDP's
