@@ -366,8 +366,9 @@ class CheckpointManager:
             # stays allocated between saves, as a background write needs it anyway. The copy runs in a thread of
             # the stager, beside the next step's forward and backward, which write into neither the weights nor the
             # optimizer state it copies (a compressed reduce-scatter makes new tensors of the compensation state it
-            # stages, which the optimizer step, after this copy, commits). With async_with_pinned_mem the buffers are shared memory (pinned too on CUDA, copied
-            # without blocking) that the checkpoint process reads without another copy.
+            # stages, which the optimizer step, after this copy, commits). With async_with_pinned_mem the buffers
+            # are shared memory (pinned too on CUDA, copied without blocking) that the checkpoint process reads
+            # without another copy.
             pinned_mode = config.async_mode == "async_with_pinned_mem"
             on_cuda = torch.cuda.is_available()
             self._stager = DefaultStager(StagingOptions(use_pinned_memory=pinned_mode and on_cuda,
