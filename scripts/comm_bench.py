@@ -23,8 +23,7 @@ Recipes and their baselines:
     qsdp8           + 8-bit weights (stochastic rounding) and 8-bit stochastically rounded gradients
     qsdp8_hadamard  + the Hadamard rotation
     ddp             one replica per host, AdamW, gradients all-reduced (the baseline of flexdemo)
-    flexdemo        one replica per host, FlexDeMo (DCT top-8 of 64 per chunk exchanged)
-    flexdemo_tiles  + DCT over 8 x 8 tiles of each matrix (DeMo's reference's 2-D transform)
+    flexdemo        one replica per host, FlexDeMo (DeMo's step: each 64 x 64 DCT tile's top 32 exchanged)
     muon            FSDP, Muon (its Newton-Schulz spread over the ranks, the results all-gathered)
     galore          FSDP, GaLore-AdamW (galore.scale 2, a subspace refresh every 75 steps)
     ranger21        FSDP, Ranger21 (weight decay 1e-4: its stable decay is in other units than AdamW's)
@@ -70,7 +69,6 @@ RECIPES: dict[str, tuple[str, list[str]]] = {
     "qsdp8_hadamard": ("fsdp", [*FSDP, *QSDP8, *HADAMARD]),
     "ddp": ("ddp", DDP),
     "flexdemo": ("ddp", [*DDP, "--optimizer.name", "FlexDeMo"]),
-    "flexdemo_tiles": ("ddp", [*DDP, "--optimizer.name", "FlexDeMo", "--optimizer.flexdemo.transform", "tiles"]),
     "muon": ("fsdp", [*FSDP, "--optimizer.name", "Muon"]),
     "galore": ("fsdp", [*FSDP, "--optimizer.name", "GaLore-AdamW", "--optimizer.galore.scale", "2",
                         "--optimizer.galore.update_gap", "75"]),

@@ -45,12 +45,17 @@ class OptimizersContainer(Stateful):
                    for value in state.values() if isinstance(value, torch.Tensor))
 
     def step(self) -> None:
+        """Apply the gradients; the compensation state their compressed reductions staged is committed with them."""
         for optimizer in self.optimizers:
             optimizer.step()
+        self.compression.commit()
 
     def zero_grad(self) -> None:
+        """Drop the gradients, and the compensation state their reductions staged: a step whose update is skipped
+        (or run again, health.rerun_bad_steps) leaves that state as it was before the step."""
         for optimizer in self.optimizers:
             optimizer.zero_grad(set_to_none=True)
+        self.compression.discard()
 
     def state_dict(self) -> dict:
         """Reads the state, never changes it: a run that saves trains exactly as one that does not.

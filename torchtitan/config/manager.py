@@ -653,11 +653,6 @@ def validate(config: JobConfig) -> None:
     if config.checkpoint.keep_latest_k < 0:
         raise UserError(f"option checkpoint.keep_latest_k: {config.checkpoint.keep_latest_k} must be 0 (keep all) "
                         f"or positive")
-    if config.health.rerun_bad_steps and config.comm.gradient_compression != "none":
-        raise UserError(f"option health.rerun_bad_steps: cannot be used with comm.gradient_compression = "
-                        f"{config.comm.gradient_compression!r} (its reduce-scatter keeps an error state or rounds at "
-                        f"random, so a re-run is not the same computation); set comm.gradient_compression = 'none' "
-                        f"or health.no_rerun_bad_steps")
     if config.fault_tolerance.enable:
         _validate_fault_tolerance(config)
 

@@ -100,6 +100,11 @@ PRIVATE_NAMES: dict[str, PrivateName] = {
                              "dry_run"),
     "fake_collectives": PrivateName(("torch.distributed._tools.fake_collectives",), "dry_run"),
     "FSDPMemTracker": PrivateName(("torch.distributed._tools.fsdp2_mem_tracker:FSDPMemTracker",), "dry_run"),
+    # The tracker's own records (fake.py hooks an FSDP group as FSDP itself does, not module by module).
+    "FSDPSavedMethods": PrivateName(("torch.distributed._tools.fsdp2_mem_tracker:_SavedFSDPMethods",), "dry_run"),
+    "FSDPRefType": PrivateName(("torch.distributed._tools.fsdp2_mem_tracker:_FSDPRefType",), "dry_run"),
+    "register_group_forward_hooks": PrivateName(
+        ("torch.distributed.fsdp._fully_shard._fsdp_state:_register_group_forward_hooks",), "dry_run"),
     "MemTracker": PrivateName(("torch.distributed._tools.mem_tracker:MemTracker",), "dry_run"),
     "TorchDispatchMode": PrivateName(("torch.utils._python_dispatch:TorchDispatchMode",), "dry_run"),
     "ShardingPropagator": PrivateName(("torch.distributed.tensor._sharding_prop:ShardingPropagator",), "dry_run"),

@@ -140,6 +140,26 @@ def exact_where_it_fits(template: dict[str, Any], saved: dict[str, Any], prefix:
     return {key: value for key, value in template.items() if not key.startswith(EXACT) or fits(key, value)}
 
 
+def require_saved_optimizer_state(checkpoint: Path, template: dict[str, Any], saved: dict[str, Any]) -> None:
+    """One clear error for optimizer state the run expects and the checkpoint (`saved`, its metadata) lacks: it was
+    written by another optimizer, or by a version of this one that kept other state (DCP's own error names the key
+    as a corrupt or truncated checkpoint's)."""
+    for key in template:
+        if key.startswith(EXACT) or f"optimizer.{key}" in saved:
+            continue
+        hint = ""
+        if key.startswith("compression."):
+            hint = (" (gradient compression's state: the checkpoint was saved with another "
+                    "comm.gradient_compression)")
+        elif key.endswith(".delta") and f"optimizer.{key.removesuffix('delta')}momentum" in saved:
+            hint = (" (it is an earlier FlexDeMo's: its momentum, in units of the gradient, became DeMo's delta, in "
+                    "units of the learning-rate-scaled gradient, which cannot be derived without the learning rate "
+                    "of every past step)")
+        raise UserError(f"checkpoint {checkpoint} holds no optimizer.{key}: its optimizer state was saved by another "
+                        f"optimizer or another version of it{hint}; resume with the optimizer that saved it, or start "
+                        f"the optimizer state afresh with checkpoint.exclude_from_loading = ['optimizer']")
+
+
 def _rank() -> int:
     return dist.get_rank() if dist.is_initialized() else 0
 
@@ -345,9 +365,11 @@ class CheckpointManager:
             # Staging copies the state into CPU buffers that the stager keeps and refills at every save (a fresh
             # copy per save would first fault in every page of new memory); one host copy of this rank's state
             # stays allocated between saves, as a background write needs it anyway. The copy runs in a thread of
-            # the stager, beside the next step's forward and backward, which change neither weights nor optimizer
-            # state. With async_with_pinned_mem the buffers are shared memory (pinned too on CUDA, copied
-            # without blocking) that the checkpoint process reads without another copy.
+            # the stager, beside the next step's forward and backward, which write into neither the weights nor the
+            # optimizer state it copies (a compressed reduce-scatter makes new tensors of the compensation state it
+            # stages, which the optimizer step, after this copy, commits). With async_with_pinned_mem the buffers
+            # are shared memory (pinned too on CUDA, copied without blocking) that the checkpoint process reads
+            # without another copy.
             pinned_mode = config.async_mode == "async_with_pinned_mem"
             on_cuda = torch.cuda.is_available()
             self._stager = DefaultStager(StagingOptions(use_pinned_memory=pinned_mode and on_cuda,
@@ -512,6 +534,8 @@ class CheckpointManager:
             check_model_shape(checkpoint, self.model_args)
             self._check_model_shapes(checkpoint, saved)
         state_dict = {self._key(part): self._load_template(part, saved) for part in present}
+        if "optimizer" in present:
+            require_saved_optimizer_state(checkpoint, state_dict["optimizer"], saved)
         files = list(checkpoint.glob("*.distcp"))
         logger.info(f"Loading {', '.join(present)} from {checkpoint} ({len(files)} files, "
                     f"{sum(f.stat().st_size for f in files) / 2**30:.2f} GiB)")

@@ -75,12 +75,12 @@ def validate_compression(config: JobConfig, parallel_dims: ParallelDims) -> None
                             "this layout has one (data_parallel_replicate_degree = 1); set it to 2 or more (HSDP, "
                             "or DDP when data_parallel_shard_degree = 1)")
         demo = optimizer.flexdemo
-        if not 1 <= demo.chunk_size <= 256:
-            raise UserError(f"option optimizer.flexdemo.chunk_size: {demo.chunk_size} must be in [1, 256] "
-                            f"(coefficient indices travel as one byte)")
-        if not 1 <= demo.topk <= demo.chunk_size:
-            raise UserError(f"option optimizer.flexdemo.topk: {demo.topk} must be in [1, chunk_size = "
-                            f"{demo.chunk_size}]")
+        if not 1 <= demo.chunk_size <= 128:
+            raise UserError(f"option optimizer.flexdemo.chunk_size: {demo.chunk_size} must be in [1, 128] "
+                            f"(a coefficient's index in its tile of up to chunk_size x chunk_size travels as int16)")
+        if not 1 <= demo.topk <= demo.chunk_size ** 2:
+            raise UserError(f"option optimizer.flexdemo.topk: {demo.topk} must be in [1, chunk_size^2 = "
+                            f"{demo.chunk_size ** 2}] (the coefficients of a tile)")
         if not 0.0 <= demo.momentum_decay < 1.0:
             raise UserError(f"option optimizer.flexdemo.momentum_decay: {demo.momentum_decay} must be in [0, 1)")
     comm = config.comm
@@ -238,7 +238,8 @@ class CompressionState(Stateful):
       per shard, one reduce-scatter), sharded like the parameter, so that it reshards to any layout as the optimizer
       state does. Where the verbatim state does not fit the layout (another data-parallel degree), each shard's
       total is loaded into the shard's own rank.
-    LoCo's step count (for its periodic reset) is saved as `loco_steps`.
+    LoCo's step count (for its periodic reset) is saved as `loco_steps`. Reductions stage the state; `commit` and
+    `discard` settle it once the step's update is applied or dropped (OptimizersContainer calls them).
     """
 
     def __init__(self, model_parts: list[nn.Module], replicate_group: dist.ProcessGroup | None = None):
@@ -252,6 +253,16 @@ class CompressionState(Stateful):
 
     def __bool__(self) -> bool:
         return bool(self.entries)
+
+    def commit(self) -> None:
+        """The optimizer applied the step's gradients: what their reductions staged becomes the state."""
+        for comm, _, _ in self.entries:
+            comm.compensation.commit()
+
+    def discard(self) -> None:
+        """The step's gradients were dropped: the state stays what it was before the step."""
+        for comm, _, _ in self.entries:
+            comm.compensation.discard()
 
     def _layout(self, group):
         offset = 0
