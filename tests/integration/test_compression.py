@@ -126,11 +126,11 @@ def test_loco_and_qsdp_compose_with_tensor_and_pipeline_parallelism(tmp_path, co
 @pytest.mark.slow
 def test_flexdemo_checkpoint_reshards_from_ddp_to_hsdp(tmp_path, corpus):
     """FlexDeMo's deltas are saved one per parameter, sharded like it: DDP 2's step-4 checkpoint resumes on HSDP
-    2 x 2 (4 ranks) and follows the DDP run. Not closely: each replica resumes from the replicas' mean delta, not
-    its own, and with 32 of each tile's 4096 coefficients sent a step, most of a delta is its replica's own unsent
-    history, which the mean halves (the shards' tiles are the whole tensors' here: every shard boundary is a
-    multiple of 64 rows). A smoke test of the trainer's path (measured 1.2e-3; the mean itself is
-    tests/unit/test_flexdemo.py's)."""
+    2 x 2 (4 ranks). The first resumed step's loss is the forward of the step-4 weights on the same global batch, so
+    it equals the DDP run's step 5 (fp32, 1e-5). Later steps differ by design, not by resharding: FlexDeMo keeps one
+    momentum per replica, and HSDP's replica 0 reads windows 0 and 1 of a step where DDP's reads windows 0 and 2 (rank
+    r of D data-parallel ranks takes window r), so each replica's delta sees other gradients (measured 1.2e-3 by step
+    8): they must stay finite."""
     args = [*BASE, "--training.dataset_path", str(corpus), "--optimizer.name", "FlexDeMo", *CHECKPOINT,
             "--parallelism.data_parallel_replicate_degree", "2"]
     ddp = train(tmp_path / "ddp", 2, [*args, "--training.local_batch_size", "2"])
@@ -139,6 +139,6 @@ def test_flexdemo_checkpoint_reshards_from_ddp_to_hsdp(tmp_path, corpus):
     hsdp = train(tmp_path / "hsdp", 4, [*args, "--training.local_batch_size", "1",
                                         "--parallelism.data_parallel_shard_degree", "2"])
     assert [row["step"] for row in hsdp if "loss" in row] == list(range(SAVED_STEP + 1, STEPS + 1))
-    difference = max_relative_difference(losses(hsdp), losses(after_save(ddp)))
-    print(f"FlexDeMo DDP 2 -> HSDP 2 x 2: max relative loss difference of steps 5-8 {difference:.2e}")
-    assert difference < 1e-2
+    resumed, straight = losses(hsdp), losses(after_save(ddp))
+    assert max_relative_difference(resumed[:1], straight[:1]) < 1e-5
+    assert all(torch.isfinite(torch.tensor(resumed)))
