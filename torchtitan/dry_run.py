@@ -34,11 +34,10 @@ from pathlib import Path
 import torch
 
 from torchtitan.config import JobConfig, to_toml
+from torchtitan.config.compatibility import check_composition, setup_of
 from torchtitan.distributed import torch_compat
 from torchtitan.distributed.fake import GIB, CollectiveCounter, StepMemoryTracker, dry_run_patches
 from torchtitan.distributed.parallel_dims import ParallelDims
-from torchtitan.distributed.pipeline_parallel import (SCHEDULE_OPTION, SPLIT_BACKWARD, resolve_schedule,
-                                                      whole_backward_schedules)
 from torchtitan.errors import UserError
 from torchtitan.models.llama3.args import model_args_for, shape_overrides
 from torchtitan.models.llama3.parallelize import validate_parallelism
@@ -89,13 +88,7 @@ def dry_run_config(config: JobConfig, world_size: int) -> JobConfig:
     dims = ParallelDims.from_config(config.parallelism, world_size)
     validate_parallelism(model_args_for(config.model.flavor, config.training.seq_len,
                                         overrides=shape_overrides(config.model)), dims, config, config.comm.fake_device)
-    schedule, schedule_class = resolve_schedule(config.parallelism.pipeline_parallel_schedule)
-    if dims.pp > 1 and issubclass(schedule_class, SPLIT_BACKWARD):
-        raise UserError(f"option {SCHEDULE_OPTION}: the dry run cannot trace {schedule}, which splits each backward "
-                        f"into input- and weight-gradient passes (torch.autograd.grad) that torch's memory tracker "
-                        f"cannot follow (its module tracker's gradient hooks fail there); dry-run the same stages "
-                        f"with {', '.join(whole_backward_schedules())}, or predict {schedule} with scripts/plan.py "
-                        f"--predict, which counts the micro-batches it keeps until their weight passes")
+    check_composition(setup_of(config, dims, config.comm.fake_device))
     peak_flops = config.metrics.peak_flops
     if config.comm.fake_device == "cuda" and not peak_flops:
         peak_flops = gpu_named(config.comm.fake_gpu, "comm.fake_gpu").bf16_flops

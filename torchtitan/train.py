@@ -33,6 +33,7 @@ from torchtitan.components.optimizer import build_optimizers
 from torchtitan.components.profiling import maybe_enable_memory_snapshot, maybe_enable_profiling
 from torchtitan.components.tokenizer import build_model_tokenizer
 from torchtitan.config import JobConfig, parse_args, save_config, to_toml, validation_shape
+from torchtitan.config.compatibility import check_composition, setup_of
 from torchtitan.distributed import utils as dist_utils
 from torchtitan.distributed.compile import compile_loss
 from torchtitan.distributed.compression import (compensation_state_bytes, compression_stats,
@@ -76,6 +77,8 @@ class Trainer:
         self.target_device_type = config.comm.fake_device if self.fake_tensors else self.device.type
         self.rank, world_size = dist.get_rank(), dist.get_world_size()
         self.parallel_dims = ParallelDims.from_config(config.parallelism, world_size)
+        # Pairs of features that do not compose are refused before anything is built (config/compatibility.py).
+        check_composition(setup_of(config, self.parallel_dims, self.target_device_type))
         self.world_mesh = self.parallel_dims.build_mesh(self.device.type)
         logger.info(f"{config.job.description}: {world_size} process(es) on {self.device.type}, mesh "
                     f"{self.parallel_dims.describe()}")

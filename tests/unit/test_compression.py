@@ -16,6 +16,7 @@ from torch.distributed.fsdp._fully_shard._fsdp_api import AllGather
 from tests.unit.forked_ranks import run_ranks
 from torchtitan.components.checkpoint import read_metadata
 from torchtitan.components.checkpoint.manager import exact_where_it_fits
+from torchtitan.config.compatibility import check_composition, setup_of
 from torchtitan.config.job_config import JobConfig
 from torchtitan.config.manager import get_option
 from torchtitan.distributed.compression import (EXACT, CompressionState, _param_groups, apply_compression,
@@ -248,6 +249,12 @@ def layout(replicate: int = 1, shard: int = 2) -> ParallelDims:
     return ParallelDims(dp_replicate=replicate, dp_shard=shard, cp=1, tp=1, pp=1, world_size=replicate * shard)
 
 
+def start_up_checks(config: JobConfig, dims: ParallelDims) -> None:
+    """What the trainer checks of compression before it builds anything: the options' values, then the pairs."""
+    validate_compression(config)
+    check_composition(setup_of(config, dims, "cpu"))
+
+
 def config_with(**comm) -> JobConfig:
     """`comm` options by name, a method's own as `table.option` (loco.beta)."""
     config = JobConfig()
@@ -261,15 +268,17 @@ def config_with(**comm) -> JobConfig:
     ({"gradient_bits": 5}, layout(), r"comm.gradient_bits: 5 is not one of 4, 8"),
     ({"weight_quantization": "qsdp", "weight_bits": 16}, layout(), r"comm.weight_bits: 16 is not one of 4, 8"),
     ({"quantization_rotation": "hadamard"}, layout(), r"quantization_rotation: 'hadamard' .* nothing is"),
-    ({"gradient_compression": "loco"}, layout(shard=1), r"gradient_compression = loco: .* no FSDP"),
-    ({"gradient_compression": "loco"}, layout(replicate=2), r"does not compose with data_parallel_replicate"),
-    ({"weight_quantization": "qsdp"}, layout(replicate=2, shard=1), r"weight_quantization = qsdp: .* no FSDP"),
+    ({"gradient_compression": "loco"}, layout(shard=1), r"option comm.gradient_compression.*: does not compose with .*\(no FSDP\)"),
+    ({"gradient_compression": "loco"}, layout(replicate=2),
+     r"option comm.gradient_compression .*: does not compose with data_parallel_replicate_degree > 1"),
+    ({"weight_quantization": "qsdp"}, layout(replicate=2, shard=1),
+     r"option comm.weight_quantization = 'qsdp': does not compose with .*\(no FSDP\)"),
     ({"gradient_compression": "loco", "loco.beta": 1.0}, layout(), r"comm.loco.beta: 1.0 must be in \[0, 1\)"),
     ({"gradient_compression": "loco", "loco.reset_interval": -1}, layout(), r"comm.loco.reset_interval: -1 must"),
 ])
 def test_bad_values_and_combinations_are_refused(comm, dims, message):
     with pytest.raises(UserError, match=message):
-        validate_compression(config_with(**comm), dims)
+        start_up_checks(config_with(**comm), dims)
 
 
 def flexdemo(**options) -> JobConfig:
@@ -281,27 +290,28 @@ def flexdemo(**options) -> JobConfig:
 
 
 @pytest.mark.parametrize("options,dims,message", [
-    ({}, layout(), r"optimizer.name: FlexDeMo .*\(data_parallel_replicate_degree = 1\)"),
+    ({}, layout(), r"option optimizer.name = 'FlexDeMo': does not compose with data_parallel_replicate_degree = 1"),
     ({"chunk_size": 256}, layout(replicate=2), r"optimizer.flexdemo.chunk_size: 256 must be in \[1, 128\]"),
     ({"topk": 4097}, layout(replicate=2), r"optimizer.flexdemo.topk: 4097 must be in \[1, chunk_size\^2 = 4096\]"),
     ({"momentum_decay": 1.0}, layout(replicate=2), r"optimizer.flexdemo.momentum_decay: 1.0 must be in \[0, 1\)"),
 ])
 def test_bad_flexdemo_options_are_refused(options, dims, message):
     with pytest.raises(UserError, match=message):
-        validate_compression(flexdemo(**options), dims)
+        start_up_checks(flexdemo(**options), dims)
 
 
 def test_flexdemo_lets_loco_compress_within_replicas():
     config = flexdemo()
     config.comm.gradient_compression = "loco"
-    validate_compression(config, layout(replicate=2, shard=2))  # FSDP runs within each replica: no HSDP all-reduce
+    start_up_checks(config, layout(replicate=2, shard=2))  # FSDP runs within each replica: no HSDP all-reduce
 
 
 def test_qsdp_refuses_the_float8_all_gather():
     config = config_with(weight_quantization="qsdp")
+    config.model.converters = ["quantize.linear.float8"]
     config.quantize.linear.float8.enable_fsdp_float8_all_gather = True
     with pytest.raises(UserError, match="float8 all-gather"):
-        validate_compression(config, layout())
+        start_up_checks(config, layout())
 
 
 # ------------------------------------------------------------------------------------------------------------------

@@ -430,7 +430,7 @@ def test_rerun_bad_steps_is_refused_where_a_rerun_is_not_the_same_computation():
     # (tests/integration/test_fault_tolerance.py::test_a_skipped_step_leaves_the_compensation_state_as_it_was).
     for method in ("loco", "error_feedback", "qsdp"):
         parse_args(["--health.rerun_bad_steps", "--comm.gradient_compression", method])
-    with pytest.raises(UserError, match=r"option health.rerun_bad_steps: cannot be used with fault_tolerance.enable"):
+    with pytest.raises(UserError, match=r"option health.rerun_bad_steps: does not compose with fault_tolerance.enable"):
         parse_args(["--health.rerun_bad_steps", "--fault_tolerance.enable", "--fault_tolerance.group_size", "2"])
 
 

@@ -6,8 +6,9 @@ pair not listed composes, and tests/integration/test_composition.py walks a pair
 space to hold that claim (each cell trains with finite losses, or this table refuses it). The trainer calls
 `check_composition` before it builds anything, so a refused pair costs one error line and no compute:
 
-    error: options comm.gradient_compression = 'loco' and data_parallel_replicate_degree > 1 (HSDP) do not
-    compose: ...; shard over all data-parallel ranks, or ...
+    error: option comm.gradient_compression (loco, error_feedback, qsdp): does not compose with
+    data_parallel_replicate_degree > 1 (HSDP or DDP: ...) (FSDP2's replica all-reduce cannot be replaced ...); shard
+    over all data-parallel ranks (data_parallel_replicate_degree = 1), or exchange across replicas with FlexDeMo
 
 What a single option's value must be (a positive degree, a divisible sequence) is checked where the option is read
 (config/manager.py, the parallelize and pipeline plans); only pairs live here. A method registered in a registry
@@ -46,6 +47,8 @@ class Feature:
     option: str
     """How a user turns it on, as written in an error line."""
     on: Callable[[Setup], bool]
+    layout: bool = False
+    """It depends on the parallel degrees or the device, known when the run starts, not when its options are read."""
 
 
 def _ac(mode: str, option: str | None = None) -> Callable[[Setup], bool]:
@@ -67,15 +70,16 @@ def _float8(setup: Setup) -> bool:
 
 FEATURES: dict[str, Feature] = {
     # Layouts
-    "fsdp": Feature("data_parallel_shard_degree x context_parallel_degree > 1 (FSDP)", lambda s: s.fsdp),
-    "no_fsdp": Feature("data_parallel_shard_degree x context_parallel_degree = 1 (no FSDP)", lambda s: not s.fsdp),
+    "no_fsdp": Feature("data_parallel_shard_degree x context_parallel_degree = 1 (no FSDP)", lambda s: not s.fsdp,
+                       layout=True),
     "replica_all_reduce": Feature(
         "data_parallel_replicate_degree > 1 (HSDP or DDP: gradients all-reduced across replicas)",
-        lambda s: s.dp_replicate > 1 and s.config.optimizer.name != "FlexDeMo"),
-    "one_replica": Feature("data_parallel_replicate_degree = 1", lambda s: s.dp_replicate == 1),
-    "tp_on_cpu": Feature("tensor_parallel_degree > 1 on the CPU", lambda s: s.tp > 1 and s.device_type == "cpu"),
+        lambda s: s.dp_replicate > 1 and s.config.optimizer.name != "FlexDeMo", layout=True),
+    "one_replica": Feature("data_parallel_replicate_degree = 1", lambda s: s.dp_replicate == 1, layout=True),
+    "tp_on_cpu": Feature("tensor_parallel_degree > 1 on the CPU", lambda s: s.tp > 1 and s.device_type == "cpu",
+                         layout=True),
     "split_backward_pp": Feature("a split-backward pipeline schedule (InterleavedZeroBubble, ZBVZeroBubble, "
-                                 "DualPipeV)", lambda s: s.pp > 1 and s.split_backward_schedule),
+                                 "DualPipeV)", lambda s: s.pp > 1 and s.split_backward_schedule, layout=True),
     "cp_block_causal": Feature("context_parallel_degree > 1 with model.attention_mask = 'block_causal'",
                                lambda s: s.cp > 1 and s.config.model.attention_mask == "block_causal"),
     "cp_alltoall": Feature("parallelism.context_parallel_rotate_method = 'alltoall'",
@@ -89,16 +93,18 @@ FEATURES: dict[str, Feature] = {
         "quantize.linear.float8.precompute_float8_dynamic_scale_for_fsdp",
         lambda s: _float8(s) and s.config.quantize.linear.float8.enable_fsdp_float8_all_gather
         and s.config.quantize.linear.float8.precompute_float8_dynamic_scale_for_fsdp),
-    "float8_all_gather": Feature("quantize.linear.float8.enable_fsdp_float8_all_gather",
-                                 lambda s: _float8(s) and s.config.quantize.linear.float8.enable_fsdp_float8_all_gather),
+    "float8_all_gather": Feature(
+        "quantize.linear.float8.enable_fsdp_float8_all_gather",
+        lambda s: _float8(s) and s.config.quantize.linear.float8.enable_fsdp_float8_all_gather),
     "async_tp": Feature("parallelism.enable_async_tensor_parallel",
                         lambda s: s.config.parallelism.enable_async_tensor_parallel),
     "cpu_offload": Feature("training.enable_cpu_offload", lambda s: s.config.training.enable_cpu_offload),
-    "on_cpu": Feature("a run on the CPU", lambda s: s.device_type == "cpu"),
+    "on_cpu": Feature("a run on the CPU", lambda s: s.device_type == "cpu", layout=True),
     # Communication
     "gradient_compression": Feature("comm.gradient_compression (loco, error_feedback, qsdp)",
                                     lambda s: s.config.comm.gradient_compression != "none"),
-    "qsdp_weights": Feature("comm.weight_quantization = 'qsdp'", lambda s: s.config.comm.weight_quantization != "none"),
+    "qsdp_weights": Feature("comm.weight_quantization = 'qsdp'",
+                            lambda s: s.config.comm.weight_quantization != "none"),
     # Health and resilience
     "rerun_bad_steps": Feature("health.rerun_bad_steps", lambda s: s.config.health.rerun_bad_steps),
     "spike_guard": Feature("health.spike_sigma > 0", lambda s: s.config.health.spike_sigma > 0),
@@ -132,6 +138,10 @@ REFUSALS: list[Refusal] = [
             "gathers", "choose one of them"),
     Refusal("cp_block_causal", "cp_alltoall", "block-causal context parallelism all-gathers keys and values (ring "
             "attention is causal only)", "use parallelism.context_parallel_rotate_method = 'allgather'"),
+    Refusal("async_tp", "on_cpu", "async TP fuses collectives into matmuls through CUDA symmetric memory",
+            "turn it off, or run on CUDA GPUs"),
+    Refusal("async_tp", "no_compile_model", "async TP is a compiler pass over the model's blocks",
+            "set compile.enable = true with 'model' in compile.components"),
     Refusal("compile_model", "tp_on_cpu", "torch's compiled backward of a sequence-parallel block fails inside "
             "DTensor on the CPU", "leave 'model' out of compile.components under TP on the CPU (TP blocks compile "
             "on CUDA GPUs)"),
@@ -144,10 +154,6 @@ REFUSALS: list[Refusal] = [
     Refusal("dry_run", "split_backward_pp", "torch's memory tracker cannot follow the split backward's "
             "torch.autograd.grad passes", "dry-run the same stages with a whole-backward schedule, or predict "
             "the layout with scripts/plan.py --predict"),
-    Refusal("async_tp", "on_cpu", "async TP fuses collectives into matmuls through CUDA symmetric memory",
-            "turn it off, or run on CUDA GPUs"),
-    Refusal("async_tp", "no_compile_model", "async TP is a compiler pass over the model's blocks",
-            "set compile.enable = true with 'model' in compile.components"),
     Refusal("cpu_offload", "on_cpu", "it keeps FSDP's shards in host memory, where a CPU run keeps them already",
             "turn it off, or run on GPUs"),
     Refusal("cpu_offload", "no_fsdp", "it offloads FSDP's shards, and this layout has none",
@@ -206,8 +212,8 @@ def active_features(setup: Setup) -> set[str]:
 
 def refusal_message(refusal: Refusal) -> str:
     every = features()
-    return (f"options {every[refusal.first].option} and {every[refusal.second].option} do not compose: {refusal.why}; "
-            f"{refusal.instead}")
+    return (f"option {every[refusal.first].option}: does not compose with {every[refusal.second].option} "
+            f"({refusal.why}); {refusal.instead}")
 
 
 def refused_pairs(setup: Setup) -> list[Refusal]:
@@ -220,6 +226,17 @@ def check_composition(setup: Setup) -> None:
     """Refuse, in one line, the first pair of features of this run that does not compose."""
     if refused := refused_pairs(setup):
         raise UserError(refusal_message(refused[0]))
+
+
+def check_options(config: Any) -> None:
+    """The refusals that the options alone decide (neither feature depends on the layout or the device), when the
+    options are read: a mistake in a config file fails before any process starts."""
+    every = features()
+    setup = Setup(config, 1, 1, 1, 1, 1, device_type="")
+    active = {name for name, feature in every.items() if not feature.layout and feature.on(setup)}
+    for refusal in refusals():
+        if refusal.first in active and refusal.second in active:
+            raise UserError(refusal_message(refusal))
 
 
 def setup_of(config: Any, parallel_dims: Any, device_type: str) -> Setup:

@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 from torchtitan.config import job_config as job_config_module
+from torchtitan.config.compatibility import check_options
 from torchtitan.config.job_config import METHOD_REGISTRIES, JobConfig, MethodTables, method_options
 from torchtitan.errors import UserError
 from torchtitan.tools.files import atomic_write
@@ -558,7 +559,8 @@ def parse_args(argv: list[str] | None = None) -> JobConfig:
 
 
 def validate(config: JobConfig) -> None:
-    """Checks of single options and of options against each other that need no model or devices."""
+    """Checks of single options' values that need no model or devices (pairs of features that do not compose:
+    config/compatibility.py, checked when the run starts)."""
     positive = ["training.local_batch_size", "training.seq_len", "training.steps", "metrics.log_freq",
                 "training.gc_freq", "checkpoint.interval", "validation.local_batch_size", "validation.seq_len",
                 "validation.freq", "profiling.profile_freq", "comm.init_timeout_seconds",
@@ -631,22 +633,9 @@ def validate(config: JobConfig) -> None:
     if config.training.num_workers < 0:
         raise UserError(f"option training.num_workers: {config.training.num_workers} must be 0 (tokenize and read in "
                         f"the training process) or positive")
-    if config.model.attention_mask == "block_causal" and config.parallelism.context_parallel_degree > 1 and \
-            config.parallelism.context_parallel_rotate_method != "allgather":
-        raise UserError(f"option parallelism.context_parallel_rotate_method: "
-                        f"{config.parallelism.context_parallel_rotate_method!r} does not work with model.attention_mask "
-                        f"= 'block_causal', whose context parallelism all-gathers keys and values (ring attention is "
-                        f"causal only); use 'allgather'")
     if config.model.document_positions and config.model.attention_mask != "block_causal":
         raise UserError("option model.document_positions: true needs model.attention_mask = 'block_causal' (with "
                         "causal attention a document sees the ones before it, so its positions continue)")
-    if config.comm.mode == "fake_backend" and config.comm.fake_tensors and \
-            config.optimizer.name in ("AdamW-8bit", "AdamW-4bit"):
-        raise UserError(f"option optimizer.name: {config.optimizer.name} cannot run in a dry run on fake tensors "
-                        f"(comm.mode = 'fake_backend'): torchao compiles its step on real tensors; the dry run's fake "
-                        f"ones crash it. Dry-run with AdamW-bf16 and scale its optimizer state by the memory planner's "
-                        f"ratio (docs/recipes.md, Optimizers), run the rank on real tensors (--comm.no_fake_tensors), "
-                        f"or run on real devices")
     if config.health.straggler_factor <= 1:
         raise UserError(f"option health.straggler_factor: {config.health.straggler_factor} must be above 1 (a "
                         f"straggler is slower than the median by this factor)")
@@ -655,6 +644,7 @@ def validate(config: JobConfig) -> None:
                         f"or positive")
     if config.fault_tolerance.enable:
         _validate_fault_tolerance(config)
+    check_options(config)
 
 
 def _validate_fault_tolerance(config: JobConfig) -> None:
@@ -680,17 +670,6 @@ def _validate_fault_tolerance(config: JobConfig) -> None:
         if not 0 <= ft.outer_momentum < 1:
             raise UserError(f"option fault_tolerance.outer_momentum: {ft.outer_momentum} must be in [0, 1) (the "
                             f"DiLoCo outer step's Nesterov momentum; the DiLoCo paper's is 0.9)")
-    if config.health.rerun_bad_steps:
-        # The re-run's gradients would need the other groups' again, which have moved on.
-        raise UserError("option health.rerun_bad_steps: cannot be used with fault_tolerance.enable (a re-run would "
-                        "need the other replica groups' gradients of that step again); set health.no_rerun_bad_steps")
-    if config.health.spike_sigma > 0:
-        # Each group would judge its own loss: groups that decide differently would hold different weights.
-        raise UserError(f"option health.spike_sigma: {config.health.spike_sigma} cannot be used with "
-                        f"fault_tolerance.enable (each replica group judges its own loss); set it to 0")
-    if config.comm.mode == "fake_backend":
-        raise UserError("option fault_tolerance.enable: a dry run (comm.mode = 'fake_backend') plays one rank of one "
-                        "job; run it without fault_tolerance")
 
 
 def parse_script_args(parser: argparse.ArgumentParser, argv: list[str]) -> tuple[argparse.Namespace, list[str]]:

@@ -84,18 +84,6 @@ def plan_pipeline(model: nn.Module, pp_degree: int, config: JobConfig) -> Pipeli
                             f"whose stage placement the CSV uses: {', '.join(_multi_stage_schedules())}")
         if not os.path.isfile(csv_path):
             raise UserError(f"option {CSV_OPTION}: {csv_path!r} is not a file")
-    if config.compile.enable and "model" in config.compile.components and issubclass(schedule_class, SPLIT_BACKWARD):
-        # A compiled block's backward is one graph: it cannot run its input and weight gradients separately.
-        raise UserError(f"option compile.enable: schedule {name} splits each backward into input- and "
-                        f"weight-gradient passes, which compiled blocks cannot run; use another schedule "
-                        f"({', '.join(whole_backward_schedules())}), or leave model out of compile.components")
-    ac = config.activation_checkpoint
-    if ac.mode == "selective" and ac.selective_ac_option == "op" and issubclass(schedule_class, SPLIT_BACKWARD):
-        # torch's selective checkpoint hands each saved value to one backward; the weight pass is a second one.
-        raise UserError(f"option activation_checkpoint.selective_ac_option: per-op checkpointing lets a block run "
-                        f"backward once, and schedule {name} runs it twice (input, then weight gradients); use "
-                        f"activation_checkpoint.mode full or none, a per-block option (selective_ac_option = N), or "
-                        f"a schedule with whole backwards ({', '.join(whole_backward_schedules())})")
     n_microbatches = microbatch_count(config.training.local_batch_size, parallelism.pipeline_parallel_microbatch_size)
     n_layers = len(model.layers)
     split_points = parallelism.pipeline_parallel_split_points
@@ -144,11 +132,6 @@ def resolve_schedule(name: str) -> tuple[str, type[Schedule]]:
     if canonical is None:
         raise UserError(f"option {SCHEDULE_OPTION}: unknown schedule {name!r}; valid: {', '.join(SCHEDULES)}")
     return canonical, get_schedule_class(canonical)
-
-
-def whole_backward_schedules() -> list[str]:
-    """The schedules that run each backward whole (not split into input- and weight-gradient passes)."""
-    return [name for name in SCHEDULES if not issubclass(get_schedule_class(name), SPLIT_BACKWARD)]
 
 
 def _multi_stage_schedules() -> list[str]:

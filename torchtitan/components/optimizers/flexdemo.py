@@ -44,6 +44,7 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
 from torchtitan.components.optimizers import BuildContext, register_optimizer
+from torchtitan.config.compatibility import MethodRefusal
 from torchtitan.config.job_config import Optimizer as OptimizerConfig
 
 # Bytes per sent coefficient: an int16 index and an fp32 value.
@@ -241,7 +242,10 @@ def _delta_bytes(shape: tuple[int, ...], local_shape: tuple[float, ...], config:
     return 4 * math.prod(local_shape)
 
 
-@register_optimizer("FlexDeMo", state_bytes=_delta_bytes, options=FlexDeMoOptions)
+@register_optimizer("FlexDeMo", state_bytes=_delta_bytes, options=FlexDeMoOptions, refuses=(
+    MethodRefusal("one_replica", "FlexDeMo exchanges momentum components across replicas, and this layout has one",
+                  "set parallelism.data_parallel_replicate_degree to 2 or more (HSDP, or DDP when "
+                  "data_parallel_shard_degree = 1)"),))
 def build_flexdemo(groups: list[dict], config: OptimizerConfig, context: BuildContext) -> torch.optim.Optimizer:
     options = config.flexdemo
     return FlexDeMo(groups, lr=config.lr, weight_decay=config.weight_decay, chunk_size=options.chunk_size,
