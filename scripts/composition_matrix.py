@@ -25,6 +25,7 @@ import json
 import math
 import os
 import shutil
+import socket
 import subprocess
 import sys
 import tempfile
@@ -87,6 +88,9 @@ FACTORS: dict[str, dict[str, list[str]]] = {
                "rerun_bad_steps": ["--debug.on_nonfinite", "skip", "--health.rerun_bad_steps"]},
     "checkpoint": {"off": [], "resume": ["--checkpoint.enable", "--checkpoint.interval", "2"]},
     "dry_run": {"off": [], "on": ["--comm.mode", "fake_backend"]},
+    # Two replica groups of the layout, and a lighthouse, through run_train.sh (FT_GROUPS=2).
+    "fault_tolerance": {"off": [], "on": ["--fault_tolerance.enable", "--fault_tolerance.group_size", "2",
+                                          "--fault_tolerance.join_timeout_seconds", "2"]},
 }
 FAULTS = {"skip_nonfinite": "nan@2:*", "spike_guard": "spike@3:*", "rerun_bad_steps": "nan@2:*"}
 INJECTED_STEP = {"skip_nonfinite": 2, "spike_guard": 3, "rerun_bad_steps": 2}
@@ -157,7 +161,12 @@ class Cell:
         if self.dry_run:
             self.args += ["--comm.fake_world_size", str(nproc), "--comm.fake_device", "cpu"]
         fault = FAULTS.get(self.levels["health"])
-        self.env = {"FAULT_PLAN": fault} if fault and not self.dry_run else {}
+        # run_train.sh launches the trainer itself: a replica-group cell's health options run without their fault.
+        self.env = {"FAULT_PLAN": fault} if fault and not self.dry_run and not self.replica_groups else {}
+
+    @property
+    def replica_groups(self) -> bool:
+        return self.levels["fault_tolerance"] == "on"
 
     @property
     def dry_run(self) -> bool:
@@ -167,7 +176,7 @@ class Cell:
     def exact(self) -> bool:
         levels = self.levels
         return (levels["float8"] == "off" and levels["compression"] == "none" and levels["compile"] == "off"
-                and levels["optimizer"] in EXACT_OPTIMIZERS and not self.dry_run)
+                and levels["optimizer"] in EXACT_OPTIMIZERS and not self.dry_run and not self.replica_groups)
 
     def reference_levels(self) -> dict[str, str]:
         """The same options on one process."""
@@ -202,15 +211,25 @@ class Outcome:
     seconds: float = 0.0
 
 
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("", 0))
+        return sock.getsockname()[1]
+
+
 def _launch(cell: Cell, folder: Path, timeout: int) -> subprocess.CompletedProcess | None:
     module = "tests.integration.fault_injection" if cell.env else "torchtitan.train"
     trainer = ["-m", module, *cell.args, "--job.dump_folder", str(folder)]
-    if cell.nproc == 1 or cell.dry_run:
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO), **cell.env}
+    if cell.replica_groups and not cell.dry_run:
+        cmd = [str(REPO / "run_train.sh"), *cell.args, "--job.dump_folder", str(folder)]
+        env.update(NGPU=str(cell.nproc), FT_GROUPS="2", FT_LIGHTHOUSE_PORT=str(_free_port()), FT_MAX_RESTARTS="0",
+                   PATH=f"{Path(sys.executable).parent}:{env.get('PATH', '')}")
+    elif cell.nproc == 1 or cell.dry_run:
         cmd = [sys.executable, *trainer]
     else:
         cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={cell.nproc}",
                "--rdzv-backend=c10d", "--rdzv-endpoint=localhost:0", *trainer]
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO), **cell.env}
     with subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                           start_new_session=True) as proc:
         try:
@@ -224,6 +243,8 @@ def _launch(cell: Cell, folder: Path, timeout: int) -> subprocess.CompletedProce
 
 def _losses(folder: Path) -> list[float]:
     path = folder / "metrics.jsonl"
+    if not path.exists():  # a replica group's run: group 0's metrics
+        path = folder / "replica_0" / "metrics.jsonl"
     if not path.exists():
         return []
     rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
