@@ -4,7 +4,7 @@ import json
 
 import pytest
 
-from scripts import comm_bench
+from benchmarks import comm_bench
 from torchtitan.tools.emulated_cluster import two_hosts, unavailable_reason
 
 pytestmark = pytest.mark.integration
