@@ -1,14 +1,14 @@
-"""Every command that README.md and docs/ tell a reader to run names a file or module that exists, and its options
-parse: a moved or renamed script, or a renamed option, cannot leave a stale command behind.
+"""Every command that README.md, benchmarks/README.md and docs/ tell a reader to run names a file or module that
+exists, and its options parse: a moved or renamed script, or a renamed option, cannot leave a stale command behind.
 
-A command is a `python` (python3, a venv's python, torchrun) line of a code block (behind `NAME=value`, taskset...), line continuations joined and
-`NAME=value` assignments of the block expanded, or an inline code span of the prose. `python -m torchtitan.train`
-parses its options through torchtitan.config.parse_args; a script of this repository or a module of its packages is
-run in this process up to its own argument parsing (argparse's parse_args and parse_known_args,
-torchtitan.config.parse_script_args, whose remaining options are the trainer's and go through parse_args too, or
-torchtitan.config.parse_args alone), and stopped there. A command whose arguments hold a placeholder (`...`,
-`[optional]`, `<value>`, `{a,b}`, an unset `$VARIABLE`, an upper-case word such as `OUT_DIR`) or none at all is only
-checked to exist."""
+A command is a `python` (python3, a venv's python, torchrun; behind `NAME=value`, taskset, ...) line of a code
+block, line continuations joined and `NAME=value` assignments of the block expanded, or an inline code span of the
+prose. `python -m torchtitan.train` parses its options through torchtitan.config.parse_args; a script of this
+repository or a module of its packages is run in this process up to its own argument parsing (argparse's parse_args
+and parse_known_args, torchtitan.config.parse_script_args, whose remaining options are the trainer's and go through
+parse_args too, or torchtitan.config.parse_args alone), and stopped there. A command whose arguments hold a
+placeholder (`...`, `[optional]`, `<value>`, `{a,b}`, an unset `$VARIABLE`, an upper-case word such as `OUT_DIR`)
+or none at all is only checked to exist."""
 
 import argparse
 import bisect
@@ -26,7 +26,7 @@ import pytest
 import torchtitan.config
 
 REPO = Path(__file__).resolve().parents[2]
-DOCUMENTS = [REPO / "README.md", *sorted((REPO / "docs").rglob("*.md"))]
+DOCUMENTS = [REPO / "README.md", REPO / "benchmarks" / "README.md", *sorted((REPO / "docs").rglob("*.md"))]
 PROJECT_PACKAGES = ("torchtitan", "scripts", "benchmarks")
 REPOSITORY_FOLDERS = ("benchmarks", "docs", "scripts", "tests", "torchtitan", "train_configs")
 PLACEHOLDER = re.compile(r"\.\.\.|…|\[|<|\{|\$|^[A-Z][A-Z0-9_]*$")  # ..., [opt], <x>, {a,b}, $X, OUT_DIR
@@ -240,3 +240,11 @@ def test_every_script_the_documents_name_exists():
              for document in DOCUMENTS
              for match in re.finditer(r"\b(?:scripts|benchmarks)/[\w/.-]*\w\.(?:py|sh)\b", document.read_text())}
     assert sorted((where, path) for where, path in named if not (REPO / path).is_file()) == []
+
+
+def test_the_benchmarks_readme_lists_every_benchmark():
+    """benchmarks/README.md has a row for each file of benchmarks/ (what it measures, the doc figure it makes, how
+    long it runs), and none for a file that is gone."""
+    listed = set(re.findall(r"^\| `([\w.]+\.(?:py|sh))` \|", (REPO / "benchmarks" / "README.md").read_text(), re.M))
+    present = {path.name for path in (REPO / "benchmarks").iterdir() if path.suffix in (".py", ".sh")}
+    assert listed == present
