@@ -8,7 +8,8 @@ The real `Trainer` is built (mesh, model on meta, Float8, the pipeline split, TP
 `FakeTensorMode`: tensors have shapes and dtypes but no storage, and every collective returns at once. Two
 training steps run on fake batches of the configured shape; the second one is measured (the first creates the
 optimizer state): this rank's peak memory by category from torch's own trackers, and every collective of the step.
-The report goes to `<dump_folder>/dry_run.json` and the log. No tokenizer, data or checkpoint is read or written.
+The report goes to `<dump_folder>/dry_run.json` (its fields: torchtitan/tools/dry_run_report.py) and the log. No
+tokenizer, data or checkpoint is read or written.
 
 With `--comm.no_fake_tensors` the same rank runs on real tensors on this machine's device instead (its GPU if it has
 one), the collectives still fake: comm.fake_steps steps, compile included, each timed, and the allocator's peak
@@ -22,7 +23,6 @@ loss and gradient norm read as zero).
 """
 
 import dataclasses
-import json
 import os
 import statistics
 import subprocess
@@ -44,10 +44,8 @@ from torchtitan.models.llama3.parallelize import validate_parallelism
 from torchtitan.planner.hardware import gpu_named, headroom
 from torchtitan.planner.memory import estimate
 from torchtitan.tools.device_info import device_name, memory_stats
+from torchtitan.tools.dry_run_report import read_report, write_report
 from torchtitan.tools.logging import logger
-
-REPORT_FILE = "dry_run.json"
-
 
 def resolve_world(config: JobConfig) -> tuple[int, int]:
     """(rank, world size) of the dry run, from comm.fake_rank and comm.fake_world_size (or NGPU)."""
@@ -197,10 +195,7 @@ def check_fits(report: dict, gpu) -> None:
 
 def _write_report(report: dict, config: JobConfig, start: float) -> Path:
     report["seconds"] = time.perf_counter() - start
-    path = Path(config.job.dump_folder) / REPORT_FILE
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(report, indent=2) + "\n")
-    return path
+    return write_report(config.job.dump_folder, report)
 
 
 def _measure_rank(config: JobConfig, trainer_class: type, rank: int, world_size: int, start: float) -> dict:
@@ -274,16 +269,17 @@ def _dry_run_rank_in_new_process(config: JobConfig, rank: int) -> dict:
     """A second rank in a process of its own (the trainer's command line): torch keeps per-world state
     (process-group names in its caches) that a second fake world in this process would trip over."""
     with tempfile.TemporaryDirectory(prefix="dry-run-") as folder:
-        config_file, report_file = Path(folder) / "config.toml", Path(folder) / REPORT_FILE
+        config_file = Path(folder) / "config.toml"
         config_file.write_text(to_toml(config))
         # Exit code 2 is a peak above the GPU's memory, reported after the report is written.
         proc = subprocess.run([sys.executable, "-m", "torchtitan.train", "--job.config_file", str(config_file),
                                "--comm.fake_rank", str(rank), "--comm.no_fake_other_end", "--job.dump_folder",
                                folder, "--job.no_print_config"],
                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-        if proc.returncode not in (0, 2) or not report_file.exists():
+        report = read_report(folder)
+        if proc.returncode not in (0, 2) or report is None:
             raise RuntimeError(f"the dry run of rank {rank} failed:\n{proc.stdout[-4000:]}")
-        return json.loads(report_file.read_text())
+        return report
 
 
 def _dry_run_rank(config: JobConfig, trainer_class: type, rank: int, world_size: int, gpu) -> dict:

@@ -5,7 +5,7 @@ import json
 import pytest
 import torch
 
-from scripts import comm_bench
+from benchmarks import comm_bench
 from torchtitan.components.optimizers import flexdemo
 from torchtitan.models.llama3.args import model_args_for
 from torchtitan.models.llama3.model import Transformer, count_parameters

@@ -1,4 +1,4 @@
-"""Features compose or refuse: the pairwise covering array of scripts/composition_matrix.py, cell by cell.
+"""Features compose or refuse: the pairwise covering array of benchmarks/composition_matrix.py, cell by cell.
 
 Each cell trains with finite losses (and the one-process losses where it is exact by construction), or stops at
 start-up with the compatibility table's one line; a hang or any other exit fails it. The whole array is slow
@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 REPO = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(REPO / "scripts"))
+sys.path.insert(0, str(REPO / "benchmarks"))
 
 import composition_matrix as matrix  # noqa: E402
 
@@ -117,4 +117,4 @@ OUT_OF_REACH = {
 def test_docs_list_the_table():
     text = (REPO / "docs" / "compatibility.md").read_text()
     assert compatibility.matrix_markdown() in text, "docs/compatibility.md: regenerate the table " \
-        "(python scripts/composition_matrix.py --table)"
+        "(python benchmarks/composition_matrix.py --table)"

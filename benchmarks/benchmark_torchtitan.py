@@ -4,15 +4,15 @@ TorchTitan's package has this project's name, so it runs from an environment of 
 nothing of this project):
 
     python3 -m venv /tmp/tt && /tmp/tt/bin/pip install torch==2.13.0 torchtitan==0.2.2 triton
-    /tmp/tt/bin/python scripts/benchmark_torchtitan.py --ours .venv/bin/python --threads 2 --warmup 3 --steps 10 \
+    /tmp/tt/bin/python benchmarks/benchmark_torchtitan.py --ours .venv/bin/python --threads 2 --warmup 3 --steps 10 \
         --training.seq_len 512 --training.local_batch_size 4 --training.mixed_precision_param bfloat16 \
         [--compile.enable]
 
 (`triton` only because TorchTitan 0.2.2 imports it at start-up; nothing runs on it.) Every argument after this
 script's own is a trainer option, as TorchTitan's `train.py` takes it; the options above are spelled the same in
-this project. With `--ours PYTHON` (this project's environment) `scripts/benchmark.py` runs beside it on the same
+this project. With `--ours PYTHON` (this project's environment) `benchmarks/benchmark.py` runs beside it on the same
 options and this project's debug model (`train_configs/debug_model.toml`), and the two take turns, one training step
-each, warm-up included (`scripts/turns.py`): a drift of the machine's speed then slows both alike, as the
+each, warm-up included (`benchmarks/turns.py`): a drift of the machine's speed then slows both alike, as the
 alternating steps of `--hf`/`--plain` do within one process. Printed is one JSON line: TorchTitan's median step,
 and with `--ours` ours and `ratio`, TorchTitan's median step time over ours (above 1: ours is faster).
 
@@ -50,7 +50,7 @@ from pathlib import Path
 import torch
 import torch._utils as torch_utils
 
-# Its neighbour in scripts/, not this project's package (which TorchTitan's environment does not have).
+# Its neighbour in benchmarks/, not this project's package (which TorchTitan's environment does not have).
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from turns import Turns, make_fifos  # noqa: E402
 
@@ -66,7 +66,7 @@ def _parse() -> tuple[argparse.Namespace, list[str]]:
     parser.add_argument("--warmup", type=int, default=3, help="steps run before timing")
     parser.add_argument("--steps", type=int, default=10, help="timed steps")
     parser.add_argument("--ours", metavar="PYTHON",
-                        help="this project's Python: also run scripts/benchmark.py, taking turns step by step")
+                        help="this project's Python: also run benchmarks/benchmark.py, taking turns step by step")
     return parser.parse_known_args()
 
 
@@ -129,7 +129,7 @@ def _start_ours(options: argparse.Namespace, trainer_args: list[str], scratch: P
     env = {k: v for k, v in os.environ.items() if k not in _RENDEZVOUS}
     with open(scratch / "ours.log", "w") as log:  # the child keeps its own descriptor
         process = subprocess.Popen(
-            [options.ours, str(REPO / "scripts" / "benchmark.py"), "--job.config_file",
+            [options.ours, str(REPO / "benchmarks" / "benchmark.py"), "--job.config_file",
              "train_configs/debug_model.toml", *trainer_args, *threads, "--warmup", str(options.warmup),
              "--steps", str(options.steps), "--turns", f"{ours_fifo}:{torchtitan_fifo}"],
             cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=log, text=True)
@@ -140,7 +140,7 @@ def _start_ours(options: argparse.Namespace, trainer_args: list[str], scratch: P
 
 def _ours_failed(process: subprocess.Popen, scratch: Path) -> str:
     tail = (scratch / "ours.log").read_text().splitlines()[-5:]
-    return f"error: scripts/benchmark.py exited with {process.returncode}: " + " | ".join(tail)
+    return f"error: benchmarks/benchmark.py exited with {process.returncode}: " + " | ".join(tail)
 
 
 def _ours_result(process: subprocess.Popen, scratch: Path) -> dict:
@@ -151,7 +151,7 @@ def _ours_result(process: subprocess.Popen, scratch: Path) -> dict:
 
 
 def _single_process_rendezvous() -> None:
-    """What torchrun would set for one process, so that `python scripts/benchmark_torchtitan.py` runs as it is."""
+    """What torchrun would set for one process, so that `python benchmarks/benchmark_torchtitan.py` runs as it is."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]

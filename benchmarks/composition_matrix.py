@@ -1,8 +1,9 @@
 """Every pair of features, tried: a pairwise covering array of the feature space, run cell by cell on the tiny model.
 
-    python scripts/composition_matrix.py                 # run every cell (about 30-40 minutes on 2 cores)
-    python scripts/composition_matrix.py --list          # the cells and what the compatibility table says of each
-    python scripts/composition_matrix.py --cells 0,5,9   # some cells only
+    python benchmarks/composition_matrix.py                # run every cell (about an hour on 2 cores)
+    python benchmarks/composition_matrix.py --list         # the cells and what the compatibility table says of each
+    python benchmarks/composition_matrix.py --cells 0,5,9  # some cells only
+    python benchmarks/composition_matrix.py --table        # the compatibility table (docs/compatibility.md)
 
 Each factor below is one feature axis (the layout, compile, activation checkpointing, Float8, the optimizer, gradient
 compression, the health options, checkpoint save + resume, the dry run, replica fault tolerance), with its levels.
@@ -305,10 +306,17 @@ def compare_with_reference(cell: Outcome, reference: Outcome, bound: float = 1e-
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--list", action="store_true", help="list the cells and the table's verdict, run nothing")
+    parser.add_argument("--table", action="store_true",
+                        help="print the compatibility table's refused pairs as Markdown (docs/compatibility.md)")
     parser.add_argument("--cells", default="", help="comma-separated cell indices to run (default: all)")
     parser.add_argument("--timeout", type=int, default=300, help="seconds a launch may take before it is a hang")
     parser.add_argument("--output", type=Path, help="write the outcomes as JSON here")
     args = parser.parse_args(argv)
+    if args.table:
+        from torchtitan.config.compatibility import matrix_markdown
+
+        print(matrix_markdown())
+        return 0
     every = [Cell(index, levels) for index, levels in enumerate(cells())]
     chosen = [every[int(i)] for i in args.cells.split(",")] if args.cells else every
     if args.list:

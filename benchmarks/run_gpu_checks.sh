@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Everything this project checks on one GPU, in one command (about 6 minutes on an H100), for a machine lent for a
 # few minutes: results and logs go to OUT (default ./gpu_checks_out), the summary table is printed last.
-#   1. scripts/gpu_checks.py: block-causal FlexAttention, one process and simulated CP ranks, against float64; the
+#   1. benchmarks/gpu_checks.py: block-causal FlexAttention, one process and simulated CP ranks, against float64; the
 #      compiled BlockMask build (time, memory, no recompile per batch)
 #   2. scripts/calibrate_gpu.py: GEMMs by shape, Float8 speed-up, attention by length and mask, allocator reserve
 #   3. the trainer through run_train.sh (torchrun, NCCL): bf16 with async checkpoints, then
@@ -30,7 +30,7 @@ section "device"
   $PY -c "import torchao; print('torchao', torchao.__version__)" 2>&1 | tail -1; } | tee -a "$LOG"
 
 section "gpu_checks.py"
-run 120 $PY scripts/gpu_checks.py --device "$DEVICE" --output "$OUT/gpu_checks.json"
+run 120 $PY benchmarks/gpu_checks.py --device "$DEVICE" --output "$OUT/gpu_checks.json"
 
 section "calibrate_gpu.py"
 if [ "$DEVICE" = cuda ]; then run 150 $PY scripts/calibrate_gpu.py --output "$OUT/calibration.json"
