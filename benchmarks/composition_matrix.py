@@ -243,13 +243,14 @@ def _launch(cell: Cell, folder: Path, timeout: int) -> subprocess.CompletedProce
 
 
 def _losses(folder: Path) -> list[float]:
-    path = folder / "metrics.jsonl"
-    if not path.exists():  # a replica group's run: group 0's metrics
-        path = folder / "replica_0" / "metrics.jsonl"
-    if not path.exists():
-        return []
-    rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
-    by_step = {row["step"]: row["loss"] for row in rows if "loss" in row}
+    """The logged loss of each step. Replica groups log their own: a group that joined the first quorum late healed
+    from the other and logs from its first step on, so each step's loss is group 0's, else group 1's."""
+    paths = [folder / "metrics.jsonl"] if (folder / "metrics.jsonl").exists() else \
+        [folder / "replica_1" / "metrics.jsonl", folder / "replica_0" / "metrics.jsonl"]
+    by_step = {}
+    for path in filter(Path.exists, paths):
+        rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+        by_step.update({row["step"]: row["loss"] for row in rows if "loss" in row})
     return [by_step[step] for step in sorted(by_step)]
 
 
