@@ -143,7 +143,7 @@ RECIPES = {
 
 
 def _parse(argv: list[str] | None = None) -> tuple[argparse.Namespace, list[str]]:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--threads", type=int, default=0, help="torch threads of each process (0: torch's default)")
     parser.add_argument("--warmup", type=int, default=3, help="steps each trainer runs before timing (at least 1)")
     parser.add_argument("--steps", type=int, default=10, help="timed steps of each trainer")
@@ -153,9 +153,9 @@ def _parse(argv: list[str] | None = None) -> tuple[argparse.Namespace, list[str]
                                            "many as fit two trainers on the GPU)")
     recipes = parser.add_argument_group("--recipes: the side by side of docs/performance.md, one recipe after another")
     recipes.add_argument("--recipes", help=f"'all' or some of {','.join(RECIPES)}")
-    recipes.add_argument("--flavor", default="8B")
-    recipes.add_argument("--seq_len", type=int, default=8192)
-    recipes.add_argument("--local_batch_size", type=int, default=1)
+    recipes.add_argument("--flavor", default="8B", help="the recipes' model flavor (default 8B)")
+    recipes.add_argument("--seq_len", type=int, default=8192, help="default 8192")
+    recipes.add_argument("--local_batch_size", type=int, default=1, help="default 1")
     recipes.add_argument("--time_limit", type=float, default=520.0,
                          help="seconds for all the recipes together (each gets what is left / recipes left)")
     recipes.add_argument("--output", type=Path, help="the JSON line is also written here, after every recipe")
@@ -167,7 +167,7 @@ def _parse(argv: list[str] | None = None) -> tuple[argparse.Namespace, list[str]
         if found is None:
             sys.exit(f"error: --ours {options.ours!r}: not an executable Python; give this project's, "
                      f"e.g. .venv/bin/python")
-        options.ours = found
+        options.ours = os.path.abspath(found)  # ours runs in the repository's root (not resolved: a venv's link)
     if options.recipes:
         if not options.ours:
             sys.exit("error: --recipes compares the two trainers: give this project's Python with --ours")
@@ -460,15 +460,15 @@ def _peak_memory(cuda: bool) -> dict:
 
 
 def summarize(one_recipe: dict) -> tuple[dict, dict]:
-    """One recipe's JSON line, split into what all recipes share (device, shape, FLOPs, peak) and what the side by
-    side keeps of this recipe."""
+    """One recipe's JSON line, split into what all recipes share (device, shape, FLOPs) and what the side by side
+    keeps of this recipe (the peak MFU is over too: on a CPU each run measures its own)."""
     keys = ("tokens_per_s_per_device", "step_time_s", "mfu_pct", "peak_memory_gib", "peak_allocated_gib")
     shared = {"device": one_recipe["device"], "n_layers": one_recipe["n_layers"],
               "parameters": one_recipe["torchtitan"]["parameters"],
-              "flops_per_token": one_recipe["torchtitan"]["flops_per_token"],
-              "peak_tflops": one_recipe["peak_tflops"], "peak_source": one_recipe["peak_source"]}
+              "flops_per_token": one_recipe["torchtitan"]["flops_per_token"]}
     kept = {name: {k: one_recipe[name][k] for k in keys if k in one_recipe[name]} for name in ("ours", "torchtitan")}
-    return shared, {"ratio": one_recipe["ratio"], **kept}
+    return shared, {"ratio": one_recipe["ratio"], "peak_tflops": one_recipe["peak_tflops"],
+                    "peak_source": one_recipe["peak_source"], **kept}
 
 
 def _recipe_line(name: str, entry: dict) -> str:

@@ -106,7 +106,7 @@ def install(target: Path, carry: Path = CARRY) -> dict:
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     commands = parser.add_subparsers(dest="command", required=True)
     prepare_parser = commands.add_parser("prepare", help="download the wheels into .carry/wheels")
     prepare_parser.add_argument("--python", default=DEVICE_PYTHON,

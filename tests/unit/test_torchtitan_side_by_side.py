@@ -173,9 +173,10 @@ def test_recipes_share_the_time_and_write_after_each(tmp_path, monkeypatch):
     assert "--n_layers" in float8_command and float8_command[float8_command.index("--n_layers") + 1] == "auto"
     assert "quantize.linear.float8" in float8_command
     assert result["device"] == "NVIDIA H100 80GB HBM3" and result["shape"]["n_layers"] == 6
-    assert result["flops_per_token"] == 42 and result["peak_tflops"] == 989.0
+    assert result["flops_per_token"] == 42 and result["shape"]["parameters"] == 7
     eager = result["recipes"]["bf16_eager"]
-    assert eager["ratio"] == 1.1 and eager["torchtitan"]["mfu_pct"] == 45.0 and eager["ours"]["peak_allocated_gib"]
+    assert eager["ratio"] == 1.1 and eager["peak_tflops"] == 989.0 and eager["torchtitan"]["mfu_pct"] == 45.0
+    assert eager["ours"]["peak_allocated_gib"] == 28.0 and eager["torchtitan"]["peak_memory_gib"] == 30.0
     assert result["recipes"]["compile_float8"]["error"] == "exited with 1: error: out of memory"
 
 
@@ -216,7 +217,9 @@ def test_carry_over_the_limit_is_refused_naming_the_largest():
 def test_side_by_side_end_to_end_from_carried_wheels(tmp_path):
     """The GPU run's CPU form: wheels prepared for this Python (pip download from the index) and installed offline
     as on the GPU machine, TorchTitan 0.2.2 in a folder of its own; two recipes, each a pair of processes taking
-    turns; one JSON line with both trainers' figures. The carry fits the limit."""
+    turns; one JSON line with both trainers' figures. The carry fits the limit. (The GPU image has triton, which
+    TorchTitan 0.2.2 imports at start-up; a CPU build of torch may not.)"""
+    pytest.importorskip("triton", reason="TorchTitan 0.2.2 imports triton at start-up")
     carry, target = tmp_path / "wheels", tmp_path / "site"
     python = f"{sys.version_info.major}.{sys.version_info.minor}"
     prepared = subprocess.run([sys.executable, "scripts/gpu_carry.py", "prepare", "--python", python, "--carry",
@@ -242,5 +245,5 @@ def test_side_by_side_end_to_end_from_carried_wheels(tmp_path):
         for trainer in ("ours", "torchtitan"):
             assert entry[trainer]["tokens_per_s_per_device"] > 0 and entry[trainer]["peak_memory_gib"] > 0
             assert math.isclose(entry[trainer]["mfu_pct"], 100 * result["flops_per_token"] * entry[trainer][
-                "tokens_per_s_per_device"] / (result["peak_tflops"] * 1e12), rel_tol=1e-6)
+                "tokens_per_s_per_device"] / (entry["peak_tflops"] * 1e12), rel_tol=1e-6)
     assert "--quantize.linear.float8.emulate" in result["recipes"]["compile_float8"]["options"]
