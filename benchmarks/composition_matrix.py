@@ -250,7 +250,8 @@ def _losses(folder: Path) -> list[float]:
     by_step = {}
     for path in filter(Path.exists, paths):
         rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
-        by_step.update({row["step"]: row["loss"] for row in rows if "loss" in row})
+        # The metrics file writes a non-finite value as a string ("nan"), which float() reads back.
+        by_step.update({row["step"]: float(row["loss"]) for row in rows if "loss" in row})
     return [by_step[step] for step in sorted(by_step)]
 
 
