@@ -18,7 +18,7 @@ from torchtitan.components.checkpoint import read_metadata
 from torchtitan.components.checkpoint.loading import exact_where_it_fits
 from torchtitan.config.compatibility import check_composition, setup_of
 from torchtitan.config.job_config import JobConfig
-from torchtitan.config.manager import get_option
+from torchtitan.config.options import get_option
 from torchtitan.distributed.compression import (EXACT, CompressionState, _param_groups, apply_compression,
                                                 compensation_state_bytes, compression_stats,
                                                 require_compensation_fits, validate_compression)
