@@ -15,10 +15,10 @@ from torch.distributed.fsdp._fully_shard._fsdp_api import AllGather
 
 from tests.unit.forked_ranks import run_ranks
 from torchtitan.components.checkpoint import read_metadata
-from torchtitan.components.checkpoint.manager import exact_where_it_fits
+from torchtitan.components.checkpoint.loading import exact_where_it_fits
 from torchtitan.config.compatibility import check_composition, setup_of
 from torchtitan.config.job_config import JobConfig
-from torchtitan.config.manager import get_option
+from torchtitan.config.options import get_option
 from torchtitan.distributed.compression import (EXACT, CompressionState, _param_groups, apply_compression,
                                                 compensation_state_bytes, compression_stats,
                                                 require_compensation_fits, validate_compression)

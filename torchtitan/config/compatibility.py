@@ -11,7 +11,7 @@ space to hold that claim (each cell trains with finite losses, or this table ref
     over all data-parallel ranks (data_parallel_replicate_degree = 1), or exchange across replicas with FlexDeMo
 
 What a single option's value must be (a positive degree, a divisible sequence) is checked where the option is read
-(config/manager.py, the parallelize and pipeline plans); only pairs live here. A method registered in a registry
+(config/validation.py, the parallelize and pipeline plans); only pairs live here. A method registered in a registry
 (an optimizer, a gradient compression) declares its own refusals beside its implementation (`MethodRefusal`), and
 `refusals()` collects them, so adding a method edits nothing here.
 """
