@@ -87,7 +87,7 @@ class OptimizersContainer(Stateful):
         return state
 
     def load_state_dict(self, state_dict: dict) -> None:
-        """`state_dict` may lack the `exact.` entries (checkpoint.manager loads them only into the layout they were
+        """`state_dict` may lack the `exact.` entries (checkpoint/loading.py loads them only into the layout they were
         saved from)."""
         if self.compression:
             self.compression.load_state_dict({k.removeprefix(_COMPRESSION): v for k, v in state_dict.items()

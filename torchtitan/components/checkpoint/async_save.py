@@ -46,7 +46,7 @@ def async_stager(config: CheckpointConfig) -> DefaultStager | None:
     """The stager of a run that saves with an async mode, else None."""
     if not config.enable or config.load_only or config.async_mode == "disabled":
         return None
-    if torch_compat.RELEASE < (2, 13):
+    if torch_compat.release() < (2, 13):
         # Better at start-up than at the second save, hours into a run.
         raise UserError(f"option checkpoint.async_mode: {config.async_mode!r} needs torch 2.13 or newer; "
                         f"this is torch {torch.__version__} (torch 2.11's "
