@@ -229,7 +229,8 @@ def _launch(cell: Cell, folder: Path, timeout: int) -> subprocess.CompletedProce
     elif cell.nproc == 1 or cell.dry_run:
         cmd = [sys.executable, *trainer]
     else:
-        cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={cell.nproc}",
+        # torchtitan.launch: torchrun, with the first failed worker's exit code (2 for a refusal) as its own.
+        cmd = [sys.executable, "-m", "torchtitan.launch", f"--nproc_per_node={cell.nproc}",
                "--rdzv-backend=c10d", "--rdzv-endpoint=localhost:0", *trainer]
     with subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                           start_new_session=True) as proc:
