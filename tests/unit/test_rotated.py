@@ -115,25 +115,35 @@ def rotated_bytes(args, world: int) -> tuple[int, int]:
     return forward, backward
 
 
-def worker(rank: int, out_dir: str, world: int) -> None:
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", store=dist.FileStore(f"{out_dir}/store", world), rank=rank, world_size=world,
-                            timeout=datetime.timedelta(seconds=60))
-    try:
-        mesh = init_device_mesh("cpu", (world,))
-        args = model_args_for("tiny", SEQ, overrides={"n_layers": LAYERS})
-        tokens = torch.randint(0, args.vocab_size, (world * LOCAL_BATCH, SEQ + 1),
-                               generator=torch.Generator().manual_seed(0))
-        inputs, labels = tokens[:, :-1], tokens[:, 1:]
-        count = labels.numel()
-        mine = slice(rank * LOCAL_BATCH, (rank + 1) * LOCAL_BATCH)
-        halves = [slice(rank * LOCAL_BATCH + i, rank * LOCAL_BATCH + i + 1) for i in range(LOCAL_BATCH)]
-        results = {}
+class Ranks:
+    """A gloo group of `world` forked ranks, the tiny model's arguments and the batches: each rank's own two
+    sequences (`mine`, or one at a time in `halves`) of the global batch."""
 
+    def __init__(self, rank: int, out_dir: str, world: int):
+        torch.set_num_threads(1)
+        dist.init_process_group("gloo", store=dist.FileStore(f"{out_dir}/store", world), rank=rank, world_size=world,
+                                timeout=datetime.timedelta(seconds=120))
+        self.rank, self.world = rank, world
+        self.mesh = init_device_mesh("cpu", (world,))
+        self.args = model_args_for("tiny", SEQ, overrides={"n_layers": LAYERS})
+        tokens = torch.randint(0, self.args.vocab_size, (world * LOCAL_BATCH, SEQ + 1),
+                               generator=torch.Generator().manual_seed(0))
+        self.inputs, self.labels = tokens[:, :-1], tokens[:, 1:]
+        self.count = self.labels.numel()
+        mine = slice(rank * LOCAL_BATCH, (rank + 1) * LOCAL_BATCH)
+        self.mine = [(self.inputs[mine], self.labels[mine])]
+        self.halves = [(self.inputs[i:i + 1], self.labels[i:i + 1]) for i in range(mine.start, mine.stop)]
+
+
+def worker(rank: int, out_dir: str, world: int) -> None:
+    ranks = Ranks(rank, out_dir, world)
+    args, mesh = ranks.args, ranks.mesh
+    try:
+        results = {}
         reference = Transformer(args)
         reference.init_weights(seed=0)
         initial = {name: p.detach().clone() for name, p in reference.named_parameters()}
-        ref_loss, ref_grads = step(reference, [(inputs, labels)], count)
+        ref_loss, ref_grads = step(reference, [(ranks.inputs, ranks.labels)], ranks.count)
 
         def compare(name, model, loss, grads):
             dist.all_reduce(loss)
@@ -148,9 +158,10 @@ def worker(rank: int, out_dir: str, world: int) -> None:
         results["init_exact"] = all(torch.equal(p.to_local(), owned(initial[name], p, rank))
                                     for name, p in model.named_parameters())
         results["init"] = flyweight_draws(args, mesh, world)
+        results["misaligned_init"] = misaligned_init(mesh, rank)
 
         # One micro-batch per rank.
-        compare("plain", model, *step(model, [(inputs[mine], labels[mine])], count, rotation))
+        compare("plain", model, *step(model, ranks.mine, ranks.count, rotation))
         results["bytes"] = (rotation.forward_sent_bytes, rotation.backward_sent_bytes, rotated_bytes(args, world))
         results["rotations"] = (rotation.forward_rotations, rotation.backward_rotations, len(rotation.rotated))
         results["sync_bytes"] = rotation.sync_sent_bytes
@@ -161,21 +172,34 @@ def worker(rank: int, out_dir: str, world: int) -> None:
             p.grad.to_local().fill_(1.0)
         results["clip_norm"] = (clip_grad_norm_(list(model.parameters()), 1.0, None, CPU).item(),
                                 math.sqrt(sum(p.numel() for p in model.parameters())))
+        # FSDP2's layout: the same keys and global shapes, the same placements and local shapes where RTP splits.
+        fsdp, _ = build(args, mesh, rtp=False)
+        results["layout"] = (layout(fsdp.state_dict()), layout(model.state_dict()))
 
         # Two micro-batches per rank, gradients accumulated.
         model, rotation = build(args, mesh, rtp=True)
-        compare("accumulated", model, *step(model, [(inputs[h], labels[h]) for h in halves], count, rotation))
+        compare("accumulated", model, *step(model, ranks.halves, ranks.count, rotation))
 
         # Every block checkpointed: its forward, rotations included, runs again in backward.
         model, rotation = build(args, mesh, rtp=True, ac=True)
-        compare("checkpointed", model, *step(model, [(inputs[h], labels[h]) for h in halves], count, rotation))
+        compare("checkpointed", model, *step(model, ranks.mine, ranks.count, rotation))
         results["checkpointed_rotations"] = (rotation.forward_rotations, rotation.backward_rotations)
 
-        # FSDP2's layout: the same keys and global shapes, the same placements and local shapes where RTP splits;
-        # DCP checkpoints of either load into the other.
+        results["uneven"] = uneven_rows(mesh, rank, world)
+        torch.save(results, Path(out_dir) / f"rank{rank}.pt")
+    finally:
+        dist.destroy_process_group()
+
+
+def checkpoint_and_precision_worker(rank: int, out_dir: str, world: int) -> None:
+    """DCP checkpoints of FSDP2 load into RTP and back; bf16 RTP against bf16 FSDP2."""
+    ranks = Ranks(rank, out_dir, world)
+    args, mesh = ranks.args, ranks.mesh
+    try:
+        results = {}
         fsdp, _ = build(args, mesh, rtp=False)
         rtp, _ = build(args, mesh, rtp=True)
-        results["layout"] = (layout(fsdp.state_dict()), layout(rtp.state_dict()))
+        initial = {name: full(p).clone() for name, p in fsdp.named_parameters()}
         dcp.save(fsdp.state_dict(), checkpoint_id=f"{out_dir}/fsdp_checkpoint")
         dcp.save(rtp.state_dict(), checkpoint_id=f"{out_dir}/rtp_checkpoint")
         loaded_rtp, _ = build(args, mesh, rtp=True, seed=1)
@@ -193,15 +217,13 @@ def worker(rank: int, out_dir: str, world: int) -> None:
         fsdp_bf16, _ = build(args, mesh, rtp=False, param_dtype="bfloat16")
         losses, dtypes = [], set()
         for model, rot in ((bf16, rotation), (fsdp_bf16, None)):
-            loss, grads = step(model, [(inputs[mine], labels[mine])], count, rot)
+            loss, grads = step(model, ranks.mine, ranks.count, rot)
             dist.all_reduce(loss)
             losses.append((loss.item(), grads))
             dtypes |= {(p.dtype, p.grad.dtype) for p in model.parameters()}
         results["bf16"] = (abs(losses[0][0] - losses[1][0]) / losses[1][0],
-                           max(relative(losses[0][1][key], losses[1][1][key]) for key in ref_grads),
-                           dtypes, rotation.forward_sent_bytes)
-
-        results["uneven"] = uneven_rows(mesh, rank, world)
+                           max(relative(losses[0][1][key], losses[1][1][key]) for key in losses[1][1]),
+                           dtypes, rotation.forward_sent_bytes, rotated_bytes(args, world)[0])
         torch.save(results, Path(out_dir) / f"rank{rank}.pt")
     finally:
         dist.destroy_process_group()
@@ -261,6 +283,31 @@ def layout(state: dict) -> dict:
             for key, value in state.items()}
 
 
+class Vectors(nn.Module):
+    """A row-split matrix of 9 x 3 values, initialised with normal_."""
+
+    def __init__(self):
+        super().__init__()
+        self.embedding = nn.Embedding(9, 3)
+
+    def parameter_initializers(self):
+        yield "embedding.weight", self.embedding.weight, lambda t, g: nn.init.normal_(t, generator=g)
+
+
+def misaligned_init(mesh, rank: int) -> tuple[bool, list[str]]:
+    """normal_ on shards of no multiple of 16 values (15 and 12 at two ranks, 9 at four): the CPU kernel redraws the
+    last 16 values of each, so the shards are drawn whole, with the one-process values."""
+    with torch.device("meta"):
+        model = Vectors()
+    apply_rtp(model, mesh)
+    model.to_empty(device=CPU)
+    drawn_whole = init_rotated_weights(model, 0, CPU)
+    expected = Vectors()
+    init_model_weights(expected, 0, CPU)
+    return torch.equal(model.embedding.weight.to_local(), owned(expected.embedding.weight.detach(),
+                                                                model.embedding.weight, rank)), drawn_whole
+
+
 def uneven_rows(mesh, rank: int, world: int) -> dict:
     """A Linear and an embedding of 2 x world + 1 rows: shards of unequal size (an empty one at 4 ranks) against
     the whole modules on the concatenated batches."""
@@ -317,6 +364,7 @@ def test_flyweight_init_equals_one_process_and_streams(ranks):
         assert "tok_embeddings.weight" in model["streamed"]
         assert model["drawn_whole"] == model["split"] - model["streamed"]
         assert whole["drawn_whole"] == whole["split"] and not whole["streamed"]
+        assert result["misaligned_init"] == (True, ["embedding.weight"])
 
 
 def test_bytes_sent_are_the_arithmetic(ranks):
@@ -327,11 +375,11 @@ def test_bytes_sent_are_the_arithmetic(ranks):
         forward_rotations, backward_rotations, rotated = result["rotations"]
         assert forward_rotations == backward_rotations == rotated == LAYERS * 7 + 2
         assert result["sync_bytes"] == 2 * (world - 1) * result["norms"] * 4 // world
-        # Two micro-batches; each checkpointed block (7 Linears) runs its forward twice.
-        assert result["checkpointed_rotations"] == (2 * (2 * LAYERS * 7 + 2), 2 * (LAYERS * 7 + 2))
+        # Each checkpointed block (7 Linears) runs its forward twice.
+        assert result["checkpointed_rotations"] == (2 * LAYERS * 7 + 2, LAYERS * 7 + 2)
 
 
-def test_state_dict_and_checkpoints_are_fsdp2s(ranks):
+def test_state_dict_is_fsdp2s(ranks):
     for result in ranks[1]:
         fsdp, rtp = result["layout"]
         # FSDP2 splits the norms too, RTP replicates them: the same keys and global shapes either way.
@@ -339,20 +387,32 @@ def test_state_dict_and_checkpoints_are_fsdp2s(ranks):
         split = {key for key, value in rtp.items() if len(value) > 1}
         assert split == {key for key in rtp if not key.endswith("norm.weight")}
         assert {key: fsdp[key] for key in split} == {key: rtp[key] for key in split}
+
+
+@pytest.fixture(scope="module")
+def checkpoint_and_precision(tmp_path_factory):
+    return run_ranks(functools.partial(checkpoint_and_precision_worker, world=2),
+                     tmp_path_factory.mktemp("rtp_checkpoint"), 2, 180, "RTP checkpoints")
+
+
+@pytest.mark.slow
+def test_dcp_checkpoints_load_across_fsdp2_and_rtp(checkpoint_and_precision):
+    for result in checkpoint_and_precision:
         assert result["dcp"] == [True, True]
 
 
-def test_mixed_precision(ranks):
-    world, results = ranks
-    for result in results:
-        loss, grads, dtypes, forward_bytes = result["bf16"]
+@pytest.mark.slow
+def test_mixed_precision(checkpoint_and_precision):
+    world = 2
+    for result in checkpoint_and_precision:
+        loss, grads, dtypes, forward_bytes, fp32_forward_bytes = result["bf16"]
         # Both compute each matmul in bf16 from the same weights, FSDP2 in one GEMM, RTP in N column blocks whose
         # elements are the same dot products: the forward agrees to one bf16 rounding (2^-8). In backward RTP rounds
         # each of its N partial products of dx to bf16 (half an ulp, 2^-9, each) before their fp32 sum, one GEMM
         # once: (N + 1) 2^-9 more at each of the two blocks' four backward matmul stages.
         assert loss < 2**-8 and grads < (world + 1) * 8 * 2**-9, (loss, grads)
         assert dtypes == {(torch.float32, torch.float32)}
-        assert forward_bytes == result["bytes"][2][0] // 2
+        assert forward_bytes == fp32_forward_bytes // 2
 
 
 def test_uneven_and_empty_shards(ranks):
@@ -367,23 +427,14 @@ def test_uneven_and_empty_shards(ranks):
 def compile_worker(rank: int, out_dir: str, backend: str) -> None:
     """One step of a rotated model whose blocks are compiled (breaking their graphs around each rotation) against
     the same model eager."""
-    world = 2
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", store=dist.FileStore(f"{out_dir}/store", world), rank=rank, world_size=world,
-                            timeout=datetime.timedelta(seconds=120))
+    ranks = Ranks(rank, out_dir, 2)
     try:
-        mesh = init_device_mesh("cpu", (world,))
-        args = model_args_for("tiny", SEQ, overrides={"n_layers": LAYERS})
-        tokens = torch.randint(0, args.vocab_size, (world * LOCAL_BATCH, SEQ + 1),
-                               generator=torch.Generator().manual_seed(0))
-        mine = slice(rank * LOCAL_BATCH, (rank + 1) * LOCAL_BATCH)
-        batch = [(tokens[mine, :-1], tokens[mine, 1:])]
-        eager, rotation = build(args, mesh, rtp=True)
-        eager_loss, eager_grads = step(eager, batch, tokens[:, 1:].numel(), rotation)
-        compiled, rotation = build(args, mesh, rtp=True)
+        eager, rotation = build(ranks.args, ranks.mesh, rtp=True)
+        eager_loss, eager_grads = step(eager, ranks.mine, ranks.count, rotation)
+        compiled, rotation = build(ranks.args, ranks.mesh, rtp=True)
         for block in compiled.layers.values():
             block.compile(backend=backend, fullgraph=False)
-        loss, grads = step(compiled, batch, tokens[:, 1:].numel(), rotation)
+        loss, grads = step(compiled, ranks.mine, ranks.count, rotation)
         torch.save({"loss": abs(loss.item() - eager_loss.item()) / eager_loss.item(),
                     "grads": max(relative(grads[key], eager_grads[key]) for key in grads),
                     "rotations": (rotation.forward_rotations, rotation.backward_rotations)},
