@@ -291,7 +291,6 @@ def _rotated_embedding(module: "RotatedEmbedding", tokens: torch.Tensor) -> torc
     return _RotatedEmbeddingFunction.apply(tokens, module.weight.to_local(), module.rotation, module.rows)
 
 
-
 class RotatedLinear(nn.Linear):
     """An nn.Linear (no bias) whose weight, a Shard(0) DTensor, rotates over the ring (`apply_rtp` sets
     `rotation` and `rows`)."""
