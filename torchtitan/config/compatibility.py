@@ -232,7 +232,11 @@ def check_options(config: Any) -> None:
     """The refusals that the options alone decide (neither feature depends on the layout or the device), when the
     options are read: a mistake in a config file fails before any process starts."""
     every = features()
-    setup = Setup(config, 1, 1, 1, 1, 1, device_type="")
+    degrees = config.parallelism
+    # A degree of -1 (the ranks left over) is known only at start-up; the features that read it are layout ones.
+    setup = Setup(config, degrees.data_parallel_replicate_degree, max(degrees.data_parallel_shard_degree, 1),
+                  degrees.context_parallel_degree, degrees.tensor_parallel_degree,
+                  degrees.pipeline_parallel_degree, device_type="")
     active = {name for name, feature in every.items() if not feature.layout and feature.on(setup)}
     for refusal in refusals():
         if refusal.first in active and refusal.second in active:
