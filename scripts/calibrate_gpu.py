@@ -3,7 +3,7 @@ command (a few minutes; under 8 on an H100), and write it to a file that `script
 
 - bf16 GEMM speed by shape: the linear layers of a Llama 3 8B block (wq/wo, wk/wv, w1/w3, w2) on 8,192 tokens, whole
   and as a TP 8 shard; the planner times each of these shapes as measured, and sets the level of its shape model
-  (planner/cost.py, gemm_seconds) so that the model takes as long over all of them as they took;
+  (planner/hardware.py, gemm_seconds) so that the model takes as long over all of them as they took;
 - the Float8 speed-up: the same whole-block GEMMs through torch._scaled_mm with tensorwise scales (what torchao's
   Float8 training runs), against bf16;
 - GEMM speed over a grid of shapes: every linear layer of the 8B, 70B and 405B blocks, whole and split 2, 4 and 8

@@ -44,6 +44,7 @@ from torchtitan.errors import UserError  # noqa: E402
 from torchtitan.distributed.parallel_dims import ParallelDims  # noqa: E402
 from torchtitan.planner.hardware import GPU, Headroom, gpu_named, headroom  # noqa: E402
 from torchtitan.planner.memory import Estimate, estimate  # noqa: E402
+from torchtitan.tools.dry_run_report import read_report  # noqa: E402
 
 GIB = 2**30
 MIB = 2**20
@@ -240,10 +241,10 @@ def traced_peak(trainer_argv: list[str], nproc: int, device: str = "cuda") -> fl
                                "--job.dump_folder", dump_folder, "--job.no_print_config"],
                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=1200,
                               env={**os.environ, "OMP_NUM_THREADS": "1"})
-        report = Path(dump_folder) / "dry_run.json"
-        if not report.exists():
+        report = read_report(dump_folder)
+        if report is None:
             raise RuntimeError(f"the dry run of {trainer_argv} failed:\n{proc.stdout[-4000:]}")
-        return json.loads(report.read_text())["max_peak_memory_gib"] * GIB
+        return report["max_peak_memory_gib"] * GIB
 
 
 def traced_table() -> str:

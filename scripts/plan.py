@@ -96,11 +96,11 @@ def _range_cell(entry: dict) -> str:
 def validation_markdown(refit: bool) -> str:
     """The model against the published rows: the held-out rows (predictions) and, apart, the rows the constants
     were fitted on (whose error says how well three constants fit them, not how well the model predicts)."""
-    from torchtitan.planner import validation
+    from torchtitan.planner import prediction_tables, validation
 
     rows = validation.published_rows()
     constants = validation.fit_constants(rows) if refit else None
-    entries = validation.validation_table(rows, constants)
+    entries = prediction_tables.validation_table(rows, constants)
     used = entries[0]["constants"]
     validated = validation.envelope()
     lines = [f"Constants: efficiency {used['efficiency']}, memory-bound bytes {used['memory_bound_bytes']}, "
@@ -123,7 +123,7 @@ def validation_markdown(refit: bool) -> str:
                   f"{100 * max(abs(e['tps_error']) for e in group):.1f}%, peak memory "
                   f"{100 * max(abs(e['memory_error']) for e in group if e['memory_error'] is not None):.1f}%."]
     if not refit:
-        long_context = validation.validation_table(validation.published_rows(validation.LONG_CONTEXT))
+        long_context = prediction_tables.validation_table(validation.published_rows(validation.LONG_CONTEXT))
         lines += ["", "Long-context rows (held out, outside the envelope: the planner marks such layouts; "
                   f"{validation.LONG_CONTEXT.name}):", "",
                   "| run | tokens/s/GPU published | predicted | range | error | peak GiB published | predicted "
@@ -131,7 +131,7 @@ def validation_markdown(refit: bool) -> str:
         lines += [f"| {e['name']} | {e['tps_published']:,.0f} | {e['tps_predicted']:,.0f} | {_range_cell(e)} | "
                   f"{100 * e['tps_error']:+.1f}% | {e['memory_published_gib']:.1f} | "
                   f"{e['memory_predicted_gib']:.1f} | {100 * e['memory_error']:+.1f}% |" for e in long_context]
-        other = validation.other_table()
+        other = prediction_tables.other_table()
         lines += ["", "Other published runs (held out, outside the envelope: another GPU, another framework, or "
                   "TorchTitan's 405B of August 2024, which hides more of its compute than any validated row; "
                   f"{validation.OTHER.name} has each row's software and method):", "",
@@ -206,7 +206,7 @@ def calibration_report(folders: list[str], gpu: GPU, refit_all: bool, as_json: b
 
 
 def measured_markdown(gpu: GPU, rows: str | None, steps: int, as_json: bool) -> str:
-    from torchtitan.planner import validation
+    from torchtitan.planner import prediction_tables, validation
     from torchtitan.tools.device_info import device_name
 
     import torch
@@ -220,7 +220,7 @@ def measured_markdown(gpu: GPU, rows: str | None, steps: int, as_json: bool) -> 
                         f"compilation)")
     published = validation.published_rows()
     wanted = [published[index] for index in _row_indices(rows, len(published))]
-    entries = validation.measured_table(wanted, gpu, steps)
+    entries = prediction_tables.measured_table(wanted, gpu, steps)
     if as_json:
         return json.dumps(entries, indent=2)
     lines = [f"One rank of each row alone on {entries[0]['device']} (real tensors, fake collectives), against the "
@@ -247,9 +247,9 @@ def _row_indices(rows: str | None, count: int) -> list[int]:
 
 
 def traced_markdown() -> str:
-    from torchtitan.planner import validation
+    from torchtitan.planner import prediction_tables
 
-    entries = validation.traced_table()
+    entries = prediction_tables.traced_table()
     lines = ["| row | run | dry run tensor peak GiB | + allocator | published GiB | error |", "|---:|---|---:|---:|---:|---:|"]
     lines += [f"| {e['row']} | {e['name']} | {e['tensor_peak_gib']:.1f} | {e['memory_predicted_gib']:.1f} | "
               f"{e['memory_published_gib']:.1f} | {100 * e['memory_error']:+.1f}% |" for e in entries]

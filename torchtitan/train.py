@@ -7,6 +7,7 @@ import contextlib
 import dataclasses
 import gc
 import logging
+import math
 import os
 import signal
 import sys
@@ -32,6 +33,7 @@ from torchtitan.components.optimizer import build_optimizers
 from torchtitan.components.profiling import maybe_enable_memory_snapshot, maybe_enable_profiling
 from torchtitan.components.tokenizer import build_model_tokenizer
 from torchtitan.config import JobConfig, parse_args, save_config, to_toml, validation_shape
+from torchtitan.config.compatibility import check_composition, setup_of
 from torchtitan.distributed import utils as dist_utils
 from torchtitan.distributed.compile import compile_loss
 from torchtitan.distributed.compression import (compensation_state_bytes, compression_stats,
@@ -76,6 +78,8 @@ class Trainer:
         self.target_device_type = config.comm.fake_device if self.fake_tensors else self.device.type
         self.rank, world_size = dist.get_rank(), dist.get_world_size()
         self.parallel_dims = ParallelDims.from_config(config.parallelism, world_size)
+        # Pairs of features that do not compose are refused before anything is built (config/compatibility.py).
+        check_composition(setup_of(config, self.parallel_dims, self.target_device_type))
         self.world_mesh = self.parallel_dims.build_mesh(self.device.type)
         logger.info(f"{config.job.description}: {world_size} process(es) on {self.device.type}, mesh "
                     f"{self.parallel_dims.describe()}")
@@ -145,6 +149,8 @@ class Trainer:
             self.loss_fn = compile_loss(cross_entropy_sum, config.compile.backend, loss_parallel=(
                 self.parallel_dims.tp_enabled and not config.parallelism.disable_loss_parallel))
         self.global_valid_tokens = torch.ones((), device=self.device)
+        # Under FlexDeMo each replica steps with its own gradient (the optimizer exchanges momentum components).
+        self.replica_gradients = config.optimizer.name == "FlexDeMo" and self.parallel_dims.dp_replicate > 1
         self.optimizers = build_optimizers(self.model_parts, config.optimizer,
                                            self.world_mesh["dp_replicate"].get_group())
         self.lr_schedulers = build_lr_schedulers(self.optimizers, config.lr_scheduler, config.training.steps)
@@ -171,7 +177,8 @@ class Trainer:
         self.preempted = False
         self.left_quorum = False
         self.fault_tolerance = setup_fault_tolerance(config.fault_tolerance, {
-            "model": self.checkpointer.model, "optimizer": self.optimizers, "lr_scheduler": self.lr_schedulers,
+            "model": self.checkpointer.model, "optimizer": self.optimizers.replica_group_view(),
+            "lr_scheduler": self.lr_schedulers,
             "dataloader": self.dataloader, "train_state": self.train_state}, dict(os.environ), self.model_parts)
         if self.fault_tolerance is not None:
             self.checkpointer.diloco = self.fault_tolerance.diloco_state
@@ -348,17 +355,27 @@ class Trainer:
 
     def _summary(self, loss: torch.Tensor, grad_norm: torch.Tensor) -> tuple[float, float, float, float]:
         """(global loss, gradient norm, whether any rank saw a non-finite value, whether any rank was told to stop),
-        the same on every rank. One all-reduce gives every rank the global loss (each TP rank holds a copy: divide
-        by tp; stages without the loss add zero) and the flags (SIGTERM may reach ranks at different steps; all
-        must stop after the same one)."""
+        the same on every rank, so that every rank takes the same decisions on them (skip, stop). One all-reduce
+        gives every rank the global loss (each TP rank holds a copy: divide by tp; stages without the loss add zero)
+        and the flags (SIGTERM may reach ranks at different steps; all must stop after the same one).
+
+        The gradient norm is the norm of the gradient the optimizer steps with, the same on every rank, except
+        where replicas keep their own gradients (FlexDeMo: no gradient is all-reduced across replicas, and each
+        replica's norm is its own). There it is the root mean square over the replicas of their gradients' norms,
+        sqrt(mean_r |g_r|^2), from the same all-reduce (every rank of a replica holds its replica's norm): the
+        norm of no single gradient, at least the norm of the replicas' mean gradient, which no rank holds."""
         grad_norm_value = grad_norm.detach().float()
         nonfinite = (~torch.isfinite(loss.float())) | (~torch.isfinite(grad_norm_value))
+        entries = [loss.float() / self.parallel_dims.tp, nonfinite.float(),
+                   torch.tensor(float(self.preempt_requested), device=self.device)]
+        if self.replica_gradients:
+            entries.append(grad_norm_value.square() / self.parallel_dims.world_size)
         with record_function("step_summary"):
-            summary = torch.stack([loss.float() / self.parallel_dims.tp, nonfinite.float(),
-                                   torch.tensor(float(self.preempt_requested), device=self.device)])
+            summary = torch.stack(entries)
             dist.all_reduce(summary)
-            global_loss, any_nonfinite, any_preempted = host_values(summary)
-        return global_loss, host_values(grad_norm_value.reshape(1))[0], any_nonfinite, any_preempted
+            global_loss, any_nonfinite, any_preempted, *mean_square = host_values(summary)
+        norm = math.sqrt(mean_square[0]) if mean_square else host_values(grad_norm_value.reshape(1))[0]
+        return global_loss, norm, any_nonfinite, any_preempted
 
     def _rerun_skipped_step(self, step: int, batches: list[tuple[torch.Tensor, torch.Tensor]], loss: float,
                             grad_norm: float) -> None:

@@ -19,6 +19,9 @@ Environment:
                         inf_grad      the loss stays finite, but one gradient (this rank's shard of the first
                                       parameter) becomes +Inf after the backward, so only the gradient norm is
                                       non-finite
+                        grad_spike    the loss stays as it is, and this rank's gradients are multiplied by
+                                      FAULT_SPIKE_FACTOR after the backward, once (a finite gradient spike; where
+                                      replicas keep their own gradients, FlexDeMo, only this rank's replica has it)
                         sleep         the rank stalls for FAULT_SLEEP_SECONDS
                         slow          from that step on, the rank's data loading takes FAULT_SLOW_SECONDS longer
                                       every step (a straggler: a slow host or input pipeline)
@@ -39,7 +42,7 @@ Environment:
     SIGUSR2 sent to a rank from outside makes it SIGKILL itself in its next checkpoint save, as sigkill_in_save
     does (a kill during a save, whichever step the test finds it at).
     FAULT_ATTEMPT     inject only in this torchrun attempt (TORCHELASTIC_RESTART_COUNT); default: every attempt
-    FAULT_SPIKE_FACTOR   the loss factor of a `spike` (default 100)
+    FAULT_SPIKE_FACTOR   the loss factor of a `spike` and `bad_batch`, the gradients' of a `grad_spike` (default 100)
     FAULT_SLEEP_SECONDS  length of a `sleep` stall (default 60)
     FAULT_SLOW_SECONDS   extra data-loading time per step of a `slow` rank (default 0.2)
     FAULT_REPORT_DIR  if set (`{group}` in it is the replica group), each rank appends JSON lines to
@@ -67,7 +70,7 @@ from torchtitan.distributed.fault_tolerance import ReplicaGroup
 
 RANK = int(os.environ.get("RANK", "0"))
 ATTEMPT = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
-STEP_KINDS = ("nan", "inf", "spike", "bad_batch", "inf_grad", "sleep", "sigkill", "sigterm", "sigint",
+STEP_KINDS = ("nan", "inf", "spike", "bad_batch", "inf_grad", "grad_spike", "sleep", "sigkill", "sigterm", "sigint",
               "sigterm_agent")
 KILL_IN_NEXT_SAVE = False
 KINDS = (*STEP_KINDS, "sigkill_in_save", "sigkill_at_quorum", "slow")
@@ -160,6 +163,12 @@ def install(faults: dict[int, str]) -> None:
             loss = forward_backward(self, inputs, labels)
             grad = next(p.grad for part in self.model_parts for p in part.parameters() if p.grad is not None)
             (grad.to_local() if isinstance(grad, DTensor) else grad).fill_(float("inf"))
+            return loss
+        elif kind == "grad_spike":
+            loss = forward_backward(self, inputs, labels)
+            for grad in (p.grad for part in self.model_parts for p in part.parameters() if p.grad is not None):
+                (grad.to_local() if isinstance(grad, DTensor) else grad).mul_(
+                    float(os.environ.get("FAULT_SPIKE_FACTOR", "100")))
             return loss
         return forward_backward(self, inputs, labels)
 

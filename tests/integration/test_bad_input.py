@@ -404,9 +404,10 @@ PACKAGE = Path(train.__file__).parent
 
 
 def package_calls() -> list[tuple[str, ast.Call]]:
-    """Every call in the package's and the scripts' source, with the file it is in."""
+    """Every call in the package's, the scripts' and the benchmarks' source, with the file it is in."""
     calls = []
-    for path in sorted([*PACKAGE.rglob("*.py"), *(REPO / "scripts").rglob("*.py")]):
+    for path in sorted([*PACKAGE.rglob("*.py"), *(REPO / "scripts").rglob("*.py"),
+                        *(REPO / "benchmarks").rglob("*.py")]):
         tree = ast.parse(path.read_text(), filename=str(path))
         calls += [(str(path.relative_to(REPO)), node) for node in ast.walk(tree) if isinstance(node, ast.Call)]
     return calls

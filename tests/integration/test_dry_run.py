@@ -129,7 +129,7 @@ def test_block_causal_under_context_parallelism_is_traced(tmp_path):
     (["--comm.no_fake_tensors", "--comm.fake_steps", "0"], "option comm.fake_steps: 0 must be a positive integer"),
     # Split backwards run torch.autograd.grad, whose graph torch's module tracker cannot hook (it raised mid-step).
     (["--parallelism.pipeline_parallel_degree", "2", "--parallelism.pipeline_parallel_schedule", "ZBVZeroBubble"],
-     "option parallelism.pipeline_parallel_schedule: the dry run cannot trace ZBVZeroBubble"),
+     "option comm.mode = 'fake_backend' (the dry run): does not compose with a split-backward pipeline schedule"),
 ])
 def test_bad_layouts_are_one_line_errors(tmp_path, args, message):
     report = dry_run(tmp_path, 8, *args, expect_exit=2)
@@ -213,16 +213,42 @@ def test_out_of_memory_verdict_adds_the_planners_headroom():
     check_fits({"max_peak_memory_gib": 67.8, "max_device_peak_memory_gib": 67.8, "layout": layout}, gpu)
 
 
+@pytest.mark.parametrize("method", ["loco", pytest.param("error_feedback", marks=pytest.mark.slow),
+                                    pytest.param("qsdp", marks=pytest.mark.slow),
+                                    pytest.param("none", marks=pytest.mark.slow)])
+def test_a_rank_that_compresses_gradients_is_dry_run(tmp_path, method):
+    """FSDP 8 with each gradient compression: every FSDP module (6 blocks, the embedding, and the final norm with the
+    output layer, sharded together) reduces its gradients once a step, in one exchange of codes (an all-to-all)
+    that covers all its parameters, as a real run does. The memory tracker had split the norm and output layer's
+    group into one reduction per module: the first, before the norm's gradient existed, was refused by the
+    compressed reduce-scatter (a row without the norm's values), and without compression it was a reduce-scatter
+    too many, with the output layer gathered again."""
+    report = dry_run(tmp_path, 8, "--comm.gradient_compression", method, "--training.seq_len", "128",
+                     "--training.local_batch_size", "2")
+    found = collectives(report)
+    exchange = ("reduce_scatter" if method == "none" else "all_to_all", "dp_shard")
+    assert found[exchange]["count"] == 8, report["collectives"]
+    assert method == "none" or ("reduce_scatter", "dp_shard") not in found
+    # Forward gathers all 8 modules; backward gathers again all but the output layer's group (kept gathered).
+    assert found[("all_gather", "dp_shard")]["count"] == 15
+
+
 def test_flexdemo_exchanges_its_components_once_per_step(tmp_path):
-    """FlexDeMo compiles its own selection kernel; a dry run runs it eagerly, like the model (a compiled kernel would
-    read the storage fake tensors do not have), and its one exchange per step is one all-gather across replicas of
-    3/8 byte per value of the rank's shard (8 of 64 DCT coefficients, 3 bytes each; chunks padded per tensor), in
-    place of gradient all-reduces."""
+    """FlexDeMo's one exchange per step is one all-gather across replicas of each tile's top 32 DCT coefficients
+    (6 bytes each) of the rank's shard (rows halved by FSDP 2), in place of gradient all-reduces."""
+    import torch
+
+    from torchtitan.components.optimizers.flexdemo import payload_bytes
+    from torchtitan.models.llama3.args import model_args_for
+    from torchtitan.models.llama3.model import Transformer
+
     report = dry_run(tmp_path, 4, "--parallelism.data_parallel_replicate_degree", "2", "--optimizer.name", "FlexDeMo")
     exchange = collectives(report)[("all_gather", "dp_replicate")]
     assert exchange["count"] == 1
-    shard_values = 5_901_568 / 2
-    assert exchange["bytes"] == pytest.approx(2 * shard_values * 3 / 8, rel=1e-3)  # both replicas' payloads
+    with torch.device("meta"):
+        model = Transformer(model_args_for("debugmodel", 256))
+    shards = [(p.shape[0] // 2, *p.shape[1:]) for p in model.parameters()]  # every first dimension is even
+    assert exchange["bytes"] == 2 * sum(payload_bytes(shape, 64, 32) for shape in shards)  # both replicas' payloads
     assert not any(c["mesh_dim"] == "dp_replicate" and c["kind"] != "all_gather" for c in report["collectives"])
 
 

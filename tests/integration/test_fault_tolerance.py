@@ -7,12 +7,14 @@ All runs: the tiny model, 2 processes with FSDP, 8 steps, fixed seed and data, s
 """
 
 import json
+import math
 import signal
 import socket
 import time
 from pathlib import Path
 
 import pytest
+import torch
 
 from tests.integration.harness import TINY, launch, read_metrics
 from torchtitan.components.checkpoint import read_metadata
@@ -257,6 +259,70 @@ def test_spikes_are_skipped_by_every_rank_and_a_straggler_is_named(tmp_path):
     named = rank_lines(proc.stdout, 0, "straggler: rank")
     assert named and all("straggler: rank 0 on host" in line for line in named), proc.stdout[-6000:]
     report_faults("loss spikes and a slow rank", events(tmp_path, "inject"), survived=3)
+
+
+def compression_state(checkpoint: Path) -> dict:
+    from torchtitan.components.checkpoint import read_full_checkpoint
+
+    state = read_full_checkpoint(checkpoint)["optimizer"]
+    return {key: value for key, value in state.items() if "compression." in key}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("method", ["loco", "error_feedback"])
+def test_a_skipped_step_leaves_the_compensation_state_as_it_was(tmp_path, method):
+    """Compressed gradients (FSDP 2, 2 micro-batches a step) with on_nonfinite = skip, the spike guard and re-runs
+    of skipped steps. Every rank's loss is NaN in step 3, rank 1's is 100x in step 6 (in every computation of the
+    step: a batch whose loss really spikes). Both updates are skipped, and so is what their reductions made of the
+    compensation state: the checkpoints of steps 3 and 6 hold the state of steps 2 and 5 bit for bit (LoCo's step
+    count too, which counts applied steps: 5 after step 7), the run trains on, and the re-run of step 6, which
+    starts from that same state, reproduces its loss and gradient norm bit for bit. The NaN had stayed in the
+    state and every later step was skipped until the run stopped as diverged."""
+    health = ["--debug.on_nonfinite", "skip", "--health.spike_sigma", "5", "--health.spike_warmup", "4",
+              "--health.rerun_bad_steps"]
+    proc = run(tmp_path, [*FSDP2, *health, "--comm.gradient_compression", method, "--training.global_batch_size",
+                          "8", "--checkpoint.enable", "--checkpoint.interval", "1"], plan="nan@3:*,bad_batch@6:1")
+    assert exit_codes(tmp_path) == {0: 0, 1: 0}, proc.stdout[-6000:]
+    digests = {(e["rank"], e["step"]): e["digest"] for e in events(tmp_path, "step")}
+    for rank in (0, 1):
+        for skipped in (3, 6):
+            assert digests[rank, skipped] == digests[rank, skipped - 1], f"rank {rank} applied step {skipped}"
+            assert digests[rank, skipped + 1] != digests[rank, skipped], f"rank {rank} stopped after {skipped}"
+        verdicts = rank_lines(proc.stdout, rank, "step 6: re-run on the same inputs from the same weights")
+        assert len(verdicts) == 1 and ": reproducible" in verdicts[0], verdicts
+    states = {step: compression_state(tmp_path / "checkpoint" / f"step-{step}") for step in (2, 3, 5, 6, 7)}
+    for skipped in (3, 6):
+        assert sorted(states[skipped]) == sorted(states[skipped - 1])
+        for key, value in states[skipped].items():
+            assert torch.equal(value, states[skipped - 1][key]), f"step {skipped} changed {key}"
+    assert any(not torch.equal(value, states[5][key]) for key, value in states[7].items())
+    if method == "loco":
+        assert [int(states[step]["compression.loco_steps"]) for step in (2, 3, 5, 6, 7)] == [2, 2, 4, 4, 5]
+    losses = {row["step"]: row["loss"] for row in read_metrics(tmp_path) if "loss" in row}
+    assert all(isinstance(losses[step], float) and math.isfinite(losses[step]) for step in (4, 5, 7, 8)), losses
+
+
+@pytest.mark.slow
+def test_a_gradient_spike_on_one_flexdemo_replica_is_skipped_by_every_replica(tmp_path):
+    """FlexDeMo on 2 DDP replicas, which never all-reduce their gradients: each replica's gradient norm is its own.
+    Rank 1's gradients are 100x in step 5 (its loss is not). The spike guard decides on the replicas' root mean
+    square norm, which every rank computes alike: both skip step 5 and go on, and the replicas stay identical.
+    Rank 1 alone had skipped on its own norm while rank 0 stepped into FlexDeMo's exchange, and the run hung there
+    until the training timeout."""
+    health = ["--health.spike_sigma", "5", "--health.spike_warmup", "4", "--comm.train_timeout_seconds", "20"]
+    proc = run(tmp_path, ["--parallelism.data_parallel_replicate_degree", "2", "--optimizer.name", "FlexDeMo",
+                          *health], plan="grad_spike@5:1")
+    assert exit_codes(tmp_path) == {0: 0, 1: 0}, proc.stdout[-6000:]
+    digests = {(e["rank"], e["step"]): e["digest"] for e in events(tmp_path, "step")}
+    for rank in (0, 1):
+        assert digests[rank, 5] == digests[rank, 4], f"rank {rank} applied the spike of step 5"
+        assert digests[rank, 6] != digests[rank, 5], f"rank {rank} stopped updating after the skipped step"
+        assert len(rank_lines(proc.stdout, rank, "step 5: gradient norm")) == 1, proc.stdout[-6000:]
+    for step in range(1, STEPS + 1):
+        assert digests[0, step] == digests[1, step], f"replicas differ after step {step}"
+    rows = [row for row in read_metrics(tmp_path) if "loss" in row]
+    assert [row["health/skipped_steps"] for row in rows] == [0, 0, 0, 0, 1, 1, 1, 1]
+    report_faults("gradient spike on one FlexDeMo replica", events(tmp_path, "inject"), survived=1)
 
 
 def test_stalled_rank_times_out_with_a_clear_error(tmp_path):

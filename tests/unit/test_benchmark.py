@@ -1,4 +1,4 @@
-"""scripts/benchmark.py: the JSON line it prints, and its transformers comparison training the same model."""
+"""benchmarks/benchmark.py: the JSON line it prints, and its transformers comparison training the same model."""
 
 import json
 import math
@@ -6,7 +6,7 @@ import math
 import pytest
 import torch
 
-from scripts import benchmark
+from benchmarks import benchmark
 
 TINY = ["--model.flavor", "tiny", "--training.seq_len", "32", "--training.local_batch_size", "2",
         "--training.mixed_precision_param", "float32", "--metrics.peak_flops", "1e12", "--threads", "1"]
@@ -48,8 +48,8 @@ def test_peers_train_the_same_model_with_our_recipe(capsys):
 
 def test_peers_follow_a_bf16_recipe(tmp_path):
     """In bf16 a peer trains under autocast: its first loss is close to, not equal to, the fp32 one."""
-    from scripts.benchmark import benchmark_config
-    from scripts.benchmark_peers import PeerTraining, initial_state_dict
+    from benchmarks.benchmark import benchmark_config
+    from benchmarks.benchmark_peers import PeerTraining, initial_state_dict
     from torchtitan.train import Trainer
 
     config = benchmark_config([*TINY[:-2], "--training.mixed_precision_param", "bfloat16"], 2, str(tmp_path))
@@ -100,7 +100,7 @@ def test_bad_arguments_are_one_error(capsys):
 def test_step_breakdown_sorts_the_step_into_categories(capsys):
     """Every part of the step lands somewhere: the matmuls, attention, the optimizer, the clipping and the data
     fetch of ours by the trainer's labelled regions; the peer has no data or clipping label of its own."""
-    from scripts import step_breakdown
+    from benchmarks import step_breakdown
 
     assert step_breakdown.json_main(step_breakdown.run, [*TINY, "--warmup", "1", "--steps", "2", "--plain"]) == 0
     result = json.loads(capsys.readouterr().out)
@@ -114,7 +114,7 @@ def test_torchtitan_benchmark_needs_an_environment_of_its_own():
     """TorchTitan 0.2.2's package has this project's name: its benchmark refuses to run here and says where to."""
     from importlib.metadata import version
 
-    from scripts import benchmark_torchtitan
+    from benchmarks import benchmark_torchtitan
 
     with pytest.raises(SystemExit) as stop:
         benchmark_torchtitan._require_torchtitan_0_2_2()
@@ -127,7 +127,7 @@ def test_two_processes_take_turns_step_by_step(tmp_path):
     raises instead of waiting for ever."""
     import threading
 
-    from scripts.turns import Turns, make_fifos
+    from benchmarks.turns import Turns, make_fifos
 
     first, second = make_fifos(tmp_path, "first", "second")
     steps: list[str] = []
@@ -136,7 +136,7 @@ def test_two_processes_take_turns_step_by_step(tmp_path):
         for _ in range(4):
             with turns.turn():
                 steps.append(name)
-        if name == "first":  # as scripts/benchmark.py does: wait out the other's last step
+        if name == "first":  # as benchmarks/benchmark.py does: wait out the other's last step
             turns.wait()
             steps.append("first done")
 
@@ -162,9 +162,9 @@ def test_turns_are_for_one_process_against_one(capsys):
 
 
 def test_attention_paths_compute_the_same_attention(capsys):
-    """scripts/attention_paths.py: every path, compiled ones included, gives the flash kernel's output and gradient
+    """benchmarks/attention_paths.py: every path, compiled ones included, gives the flash kernel's output and gradient
     (to bf16 rounding), and a time."""
-    from scripts import attention_paths
+    from benchmarks import attention_paths
 
     shape = ["--batch", "1", "--heads", "4", "--kv_heads", "2", "--seq_len", "32", "--head_dim", "8"]
     assert attention_paths.main([*shape, "--repeats", "1", "--threads", "1"]) == 0

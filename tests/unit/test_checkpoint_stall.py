@@ -1,4 +1,4 @@
-"""scripts/checkpoint_stall.py: the stall of a checkpoint save per async_mode, on the real Trainer."""
+"""benchmarks/checkpoint_stall.py: the stall of a checkpoint save per async_mode, on the real Trainer."""
 
 import json
 import subprocess
@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from scripts import checkpoint_stall
+from benchmarks import checkpoint_stall
 from torchtitan.components.checkpoint import ASYNC_MODES
 from torchtitan.errors import UserError
 

@@ -15,9 +15,10 @@ from torch.distributed.fsdp._fully_shard._fsdp_api import AllGather
 
 from tests.unit.forked_ranks import run_ranks
 from torchtitan.components.checkpoint import read_metadata
-from torchtitan.components.checkpoint.manager import exact_where_it_fits
+from torchtitan.components.checkpoint.loading import exact_where_it_fits
+from torchtitan.config.compatibility import check_composition, setup_of
 from torchtitan.config.job_config import JobConfig
-from torchtitan.config.manager import get_option
+from torchtitan.config.options import get_option
 from torchtitan.distributed.compression import (EXACT, CompressionState, _param_groups, apply_compression,
                                                 compensation_state_bytes, compression_stats,
                                                 require_compensation_fits, validate_compression)
@@ -121,26 +122,78 @@ def test_hadamard_is_an_involution_and_spreads_an_outlier():
 
 
 def test_loco_compensates_with_a_moving_average_of_its_errors_kept_in_8_bits_and_reset():
-    """LoCo's update (Xie et al. 2024): h = g + e; e <- beta e + (1 - beta)(h - Q(h)), stored as 8-bit codes, reset
-    to zero every reset_interval steps. Classic error feedback (e <- h - Q(h)) fails every comparison here."""
+    """LoCo's update (Xie et al. 2024, as DeepSpeed implements it): h = g + e; e <- beta e + (1 - beta)(h - Q(h)),
+    stored as 8-bit codes, reset to zero every reset_interval optimizer steps. Each step reduces twice (two
+    micro-batches, as FSDP does under gradient accumulation): the reset counts steps, not reductions. Classic error
+    feedback (e <- h - Q(h)) fails every comparison here."""
     beta, rows = 0.8, 2
     loco = LoCo(beta, reset_interval=3, segments=[ROW])
     generator = torch.Generator().manual_seed(7)
     reference = torch.zeros(rows, ROW)
-    for step in range(5):
-        if step == 3:
-            reference = torch.zeros(rows, ROW)  # the reset, before the fourth step's compensation
-        grad = torch.randn(rows, ROW, generator=generator)
-        compensated = loco.compensate(grad)
-        assert torch.allclose(compensated, grad + reference, atol=1e-7)
-        sent = decode(encode(compensated, 4), ROW, 4)
-        loco.update(compensated, sent)
-        average = beta * reference + (1 - beta) * (compensated - sent)
-        reference = decode(encode(average, 8), ROW, 8)
-        assert torch.allclose(loco.residual, reference, atol=1e-7)
-        assert not torch.allclose(loco.residual, compensated - sent, atol=1e-3)  # not error feedback's
-    assert loco.steps == 5
-    assert loco._codes.dtype == torch.uint8 and loco._codes.numel() == rows * payload_bytes([ROW], 8)
+    for step in range(1, 6):
+        for _micro_batch in range(2):
+            grad = torch.randn(rows, ROW, generator=generator)
+            compensated = loco.compensate(grad)
+            assert torch.allclose(compensated, grad + reference, atol=1e-7)
+            sent = decode(encode(compensated, 4), ROW, 4)
+            loco.update(compensated, sent)
+            average = beta * reference + (1 - beta) * (compensated - sent)
+            reference = decode(encode(average, 8), ROW, 8)
+            assert not torch.allclose(reference, compensated - sent, atol=1e-3)  # not error feedback's
+        loco.commit()
+        assert loco.steps == step
+        if step % 3 == 0:
+            reference = torch.zeros(rows, ROW)  # the reset: the next step starts from a zero error
+            assert loco.residual is None
+        else:
+            assert torch.allclose(loco.residual, reference, atol=1e-7)
+    assert loco.raw.dtype == torch.uint8 and loco.raw.numel() == rows * payload_bytes([ROW], 8)
+
+
+@pytest.mark.parametrize("compensation", [ErrorFeedback(), LoCo(0.8, 0, [ROW])], ids=["error_feedback", "loco"])
+def test_a_dropped_step_leaves_the_compensation_as_it_was(compensation):
+    """A step's reductions stage the state (each micro-batch's reduction reads what the step's earlier ones left);
+    dropping the step's gradients (a skipped update, or before its re-run) discards it, so the state is bitwise
+    what it was before the step, LoCo's step count included; the optimizer step commits it."""
+    generator = torch.Generator().manual_seed(3)
+
+    def reduce_step() -> None:
+        for _micro_batch in range(2):
+            compensated = compensation.compensate(torch.randn(2, ROW, generator=generator))
+            compensation.update(compensated, decode(encode(compensated, 4), ROW, 4))
+
+    reduce_step()
+    compensation.commit()
+    before = compensation.raw.clone()
+    steps = getattr(compensation, "steps", None)
+    reduce_step()
+    assert torch.equal(compensation.raw, before)  # staged, not yet the state
+    compensation.discard()
+    assert torch.equal(compensation.raw, before) and getattr(compensation, "steps", None) == steps
+    rows = torch.randn(2, ROW, generator=generator)
+    assert torch.equal(compensation.compensate(rows), rows + compensation.residual)  # the next step starts there
+    compensation.discard()
+    reduce_step()
+    compensation.commit()
+    assert not torch.equal(compensation.raw, before)
+
+
+def test_the_optimizer_step_commits_the_compensation_and_dropped_gradients_discard_it():
+    """The trainer's two ends of a step: `step()` applies the gradients and commits what their reductions staged;
+    `zero_grad()` (a skipped update, the start of a re-run, a step torchft did not commit) drops them and it."""
+    from types import SimpleNamespace
+
+    from torchtitan.components.optimizer import build_optimizers
+
+    model = torch.nn.Linear(4, 4)
+    container = build_optimizers([model], JobConfig().optimizer)
+    calls = []
+    container.compression = SimpleNamespace(commit=lambda: calls.append("commit"),
+                                            discard=lambda: calls.append("discard"))
+    model.weight.grad, model.bias.grad = torch.ones(4, 4), torch.ones(4)
+    container.step()
+    container.zero_grad()
+    assert calls == ["commit", "discard"]
 
 
 @pytest.mark.parametrize("compensation", [ErrorFeedback(), LoCo(0.8, 0, [128])], ids=["error_feedback", "loco"])
@@ -157,6 +210,7 @@ def test_state_set_by_a_checkpoint_is_recorded_on_the_reduction_stream(monkeypat
     compensation.compensate(rows)
     assert recorded == ["current stream"]  # adopted by the reduction's stream
     compensation.update(rows, rows)
+    compensation.commit()
     compensation.compensate(rows)
     assert len(recorded) == 1  # made on the reduction's stream: nothing to record
     compensation.residual = rows.clone()
@@ -195,6 +249,12 @@ def layout(replicate: int = 1, shard: int = 2) -> ParallelDims:
     return ParallelDims(dp_replicate=replicate, dp_shard=shard, cp=1, tp=1, pp=1, world_size=replicate * shard)
 
 
+def start_up_checks(config: JobConfig, dims: ParallelDims) -> None:
+    """What the trainer checks of compression before it builds anything: the options' values, then the pairs."""
+    validate_compression(config)
+    check_composition(setup_of(config, dims, "cpu"))
+
+
 def config_with(**comm) -> JobConfig:
     """`comm` options by name, a method's own as `table.option` (loco.beta)."""
     config = JobConfig()
@@ -208,15 +268,17 @@ def config_with(**comm) -> JobConfig:
     ({"gradient_bits": 5}, layout(), r"comm.gradient_bits: 5 is not one of 4, 8"),
     ({"weight_quantization": "qsdp", "weight_bits": 16}, layout(), r"comm.weight_bits: 16 is not one of 4, 8"),
     ({"quantization_rotation": "hadamard"}, layout(), r"quantization_rotation: 'hadamard' .* nothing is"),
-    ({"gradient_compression": "loco"}, layout(shard=1), r"gradient_compression = loco: .* no FSDP"),
-    ({"gradient_compression": "loco"}, layout(replicate=2), r"does not compose with data_parallel_replicate"),
-    ({"weight_quantization": "qsdp"}, layout(replicate=2, shard=1), r"weight_quantization = qsdp: .* no FSDP"),
+    ({"gradient_compression": "loco"}, layout(shard=1), r"option comm.gradient_compression.*: does not compose with .*\(no FSDP\)"),
+    ({"gradient_compression": "loco"}, layout(replicate=2),
+     r"option comm.gradient_compression .*: does not compose with data_parallel_replicate_degree > 1"),
+    ({"weight_quantization": "qsdp"}, layout(replicate=2, shard=1),
+     r"option comm.weight_quantization = 'qsdp': does not compose with .*\(no FSDP\)"),
     ({"gradient_compression": "loco", "loco.beta": 1.0}, layout(), r"comm.loco.beta: 1.0 must be in \[0, 1\)"),
     ({"gradient_compression": "loco", "loco.reset_interval": -1}, layout(), r"comm.loco.reset_interval: -1 must"),
 ])
 def test_bad_values_and_combinations_are_refused(comm, dims, message):
     with pytest.raises(UserError, match=message):
-        validate_compression(config_with(**comm), dims)
+        start_up_checks(config_with(**comm), dims)
 
 
 def flexdemo(**options) -> JobConfig:
@@ -228,27 +290,28 @@ def flexdemo(**options) -> JobConfig:
 
 
 @pytest.mark.parametrize("options,dims,message", [
-    ({}, layout(), r"optimizer.name: FlexDeMo .*\(data_parallel_replicate_degree = 1\)"),
-    ({"chunk_size": 512}, layout(replicate=2), r"optimizer.flexdemo.chunk_size: 512 must be in \[1, 256\]"),
-    ({"topk": 65}, layout(replicate=2), r"optimizer.flexdemo.topk: 65 must be in \[1, chunk_size = 64\]"),
+    ({}, layout(), r"option optimizer.name = 'FlexDeMo': does not compose with data_parallel_replicate_degree = 1"),
+    ({"chunk_size": 256}, layout(replicate=2), r"optimizer.flexdemo.chunk_size: 256 must be in \[1, 128\]"),
+    ({"topk": 4097}, layout(replicate=2), r"optimizer.flexdemo.topk: 4097 must be in \[1, chunk_size\^2 = 4096\]"),
     ({"momentum_decay": 1.0}, layout(replicate=2), r"optimizer.flexdemo.momentum_decay: 1.0 must be in \[0, 1\)"),
 ])
 def test_bad_flexdemo_options_are_refused(options, dims, message):
     with pytest.raises(UserError, match=message):
-        validate_compression(flexdemo(**options), dims)
+        start_up_checks(flexdemo(**options), dims)
 
 
 def test_flexdemo_lets_loco_compress_within_replicas():
     config = flexdemo()
     config.comm.gradient_compression = "loco"
-    validate_compression(config, layout(replicate=2, shard=2))  # FSDP runs within each replica: no HSDP all-reduce
+    start_up_checks(config, layout(replicate=2, shard=2))  # FSDP runs within each replica: no HSDP all-reduce
 
 
 def test_qsdp_refuses_the_float8_all_gather():
     config = config_with(weight_quantization="qsdp")
+    config.model.converters = ["quantize.linear.float8"]
     config.quantize.linear.float8.enable_fsdp_float8_all_gather = True
     with pytest.raises(UserError, match="float8 all-gather"):
-        validate_compression(config, layout())
+        start_up_checks(config, layout())
 
 
 # ------------------------------------------------------------------------------------------------------------------
@@ -315,6 +378,7 @@ def worker(rank: int, out_dir: str) -> None:
                 sent += grad
                 output = torch.empty(ROW)
                 comm(output, grad.clone(), group, dist.ReduceOp.SUM)
+                comm.compensation.commit()  # the optimizer stepped
                 received += output
             dist.all_reduce(sent)
             residuals = comm.compensation.residual.clone()
@@ -346,6 +410,7 @@ def worker(rank: int, out_dir: str) -> None:
         plain, off, loco = (tiny_fsdp(mesh, comm) for comm in (None, {}, {"gradient_compression": "loco"}))
         for model in (plain, off, loco):
             backward(model, rank)
+        CompressionState([loco]).commit()
         results["fsdp"] = (local_grads(plain), local_grads(off), local_grads(loco))
         results["fsdp_default_comm"] = [type(m._get_fsdp_state()._fsdp_param_groups[0]._reduce_scatter_comm).__name__
                                         for m in off.modules()
@@ -355,7 +420,7 @@ def worker(rank: int, out_dir: str) -> None:
         # norm and the output layer share one.
         results["row_bytes"] = 4 * (WORLD - 1) * sum(p.to_local().numel() for p in loco.parameters())
         results["state_bytes"] = (compensation_state_bytes([loco]),
-                                  sum(g._reduce_scatter_comm.compensation._codes.numel() for g in _param_groups([loco])))
+                                  sum(g._reduce_scatter_comm.compensation.raw.numel() for g in _param_groups([loco])))
 
         # QSDP's weights are encoded once per step: the backward re-gathers reuse the forward's codes, bitwise those
         # a fresh encode of their input gives, and the optimizer's update makes new ones.
@@ -379,6 +444,7 @@ def worker(rank: int, out_dir: str) -> None:
         # without it (another layout) each shard's owner gets what all ranks owed the shard.
         backward(loco, rank, seed=1)
         state = CompressionState([loco])
+        state.commit()
         raw_before = [comm.compensation.raw.clone() for comm, _, _ in state.entries]
         owed = [comm.compensation.residual.clone() for comm, _, _ in state.entries]
         for total in owed:
@@ -396,9 +462,10 @@ def worker(rank: int, out_dir: str) -> None:
         # A checkpoint of error feedback's (fp32) residuals, which 4 ranks reshard (see test_residuals_reshard...);
         # saving them changes nothing either, and loading restores them bit for bit.
         error_feedback = tiny_fsdp(mesh, {"gradient_compression": "error_feedback"})
+        state = CompressionState([error_feedback])
         for seed in range(2):
             backward(error_feedback, rank, seed)
-        state = CompressionState([error_feedback])
+            state.commit()
         raw_before = [comm.compensation.raw.clone() for comm, _, _ in state.entries]
         saved = state.state_dict()
         raw_after = [comm.compensation.raw.clone() for comm, _, _ in state.entries]
@@ -589,3 +656,23 @@ def test_parameter_groups_of_torch_before_2_13():
     assert fsdp_param_groups(module(_fsdp_param_groups=[group])) == [group]
     assert fsdp_param_groups(module(_fsdp_param_group=group)) == [group]
     assert fsdp_param_groups(module(_fsdp_param_group=None)) == []
+
+
+def test_a_healing_peer_gets_the_optimizer_state_without_the_compensation_state():
+    """torchft's checkpoint server (a thread beside the training loop) serves a replica group's state to a peer that
+    heals: the compensation state, whose saving runs collectives of the sending group and which is that group's own
+    history, stays out of it, and the healed group starts without compensation."""
+    from types import SimpleNamespace
+
+    from torchtitan.components.optimizer import OptimizersContainer
+
+    calls = []
+    container = SimpleNamespace(
+        _optimizer_state_dict=lambda: {"state.w.exp_avg": 1},
+        _load_optimizer_state_dict=lambda state: calls.append(("load", state)),
+        compression=SimpleNamespace(state_dict=lambda: calls.append("compression collectives"),
+                                    clear=lambda: calls.append("clear")))
+    view = OptimizersContainer.replica_group_view(container)
+    assert view.state_dict() == {"state.w.exp_avg": 1}
+    view.load_state_dict({"state.w.exp_avg": 2})
+    assert calls == [("load", {"state.w.exp_avg": 2}), "clear"]

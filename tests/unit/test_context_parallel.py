@@ -146,12 +146,14 @@ def test_context_parallel_method_options():
     alltoall = ["--parallelism.context_parallel_rotate_method", "alltoall"]
     assert parse_args([*cp2, "--parallelism.context_parallel_method", "ring", *alltoall]).parallelism.\
         context_parallel_rotate_method == "alltoall"
-    with pytest.raises(UserError, match=r"context_parallel_rotate_method: 'alltoall' rotates the ring's keys and "
-                                        r"values, and parallelism.context_parallel_method = 'allgather_kv' all-gathers "
-                                        r"them instead; set context_parallel_method = 'ring'"):
+    with pytest.raises(UserError, match=r"^option parallelism.context_parallel_rotate_method = 'alltoall': does not "
+                                        r"compose with context parallelism over gathered keys and values "
+                                        r"\(parallelism.context_parallel_method = 'allgather_kv', the default.*; set "
+                                        r"parallelism.context_parallel_method = 'ring'"):
         parse_args([*cp2, *alltoall])
-    with pytest.raises(UserError, match=r"context_parallel_method: 'ring' does not work with model.attention_mask = "
-                                        r"'block_causal' .*use 'allgather_kv'"):
+    with pytest.raises(UserError, match=r"^option context_parallel_degree > 1 with model.attention_mask = "
+                                        r"'block_causal': does not compose with parallelism.context_parallel_method = "
+                                        r"'ring' .*; use parallelism.context_parallel_method = 'allgather_kv'$"):
         parse_args([*cp2, "--parallelism.context_parallel_method", "ring", "--model.attention_mask", "block_causal"])
     # Without context parallelism neither option does anything: nothing to refuse.
     parse_args(alltoall)

@@ -136,7 +136,7 @@ def test_short_and_long_documents_are_balanced_where_head_tail_is_not():
 
 
 def test_balance_report_prints_every_mix_and_assignment():
-    from scripts import cp_balance
+    from benchmarks import cp_balance
     from torchtitan.errors import UserError
 
     lines = cp_balance.report("tiny", 1024, [2], windows=2, seed=0).splitlines()
@@ -152,7 +152,7 @@ def test_balance_report_prints_every_mix_and_assignment():
 
 
 def scaling_options(**changes):
-    from scripts import cp_scaling
+    from benchmarks import cp_scaling
 
     options = {"flavor": "tiny", "n_layers": 1, "seq_len": [512], "cp": [1, 2], "mix": "few long", "warmup": 1,
                "steps": 1, "seed": 0}
@@ -174,7 +174,7 @@ def test_scaling_benchmark_window_and_bad_degrees():
 
 @pytest.mark.slow
 def test_scaling_benchmark_runs_causal_and_block_causal_side_by_side():
-    """A short run of scripts/cp_scaling.py (forked CP 1 and CP 2 ranks): a row per degree with both masks' speeds
+    """A short run of benchmarks/cp_scaling.py (forked CP 1 and CP 2 ranks): a row per degree with both masks' speeds
     and peaks, the counted balance for CP 2 only."""
     cp_scaling, options = scaling_options()
     rows = [line.split(" | ") for line in cp_scaling.measure(options).splitlines() if line.startswith("| 512")]
@@ -189,8 +189,9 @@ def test_block_causal_with_context_parallelism_options():
 
     block_causal_cp = ["--model.attention_mask", "block_causal", "--parallelism.context_parallel_degree", "2"]
     assert parse_args([*block_causal_cp, "--model.document_positions"]).parallelism.context_parallel_degree == 2
-    with pytest.raises(UserError, match="context_parallel_rotate_method: 'alltoall' does not work with "
-                                        "model.attention_mask = 'block_causal'.*use 'allgather'"):
+    with pytest.raises(UserError, match="option parallelism.context_parallel_rotate_method = 'alltoall': does not "
+                                        "compose with context parallelism over gathered keys and values .*"
+                                        "model.attention_mask = 'block_causal'.*'allgather'$"):
         parse_args([*block_causal_cp, "--parallelism.context_parallel_rotate_method", "alltoall"])
 
 

@@ -48,7 +48,7 @@ FT = ["--fault_tolerance.enable", "--fault_tolerance.group_size", "3"]
      "option fault_tolerance.outer_lr: 0.0 must be positive"),
     ([*FT, "--fault_tolerance.semi_sync_method", "diloco", "--fault_tolerance.outer_momentum", "1"],
      "option fault_tolerance.outer_momentum: 1.0 must be in [0, 1)"),
-    ([*FT, "--health.spike_sigma", "3"], "option health.spike_sigma: 3.0 cannot be used with fault_tolerance.enable"),
+    ([*FT, "--health.spike_sigma", "3"], "option health.spike_sigma > 0: does not compose with fault_tolerance.enable"),
     ([*FT, "--fault_tolerance.process_group", "mpi"], "option fault_tolerance.process_group: 'mpi' is not one of"),
 ])
 def test_bad_settings_are_one_error_naming_the_option(argv, message):

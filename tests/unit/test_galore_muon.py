@@ -304,7 +304,7 @@ def test_registry_state_bytes_count_a_ranks_share_of_the_state(sharded_results, 
 
 def test_galore_costs_script_reports_state_and_refresh_times(monkeypatch, capsys):
     import runpy
-    script = Path(__file__).resolve().parents[2] / "scripts" / "galore_costs.py"
+    script = Path(__file__).resolve().parents[2] / "benchmarks" / "galore_costs.py"
     monkeypatch.setattr("sys.argv", [str(script), "--flavor", "tiny", "--repeats", "1"])
     runpy.run_path(str(script), run_name="__main__")
     out = capsys.readouterr().out

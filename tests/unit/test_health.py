@@ -425,8 +425,46 @@ def test_a_skipped_step_is_rerun_to_tell_a_transient_fault_from_a_real_divergenc
 
 
 def test_rerun_bad_steps_is_refused_where_a_rerun_is_not_the_same_computation():
-    with pytest.raises(UserError, match=r"option health.rerun_bad_steps: cannot be used with "
-                                        r"comm.gradient_compression = 'loco'"):
-        parse_args(["--health.rerun_bad_steps", "--comm.gradient_compression", "loco"])
-    with pytest.raises(UserError, match=r"option health.rerun_bad_steps: cannot be used with fault_tolerance.enable"):
+    # A compressed reduce-scatter's state is restored before the re-run (its reductions only stage it), and QSDP's
+    # rounding draws from the values themselves: a re-run is the same computation
+    # (tests/integration/test_fault_tolerance.py::test_a_skipped_step_leaves_the_compensation_state_as_it_was).
+    for method in ("loco", "error_feedback", "qsdp"):
+        parse_args(["--health.rerun_bad_steps", "--comm.gradient_compression", method])
+    with pytest.raises(UserError, match=r"option health.rerun_bad_steps: does not compose with fault_tolerance.enable"):
         parse_args(["--health.rerun_bad_steps", "--fault_tolerance.enable", "--fault_tolerance.group_size", "2"])
+
+
+def summary_worker(rank: int, out_dir: str) -> None:
+    """The trainer's step summary on 2 gloo ranks that are FlexDeMo's 2 replicas, each with its own gradient norm."""
+    import datetime
+    from pathlib import Path
+    from types import SimpleNamespace
+
+    import torch.distributed as dist
+
+    from torchtitan.train import Trainer  # imported by the test before the fork
+
+    dist.init_process_group("gloo", store=dist.FileStore(f"{out_dir}/store", 2), rank=rank, world_size=2,
+                            timeout=datetime.timedelta(seconds=60))
+    try:
+        trainer = SimpleNamespace(parallel_dims=SimpleNamespace(tp=1, world_size=2), device=torch.device("cpu"),
+                                  preempt_requested=False, replica_gradients=True)
+        loss, norm = torch.tensor(1.0 + rank), torch.tensor([3.0, 400.0][rank])
+        torch.save({"summary": Trainer._summary(trainer, loss, norm)}, Path(out_dir) / f"rank{rank}.pt")
+    finally:
+        dist.destroy_process_group()
+
+
+def test_flexdemo_replicas_judge_one_gradient_norm(tmp_path):
+    """Under FlexDeMo each replica's gradient norm is its own (no gradient is all-reduced across replicas); the step
+    summary gives every rank the same one, the replicas' root mean square sqrt((3^2 + 400^2) / 2), so that the spike
+    guard's decision is the same on every rank (one replica skipping while the other stepped into FlexDeMo's
+    exchange hung the run). The loss is the global sum, as before."""
+    import torchtitan.train  # noqa: F401 (once, before the fork: each rank would import it again)
+    from tests.unit.forked_ranks import run_ranks
+
+    summaries = [result["summary"] for result in run_ranks(summary_worker, tmp_path, 2, 60, "summary")]
+    assert summaries[0] == summaries[1]
+    loss, norm, nonfinite, preempted = summaries[0]
+    assert (loss, nonfinite, preempted) == (3.0, 0.0, 0.0)
+    assert norm == pytest.approx(math.sqrt((3.0 ** 2 + 400.0 ** 2) / 2), rel=1e-6)

@@ -1,13 +1,16 @@
 """Each optimizer's update pinned to its paper's formula, written out again here independently of the code (plain
-tensors, one process, two steps so that the state's recurrences count): a test that a changed update cannot pass."""
+tensors, two or three steps so that the state's recurrences count; one process, except FlexDeMo's, whose replicas
+are real gloo processes): a test that a changed update cannot pass."""
 
+import datetime
 import math
+from pathlib import Path
 
 import pytest
 import torch
 import torch.distributed as dist
 
-from torchtitan.components.optimizers import flexdemo
+from tests.unit.forked_ranks import run_ranks
 from torchtitan.components.optimizers.flexdemo import FlexDeMo
 from torchtitan.components.optimizers.galore import GaLoreAdamW
 from torchtitan.components.optimizers.muon import Muon
@@ -100,7 +103,8 @@ def test_ranger21_positive_negative_momentum_stable_weight_decay_and_norm_loss()
     weight, grads = torch.randn(shape, generator=torch.Generator().manual_seed(3)), gradients(shape, steps=3)
     result = run(lambda p: Ranger21([{"params": [p], "weight_decay": WD}], lr=LR, betas=(beta1, beta2), eps=eps,
                                     agc_clip=0.0, agc_eps=1e-3, gradient_centralization=False, pnm_momentum=b0,
-                                    norm_loss=norm_loss, lookahead_steps=0, lookahead_alpha=0.5), weight, grads)
+                                    norm_loss=norm_loss, lookahead_steps=0, lookahead_alpha=0.5,
+                                    gradient_normalization=False, softplus=False), weight, grads)
     expected = weight.clone()
     positive, negative, v = torch.zeros(shape), torch.zeros(shape), torch.zeros(shape)
     for t, grad in enumerate(grads, 1):
@@ -119,91 +123,162 @@ def test_ranger21_positive_negative_momentum_stable_weight_decay_and_norm_loss()
     assert torch.allclose(result, expected, atol=1e-6)
 
 
-def capture_exchange(monkeypatch) -> list[torch.Tensor]:
-    """FlexDeMo alone (one replica, eager selection): the payloads it all-gathers, one per step, in a list."""
-    sent = []
-    # The eager selection (the compiled one is the same function; compiling it would take most of this test).
-    monkeypatch.setattr(flexdemo, "_compiled_running_maxima", lambda: flexdemo._running_maxima)
-    monkeypatch.setattr(dist, "get_world_size", lambda group=None: 1)
-
-    def all_gather_single(output, payload, group=None):
-        sent.append(payload.clone())
-        output.copy_(payload)
-
-    monkeypatch.setattr(dist, "all_gather_single", all_gather_single)
-    return sent
-
-
-def test_flexdemo_exchanges_the_top_dct_components_of_its_momentum_and_steps_by_their_sign(monkeypatch):
-    """DeMo's step on one replica: m <- decay m + g; per chunk of 64 values the 8 largest DCT-II coefficients of m
-    are sent (index, bfloat16 value) and removed from m; the weights step by the sign of the inverse DCT of the
-    (replicas' mean) sent components."""
-    chunk, topk, decay = 64, 8, 0.9
-    shape = (30, 20)  # 600 values: 10 chunks, the last padded with zeros
-    sent = capture_exchange(monkeypatch)
-    weight, grads = torch.randn(shape, generator=torch.Generator().manual_seed(3)), gradients(shape)
-    result = run(lambda p: FlexDeMo([p], lr=LR, weight_decay=WD, chunk_size=chunk, topk=topk, momentum_decay=decay,
-                                    replicate_group=None), weight, grads)
-    n = torch.arange(chunk, dtype=torch.float64)
-    dct = torch.cos(math.pi / chunk * (n[None, :] + 0.5) * n[:, None]) * math.sqrt(2 / chunk)
-    dct[0] /= math.sqrt(2)  # orthonormal DCT-II: row k is the k-th cosine
-    dct = dct.float()
-    expected, momentum = weight.clone(), torch.zeros(600)
-    for step, grad in enumerate(grads):
-        accumulated = torch.zeros(10 * chunk)  # the padding is zero at every step: it is not part of the tensor
-        accumulated[:600] = decay * momentum + grad.flatten()
-        coefficients = accumulated.view(10, chunk) @ dct.T
-        indices = coefficients.abs().topk(topk, dim=1).indices
-        values = coefficients.gather(1, indices).bfloat16().float()
-        kept = torch.zeros_like(coefficients).scatter_(1, indices, values)
-        momentum = (accumulated - (kept @ dct).flatten())[:600]
-        expected = expected * (1 - LR * WD) - LR * (kept @ dct).flatten()[:600].sign().view(shape)
-        payload = sent[step].view(10, 3 * topk)
-        sent_indices = payload[:, :topk].long()
-        sent_values = payload[:, topk:].contiguous().view(torch.bfloat16).float()
-        assert torch.equal(sent_indices.sort(dim=1).values, indices.sort(dim=1).values)
-        assert torch.equal(torch.zeros_like(coefficients).scatter_(1, sent_indices, sent_values), kept)
+@pytest.mark.parametrize("shape", [(8, 12), (40,)], ids=["matrix", "vector"])
+def test_ranger21_normalized_centralized_gradient_and_softplus_denominator(shape):
+    """The reference's defaults using_normgc and softplus (lessw2020/Ranger21): each row of a matrix's gradient
+    loses its mean, then the gradient is divided by its unbiased standard deviation over the whole tensor plus 1e-8
+    (a vector only by that), and both moments see that gradient; Adam's denominator sqrt(v_hat) + eps becomes
+    softplus(x) = ln(1 + exp(50 x)) / 50. Gradients of order 1e-3, so that the normalisation scales them by about
+    1e3, and half of the denominators are small enough for softplus to lift them."""
+    beta1, beta2, eps, b0 = 0.9, 0.99, 1e-8, 1.0
+    weight = torch.randn(shape, generator=torch.Generator().manual_seed(3))
+    grads = [grad * 1e-3 for grad in gradients(shape, steps=3)]
+    result = run(lambda p: Ranger21([{"params": [p], "weight_decay": 0.0}], lr=LR, betas=(beta1, beta2), eps=eps,
+                                    agc_clip=0.0, agc_eps=1e-3, gradient_centralization=True, pnm_momentum=b0,
+                                    norm_loss=0.0, lookahead_steps=0, lookahead_alpha=0.5), weight, grads)
+    expected = weight.clone()
+    positive, negative, v = torch.zeros(shape), torch.zeros(shape), torch.zeros(shape)
+    for t, grad in enumerate(grads, 1):
+        if len(shape) > 1:
+            grad = grad - grad.mean(dim=1, keepdim=True)
+        n = grad.numel()
+        grad = grad / (((grad - grad.mean()) ** 2).sum() / (n - 1)).sqrt().add(1e-8)
+        if t % 2:
+            positive = beta1 ** 2 * positive + (1 - beta1 ** 2) * grad
+            this, other = positive, negative
+        else:
+            negative = beta1 ** 2 * negative + (1 - beta1 ** 2) * grad
+            this, other = negative, positive
+        v = beta2 * v + (1 - beta2) * grad * grad
+        denominator = (v / (1 - beta2 ** t)).sqrt() + eps
+        denominator = denominator + torch.log1p(torch.exp(-50 * denominator)) / 50  # ln(1 + e^(50 x)) / 50, x > 0
+        momentum = ((1 + b0) * this - b0 * other) / math.sqrt((1 + b0) ** 2 + b0 ** 2)
+        expected = expected - LR / (1 - beta1 ** t) * momentum / denominator
     assert torch.allclose(result, expected, atol=1e-6)
+    plain = run(lambda p: Ranger21([{"params": [p], "weight_decay": 0.0}], lr=LR, betas=(beta1, beta2), eps=eps,
+                                   agc_clip=0.0, agc_eps=1e-3, gradient_centralization=True, pnm_momentum=b0,
+                                   norm_loss=0.0, lookahead_steps=0, lookahead_alpha=0.5,
+                                   gradient_normalization=False, softplus=False), weight, grads)
+    assert not torch.allclose(plain, expected, atol=1e-4)  # the two components change the step
 
 
-def test_flexdemo_tiles_exchange_the_top_2d_dct_components_of_each_tile(monkeypatch):
-    """With tiles (DeMo's reference): m <- decay m + g; per 8 x 8 tile of the matrix (64 values) the 8 largest 2-D
-    DCT-II coefficients of m are sent (index, bfloat16 value) and removed from m; the weights step by the sign of the
-    inverse 2-D DCT of the (replicas' mean) sent components."""
-    chunk, topk, decay = 64, 8, 0.9
-    shape = (30, 20)  # 4 x 3 tiles of 8 x 8, the last row and column of tiles padded with zeros
-    sent = capture_exchange(monkeypatch)
-    weight, grads = torch.randn(shape, generator=torch.Generator().manual_seed(3)), gradients(shape)
-    result = run(lambda p: FlexDeMo([p], lr=LR, weight_decay=WD, chunk_size=chunk, topk=topk, momentum_decay=decay,
-                                    replicate_group=None, tiles=True), weight, grads)
-    n = torch.arange(8, dtype=torch.float64)
-    dct = torch.cos(math.pi / 8 * (n[None, :] + 0.5) * n[:, None]) * math.sqrt(2 / 8)
-    dct[0] /= math.sqrt(2)  # orthonormal DCT-II: row k is the k-th cosine
-    dct = dct.float()
+# FlexDeMo at three replicas: DeMo's step (bloc97/DeMo, demo.py), written out again below.
+REPLICAS, CHUNK, TOPK, DECAY = 3, 8, 5, 0.9
+STEP_LRS = (0.02, 0.01, 0.005)  # a schedule: DeMo accumulates lr-scaled gradients
+# A matrix (8 x 5 tiles: 24 rows by 8, 20 columns by their largest divisor up to 8), a vector (chunks of 6) and one
+# of prime length (chunks of 1, every value sent).
+SHAPES = {"matrix": (24, 20), "vector": (30,), "prime": (11,)}
 
-    def tiles(matrix: torch.Tensor) -> torch.Tensor:  # 32 x 24 -> (12 tiles, 8, 8), tiles in row-major order
-        return matrix.view(4, 8, 3, 8).transpose(1, 2).reshape(12, 8, 8)
 
-    def untiled(tile_values: torch.Tensor) -> torch.Tensor:
-        return tile_values.view(4, 3, 8, 8).transpose(1, 2).reshape(32, 24)[:30, :20]
+def demo_gradients(rank: int, step: int) -> dict[str, torch.Tensor]:
+    """Correlated replicas (a shared part and each one's own), so that they send some coefficients in common."""
+    shared = torch.Generator().manual_seed(1000 + step)
+    own = torch.Generator().manual_seed(2000 + 10 * step + rank)
+    return {name: torch.randn(shape, generator=shared) + 0.7 * torch.randn(shape, generator=own)
+            for name, shape in SHAPES.items()}
 
-    expected, momentum = weight.clone(), torch.zeros(shape)
-    for step, grad in enumerate(grads):
-        accumulated = torch.zeros(32, 24)  # the padding is zero at every step: it is not part of the tensor
-        accumulated[:30, :20] = decay * momentum + grad
-        coefficients = (dct @ tiles(accumulated) @ dct.T).reshape(12, 64)
-        indices = coefficients.abs().topk(topk, dim=1).indices
-        values = coefficients.gather(1, indices).bfloat16().float()
-        kept = torch.zeros_like(coefficients).scatter_(1, indices, values)
-        inverse = untiled(dct.T @ kept.view(12, 8, 8) @ dct)
-        momentum = accumulated[:30, :20] - inverse
-        expected = expected * (1 - LR * WD) - LR * inverse.sign()
-        payload = sent[step].view(12, 3 * topk)
-        sent_indices = payload[:, :topk].long()
-        sent_values = payload[:, topk:].contiguous().view(torch.bfloat16).float()
-        assert torch.equal(sent_indices.sort(dim=1).values, indices.sort(dim=1).values)
-        # The same coefficients up to fp32 rounding (another order of the sums), so their bfloat16 values are equal or
-        # one bfloat16 step (2^-7 relative at most) apart.
-        assert torch.allclose(torch.zeros_like(coefficients).scatter_(1, sent_indices, sent_values), kept,
-                              rtol=2 ** -7, atol=0)
-    assert torch.allclose(result, expected, atol=1e-6)
+
+def demo_start() -> dict[str, torch.Tensor]:
+    generator = torch.Generator().manual_seed(5)
+    return {name: torch.randn(shape, generator=generator) for name, shape in SHAPES.items()}
+
+
+def demo_worker(rank: int, out_dir: str) -> None:
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", store=dist.FileStore(f"{out_dir}/store", REPLICAS), rank=rank,
+                            world_size=REPLICAS, timeout=datetime.timedelta(seconds=60))
+    try:
+        params = {name: torch.nn.Parameter(value) for name, value in demo_start().items()}
+        optimizer = FlexDeMo([{"params": [params["matrix"]], "weight_decay": WD},
+                              {"params": [params["vector"], params["prime"]], "weight_decay": 0.0}],
+                             lr=STEP_LRS[0], weight_decay=WD, chunk_size=CHUNK, topk=TOPK, momentum_decay=DECAY,
+                             replicate_group=dist.group.WORLD)
+        for step, lr in enumerate(STEP_LRS):
+            for group in optimizer.param_groups:
+                group["lr"] = lr
+            for name, grad in demo_gradients(rank, step).items():
+                params[name].grad = grad
+            optimizer.step()
+        torch.save({"weights": {name: p.detach().clone() for name, p in params.items()},
+                    "deltas": {name: optimizer.state[p]["delta"].clone() for name, p in params.items()},
+                    "sent_bytes": optimizer.sent_bytes}, Path(out_dir) / f"rank{rank}.pt")
+    finally:
+        dist.destroy_process_group()
+
+
+def dct_reference(size: int) -> torch.Tensor:
+    """D[k, n] = a(k) cos(pi (2n + 1) k / 2N), a(0) = sqrt(1/N), else sqrt(2/N): orthonormal, inverse D^T."""
+    n = torch.arange(size, dtype=torch.float64)
+    scale = torch.full((size,), math.sqrt(2 / size), dtype=torch.float64)
+    scale[0] = math.sqrt(1 / size)
+    return (torch.cos(math.pi * (2 * n[None, :] + 1) * n[:, None] / (2 * size)) * scale[:, None]).float()
+
+
+def largest_divisor_up_to(size: int, target: int) -> int:
+    return max(d for d in range(1, target + 1) if size % d == 0)
+
+
+def demo_reference(mean_of_senders: bool = True) -> tuple[dict, dict]:
+    """DeMo's step for every replica, from their gradients: per step, w <- w (1 - lr wd); delta <- decay delta +
+    lr g; the tiles' (h x w, each side the largest divisor of its dimension up to the chunk) 2-D DCT; the top-k
+    magnitudes of each tile sent and subtracted from delta (inverse DCT); each coefficient decoded as the mean over
+    the replicas that sent it (torch's scatter_reduce "mean" without self, DeMo's own call), zero where none did;
+    w <- w - lr sign(inverse DCT). `mean_of_senders=False`: the sum over replicas divided by R instead."""
+    weights = demo_start()
+    deltas = [{name: torch.zeros(shape) for name, shape in SHAPES.items()} for _ in range(REPLICAS)]
+    for step, lr in enumerate(STEP_LRS):
+        grads = [demo_gradients(rank, step) for rank in range(REPLICAS)]
+        for name, shape in SHAPES.items():
+            rows, cols = (1, shape[0]) if len(shape) == 1 else shape
+            h, w = largest_divisor_up_to(rows, CHUNK), largest_divisor_up_to(cols, CHUNK)
+            d_h, d_w = dct_reference(h), dct_reference(w)
+            k = min(TOPK, h * w)
+
+            def encode(x):  # (rows, cols) -> (tiles down, tiles across, h * w)
+                return torch.einsum("yhxw,bh,dw->yxbd", x.reshape(rows // h, h, cols // w, w), d_h, d_w).reshape(
+                    rows // h, cols // w, h * w)
+
+            def decode(c):
+                return torch.einsum("yxbd,bh,dw->yhxw", c.reshape(rows // h, cols // w, h, w), d_h, d_w).reshape(
+                    shape)
+
+            weights[name] = weights[name] * (1 - lr * (WD if name == "matrix" else 0.0))
+            sent_indices, sent_values = [], []
+            for rank in range(REPLICAS):
+                deltas[rank][name] = DECAY * deltas[rank][name] + lr * grads[rank][name]
+                coefficients = encode(deltas[rank][name])
+                indices = coefficients.abs().topk(k, dim=-1).indices
+                values = coefficients.gather(-1, indices)
+                deltas[rank][name] = deltas[rank][name] - decode(
+                    torch.zeros_like(coefficients).scatter_(-1, indices, values))
+                sent_indices.append(indices)
+                sent_values.append(values)
+            indices, values = torch.cat(sent_indices, dim=-1), torch.cat(sent_values, dim=-1)
+            zeros = torch.zeros(rows // h, cols // w, h * w)
+            if mean_of_senders:
+                combined = zeros.scatter_reduce(-1, indices, values, reduce="mean", include_self=False)
+            else:
+                combined = zeros.scatter_add(-1, indices, values) / REPLICAS
+            weights[name] = weights[name] - lr * decode(combined).sign()
+    return weights, deltas
+
+
+@pytest.fixture(scope="module")
+def demo_results(tmp_path_factory) -> list[dict]:
+    return run_ranks(demo_worker, tmp_path_factory.mktemp("demo"), REPLICAS, 60, "FlexDeMo")
+
+
+def test_flexdemo_computes_demos_step_at_three_replicas(demo_results):
+    """Three replicas, three steps at three learning rates: every replica's weights are DeMo's, and each replica's
+    own delta (what it did not send) too. The sum over replicas divided by R, the combine rule FlexDeMo had, would
+    give other weights here (the check below that the two rules differ keeps the test able to fail)."""
+    weights, deltas = demo_reference()
+    for rank, result in enumerate(demo_results):
+        for name in SHAPES:
+            assert torch.allclose(result["weights"][name], weights[name], atol=1e-6), (rank, name)
+            assert torch.allclose(result["deltas"][name], deltas[rank][name], atol=1e-6), (rank, name)
+    summed, _ = demo_reference(mean_of_senders=False)
+    assert any(not torch.allclose(summed[name], weights[name], atol=1e-6) for name in SHAPES)
+    # Per step: the matrix's 12 tiles, the vector's 5 chunks and the prime one's 11, 5, 5 and 1 coefficients each,
+    # 6 bytes per coefficient (int16 index, fp32 value), sent to 2 other replicas.
+    assert demo_results[0]["sent_bytes"] == len(STEP_LRS) * (REPLICAS - 1) * 6 * (12 * 5 + 5 * 5 + 11 * 1)

@@ -159,10 +159,11 @@ def test_ranger21_gradient_centralization_removes_row_constant_gradients():
 
 def test_ranger21_adaptive_clipping_bounds_each_rows_gradient():
     """Row 0's gradient is 1000x its weight: clipped to 1% of the weight norm, while row 1's passes unchanged;
-    Adam's first step is the sign either way, so the clipping shows in the momentum."""
+    Adam's first step is the sign either way, so the clipping shows in the momentum (without the normalisation by
+    the gradient's standard deviation, which would rescale both rows)."""
     weight = nn.Parameter(torch.ones(2, 4))
     ranger = container(nn.ParameterList([weight]), "Ranger21",
-                       {"gradient_centralization": False, "lookahead_steps": 0})
+                       {"gradient_centralization": False, "gradient_normalization": False, "lookahead_steps": 0})
     weight.grad = torch.tensor([[1000.0] * 4, [1e-4] * 4])
     ranger.step()
     beta1_squared = 0.9 ** 2

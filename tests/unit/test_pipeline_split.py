@@ -8,6 +8,7 @@ import torch
 import torch.distributed as dist
 from torch.testing._internal.distributed.fake_pg import FakeStore
 
+from torchtitan.config.compatibility import check_composition, setup_of
 from torchtitan.config.job_config import JobConfig
 from torchtitan.distributed.parallel_dims import ParallelDims
 from torchtitan.distributed.pipeline_parallel import SCHEDULES, pipeline_llama, plan_pipeline
@@ -346,15 +347,23 @@ def test_invalid_schedule_csv(fake_pipeline_rank, tmp_path):
         build_pipeline(*fake_pipeline_rank(0), config("Interleaved1F1B", schedule_csv=str(csv)))
 
 
+def start_up(job: JobConfig) -> None:
+    """The trainer's start-up checks of a 2-stage pipeline on the CPU: the pairs of features, then the plan."""
+    dims = ParallelDims(dp_replicate=1, dp_shard=1, cp=1, tp=1, pp=2, world_size=2)
+    check_composition(setup_of(job, dims, "cpu"))
+    plan_pipeline(meta_model(4), 2, job)
+
+
 @pytest.mark.parametrize("schedule", ["InterleavedZeroBubble", "ZBVZeroBubble", "DualPipeV"])
 def test_split_backward_schedules_refuse_compiled_blocks(schedule):
     job = config(schedule)
     job.compile.enable = True
-    with raises(rf"compile.enable: schedule {schedule} splits each backward .* use another schedule \(GPipe, 1F1B, "
-                r"Interleaved1F1B, LoopedBFS\), or leave model out of compile.components"):
-        plan_pipeline(meta_model(4), 2, job)
+    with raises(r"compile.enable with 'model' in compile.components: does not compose with a split-backward pipeline "
+                r"schedule .* cannot run its input and weight gradients apart\); use a whole-backward schedule "
+                r"\(GPipe, 1F1B, Interleaved1F1B, LoopedBFS\), or leave 'model' out of compile.components"):
+        start_up(job)
     job.compile.components = ["loss"]
-    plan_pipeline(meta_model(4), 2, job)
+    start_up(job)
 
 
 @pytest.mark.parametrize("schedule", ["InterleavedZeroBubble", "ZBVZeroBubble", "DualPipeV"])
@@ -363,14 +372,15 @@ def test_split_backward_schedules_refuse_per_op_checkpointing(schedule):
     failed at its first weight pass). Whole-block checkpointing, every block or every N-th, recomputes instead."""
     job = config(schedule)
     job.activation_checkpoint.mode, job.activation_checkpoint.selective_ac_option = "selective", "op"
-    with raises(rf"activation_checkpoint.selective_ac_option: per-op checkpointing lets a block run backward once, "
-                rf"and schedule {schedule} runs it twice .* \(GPipe, 1F1B, Interleaved1F1B, LoopedBFS\)"):
-        plan_pipeline(meta_model(4), 2, job)
+    with raises(r"activation_checkpoint.selective_ac_option = 'op': does not compose with a split-backward pipeline "
+                r"schedule .* \(per-op checkpointing lets a block run backward once, and the schedule runs it "
+                r"twice .*\); .* a whole-backward schedule"):
+        start_up(job)
     job.activation_checkpoint.selective_ac_option = "2"
-    plan_pipeline(meta_model(4), 2, job)
+    start_up(job)
     whole = config("Interleaved1F1B")
     whole.activation_checkpoint.mode, whole.activation_checkpoint.selective_ac_option = "selective", "op"
-    plan_pipeline(meta_model(4), 2, whole)
+    start_up(whole)
 
 
 @pytest.fixture

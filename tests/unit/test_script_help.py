@@ -3,7 +3,8 @@ trainer's."""
 
 import pytest
 
-from scripts import benchmark, checkpoint_stall, estimate_memory, step_breakdown
+from benchmarks import benchmark, checkpoint_stall, step_breakdown
+from scripts import estimate_memory
 from scripts import plan as plan_script
 
 SCRIPTS = {

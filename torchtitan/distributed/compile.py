@@ -9,19 +9,7 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
-from torchtitan.errors import UserError
 from torchtitan.tools.logging import warn_once
-
-
-def check_compile(compile_model: bool, tp_enabled: bool, device_type: str) -> None:
-    """Reject what torch cannot compile here before anything is built."""
-    if compile_model and tp_enabled and device_type == "cpu":
-        # torch 2.13 on CPU/gloo: the compiled backward of a sequence-parallel block hands DTensor's redistribution
-        # a plain tensor (AttributeError: '_local_tensor'); with AC it fails earlier, saving a DeviceMesh.
-        raise UserError("option compile.enable: torch cannot compile tensor-parallel blocks on the CPU (its compiled "
-                        "backward fails inside DTensor); under tensor_parallel_degree > 1 on the CPU leave 'model' "
-                        "out of compile.components (compile works there with FSDP, PP, CP and AC, and with TP on "
-                        "CUDA GPUs)")
 
 
 def apply_compile(model: nn.Module, backend: str) -> None:

@@ -52,7 +52,7 @@ The work of a block-causal mask depends on where documents fall, so head-tail ba
 document) is not enough: the sequence is cut into 8 x cp chunks whose visible (query, key) pairs are counted, and
 chunks go to ranks heaviest first, each to the least loaded rank with room (or head-tail, if that balances better).
 Every rank computes the same assignment from the same batch, without communication; inputs, labels, document ids
-and positions are sharded by it alike. `scripts/cp_balance.py` measures it (docs/parallelism.md).
+and positions are sharded by it alike. `benchmarks/cp_balance.py` measures it (docs/parallelism.md).
 """
 
 import contextlib
@@ -169,7 +169,7 @@ def gathers_keys_and_values(config) -> bool:
 
 # Chunks per rank of the balanced assignment. With 2 (head-tail's cut), windows of 131072 tokens of packed documents
 # on CP 8 left the busiest rank 1.22-1.62x the mean attention work on average; with 8, 1.01-1.03x, worst window 1.05x
-# (scripts/cp_balance.py, docs/parallelism.md). The sequence must split into 8 x cp chunks (parallelize.py checks).
+# (benchmarks/cp_balance.py, docs/parallelism.md). The sequence must split into 8 x cp chunks (parallelize.py checks).
 CHUNKS_PER_RANK = 8
 # One causal sequence: head-tail's two chunks per rank balance it exactly (the ring's cut, 2 x cp chunks).
 CAUSAL_CHUNKS_PER_RANK = 2

@@ -153,8 +153,8 @@ def dry_run_patches(target_device: str, fake_tensors: bool = True) -> contextlib
         from torchtitan.models.llama3 import model
 
         stack.enter_context(_replaced(model, "_compiled_flex_attention", _flex_attention_as_flash))
-    # torch.compile that components call themselves (FlexDeMo's selection) runs eagerly, as the model does: a compiled
-    # kernel would read the storage fake tensors do not have.
+    # torch.compile that components call themselves (FlexAttention and its block mask on the GPU path) runs eagerly,
+    # as the model does: a compiled kernel would read the storage fake tensors do not have.
     stack.enter_context(torch.compiler.set_stance("force_eager"))
     try:
         from torchao.float8.fsdp_utils import WeightWithDynamicFloat8CastTensor
@@ -274,6 +274,65 @@ class _FSDPStageMemTracker(_RootsPerMicroBatch, FSDPMemTracker):
             self._forget_root(fsdp_mod)
             return inner(*args, **kwargs)
         return pre_forward
+
+    def _fsdp_states(self) -> list[tuple[nn.Module, Any]]:
+        """Each FSDP state of the parts that holds parameters, once, with the first module it covers."""
+        states = {}
+        for module in self._root_mod.modules():
+            if isinstance(module, FSDPModule):
+                state = module._get_fsdp_state()
+                if state._fsdp_param_group is not None:
+                    states.setdefault(id(state), (module, state))
+        return list(states.values())
+
+    @staticmethod
+    def _register_forward_hooks(state, pre_forward, post_forward, always_call: bool) -> None:
+        """Forward hooks as FSDP registers its own. torch's tracker registers them on every FSDP module, which
+        splits a state over several modules (fully_shard of a list: the final norm and the output layer) into one
+        forward, hence one post-backward reduction, per module: the first of them then runs before the norm's
+        gradient exists, which FSDP reduces again later (one reduce-scatter too many), and which a compressed
+        reduce-scatter, whose layout is the whole group's, refuses. A group keeps its group hooks: the pre-forward
+        before its first module, the post-forward after its last."""
+        modules = state._modules
+        if len(modules) == 1:
+            state._pre_forward_hook_handle = modules[0].register_forward_pre_hook(pre_forward, prepend=True,
+                                                                                with_kwargs=True)
+            state._post_forward_hook_handle = modules[0].register_forward_hook(post_forward, prepend=False,
+                                                                               always_call=always_call)
+        else:
+            register_group_hooks = torch_compat.get("register_group_forward_hooks")
+            state._pre_forward_hook_handle = state._post_forward_hook_handle = register_group_hooks(
+                modules, pre_forward, post_forward, state._modules_to_run_forward, state._cast_output_dtype)
+
+    def _instrument_fsdp_module(self) -> None:
+        states = self._fsdp_states()
+        for _, state in states:
+            state._pre_forward_hook_handle.remove()
+            state._post_forward_hook_handle.remove()
+        for module, state in states:
+            group = state._fsdp_param_group
+            self._instrument_fsdp_sharded_params_grads(group)
+            self._register_forward_hooks(state, self._fsdp_state_pre_forward(module, state._pre_forward),
+                                         self._fsdp_state_post_forward(module, state._post_forward), always_call=True)
+            self._fsdp_mod_to_saved_methods[module] = torch_compat.get("FSDPSavedMethods")(group.pre_backward,
+                                                                                          group.post_backward)
+            group.pre_backward = self._fsdp_param_group_pre_backward(module, group.pre_backward)
+            group.post_backward = self._fsdp_param_group_post_backward(module, group.post_backward)
+        for buffer in self._root_mod.buffers():
+            self._update_and_maybe_create_winfos(buffer, torch_compat.get("FSDPRefType").BUFFER)
+
+    def _deregister_module_and_optimizer_hooks(self) -> None:
+        for module, saved in self._fsdp_mod_to_saved_methods.items():
+            state = module._get_fsdp_state()
+            state._pre_forward_hook_handle.remove()
+            state._post_forward_hook_handle.remove()
+            self._register_forward_hooks(state, state._pre_forward, state._post_forward, always_call=False)
+            state._fsdp_param_group.pre_backward = saved.pre_backward
+            state._fsdp_param_group.post_backward = saved.post_backward
+        self._fsdp_mod_to_saved_methods.clear()
+        for handle in self._optimizer_hook_handles or ():
+            handle.remove()
+        self._optimizer_hook_handles = None
 
     def _instrument_optimizer(self) -> None:
         handles = []

@@ -85,18 +85,6 @@ def plan_pipeline(model: nn.Module, pp_degree: int, config: JobConfig) -> Pipeli
                             f"whose stage placement the CSV uses: {', '.join(_multi_stage_schedules())}")
         if not os.path.isfile(csv_path):
             raise UserError(f"option {CSV_OPTION}: {csv_path!r} is not a file")
-    if config.compile.enable and "model" in config.compile.components and issubclass(schedule_class, SPLIT_BACKWARD):
-        # A compiled block's backward is one graph: it cannot run its input and weight gradients separately.
-        raise UserError(f"option compile.enable: schedule {name} splits each backward into input- and "
-                        f"weight-gradient passes, which compiled blocks cannot run; use another schedule "
-                        f"({', '.join(whole_backward_schedules())}), or leave model out of compile.components")
-    ac = config.activation_checkpoint
-    if ac.mode == "selective" and ac.selective_ac_option == "op" and issubclass(schedule_class, SPLIT_BACKWARD):
-        # torch's selective checkpoint hands each saved value to one backward; the weight pass is a second one.
-        raise UserError(f"option activation_checkpoint.selective_ac_option: per-op checkpointing lets a block run "
-                        f"backward once, and schedule {name} runs it twice (input, then weight gradients); use "
-                        f"activation_checkpoint.mode full or none, a per-block option (selective_ac_option = N), or "
-                        f"a schedule with whole backwards ({', '.join(whole_backward_schedules())})")
     n_microbatches = microbatch_count(config.training.local_batch_size, parallelism.pipeline_parallel_microbatch_size)
     n_layers = len(model.layers)
     split_points = parallelism.pipeline_parallel_split_points
@@ -108,7 +96,7 @@ def plan_pipeline(model: nn.Module, pp_degree: int, config: JobConfig) -> Pipeli
     if not csv_path:
         _check_microbatches(n_microbatches, name, pp_degree, num_stages)
     validation_batch_size, validation_seq_len = validation_shape(config)
-    if config.validation.enable and not torch_compat.PIPELINE_SHAPES_PER_MODE and \
+    if config.validation.enable and not torch_compat.pipeline_shapes_per_mode() and \
             (validation_batch_size, validation_seq_len) != (config.training.local_batch_size, config.training.seq_len):
         raise UserError(f"options validation.local_batch_size / validation.seq_len: under pipeline parallelism torch "
                         f"{torch.__version__} learns the stages' shapes once (2.13 and later learn them again for "
@@ -131,17 +119,20 @@ def is_multi_stage(name: str) -> bool:
         return False
 
 
+def is_split_backward(name: str) -> bool:
+    """Whether schedule `name` runs each backward as an input- and a later weight-gradient pass."""
+    try:
+        return issubclass(resolve_schedule(name)[1], SPLIT_BACKWARD)
+    except UserError:
+        return False
+
+
 def resolve_schedule(name: str) -> tuple[str, type[Schedule]]:
     """The canonical name (matched case-insensitively, as torch does) and torch's schedule class."""
     canonical = {schedule.lower(): schedule for schedule in SCHEDULES}.get(name.lower())
     if canonical is None:
         raise UserError(f"option {SCHEDULE_OPTION}: unknown schedule {name!r}; valid: {', '.join(SCHEDULES)}")
     return canonical, get_schedule_class(canonical)
-
-
-def whole_backward_schedules() -> list[str]:
-    """The schedules that run each backward whole (not split into input- and weight-gradient passes)."""
-    return [name for name in SCHEDULES if not issubclass(get_schedule_class(name), SPLIT_BACKWARD)]
 
 
 def _multi_stage_schedules() -> list[str]:
@@ -218,7 +209,7 @@ def pipeline_llama(model: nn.Module, world_mesh: DeviceMesh, parallel_dims: Para
     pp_mesh = world_mesh["pp"]
     pp_rank, pp_degree = pp_mesh.get_local_rank(), pp_mesh.size()
     plan = plan_pipeline(model, pp_degree, config)
-    if plan.v_shaped and torch_compat.RELEASE < (2, 13) and dist.get_backend(pp_mesh.get_group()) == "gloo":
+    if plan.v_shaped and torch_compat.release() < (2, 13) and dist.get_backend(pp_mesh.get_group()) == "gloo":
         # Measured on torch 2.11: "Pair is not connected" at the first step, for ZBVZeroBubble and DualPipeV alike.
         raise UserError(f"option {SCHEDULE_OPTION}: {plan.schedule_name} runs two stages per rank that exchange with "
                         f"the same neighbour both ways, which gloo's point-to-point set-up fails on torch "

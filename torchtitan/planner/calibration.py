@@ -29,13 +29,13 @@ from pathlib import Path
 
 from torchtitan.components.metrics import RUN_INFO_FILE
 from torchtitan.config import JobConfig, parse_args
-from torchtitan.dry_run import REPORT_FILE as DRY_RUN_REPORT
 from torchtitan.errors import UserError
 from torchtitan.models.llama3.args import model_args_for, shape_overrides
 from torchtitan.planner.cost import MODEL_CONSTANTS, Layout
 from torchtitan.planner.hardware import GPU, require_same_gpu
 from torchtitan.planner.search import layout_from_config, predict
 from torchtitan.planner.validation import fit
+from torchtitan.tools.dry_run_report import REPORT_FILE as DRY_RUN_REPORT, read_report
 
 
 @dataclass(frozen=True)
@@ -86,7 +86,7 @@ def read_run(folder: str | Path) -> MeasuredRun:
 
 def _read_dry_run(folder: Path) -> MeasuredRun:
     try:
-        report = json.loads((folder / DRY_RUN_REPORT).read_text())
+        report = read_report(folder)
     except ValueError as e:
         raise UserError(f"option --calibrate: {folder / DRY_RUN_REPORT} is not JSON ({e})") from None
     if "tokens_per_second_per_gpu" not in report:

@@ -8,7 +8,7 @@ Per GPU and step (all stages of one pipeline rank together; the slowest pipeline
 - compute = matrix products by shape + attention + memory-bound time.
   Each linear layer's forward and two backward products per micro-batch, at their shapes (linear_gemms; full
   activation checkpointing runs each block's forward again up to the last tensor backward reads, all but w2's
-  product), each timed by gemm_seconds: whole output tiles at
+  product), each timed by gemm_seconds (planner/hardware.py): whole output tiles at
   the fitted efficiency, no faster than HBM reads its inputs, plus its output's store, so a thin TP shard runs
   slower per FLOP than the whole layer. Attention runs at its own speed, not the
   GEMM efficiency (planner/attention.py, attention_step): the pairs its mask leaves (causal s^2/2; block-causal
@@ -77,14 +77,14 @@ on 8 GPUs of the published table (eager, compiled, compiled + float8) and held f
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 
+from torchtitan.distributed.torch_compat import partitioner_recomputes_reductions
 from torchtitan.errors import UserError
 from torchtitan.models.llama3.args import TransformerModelArgs
 from torchtitan.planner import pipeline_schedule
 from torchtitan.planner.attention import attention_calls, attention_seconds
-from torchtitan.planner.hardware import GPU
+from torchtitan.planner.hardware import GPU, gemm_seconds
 
 # Fitted on the 8B, 8-GPU rows of the published table (scripts/plan.py --validate refits and prints them).
 EFFICIENCY = 0.61
@@ -360,9 +360,10 @@ def float8_weight_bytes(weights: float, rerun_weights: float, recast_weights: fl
       (source 4 bytes) or the gathered bf16 weight with FSDP's bf16 all-gather (2): its absolute maximum (a
       reduction, one read) and the cast (one read, 1 byte written). The backward's input-gradient product needs
       the weight cast again, column-major. Eager, torchao casts it again in full and copies the cast transposed
-      (2). Compiled, the partitioner keeps the forward's absolute maximum (it does not recompute reductions) and
-      recomputes the cast in the layout the product wants: one read and 1 byte written, nothing else (the
-      partitioner's graphs of a compiled Float8Linear: tests/unit/test_planner.py). A product per-op AC runs again
+      (2). Compiled, torch 2.13's partitioner keeps the forward's absolute maximum (it does not recompute
+      reductions) and recomputes the cast in the layout the product wants: one read and 1 byte written, nothing
+      else; torch 2.14's recomputes the maximum too (one read more). The partitioner's graphs of a compiled
+      Float8Linear: tests/unit/test_planner.py. A product per-op AC runs again
       casts with the saved maximum: one read, 1 byte written. Without FSDP autocast makes no bf16 copy of these
       weights, so parameter_traffic_bytes' forward cast (4 + 2) is taken back."""
     if shard > 1 and gathered:
@@ -370,7 +371,10 @@ def float8_weight_bytes(weights: float, rerun_weights: float, recast_weights: fl
         return weights / shard * shard_bytes + microbatches * weights * 2
     source = 2 if shard > 1 else 4
     forward = 2 * source + 1
-    backward = source + 1 if compiled else forward + 2
+    if compiled:
+        backward = forward if partitioner_recomputes_reductions() else source + 1
+    else:
+        backward = forward + 2
     autocast_copy = 0 if shard > 1 else 4 + 2
     return microbatches * (weights * (forward + backward - autocast_copy) + rerun_weights * forward
                            + recast_weights * (source + 1))
@@ -533,37 +537,6 @@ def float8_cast_bytes_per_token(args: TransformerModelArgs, t: int, ac: str, ac_
     output_grads = q + 2 * kv + 2 * d + 2 * f
     recast = (inputs - f) * recomputed_blocks(ac, ac_every) + (2 * d + q if ac == "op" else 0.0)
     return 5 * (inputs + recast + output_grads) + 2 * (inputs + output_grads)
-
-
-# The output tile of the kernels cuBLAS runs for large bf16 and float8 GEMMs on Hopper (CUTLASS's warp-specialised
-# 128 x 256 x 64 tile; Ampere's largest is 256 x 128, the same area): a matrix whose rows or columns do not fill whole
-# tiles computes the padding too (tile quantisation).
-GEMM_TILE = (128, 256)
-
-
-def gemm_seconds(m: float, k: float, n: float, gpu: GPU, efficiency: float, float8: bool = False) -> float:
-    """Seconds of one (m x k) @ (k x n) product, by its shape, from first principles and no constant of its own:
-
-    - the tensor cores compute whole output tiles (GEMM_TILE), padding included, at `efficiency` of the peak (the
-      fitted level of a large, well-shaped GEMM);
-    - they cannot run faster than HBM delivers the two inputs (each read once: bf16 2 bytes, float8 1): a thin
-      matrix (a TP 8 shard of a 1,024-wide projection has 128 columns) is bound by reading the other one;
-    - each tile's output (bf16) is written after its K loop, not under it: an additive m x n store, which is what
-      makes a short K slow (at K = 128 the store costs as much as the multiply on an H100).
-
-    Measured on one H100 SXM (docs/scaling.md, 208 shapes of the 8B, 70B and 405B blocks at TP 1-8, forward and
-    both backward products): the block's rate at TP 8 within 5% of the measurement, where one efficiency for every
-    shape was 15% off. Where the GPU was calibrated (scripts/calibrate_gpu.py), a shape it timed takes its time."""
-    if gpu.gemm_shapes and not float8:
-        measured = gpu.gemm_measured.get((round(m), round(k), round(n)))
-        if measured:
-            return 2 * m * k * n / measured
-    tile_m, tile_n = GEMM_TILE
-    padded = math.ceil(m / tile_m) * tile_m * math.ceil(n / tile_n) * tile_n
-    peak = gpu.fp8_flops if float8 else gpu.bf16_flops
-    multiply = 2 * padded * k / (peak * efficiency)
-    read = (m * k + k * n) * (1 if float8 else 2) / gpu.hbm_bytes_per_s
-    return max(multiply, read) + m * n * 2 / gpu.hbm_bytes_per_s
 
 
 def linear_gemms(args: TransformerModelArgs, layout: Layout,

@@ -1,4 +1,5 @@
-"""Published specifications of the GPUs the planner and the dry run know (vendor datasheets, dense figures).
+"""Published specifications of the GPUs the planner and the dry run know (vendor datasheets, dense figures), and
+how long a matrix product of a given shape takes on each (gemm_seconds).
 
 Memory is what the device reports as total (`torch.cuda.mem_get_info`), in GiB. Bandwidths are per GPU and per
 direction: NVLink within a host, the RDMA network card(s) between hosts.
@@ -7,6 +8,7 @@ direction: NVLink within a host, the RDMA network card(s) between hosts.
 import dataclasses
 import functools
 import json
+import math
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -30,7 +32,7 @@ class GPU:
     published ones, scaled to the peak (planner/attention.py)."""
     gemm_efficiency: float | None = None
     """The fraction of the bf16 peak a large, well-shaped GEMM reaches on this GPU, from what
-    scripts/calibrate_gpu.py measured (planner/cost.py, gemm_seconds); None: the model's fitted efficiency."""
+    scripts/calibrate_gpu.py measured (gemm_seconds); None: the model's fitted efficiency."""
     gemm_shapes: tuple[tuple[int, int, int, float], ...] = ()
     """bf16 GEMMs timed on this GPU (scripts/calibrate_gpu.py): (m, k, n, FLOP/s); a product of that shape takes
     the measured time (the mean, if timed more than once)."""
@@ -56,6 +58,37 @@ class GPU:
 
     def attention_rates(self, head_dim: int) -> AttentionRates:
         return self.attention or published_rates(self.bf16_flops * self.flash_attention_vs_h100, head_dim)
+
+
+# The output tile of the kernels cuBLAS runs for large bf16 and float8 GEMMs on Hopper (CUTLASS's warp-specialised
+# 128 x 256 x 64 tile; Ampere's largest is 256 x 128, the same area): a matrix whose rows or columns do not fill whole
+# tiles computes the padding too (tile quantisation).
+GEMM_TILE = (128, 256)
+
+
+def gemm_seconds(m: float, k: float, n: float, gpu: GPU, efficiency: float, float8: bool = False) -> float:
+    """Seconds of one (m x k) @ (k x n) product, by its shape, from first principles and no constant of its own:
+
+    - the tensor cores compute whole output tiles (GEMM_TILE), padding included, at `efficiency` of the peak (the
+      fitted level of a large, well-shaped GEMM);
+    - they cannot run faster than HBM delivers the two inputs (each read once: bf16 2 bytes, float8 1): a thin
+      matrix (a TP 8 shard of a 1,024-wide projection has 128 columns) is bound by reading the other one;
+    - each tile's output (bf16) is written after its K loop, not under it: an additive m x n store, which is what
+      makes a short K slow (at K = 128 the store costs as much as the multiply on an H100).
+
+    Measured on one H100 SXM (docs/scaling.md, 208 shapes of the 8B, 70B and 405B blocks at TP 1-8, forward and
+    both backward products): the block's rate at TP 8 within 5% of the measurement, where one efficiency for every
+    shape was 15% off. Where the GPU was calibrated (scripts/calibrate_gpu.py), a shape it timed takes its time."""
+    if gpu.gemm_shapes and not float8:
+        measured = gpu.gemm_measured.get((round(m), round(k), round(n)))
+        if measured:
+            return 2 * m * k * n / measured
+    tile_m, tile_n = GEMM_TILE
+    padded = math.ceil(m / tile_m) * tile_m * math.ceil(n / tile_n) * tile_n
+    peak = gpu.fp8_flops if float8 else gpu.bf16_flops
+    multiply = 2 * padded * k / (peak * efficiency)
+    read = (m * k + k * n) * (1 if float8 else 2) / gpu.hbm_bytes_per_s
+    return max(multiply, read) + m * n * 2 / gpu.hbm_bytes_per_s
 
 
 # The Maximum Achievable Matmul FLOPS of bf16 `matmul` (torch, CUDA 12.1; the best of a search over shapes), as a
@@ -162,10 +195,8 @@ ATTENTION_CURVES = (("forward", "causal"), ("forward", "full"), ("backward", "ca
 
 def gemm_level(gpu: GPU, measured: list[tuple[int, int, int, float]]) -> float:
     """The efficiency (fraction of the bf16 peak a large, well-shaped GEMM reaches) at which the shape model
-    (planner/cost.py, gemm_seconds) takes as long over the `measured` products, (m, k, n, FLOP/s), as they took:
+    (gemm_seconds) takes as long over the `measured` products, (m, k, n, FLOP/s), as they took:
     by bisection, at most 1 (a CPU's --quick figures give a level far below any GPU's)."""
-    from torchtitan.planner.cost import gemm_seconds  # cost.py imports this module
-
     bare = dataclasses.replace(gpu, gemm_shapes=())
     seconds = sum(2 * m * k * n / flops for m, k, n, flops in measured)
     low, high = 0.0, 1.0

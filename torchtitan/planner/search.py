@@ -2,7 +2,8 @@
 
 A layout becomes trainer options (`overrides`) on top of the flavor's shipped TOML; its memory comes from the
 analytic model (torchtitan/planner/memory.py, checked against the dry run) plus what the CUDA caching allocator
-reserves on top, and its speed from torchtitan/planner/cost.py.
+reserves on top, and its speed from torchtitan/planner/cost.py, with a range from the published runs like it
+(torchtitan/planner/validation.py).
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ from torchtitan.models.llama3.pipeline import requested_stage_count
 from torchtitan.planner.cost import Layout, float8_gathered, step_time
 from torchtitan.planner.hardware import GPU, headroom
 from torchtitan.planner.memory import estimate
+from torchtitan.planner.validation import envelope
 
 GIB = 2**30
 CONFIGS = Path(__file__).resolve().parents[2] / "train_configs"
@@ -149,9 +151,6 @@ def predict(flavor: str, layout: Layout, seq_len: int, gpu: GPU, config: JobConf
         tensors = estimate(config, layout.world_size, pipeline_rank=pipeline_rank).total
     step = step_time(args, layout, seq_len, gpu, **constants)
     tokens = layout.tokens_per_gpu(seq_len)
-    # The validated rows are predicted here too (planner/validation.py imports this module).
-    from torchtitan.planner.validation import envelope
-
     validated = envelope()
     extra = headroom(tensors / GIB, gpu, {name: getattr(layout, name)
                                           for name in ("pp", "dp_replicate", "dp_shard", "cp", "tp")})

@@ -134,7 +134,7 @@ def _encode_in_workers(
     finally:
         # The pool is terminated after this: a worker still encoding then could send a result larger than a pipe's
         # buffer after the pool stopped reading results, holding the lock that terminating needs (a hang, seen in
-        # scripts/benchmark_data.py). So the tasks sent are finished first: at most num_workers x 4 chunks. Not in the
+        # benchmarks/benchmark_data.py). So the tasks sent are finished first: at most num_workers x 4 chunks. Not in the
         # interpreter's teardown: multiprocessing's exit handler has terminated the pool, its results never come.
         if not sys.is_finalizing():
             for _, result in pending:

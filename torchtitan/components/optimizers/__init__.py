@@ -62,6 +62,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
+from torchtitan.config.compatibility import MethodRefusal
 from torchtitan.config.job_config import Optimizer as OptimizerConfig
 from torchtitan.errors import UserError
 
@@ -89,19 +90,21 @@ class OptimizerSpec:
     """The method needs at least one group of 2-D weights with matrix_method = true."""
     options: type | None = None
     """The dataclass of the method's own options, [optimizer.<options.TABLE>]; None: it has none."""
+    refuses: tuple[MethodRefusal, ...] = ()
+    """The features (config/compatibility.py) the method does not compose with, and why: refused at start-up."""
 
 
 _REGISTRY: dict[str, OptimizerSpec] = {}
 
 
 def register_optimizer(name: str, *, state_bytes: StateBytes, needs_matrices: bool = False,
-                       options: type | None = None):
+                       options: type | None = None, refuses: tuple[MethodRefusal, ...] = ()):
     """Decorator: registers `build` under the config name `name`."""
 
     def register(build: Builder) -> Builder:
         if name in _REGISTRY:
             raise ValueError(f"optimizer {name!r} is registered twice")
-        _REGISTRY[name] = OptimizerSpec(name, build, state_bytes, needs_matrices, options)
+        _REGISTRY[name] = OptimizerSpec(name, build, state_bytes, needs_matrices, options, refuses)
         return build
 
     return register

@@ -30,6 +30,7 @@ import torch
 from torch.distributed.tensor import DTensor
 
 from torchtitan.components.optimizers import BuildContext, gradient, local, register_optimizer
+from torchtitan.config.compatibility import MethodRefusal
 from torchtitan.config.job_config import Optimizer as OptimizerConfig
 from torchtitan.distributed import torch_compat
 from torchtitan.errors import UserError
@@ -188,11 +189,18 @@ def _torchao_adamw(class_name: str, groups: list[dict], config: OptimizerConfig)
     return TorchaoAdamW(groups, lr=config.lr, betas=(config.beta1, config.beta2), eps=config.eps)
 
 
-@register_optimizer("AdamW-8bit", state_bytes=_torchao_state_bytes(8, 256))
+# torchao compiles its step on real tensors; a dry run's fake ones crash it.
+_NO_FAKE_TENSORS = MethodRefusal("dry_run_on_fake_tensors", "torchao compiles its step on real tensors, which the "
+                                 "dry run's fake ones are not", "dry-run with AdamW-bf16 and scale its optimizer state "
+                                 "by the memory planner's ratio (docs/recipes.md, Optimizers), run the rank on real "
+                                 "tensors (--comm.no_fake_tensors), or run on real devices")
+
+
+@register_optimizer("AdamW-8bit", state_bytes=_torchao_state_bytes(8, 256), refuses=(_NO_FAKE_TENSORS,))
 def build_adamw_8bit(groups: list[dict], config: OptimizerConfig, context: BuildContext) -> torch.optim.Optimizer:
     return _torchao_adamw("AdamW8bit", groups, config)
 
 
-@register_optimizer("AdamW-4bit", state_bytes=_torchao_state_bytes(4, 128))
+@register_optimizer("AdamW-4bit", state_bytes=_torchao_state_bytes(4, 128), refuses=(_NO_FAKE_TENSORS,))
 def build_adamw_4bit(groups: list[dict], config: OptimizerConfig, context: BuildContext) -> torch.optim.Optimizer:
     return _torchao_adamw("AdamW4bit", groups, config)

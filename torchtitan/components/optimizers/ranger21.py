@@ -3,10 +3,14 @@ published components it combines, each switchable from [optimizer.ranger21]:
 
 1. Adaptive gradient clipping (Brock et al. 2021): a unit's gradient (a row of a matrix, a whole vector) is scaled
    down to at most agc_clip x its weight norm (weight norms under agc_eps count as agc_eps).
-2. Gradient centralization (Yong et al. 2020): each row of a matrix's (clipped) gradient loses its mean.
+2. Gradient centralization (Yong et al. 2020): each row of a matrix's (clipped) gradient loses its mean; then, as
+   the reference's default `using_normgc`, the gradient is divided by its standard deviation over the whole tensor
+   (unbiased) plus 1e-8 (tensors of two values or fewer are left as they are). The moments below see that gradient.
 3. Positive-negative momentum (Xie et al. 2021): two momenta, each updated every other step with beta1^2; the step
    follows ((1 + b0) m_this - b0 m_other) / sqrt((1 + b0)^2 + b0^2), b0 = pnm_momentum, over Adam's
-   bias-corrected second moment as usual.
+   bias-corrected second moment as usual, whose denominator sqrt(v_hat) + eps passes through softplus(x, beta =
+   softplus_beta) = ln(1 + exp(beta x)) / beta (Tong et al.'s SAdam; the reference's default `softplus=True`,
+   beta 50): a denominator near zero becomes about ln(2) / beta instead of eps, so no value's step explodes.
 4. Stable weight decay (Xie et al. 2020): decoupled decay divided by the square root of the mean of the bias-corrected
    second moment over all parameters, w <- w (1 - lr wd / sqrt(mean v_hat)). The decay is in units of the Adam
    step, so its optimizer.weight_decay is about sqrt(mean v_hat) times AdamW's (1e-4 where AdamW takes 0.1, see
@@ -19,13 +23,24 @@ published components it combines, each switchable from [optimizer.ranger21]:
    decay_ratio = 0.28 for Ranger21's final 28% of linear warm-down). Ranger21 computes its warm-up length from
    beta2 (2 / (1 - beta2) steps: 40 at beta2 = 0.95); set warmup_steps to that for the published recipe.
 
+Where this differs from the reference (lessw2020/Ranger21, ranger21.py), and why:
+- its positive-negative momentum divides by sqrt((1 + beta2)^2 + beta2^2) and weighs the momenta by 1 + True and
+  True (a bool), whatever pnm_momentum_factor says; this follows the PNM paper's sqrt((1 + b0)^2 + b0^2) with
+  b0 = pnm_momentum, which at the default b0 = 1 is the reference's weights, and a normalisation within 0.06% of
+  its sqrt(1.999^2 + 0.999^2) at beta2 = 0.999 (3% above it at beta2 = 0.95);
+- its stable weight decay and norm loss are applied once per parameter group, to the group's last parameter only;
+  here to every parameter;
+- its warm-up and warm-down are the trainer's scheduler (7. below); its Chebyshev, MADGRAD and AdaBelief options,
+  off by default there, are not offered.
+
 On DTensor parameters (FSDP and TP shards) every elementwise update runs on each rank's local shard. The unit norms
 (1, 5) and row means (2) are DTensor reductions: a unit split across ranks (a row under TP's row-wise sharding,
 a vector under FSDP) is reduced over the ranks that hold its pieces (an all-reduce of one value per row), a unit
-whole on its rank (rows under FSDP's dim-0 sharding) needs no communication. The mean of v_hat (4) is one
-all-reduce per mesh dimension of two float64 values (sum and count) per step; every shard counts once (a shard
-replicated over a mesh dimension is weighted by 1 / its copies). Under pipeline parallelism each stage's optimizer
-takes that mean over its own stage's parameters.
+whole on its rank (rows under FSDP's dim-0 sharding) needs no communication. The gradients' standard deviations
+(2) are one all-reduce per mesh dimension of two float64 values per tensor (sum and sum of squares), all tensors
+together; the mean of v_hat (4) one of two (sum and count); every shard counts once (a shard replicated over a mesh
+dimension is weighted by 1 / its copies). Under pipeline parallelism each stage's optimizer takes that mean over its
+own stage's parameters.
 """
 
 import math
@@ -47,6 +62,9 @@ class Ranger21Options:
 
     TABLE: ClassVar[str] = "ranger21"
     OLD_PREFIX: ClassVar[str] = "ranger_"  # optimizer.ranger_<option>, deprecated
+    # The options that had flat names (the softplus and normalisation options came with the table).
+    OLD_OPTIONS: ClassVar[tuple[str, ...]] = ("agc_clip", "agc_eps", "gradient_centralization", "pnm_momentum",
+                                              "norm_loss", "lookahead_steps", "lookahead_alpha")
 
     agc_clip: float = 0.01
     """Ranger21: adaptive gradient clipping, the largest ratio of a unit's gradient norm to its weight norm (a unit: a row of a matrix, a whole vector). 0 disables it."""
@@ -56,6 +74,15 @@ class Ranger21Options:
 
     gradient_centralization: bool = True
     """Ranger21: subtract from each row of a matrix's gradient its mean (vectors are left as they are)."""
+
+    gradient_normalization: bool = True
+    """Ranger21: divide each (centralized) gradient by its standard deviation over the whole tensor plus 1e-8, as the reference's using_normgc (tensors of two values or fewer are left as they are)."""
+
+    softplus: bool = True
+    """Ranger21: pass Adam's denominator sqrt(v_hat) + eps through softplus(x, softplus_beta), as the reference does by default."""
+
+    softplus_beta: float = 50.0
+    """Ranger21: softplus's beta: denominators near zero become about ln(2) / beta."""
 
     pnm_momentum: float = 1.0
     """Ranger21: positive-negative momentum's beta0, the weight of the difference between the two alternating momenta. 0 = plain momentum (of beta1^2 every other step)."""
@@ -89,34 +116,65 @@ def _row_mean(t: torch.Tensor) -> torch.Tensor:
     return _per_unit(t, lambda x, dims: x.mean(dim=dims, keepdim=True))
 
 
-def _global_mean(tensors: list[torch.Tensor]) -> torch.Tensor:
-    """The mean of all values of `tensors` (whole tensors, possibly sharded): one all-reduce per mesh dimension."""
-    totals: dict = {}
-    for t in tensors:
+def _whole_tensor_sums(tensors: list[torch.Tensor], sums) -> list[torch.Tensor]:
+    """For each whole tensor of `tensors` (possibly sharded: a DTensor gives its mesh and placements), the float64
+    vector `sums(local shard)` added over the ranks that hold its shards, each shard counted once (a shard replicated
+    over a mesh dimension is weighted by 1 / its copies): one all-reduce per mesh dimension for all the tensors."""
+    rows: list[torch.Tensor | None] = [None] * len(tensors)
+    by_mesh: dict = {}
+    for index, t in enumerate(tensors):
         shard = local(t)
         mesh = t.device_mesh if isinstance(t, DTensor) else None
         copies = math.prod(mesh.size(i) for i, p in enumerate(t.placements) if p.is_replicate()) if mesh else 1
-        total = totals.setdefault(mesh, torch.zeros(2, dtype=torch.float64, device=shard.device))
-        total[0] += shard.sum(dtype=torch.float64) / copies
-        total[1] += shard.numel() / copies
-    for mesh, total in totals.items():
+        by_mesh.setdefault(mesh, []).append((index, torch.stack(sums(shard)).to(torch.float64) / copies))
+    for mesh, entries in by_mesh.items():
+        stacked = torch.stack([row for _, row in entries])
         if mesh is not None:
             for dim in range(mesh.ndim):
-                dist.all_reduce(total, group=mesh.get_group(dim))
-    overall = sum(totals.values())
+                dist.all_reduce(stacked, group=mesh.get_group(dim))
+        for (index, _), row in zip(entries, stacked):
+            rows[index] = row
+    return rows
+
+
+def _global_mean(tensors: list[torch.Tensor]) -> torch.Tensor:
+    """The mean of all values of `tensors` (whole tensors, possibly sharded)."""
+    total = sum(_whole_tensor_sums(tensors, lambda shard: [shard.sum(dtype=torch.float64),
+                                                           torch.tensor(float(shard.numel()), dtype=torch.float64,
+                                                                        device=shard.device)]))
     # A tensor, not a Python number: no host synchronisation, and a dry run's fake tensors have no value to read.
-    return overall[0] / overall[1]
+    return total[0] / total[1]
+
+
+def _normalized(params: list[torch.Tensor], grads: list[torch.Tensor]) -> list[torch.Tensor]:
+    """Each local gradient shard divided by its whole tensor's unbiased standard deviation plus 1e-8 (the
+    reference's `normalize_gradient`); tensors of two values or fewer as they are. From each tensor's sum and sum of
+    squares in float64, where the centralized gradients' mean (near zero) costs no precision."""
+    placed = [placed_like(grad, param) for param, grad in zip(params, grads)]
+    totals = _whole_tensor_sums(placed, lambda shard: [shard.sum(dtype=torch.float64),
+                                                       shard.double().square().sum()])
+    result = []
+    for param, grad, (total, squares) in zip(params, grads, totals):
+        n = param.numel()
+        if n <= 2:
+            result.append(grad)
+            continue
+        variance = (squares - total * total / n) / (n - 1)
+        result.append(grad / (variance.clamp(min=0).sqrt() + 1e-8).to(grad.dtype))
+    return result
 
 
 class Ranger21(torch.optim.Optimizer):
     def __init__(self, params, lr: float, betas: tuple[float, float], eps: float, agc_clip: float, agc_eps: float,
                  gradient_centralization: bool, pnm_momentum: float, norm_loss: float, lookahead_steps: int,
-                 lookahead_alpha: float):
+                 lookahead_alpha: float, gradient_normalization: bool = True, softplus: bool = True,
+                 softplus_beta: float = 50.0):
         super().__init__(params, {"lr": lr, "betas": betas, "eps": eps, "weight_decay": 0.0})
         # Steps taken, on the host (the parity of the step picks the momentum); the state's `step` tensors save it.
         self.steps = 0
         self.agc_clip, self.agc_eps = agc_clip, agc_eps
-        self.gradient_centralization = gradient_centralization
+        self.gradient_centralization, self.gradient_normalization = gradient_centralization, gradient_normalization
+        self.softplus, self.softplus_beta = softplus, softplus_beta
         self.pnm_momentum, self.norm_loss = pnm_momentum, norm_loss
         self.lookahead_steps, self.lookahead_alpha = lookahead_steps, lookahead_alpha
 
@@ -127,8 +185,11 @@ class Ranger21(torch.optim.Optimizer):
         if not work:
             return None
         self.steps += 1
-        for param, group in work:
-            self._update_moments(param, group["betas"])
+        grads = [self._clipped_and_centralized(param) for param, _ in work]
+        if self.gradient_normalization:
+            grads = _normalized([param for param, _ in work], grads)
+        for (param, group), grad in zip(work, grads):
+            self._update_moments(param, grad, group["betas"])
         beta2 = work[0][1]["betas"][1]
         # Stable weight decay's denominator: one value for all parameters (0 before any gradient: no decay).
         mean_v_hat = _global_mean([self.state[param]["exp_avg_sq"] for param, _ in work]) / (1 - beta2 ** self.steps)
@@ -141,8 +202,20 @@ class Ranger21(torch.optim.Optimizer):
         super().load_state_dict(state_dict)
         self.steps = max((int(state["step"]) for state in self.state.values() if "step" in state), default=0)
 
-    def _update_moments(self, param: torch.Tensor, betas: tuple[float, float]) -> None:
-        """Clip and centralize the gradient, then update the momentum of this step's parity and the second moment."""
+    def _clipped_and_centralized(self, param: torch.Tensor) -> torch.Tensor:
+        """The local shard of the gradient, clipped (AGC) and centralized."""
+        sharded_grad = gradient(param)
+        grad = local(sharded_grad)
+        if self.agc_clip:
+            max_norm = _unit_norm(param).clamp_(min=self.agc_eps) * self.agc_clip
+            grad_norm = _unit_norm(sharded_grad)
+            grad = torch.where(grad_norm > max_norm, grad * (max_norm / grad_norm.clamp(min=1e-6)), grad)
+        if self.gradient_centralization and param.dim() > 1:
+            grad = grad - _row_mean(placed_like(grad, param))
+        return grad
+
+    def _update_moments(self, param: torch.Tensor, grad: torch.Tensor, betas: tuple[float, float]) -> None:
+        """Update the momentum of this step's parity and the second moment with the prepared local gradient."""
         state = self.state[param]
         if not state:
             state["step"] = torch.tensor(0.0)
@@ -152,14 +225,6 @@ class Ranger21(torch.optim.Optimizer):
                 state["slow_weights"] = param.detach().clone()
         state["step"].fill_(self.steps)
         beta1, beta2 = betas
-        sharded_grad = gradient(param)
-        grad = local(sharded_grad)
-        if self.agc_clip:
-            max_norm = _unit_norm(param).clamp_(min=self.agc_eps) * self.agc_clip
-            grad_norm = _unit_norm(sharded_grad)
-            grad = torch.where(grad_norm > max_norm, grad * (max_norm / grad_norm.clamp(min=1e-6)), grad)
-        if self.gradient_centralization and param.dim() > 1:
-            grad = grad - _row_mean(placed_like(grad, param))
         momentum = state["exp_avg" if self.steps % 2 else "neg_exp_avg"]
         local(momentum).mul_(beta1 ** 2).add_(grad, alpha=1 - beta1 ** 2)
         local(state["exp_avg_sq"]).mul_(beta2).addcmul_(grad, grad, value=1 - beta2)
@@ -174,6 +239,8 @@ class Ranger21(torch.optim.Optimizer):
         momentum = local(state[this]).mul(1 + b0).sub_(local(state[other]), alpha=b0)
         momentum /= math.sqrt((1 + b0) ** 2 + b0 ** 2)
         denominator = (local(state["exp_avg_sq"]) / (1 - beta2 ** step)).sqrt_().add_(group["eps"])
+        if self.softplus:
+            denominator = torch.nn.functional.softplus(denominator, beta=self.softplus_beta)
         if group["weight_decay"]:
             weight.mul_(1 - lr * group["weight_decay"] * decay_scale.to(weight.device))
         if self.norm_loss:
@@ -198,4 +265,5 @@ def build_ranger21(groups: list[dict], config: OptimizerConfig, context: BuildCo
                     agc_clip=options.agc_clip, agc_eps=options.agc_eps,
                     gradient_centralization=options.gradient_centralization, pnm_momentum=options.pnm_momentum,
                     norm_loss=options.norm_loss, lookahead_steps=options.lookahead_steps,
-                    lookahead_alpha=options.lookahead_alpha)
+                    lookahead_alpha=options.lookahead_alpha, gradient_normalization=options.gradient_normalization,
+                    softplus=options.softplus, softplus_beta=options.softplus_beta)

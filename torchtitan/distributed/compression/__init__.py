@@ -25,7 +25,6 @@ from torchtitan.distributed.compression.loco import (LOCO_ERROR_BITS, Compressed
 from torchtitan.distributed.compression.qsdp import QuantizedAllGather
 from torchtitan.distributed.compression.quantize import BLOCK, VALID_BITS
 from torchtitan.distributed.utils import placed_like
-from torchtitan.distributed.parallel_dims import ParallelDims
 from torchtitan.errors import UserError
 
 
@@ -66,21 +65,17 @@ def compensation_bytes_per_value(config: JobConfig) -> float:
     return method.state_bytes_per_value if method else 0.0
 
 
-def validate_compression(config: JobConfig, parallel_dims: ParallelDims) -> None:
-    """One clear error for a bad value or a combination that does not compose."""
+def validate_compression(config: JobConfig) -> None:
+    """One clear error for a bad value (pairs of features that do not compose: config/compatibility.py)."""
     optimizer = config.optimizer
     if optimizer.name == "FlexDeMo":
-        if parallel_dims.dp_replicate < 2:
-            raise UserError("option optimizer.name: FlexDeMo exchanges momentum components across replicas, and "
-                            "this layout has one (data_parallel_replicate_degree = 1); set it to 2 or more (HSDP, "
-                            "or DDP when data_parallel_shard_degree = 1)")
         demo = optimizer.flexdemo
-        if not 1 <= demo.chunk_size <= 256:
-            raise UserError(f"option optimizer.flexdemo.chunk_size: {demo.chunk_size} must be in [1, 256] "
-                            f"(coefficient indices travel as one byte)")
-        if not 1 <= demo.topk <= demo.chunk_size:
-            raise UserError(f"option optimizer.flexdemo.topk: {demo.topk} must be in [1, chunk_size = "
-                            f"{demo.chunk_size}]")
+        if not 1 <= demo.chunk_size <= 128:
+            raise UserError(f"option optimizer.flexdemo.chunk_size: {demo.chunk_size} must be in [1, 128] "
+                            f"(a coefficient's index in its tile of up to chunk_size x chunk_size travels as int16)")
+        if not 1 <= demo.topk <= demo.chunk_size ** 2:
+            raise UserError(f"option optimizer.flexdemo.topk: {demo.topk} must be in [1, chunk_size^2 = "
+                            f"{demo.chunk_size ** 2}] (the coefficients of a tile)")
         if not 0.0 <= demo.momentum_decay < 1.0:
             raise UserError(f"option optimizer.flexdemo.momentum_decay: {demo.momentum_decay} must be in [0, 1)")
     comm = config.comm
@@ -92,29 +87,9 @@ def validate_compression(config: JobConfig, parallel_dims: ParallelDims) -> None
     for option, bits in (("gradient_bits", comm.gradient_bits), ("weight_bits", comm.weight_bits)):
         if bits not in VALID_BITS:
             raise UserError(f"option comm.{option}: {bits} is not one of {', '.join(map(str, VALID_BITS))}")
-    used = [f"{option} = {value}" for option, value in (("comm.gradient_compression", comm.gradient_compression),
-                                                         ("comm.weight_quantization", comm.weight_quantization))
-            if value != "none"]
-    if not used:
-        if comm.quantization_rotation != "none":
-            raise UserError(f"option comm.quantization_rotation: {comm.quantization_rotation!r} rotates what is "
-                            f"quantized, and nothing is: set comm.gradient_compression or comm.weight_quantization")
-        return
-    if not parallel_dims.fsdp_enabled:
-        raise UserError(f"option {used[0]}: it compresses FSDP's collectives, and this layout has no FSDP "
-                        f"(data_parallel_shard_degree x context_parallel_degree = 1); shard over 2 or more ranks")
-    # Under FlexDeMo, FSDP runs within each replica (the optimizer exchanges across them): nothing to replace.
-    if parallel_dims.dp_replicate > 1 and optimizer.name != "FlexDeMo":
-        raise UserError(
-            f"option {used[0]}: it does not compose with data_parallel_replicate_degree = "
-            f"{parallel_dims.dp_replicate} (HSDP). FSDP2's replica all-reduce cannot be replaced through its hooks "
-            f"in torch 2.13 (set_requires_all_reduce(False) holds the gradients back for a later backward, "
-            f"set_all_reduce_hook runs after the full-precision all-reduce); shard over all data-parallel ranks "
-            f"(data_parallel_replicate_degree = 1), or exchange across replicas with optimizer.name = FlexDeMo")
-    if comm.weight_quantization != "none" and config.quantize.linear.float8.enable_fsdp_float8_all_gather:
-        raise UserError("option comm.weight_quantization: the float8 all-gather "
-                        "(quantize.linear.float8.enable_fsdp_float8_all_gather) already quantizes the weights FSDP "
-                        "gathers; choose one of them")
+    if comm.quantization_rotation != "none" and comm.gradient_compression == comm.weight_quantization == "none":
+        raise UserError(f"option comm.quantization_rotation: {comm.quantization_rotation!r} rotates what is "
+                        f"quantized, and nothing is: set comm.gradient_compression or comm.weight_quantization")
 
 
 def apply_compression(model: nn.Module, config: JobConfig) -> None:
@@ -153,10 +128,9 @@ def apply_compression(model: nn.Module, config: JobConfig) -> None:
 def fsdp_param_groups(module: FSDPModule) -> list:
     """The parameter groups of one FSDP module (torch 2.13 holds a list; earlier torch one group or None). Empty on a
     torch without FSDP's state accessor, where no compressed collective can be installed (refused at start-up)."""
-    get_state = torch_compat.lookup("FSDPModule._get_fsdp_state")
-    if get_state is None:
+    if torch_compat.lookup("FSDPModule._get_fsdp_state") is None:
         return []
-    state = get_state(module)
+    state = module._get_fsdp_state()
     if hasattr(state, "_fsdp_param_groups"):
         return state._fsdp_param_groups
     return [state._fsdp_param_group] if state._fsdp_param_group is not None else []
@@ -238,7 +212,8 @@ class CompressionState(Stateful):
       per shard, one reduce-scatter), sharded like the parameter, so that it reshards to any layout as the optimizer
       state does. Where the verbatim state does not fit the layout (another data-parallel degree), each shard's
       total is loaded into the shard's own rank.
-    LoCo's step count (for its periodic reset) is saved as `loco_steps`.
+    LoCo's step count (for its periodic reset) is saved as `loco_steps`. Reductions stage the state; `commit` and
+    `discard` settle it once the step's update is applied or dropped (OptimizersContainer calls them).
     """
 
     def __init__(self, model_parts: list[nn.Module], replicate_group: dist.ProcessGroup | None = None):
@@ -252,6 +227,22 @@ class CompressionState(Stateful):
 
     def __bool__(self) -> bool:
         return bool(self.entries)
+
+    def commit(self) -> None:
+        """The optimizer applied the step's gradients: what their reductions staged becomes the state."""
+        for comm, _, _ in self.entries:
+            comm.compensation.commit()
+
+    def discard(self) -> None:
+        """The step's gradients were dropped: the state stays what it was before the step."""
+        for comm, _, _ in self.entries:
+            comm.compensation.discard()
+
+    def clear(self) -> None:
+        """No compensation owed, as at the first step: what a replica group that healed from a peer starts from."""
+        for comm, _, _ in self.entries:
+            comm.compensation.discard()
+            comm.compensation.residual = None
 
     def _layout(self, group):
         offset = 0

@@ -10,11 +10,21 @@ Compensation (`comp_t` is what is added to step t's gradient before quantizing; 
 - `ErrorFeedback`, classic error feedback (Seide et al. 2014; Karimireddy et al. 2019): `e_t = h_t - Q(h_t)`, kept in
   fp32, `comp_{t+1} = e_t`. After any number of steps, what was sent plus the residuals equals the sum of the
   gradients. 4 bytes per value of the input, every rank.
-- `LoCo` (Xie et al., "LoCo: Low-Bit Communication Adaptor for Large-scale Model Training", 2024): the compensation
-  is a moving average of the historical compensation errors, `e_t = beta * e_{t-1} + (1 - beta) * (h_t - Q(h_t))`,
-  `comp_{t+1} = e_t`, stored as 8-bit blockwise codes (about 1 byte per value), and reset to zero every
-  `reset_interval` steps (the error of steps long past no longer estimates the current one). The average stabilises
-  the estimate of the current compression error; it conserves nothing, so no sum identity holds.
+- `LoCo` (Xie et al., "LoCo: Low-Bit Communication Adaptor for Large-scale Model Training", 2024), as DeepSpeed
+  implements it (ZeRO++'s `zeropp_loco_param`: `loco_swizzled_quant_kernel` and `all_to_all_loco_quant_reduce`, the
+  code the authors link to, DeepSpeed PR 6730):
+  the compensation is a moving average of the compensation errors, `e_t = beta * e_{t-1} + (1 - beta) *
+  (h_t - Q(h_t))`, `comp_{t+1} = e_t`, stored between steps as 8-bit blockwise codes (about 1 byte per value), and
+  reset to zero every `reset_interval` optimizer steps (the error of steps long past no longer estimates the
+  current one). The average stabilises the estimate of the current compression error; it conserves nothing, so no
+  sum identity holds. Where this differs from DeepSpeed's: one exchange (DeepSpeed's is hierarchical, an
+  all-to-all within the node and one across nodes, with an error kept at each level); the error is computed in
+  fp32 (DeepSpeed's kernel: fp16) and quantized in this wire format's blocks; the reset counts optimizer steps,
+  where DeepSpeed's counter counts every tensor's reduction (so its `reset_T` is in reductions, micro-batches
+  and tensors alike); and a rank's own row is summed exactly, leaving no error.
+
+Every reduction of a step stages the state it leaves; the optimizer step commits it, and a step whose gradients are
+dropped (skipped, or not committed by torchft) discards it (`_StagedCompensation`).
 
 QSDP's gradients use the same exchange with stochastic rounding and no compensation.
 """
@@ -28,7 +38,7 @@ import torch.distributed as dist
 from torchtitan.distributed import torch_compat
 from torchtitan.distributed.compression.quantize import decode, encode, encode_and_restore, payload_bytes
 
-# LoCo stores its error in 8-bit codes, as the paper does.
+# LoCo stores its error between steps in 8-bit codes, as DeepSpeed's implementation does.
 LOCO_ERROR_BITS = 8
 
 
@@ -43,7 +53,7 @@ class LoCoOptions:
     """gradient_compression = loco: weight of the previous error in the moving average e <- beta * e + (1 - beta) * (h - Q(h)), in [0, 1)."""
 
     reset_interval: int = 1024
-    """gradient_compression = loco: the error is reset to zero every this many steps; 0 = never."""
+    """gradient_compression = loco: the error is reset to zero every this many optimizer steps (a step's micro-batches count once, a skipped step not at all); 0 = never."""
 
 
 def _used_on_current_stream(tensor: torch.Tensor | None) -> None:
@@ -51,45 +61,76 @@ def _used_on_current_stream(tensor: torch.Tensor | None) -> None:
     out again before this stream's work on it is done.
 
     The compensation state lives on FSDP's reduce-scatter stream: made there by `update`, read there by the next
-    `compensate`. A checkpoint's save or load replaces it from the default stream. The replacement is then read on
-    the reduce-scatter stream (which waits for the default stream before every reduction, so the read sees the
-    write) and released there when the next step replaces it; the tensor it replaced, made on the reduce-scatter
-    stream, may still be read by the default stream's pending work (the save's reduce-scatter). Each crossing is
-    recorded here. On the CPU there are no streams."""
+    `compensate`. A checkpoint's load replaces it from the default stream, and a save reads it there (a
+    reduce-scatter of the residuals). The replacement is then read on the reduce-scatter stream (which waits for
+    the default stream before every reduction, so the read sees the write) and released there when a later step
+    replaces it; the tensor it replaced, made on the reduce-scatter stream, may still be read by the default
+    stream's pending work. Each crossing is recorded here. On the CPU there are no streams."""
     if tensor is not None and tensor.device.type != "cpu":
         tensor.record_stream(torch.accelerator.current_stream(tensor.device))
 
 
-class ErrorFeedback:
-    """Classic error feedback: the whole error of the last step, in fp32."""
+class _StagedCompensation:
+    """The state a step's reductions update, staged until the optimizer applies the step's gradients.
+
+    FSDP reduces inside the backward, before the trainer knows whether the step's update will be applied (a
+    non-finite value or a spike skips it, debug.on_nonfinite and health.spike_sigma). So each reduction reads the
+    state this step has staged so far (the step's earlier micro-batches) or, at the step's first, the committed
+    state, and stages what it leaves: `commit` (the optimizer stepped) makes the staged state the committed one,
+    `discard` (the step's gradients were dropped: skipped, or a step that torchft did not commit) forgets it. A
+    skipped step thus leaves the state exactly as it was before the step, and a re-run of it (health.rerun_bad_steps)
+    starts from the same state as the first run."""
 
     def __init__(self):
-        self._error: torch.Tensor | None = None  # (world size, row length) float32, created at the first step
+        self._committed: torch.Tensor | None = None  # what the next step starts from; None: zero
+        self._staged: torch.Tensor | None = None  # this step's, until commit or discard
         self._adopt = False  # the state was set from another stream (a checkpoint): record its use at the next step
+
+    def _start(self) -> torch.Tensor | None:
+        """What the step's first reduction starts from, in the stored form."""
+        return self._committed
+
+    def _current(self) -> torch.Tensor | None:
+        if self._adopt:
+            _used_on_current_stream(self._committed)
+            self._adopt = False
+        return self._staged if self._staged is not None else self._start()
+
+    def commit(self) -> None:
+        if self._staged is not None:
+            self._committed, self._staged = self._staged, None
+
+    def discard(self) -> None:
+        self._staged = None
+
+    def _set_committed(self, value: torch.Tensor | None) -> None:
+        """Set from outside the reduction (a checkpoint's load), on the caller's stream."""
+        _used_on_current_stream(self._committed)
+        self._committed, self._staged, self._adopt = value, None, True
+
+
+class ErrorFeedback(_StagedCompensation):
+    """Classic error feedback: the whole error of the last step, in fp32."""
 
     @staticmethod
     def bytes_per_value(segments: list[int]) -> float:
         return 4.0
 
     def compensate(self, rows: torch.Tensor) -> torch.Tensor:
-        if self._adopt:
-            _used_on_current_stream(self._error)
-            self._adopt = False
-        return rows if self._error is None else rows + self._error
+        error = self._current()
+        return rows if error is None else rows + error
 
     def update(self, compensated: torch.Tensor, sent: torch.Tensor) -> None:
-        self._error = compensated - sent  # made on this (the reduction's) stream
+        self._staged = compensated - sent  # made on this (the reduction's) stream
 
     @property
     def residual(self) -> torch.Tensor | None:
         """The compensation the next step adds, as float32 (world size, row length); None before the first step."""
-        return self._error
+        return self._committed
 
     @residual.setter
     def residual(self, value: torch.Tensor | None) -> None:
-        """Set from outside the reduction (a checkpoint's save or load), on the caller's stream."""
-        _used_on_current_stream(self._error)
-        self._error, self._adopt = value, True
+        self._set_committed(value)
 
     # What a checkpoint saves verbatim for an exact resume: the residual itself.
     raw = residual
@@ -100,66 +141,72 @@ class ErrorFeedback:
         return torch.zeros(world, sum(segments), device=device)
 
 
-class LoCo:
+class LoCo(_StagedCompensation):
     """LoCo's compensation: a moving average of the compensation errors, stored as 8-bit codes, periodically reset.
 
-    `steps` counts the reductions since the start of training (one per optimizer step: FSDP reduces once per
-    backward that syncs), kept as a Python integer so that the reset needs no device synchronisation."""
+    `steps` counts the optimizer steps since the start of training that applied this state's gradients (commits),
+    not the reductions: FSDP reduces every micro-batch of a step, and a skipped step's update is not applied. A
+    Python integer, so that the reset needs no device synchronisation."""
 
     def __init__(self, beta: float, reset_interval: int, segments: list[int]):
+        super().__init__()  # the committed and staged states are uint8 payload rows (LOCO_ERROR_BITS codes + scales)
         self.beta = beta
         self.reset_interval = reset_interval
         self.segments = segments
         self.steps = 0
-        self._codes: torch.Tensor | None = None  # uint8 payload rows of the error (LOCO_ERROR_BITS codes + scales)
         self._row = sum(segments)
-        self._adopt = False  # the state was set from another stream (a checkpoint): record its use at the next step
+        self._previous: torch.Tensor | None = None  # the decoded error the current reduction added
 
     @staticmethod
     def bytes_per_value(segments: list[int]) -> float:
         return payload_bytes(segments, LOCO_ERROR_BITS) / sum(segments)
 
+    def _reset_due(self) -> bool:
+        return bool(self.reset_interval and self.steps and self.steps % self.reset_interval == 0)
+
+    def _start(self) -> torch.Tensor | None:
+        # Every reset_interval steps the step starts from a zero error: `commit` drops the error then; a state loaded
+        # from a checkpoint written before it did (the reset happened at the next reduction) is dropped here.
+        return None if self._reset_due() else self._committed
+
+    def _decoded(self, codes: torch.Tensor | None) -> torch.Tensor | None:
+        return None if codes is None else decode(codes, self._row, LOCO_ERROR_BITS, segments=self.segments)
+
     def compensate(self, rows: torch.Tensor) -> torch.Tensor:
-        if self.reset_interval and self.steps and self.steps % self.reset_interval == 0:
-            self._codes = None
-        self.steps += 1
-        if self._adopt:
-            _used_on_current_stream(self._codes)
-            self._adopt = False
-        error = self.residual
-        return rows if error is None else rows + error
+        self._previous = self._decoded(self._current())
+        return rows if self._previous is None else rows + self._previous
 
     def update(self, compensated: torch.Tensor, sent: torch.Tensor) -> None:
         error = (compensated - sent).mul_(1.0 - self.beta)
-        previous = self.residual
-        if previous is not None:
-            error.add_(previous, alpha=self.beta)
-        self._codes = encode(error, LOCO_ERROR_BITS, segments=self.segments)
+        if self._previous is not None:
+            error.add_(self._previous, alpha=self.beta)
+        self._previous = None
+        self._staged = encode(error, LOCO_ERROR_BITS, segments=self.segments)
+
+    def commit(self) -> None:
+        super().commit()
+        self.steps += 1
+        if self._reset_due():
+            self._committed = None
 
     @property
     def residual(self) -> torch.Tensor | None:
         """The compensation the next step adds, decoded to float32 (world size, row length); None when zero."""
-        if self._codes is None:
-            return None
-        return decode(self._codes, self._row, LOCO_ERROR_BITS, segments=self.segments)
+        return self._decoded(self._start())
 
     @residual.setter
     def residual(self, value: torch.Tensor | None) -> None:
-        """Set from outside the reduction (a checkpoint's save or load), on the caller's stream."""
-        _used_on_current_stream(self._codes)
-        self._codes = None if value is None else encode(value, LOCO_ERROR_BITS, segments=self.segments)
-        self._adopt = True
+        self._set_committed(None if value is None else encode(value, LOCO_ERROR_BITS, segments=self.segments))
 
     @property
     def raw(self) -> torch.Tensor | None:
         """What a checkpoint saves verbatim for an exact resume: the error's codes (decoding and encoding them again
         need not give the same codes)."""
-        return self._codes
+        return self._committed
 
     @raw.setter
     def raw(self, value: torch.Tensor | None) -> None:
-        _used_on_current_stream(self._codes)
-        self._codes, self._adopt = value, True
+        self._set_committed(value)
 
     @staticmethod
     def raw_template(world: int, segments: list[int], device: torch.device) -> torch.Tensor:

@@ -10,10 +10,9 @@ Under pipeline parallelism this runs once per stage.
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
-from torchtitan.components.float8 import precomputes_fsdp_scales
 from torchtitan.config import JobConfig, validation_shape
 from torchtitan.distributed.activation_checkpoint import apply_ac
-from torchtitan.distributed.compile import apply_compile, check_compile
+from torchtitan.distributed.compile import apply_compile
 from torchtitan.distributed.compression import apply_compression, validate_compression
 from torchtitan.distributed.context_parallel import (CAUSAL_CHUNKS_PER_RANK, CHUNKS_PER_RANK, apply_document_cp,
                                                      gathers_keys_and_values)
@@ -26,8 +25,8 @@ from torchtitan.models.llama3.args import TransformerModelArgs
 
 def validate_parallelism(args: TransformerModelArgs, parallel_dims: ParallelDims, config: JobConfig,
                          device_type: str) -> None:
-    """Reject layouts the model's shapes cannot be split into, or that cannot run on `device_type`, naming the
-    option to change."""
+    """Reject layouts the model's shapes cannot be split into, naming the option to change (pairs of features that do
+    not compose, devices included: config/compatibility.py)."""
     tp, cp = parallel_dims.tp, parallel_dims.cp
     for what, size in (("n_heads", args.n_heads), ("n_kv_heads", args.kv_heads),
                        ("the FFN width", args.ffn_hidden_dim), ("the vocabulary size", args.vocab_size)):
@@ -47,35 +46,7 @@ def validate_parallelism(args: TransformerModelArgs, parallel_dims: ParallelDims
     if config.validation.enable and validation_seq_len % multiple:
         raise UserError(f"option validation.seq_len: {validation_seq_len} must be divisible by {multiple} "
                         f"(as training.seq_len)")
-    if config.parallelism.enable_async_tensor_parallel:
-        if device_type != "cuda":
-            raise UserError("option parallelism.enable_async_tensor_parallel: async TP needs CUDA GPUs with NCCL "
-                            f"(symmetric memory); this run is on the {device_type.upper()}. Turn it off, or run on GPUs")
-        if not config.compile.enable:
-            raise UserError("option parallelism.enable_async_tensor_parallel: async TP is a compiler pass; it needs "
-                            "compile.enable = true")
-        if "model" not in config.compile.components:
-            raise UserError(f"option parallelism.enable_async_tensor_parallel: async TP is a compiler pass over the "
-                            f"model's blocks; compile.components = {config.compile.components} does not compile "
-                            f"them: add 'model'")
-    if config.training.enable_cpu_offload:
-        if device_type != "cuda":
-            raise UserError(f"option training.enable_cpu_offload: it keeps FSDP's shards in host memory instead of "
-                            f"GPU memory; this run is on the {device_type.upper()}, where they are already: turn it "
-                            f"off, or run on GPUs")
-        if not parallel_dims.fsdp_enabled:
-            raise UserError("option training.enable_cpu_offload: it offloads FSDP's shards, but this layout does not "
-                            "shard with FSDP (data_parallel_shard_degree x context_parallel_degree = 1): turn it off, "
-                            "or shard over more ranks")
-        if precomputes_fsdp_scales(config):
-            # torchao reduces the amax of the weight shards where they live: in host memory under offload, which
-            # NCCL's all-reduce cannot take.
-            raise UserError("option quantize.linear.float8.precompute_float8_dynamic_scale_for_fsdp: it all-reduces "
-                            "the float8 weights' scales over NCCL, and training.enable_cpu_offload keeps the weight "
-                            "shards in host memory, where NCCL cannot reach them: turn one of the two off")
-    check_compile(config.compile.enable and "model" in config.compile.components, parallel_dims.tp_enabled,
-                  device_type)
-    validate_compression(config, parallel_dims)
+    validate_compression(config)
 
 
 def parallelize_llama(model: nn.Module, world_mesh: DeviceMesh, parallel_dims: ParallelDims,

@@ -1,8 +1,8 @@
 """Start-up time, open files and memory maps of one rank's token-shard loader against the number of shards, printed
 as one JSON line on stdout (the log goes to stderr).
 
-    python scripts/benchmark_shard_scale.py                          # 100, 1,000, 10,000 and 100,000 shards
-    python scripts/benchmark_shard_scale.py --counts 100 1000 --module /tmp/old_shards.py
+    python benchmarks/benchmark_shard_scale.py                          # 100, 1,000, 10,000 and 100,000 shards
+    python benchmarks/benchmark_shard_scale.py --counts 100 1000 --module /tmp/old_shards.py
 
 For each count N it writes N synthetic shards of --windows windows of --seq_len + 1 random token ids each (once,
 under --folder, kept for the next run), then in a fresh process per N: opens the folder as one rank's
@@ -27,11 +27,12 @@ from pathlib import Path
 
 import numpy as np
 
-# Running `python scripts/benchmark_shard_scale.py` puts scripts/ first on sys.path, not the checkout with torchtitan.
+# Running `python benchmarks/benchmark_shard_scale.py` puts benchmarks/ first on sys.path, not the checkout with
+# torchtitan.
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
-from scripts.benchmark import json_main  # noqa: E402
+from benchmarks.benchmark import json_main  # noqa: E402
 from torchtitan.components.datasets import shards as default_shards  # noqa: E402
 from torchtitan.components.tokenizer import build_tokenizer  # noqa: E402
 from torchtitan.tools.logging import logger  # noqa: E402

@@ -1,4 +1,4 @@
-"""The systems `scripts/benchmark.py` races ours against, each trained on our batches with the same recipe.
+"""The systems `benchmarks/benchmark.py` races ours against, each trained on our batches with the same recipe.
 
 - `transformers`: Hugging Face `LlamaForCausalLM` of our shape (config from `state_dict_adapter.hf_config`), SDPA
   attention, as a plain transformers user trains it.

@@ -2,9 +2,9 @@
 
 From the repository root:
 
-    python scripts/benchmark.py --job.config_file train_configs/debug_model.toml --warmup 3 --steps 10
-    python scripts/benchmark.py --job.config_file train_configs/debug_model.toml --compile.enable --hf --plain
-    torchrun --nproc_per_node=2 scripts/benchmark.py --job.config_file train_configs/debug_model.toml
+    python benchmarks/benchmark.py --job.config_file train_configs/debug_model.toml --warmup 3 --steps 10
+    python benchmarks/benchmark.py --job.config_file train_configs/debug_model.toml --compile.enable --hf --plain
+    torchrun --nproc_per_node=2 benchmarks/benchmark.py --job.config_file train_configs/debug_model.toml
 
 Every argument other than --warmup/--steps/--hf/--plain/--threads/--turns is a trainer option, exactly as
 `torchtitan.train` takes it. The Trainer is built in this process (under torchrun, one per rank); after
@@ -25,7 +25,7 @@ What the line reports:
   built; on CUDA the caching allocator's peak reserved and allocated bytes.
 
 --hf and --plain (one process only; either or both) then train peers of the same shape on the same batches with
-the same recipe (see `scripts/benchmark_peers.py`): Hugging Face `transformers.LlamaForCausalLM` and a Llama in
+the same recipe (see `benchmarks/benchmark_peers.py`): Hugging Face `transformers.LlamaForCausalLM` and a Llama in
 plain PyTorch written there, both from our initial weights, bf16 as autocast when we train in bf16, the whole
 forward and loss under `torch.compile` when we compile. After their own warm-up, their steps alternate with
 further steps of ours, one each in turn, so that load from other processes falls on all alike: `hf.ratio` and
@@ -42,8 +42,8 @@ times. Two invocations, one eager and one compiled, cannot resolve this: on a 2-
 between levels up to 20% apart, for tens of seconds at a time (the compiled step of one process went from 601 to
 493 ms), which alternating steps of one process share.
 
---turns MINE:THEIRS (two FIFOs, `scripts/turns.py`) makes every step, warm-up included, wait for its turn and then
-give the other process its own: how `scripts/benchmark_torchtitan.py` times TorchTitan, which cannot share this
+--turns MINE:THEIRS (two FIFOs, `benchmarks/turns.py`) makes every step, warm-up included, wait for its turn and then
+give the other process its own: how `benchmarks/benchmark_torchtitan.py` times TorchTitan, which cannot share this
 process, step by step against ours.
 """
 
@@ -62,7 +62,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
-# Running `python scripts/benchmark.py` puts scripts/ first on sys.path, not the checkout that holds torchtitan.
+# Running `python benchmarks/benchmark.py` puts benchmarks/ first on sys.path, not the checkout that holds torchtitan.
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import torch  # noqa: E402
@@ -75,15 +75,15 @@ from torchtitan.errors import UserError  # noqa: E402
 from torchtitan.tools.device_info import memory_stats, peak_flops, reset_peak_memory  # noqa: E402
 from torchtitan.tools.logging import init_logger, logger  # noqa: E402
 from torchtitan.train import Trainer  # noqa: E402
-from scripts.benchmark_peers import PeerTraining, initial_state_dict  # noqa: E402
-from scripts.turns import Turns  # noqa: E402
+from benchmarks.benchmark_peers import PeerTraining, initial_state_dict  # noqa: E402
+from benchmarks.turns import Turns  # noqa: E402
 
 Batch = tuple[torch.Tensor, torch.Tensor]
 
 
 def parse_benchmark_args(argv: list[str], script: str = "benchmark.py",
                          doc: str = __doc__) -> tuple[argparse.Namespace, list[str]]:
-    """This script's options, which `scripts/step_breakdown.py` (`script`, `doc`) shares, and the trainer's."""
+    """This script's options, which `benchmarks/step_breakdown.py` (`script`, `doc`) shares, and the trainer's."""
     parser = argparse.ArgumentParser(description=doc.split("\n\n")[0], add_help=False,
                                      usage=f"{script} [trainer options...] [--warmup N] [--steps N] [--hf] "
                                            f"[--plain] [--vs_eager] [--threads N] [--turns MINE:THEIRS]")
@@ -96,7 +96,7 @@ def parse_benchmark_args(argv: list[str], script: str = "benchmark.py",
     parser.add_argument("--threads", type=int, default=None,
                         help="torch threads per process (default: the usable cores / processes on this node)")
     parser.add_argument("--turns", metavar="MINE:THEIRS",
-                        help="take turns with another process, one step each, over two FIFOs (scripts/turns.py)")
+                        help="take turns with another process, one step each, over two FIFOs (benchmarks/turns.py)")
     args, trainer_argv = parse_script_args(parser, argv)
     if args.warmup < 1 or args.steps < 1:
         raise UserError("--warmup and --steps must be at least 1 (the first step compiles and allocates)")

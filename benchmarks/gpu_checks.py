@@ -3,7 +3,7 @@ context-parallel rank's queries against the gathered keys), causal attention und
 gathered keys (a rank's head-tail chunks, the mask by positions), the compiled BlockMask build (time, memory, and that a
 new batch does not recompile it). Prints a table and writes the figures to a JSON file.
 
-    python scripts/gpu_checks.py --output gpu_checks.json
+    python benchmarks/gpu_checks.py --output gpu_checks.json
 
 Each check compares the GPU result with a float64 reference (SDPA with the same boolean mask): ||out - ref|| / ||ref||
 for the output and for the gradients of q, k and v. The bounds are those of the inputs' precision: bf16 inputs

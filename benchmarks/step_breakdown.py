@@ -1,8 +1,8 @@
-"""Where a training step's time goes, per category, for ours and for the peers of `scripts/benchmark.py`.
+"""Where a training step's time goes, per category, for ours and for the peers of `benchmarks/benchmark.py`.
 
-    python scripts/step_breakdown.py --job.config_file train_configs/debug_model.toml --threads 2 --plain --hf
+    python benchmarks/step_breakdown.py --job.config_file train_configs/debug_model.toml --threads 2 --plain --hf
 
-Trainer options and --warmup/--steps/--threads/--hf/--plain as in `scripts/benchmark.py`. Each system warms up,
+Trainer options and --warmup/--steps/--threads/--hf/--plain as in `benchmarks/benchmark.py`. Each system warms up,
 then --steps steps of each, in turn, run under `torch.profiler` (CPU activity, no shapes or stacks), and
 `torchtitan/tools/step_breakdown.py` sorts every op's self time into matmul, attention, compiled kernels, norms and
 elementwise work, optimizer, gradient clipping, communication and host syncs, data, logging and metrics, and the
@@ -25,9 +25,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import torch  # noqa: E402
 
-from scripts.benchmark import (benchmark_config, default_threads, json_main, parse_benchmark_args,  # noqa: E402
+from benchmarks.benchmark import (benchmark_config, default_threads, json_main, parse_benchmark_args,  # noqa: E402
                                peer_names)
-from scripts.benchmark_peers import PeerTraining, initial_state_dict  # noqa: E402
+from benchmarks.benchmark_peers import PeerTraining, initial_state_dict  # noqa: E402
 from torchtitan.errors import UserError  # noqa: E402
 from torchtitan.tools.logging import logger  # noqa: E402
 from torchtitan.tools.step_breakdown import CATEGORIES, breakdown, format_breakdown  # noqa: E402
@@ -65,7 +65,7 @@ def ours_loop(trainer: Trainer, batches: list):
 def run(argv: list[str]) -> dict:
     args, trainer_argv = parse_benchmark_args(argv, "step_breakdown.py", __doc__)
     if args.vs_eager or args.turns:
-        raise UserError("--vs_eager and --turns time steps in scripts/benchmark.py; step_breakdown.py profiles ours "
+        raise UserError("--vs_eager and --turns time steps in benchmarks/benchmark.py; step_breakdown.py profiles ours "
                         "and the peers of --hf/--plain")
     torch.set_num_threads(args.threads or default_threads())
     peers = peer_names(args)

@@ -1,8 +1,8 @@
 """Muon's Newton-Schulz cost: measured on this machine (1, 2, 4 processes, gloo, FSDP over the debug model) and
 modelled at 8B, 70B and 405B (FLOPs per rank per step and seconds at an H100's peak).
 
-    python scripts/muon_cost.py                      # both tables (docs/recipes.md, "Muon at scale")
-    python scripts/muon_cost.py --processes 1,2 --steps 3
+    python benchmarks/muon_cost.py                      # both tables (docs/recipes.md, "Muon at scale")
+    python benchmarks/muon_cost.py --processes 1,2 --steps 3
 
 Measured: each process runs one thread, its model part sharded by FSDP2 (`fully_shard` per block), random gradients;
 the time of `optimizer.step()` (median over `--steps` after one warm-up, barrier before and after) and the

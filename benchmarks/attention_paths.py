@@ -1,8 +1,8 @@
 """Forward + backward time of one causal attention layer on the CPU, per implementation, timed in turns in one
 process: what the model's attention path chooses between, and what a compiler could do instead.
 
-    python scripts/attention_paths.py --threads 2                     # the debug model's shape at seq 512
-    python scripts/attention_paths.py --seq_len 1024 --head_dim 64 --heads 4 --kv_heads 2
+    python benchmarks/attention_paths.py --threads 2                     # the debug model's shape at seq 512
+    python benchmarks/attention_paths.py --seq_len 1024 --head_dim 64 --heads 4 --kv_heads 2
 
 Paths (bf16 inputs, grouped K/V heads as the model has them):
 - `flash_fp32`: torch's CPU flash kernel on the inputs cast to fp32, autocast off (the model's choice for narrow heads

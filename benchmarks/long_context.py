@@ -3,10 +3,10 @@ dry runs (one process plays one rank on fake tensors: no GPU, no data), beside t
 
 From the repository root:
 
-    python scripts/long_context.py bytes     # CP bytes per rank and step: K/V gathered against the ring, 8B/70B/405B
-    python scripts/long_context.py recipes   # the 8B (8 GPUs) and 405B (TP 8 x CP 16 x PP 16) recipes, full size
-    python scripts/long_context.py paper     # the planner on the Llama 3 paper's 405B layout, both CP methods
-    python scripts/long_context.py methods   # the planner: which CP method is faster, over the layouts it searches
+    python benchmarks/long_context.py bytes     # CP bytes per rank and step: K/V gathered against the ring, 8B/70B/405B
+    python benchmarks/long_context.py recipes   # the 8B (8 GPUs) and 405B (TP 8 x CP 16 x PP 16) recipes, full size
+    python benchmarks/long_context.py paper     # the planner on the Llama 3 paper's 405B layout, both CP methods
+    python benchmarks/long_context.py methods   # the planner: which CP method is faster, over the layouts it searches
 
 `bytes` dry-runs each flavor's shape with two blocks (context parallelism's collectives are per block; the
 planner's count, which must equal the dry run's there, scales them to the whole depth) on a layout whose FSDP group
@@ -38,7 +38,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-# Running `python scripts/long_context.py` puts scripts/ first on sys.path, not the checkout that holds torchtitan.
+# Running `python benchmarks/long_context.py` puts benchmarks/ first on sys.path, not the checkout that holds torchtitan.
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import torch  # noqa: E402

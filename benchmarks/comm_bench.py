@@ -3,9 +3,9 @@
 From the repository root (as root, for the network namespaces; without root the same runs go over loopback,
 unthrottled and without link counters, and the report says so):
 
-    python scripts/comm_bench.py --out docs/comm_bench --steps 300 --rate 1000
-    python scripts/comm_bench.py --out /tmp/slow --steps 20 --rate 100 --recipes fsdp,loco4
-    python scripts/comm_bench.py --out /tmp/err --quantization-error-only
+    python benchmarks/comm_bench.py --out docs/comm_bench --steps 300 --rate 1000
+    python benchmarks/comm_bench.py --out /tmp/slow --steps 20 --rate 100 --recipes fsdp,loco4
+    python benchmarks/comm_bench.py --out /tmp/err --quantization-error-only
 
 Each recipe trains the debug model (train_configs/debug_model.toml, seed 0, same data) as one job over two hosts of
 `--nproc-per-host` processes. Per recipe it reports the bytes per step by ring arithmetic (what NCCL's ring
@@ -23,8 +23,7 @@ Recipes and their baselines:
     qsdp8           + 8-bit weights (stochastic rounding) and 8-bit stochastically rounded gradients
     qsdp8_hadamard  + the Hadamard rotation
     ddp             one replica per host, AdamW, gradients all-reduced (the baseline of flexdemo)
-    flexdemo        one replica per host, FlexDeMo (DCT top-8 of 64 per chunk exchanged)
-    flexdemo_tiles  + DCT over 8 x 8 tiles of each matrix (DeMo's reference's 2-D transform)
+    flexdemo        one replica per host, FlexDeMo (DeMo's step: each 64 x 64 DCT tile's top 32 exchanged)
     muon            FSDP, Muon (its Newton-Schulz spread over the ranks, the results all-gathered)
     galore          FSDP, GaLore-AdamW (galore.scale 2, a subspace refresh every 75 steps)
     ranger21        FSDP, Ranger21 (weight decay 1e-4: its stable decay is in other units than AdamW's)
@@ -49,6 +48,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
+from torchtitan.tools.dry_run_report import read_report  # noqa: E402
 from torchtitan.tools.emulated_cluster import Hosts, launch_on_hosts, two_hosts  # noqa: E402
 
 CONFIG = "train_configs/debug_model.toml"
@@ -70,7 +70,6 @@ RECIPES: dict[str, tuple[str, list[str]]] = {
     "qsdp8_hadamard": ("fsdp", [*FSDP, *QSDP8, *HADAMARD]),
     "ddp": ("ddp", DDP),
     "flexdemo": ("ddp", [*DDP, "--optimizer.name", "FlexDeMo"]),
-    "flexdemo_tiles": ("ddp", [*DDP, "--optimizer.name", "FlexDeMo", "--optimizer.flexdemo.transform", "tiles"]),
     "muon": ("fsdp", [*FSDP, "--optimizer.name", "Muon"]),
     "galore": ("fsdp", [*FSDP, "--optimizer.name", "GaLore-AdamW", "--optimizer.galore.scale", "2",
                         "--optimizer.galore.update_gap", "75"]),
@@ -105,7 +104,7 @@ def ring_bytes_per_step(baseline: str, args: argparse.Namespace, out: Path) -> f
                     "fake_backend", "--comm.fake_world_size", str(world), "--comm.no_fake_other_end",
                     "--job.dump_folder", str(dump), "--training.local_batch_size", str(args.local_batch_size),
                     *recipe_options(baseline, args)], cwd=REPO, check=True, capture_output=True)
-    report = json.loads((dump / "dry_run.json").read_text())
+    report = read_report(dump)
     per_rank = 0.0
     for collective in report["collectives"]:
         group = report["layout"][collective["mesh_dim"]] if collective["mesh_dim"] in report["layout"] else world

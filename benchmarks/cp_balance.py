@@ -2,7 +2,7 @@
 
 From the repository root:
 
-    python scripts/cp_balance.py --flavor 8B --seq_len 131072 --cp 2 4 8
+    python benchmarks/cp_balance.py --flavor 8B --seq_len 131072 --cp 2 4 8
 
 For each mix of document lengths it packs a stream of documents into windows of `seq_len` tokens (as the data
 pipeline does: documents run on across windows), and reports the attention FLOPs of the mask (forward + backward,
@@ -21,7 +21,7 @@ import argparse
 import sys
 from pathlib import Path
 
-# Running `python scripts/cp_balance.py` puts scripts/ first on sys.path, not the checkout that holds torchtitan.
+# Running `python benchmarks/cp_balance.py` puts benchmarks/ first on sys.path, not the checkout that holds torchtitan.
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import torch  # noqa: E402

@@ -1,9 +1,9 @@
 """GaLore's costs for a model flavor: optimizer-state bytes of the projected matrices against AdamW's, and the time of
 one subspace refresh per matrix shape, exact SVD against the randomized range finder (GaLore 2).
 
-    python scripts/galore_costs.py --flavor debugmodel
-    python scripts/galore_costs.py --flavor debugmodel --dim 2048   # the flavor with another model dimension
-    python scripts/galore_costs.py --flavor 8B --device cuda --repeats 3
+    python benchmarks/galore_costs.py --flavor debugmodel
+    python benchmarks/galore_costs.py --flavor debugmodel --dim 2048   # the flavor with another model dimension
+    python benchmarks/galore_costs.py --flavor 8B --device cuda --repeats 3
 
 The state bytes come from the optimizers' registered `state_bytes` (what the memory planner uses; a unit test checks
 them against the state a step creates). The refresh is timed on a random matrix of each shape with a decaying

@@ -2,8 +2,8 @@
 
 From the repository root:
 
-    python scripts/benchmark_data.py                     # everything below, a few minutes on 2 CPU cores
-    python scripts/benchmark_data.py --skip_trainer      # the loader alone
+    python benchmarks/benchmark_data.py                     # everything below, a few minutes on 2 CPU cores
+    python benchmarks/benchmark_data.py --skip_trainer      # the loader alone
 
 What the line reports:
 - loader_tokens_per_s: tokens per second one rank's loader delivers, alone in this process (batches of
@@ -23,7 +23,7 @@ What the line reports:
 - trainer: the debug model (train_configs/debug_model.toml, --trainer_steps steps, no validation) with each data
   path: the trainer's own data_pct and tokens/s, averaged over the logged windows after the first step.
 - attention: the debug model at seq 2048 (batch 2, embedded corpus) with model.attention_mask causal and
-  block_causal (scripts/benchmark.py, one thread; runs alternate, --attention_repeats each): tokens/s and CPU time
+  block_causal (benchmarks/benchmark.py, one thread; runs alternate, --attention_repeats each): tokens/s and CPU time
   per step, and the cost of block_causal from the best CPU times (negative: block_causal is faster).
 """
 
@@ -41,12 +41,13 @@ from pathlib import Path
 
 import numpy as np
 
-# Running `python scripts/benchmark_data.py` puts scripts/ first on sys.path, not the checkout that holds torchtitan.
+# Running `python benchmarks/benchmark_data.py` puts benchmarks/ first on sys.path, not the checkout that holds
+# torchtitan.
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
 from scripts import tokenize_dataset  # noqa: E402
-from scripts.benchmark import json_main  # noqa: E402
+from benchmarks.benchmark import json_main  # noqa: E402
 from torchtitan.components.datasets import build_dataloader  # noqa: E402
 from torchtitan.components.datasets.corpus import embedded_corpus  # noqa: E402
 from torchtitan.components.datasets.shards import (  # noqa: E402
@@ -249,7 +250,7 @@ def attention_cost(repeats: int) -> dict:
     for _ in range(repeats):
         for mask, figures in results.items():
             proc = subprocess.run(
-                [sys.executable, str(REPO / "scripts" / "benchmark.py"), "--job.config_file", CONFIG,
+                [sys.executable, str(REPO / "benchmarks" / "benchmark.py"), "--job.config_file", CONFIG,
                  "--training.seq_len", "2048", "--training.local_batch_size", "2", "--model.attention_mask", mask,
                  "--warmup", "2", "--steps", "6", "--threads", "1"],
                 cwd=REPO, capture_output=True, text=True, env={**os.environ, "PYTHONPATH": str(REPO)})

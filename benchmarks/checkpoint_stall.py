@@ -2,10 +2,10 @@
 
 From the repository root:
 
-    python scripts/checkpoint_stall.py                                  # the debug model, 6 steps, a save per step
-    python scripts/checkpoint_stall.py --steps 20 --interval 5 --repeats 3
-    python scripts/checkpoint_stall.py --model.flavor tiny --training.seq_len 32 --steps 3
-    python scripts/checkpoint_stall.py --processes 4                    # 4 training processes (FSDP 4 by default)
+    python benchmarks/checkpoint_stall.py                                  # the debug model, 6 steps, a save per step
+    python benchmarks/checkpoint_stall.py --steps 20 --interval 5 --repeats 3
+    python benchmarks/checkpoint_stall.py --model.flavor tiny --training.seq_len 32 --steps 3
+    python benchmarks/checkpoint_stall.py --processes 4                    # 4 training processes (FSDP 4 by default)
 
 Every argument other than --steps/--interval/--repeats/--threads/--processes is a trainer option, exactly as
 `torchtitan.train` takes it; without --job.config_file, train_configs/debug_model.toml is used. For each of the
@@ -57,14 +57,14 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-# Running `python scripts/checkpoint_stall.py` puts scripts/ first on sys.path, not the checkout that holds
-# torchtitan (nor the scripts package that benchmark.py is imported from).
+# Running `python benchmarks/checkpoint_stall.py` puts benchmarks/ first on sys.path, not the checkout that holds
+# torchtitan (nor the benchmarks package that benchmark.py is imported from).
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import torch  # noqa: E402
 import torch.multiprocessing as mp  # noqa: E402
 
-from scripts.benchmark import default_threads, describe_config, json_main  # noqa: E402
+from benchmarks.benchmark import default_threads, describe_config, json_main  # noqa: E402
 from torchtitan.components.checkpoint import ASYNC_MODES, complete_steps  # noqa: E402
 from torchtitan.config import JobConfig, parse_args, parse_script_args  # noqa: E402
 from torchtitan.errors import UserError  # noqa: E402

@@ -1,7 +1,7 @@
 """What one torch release does with this project, as figures another release's run can be held against.
 
-    python scripts/torch_versions.py --output torch_2.14.1.json            # in each venv
-    python scripts/torch_versions.py --compare torch_2.13.0.json torch_2.14.1.json
+    python benchmarks/torch_versions.py --output torch_2.14.1.json            # in each venv
+    python benchmarks/torch_versions.py --compare torch_2.13.0.json torch_2.14.1.json
 
 For the running torch it records, on this CPU:
 - numerics: the debug model's fp32 losses over 6 steps of the same seed and data, one process and FSDP 2 x TP 1

@@ -3,7 +3,7 @@ sequence length and CP degree, in real processes (gloo).
 
 From the repository root:
 
-    python scripts/cp_scaling.py --flavor tiny --seq_len 8192 16384 32768 --cp 1 2 4
+    python benchmarks/cp_scaling.py --flavor tiny --seq_len 8192 16384 32768 --cp 1 2 4
 
 For each CP degree it forks that many ranks (one torch thread each) once; they run every sequence length, and at
 each length the two masks one after the other on the same batch, so that causal and block-causal are timed side by
@@ -12,7 +12,7 @@ trainer shards it (causal: torch's ring attention with head-tail balancing, the 
 parallelism.context_parallel_method = ring; block-causal: chunks balanced by the
 mask's work, keys and values all-gathered), forward, cross-entropy, backward; no optimizer step (the same for every
 configuration, and not what CP changes). The batch is one window of a stream of packed documents of `--mix` lengths
-(`scripts/cp_balance.py`'s mixes) with random tokens, BOS at each document start.
+(`benchmarks/cp_balance.py`'s mixes) with random tokens, BOS at each document start.
 
 Per configuration it prints one row:
 - mask / causal FLOPs: attention FLOPs of the mask's visible (query, key) pairs over causal attention's; 1 minus it
@@ -41,7 +41,7 @@ import tempfile
 import time
 from pathlib import Path
 
-# Running `python scripts/cp_scaling.py` puts scripts/ first on sys.path, not the checkout that holds torchtitan.
+# Running `python benchmarks/cp_scaling.py` puts benchmarks/ first on sys.path, not the checkout that holds torchtitan.
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import torch  # noqa: E402
@@ -49,7 +49,7 @@ import torch.distributed as dist  # noqa: E402
 import torch.multiprocessing as mp  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
-from scripts.cp_balance import MIXES, document_lengths, window_document_ids  # noqa: E402
+from benchmarks.cp_balance import MIXES, document_lengths, window_document_ids  # noqa: E402
 from torchtitan.distributed import context_parallel as cp  # noqa: E402
 from torchtitan.errors import UserError  # noqa: E402
 from torchtitan.models.llama3.args import model_args_for  # noqa: E402
@@ -208,7 +208,7 @@ def main(argv: list[str] | None = None) -> None:
                         help="layers instead of the flavor's (fewer: a shorter run, the same attention per layer)")
     parser.add_argument("--seq_len", type=int, nargs="+", default=[8192, 16384, 32768])
     parser.add_argument("--cp", type=int, nargs="+", default=[1, 2, 4], help="context-parallel degrees")
-    parser.add_argument("--mix", choices=MIXES, default="few long", help="document lengths (scripts/cp_balance.py)")
+    parser.add_argument("--mix", choices=MIXES, default="few long", help="document lengths (benchmarks/cp_balance.py)")
     parser.add_argument("--warmup", type=int, default=1, help="untimed steps first")
     parser.add_argument("--steps", type=int, default=2, help="timed steps")
     parser.add_argument("--seed", type=int, default=0)
