@@ -137,7 +137,7 @@ def dataloader_state(checkpoint: Path) -> dict:
 # Exact resumption in the same layout
 
 
-@pytest.mark.parametrize("async_mode", [pytest.param("disabled", marks=pytest.mark.smoke), "async",
+@pytest.mark.parametrize("async_mode", ["disabled", "async",
                                         pytest.param("async_with_pinned_mem", marks=pytest.mark.slow)])
 def test_one_process_resume_is_bitwise_exact(tmp_path, runs, async_mode):
     mode = ["--checkpoint.async_mode", async_mode]

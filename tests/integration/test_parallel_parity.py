@@ -54,10 +54,18 @@ def reference(tmp_path_factory) -> list[dict]:
     return train(tmp_path_factory.mktemp("reference"), 1, [*BASE, *batch_args(1)])
 
 
-@pytest.mark.smoke
-@pytest.mark.parametrize("name,nproc,dp,options", [
-    pytest.param(*layout, id=layout[0], marks=pytest.mark.slow if layout[0] in SLOW_LAYOUTS else ())
-    for layout in LAYOUTS])
+# The other tested torch's smoke set (.ci/run): one layout of each kind (cp2: causal CP over gathered keys and
+# values, the default method); the compositions run on the README's torch.
+SMOKE_LAYOUTS = {"fsdp2", "ddp2", "hsdp2x2", "tp2", "cp2"}
+
+
+def _marks(name: str) -> list:
+    return [mark for mark, names in ((pytest.mark.smoke, SMOKE_LAYOUTS), (pytest.mark.slow, SLOW_LAYOUTS))
+            if name in names]
+
+
+@pytest.mark.parametrize("name,nproc,dp,options", [pytest.param(*layout, id=layout[0], marks=_marks(layout[0]))
+                                                   for layout in LAYOUTS])
 def test_layout_matches_single_process(tmp_path, reference, name, nproc, dp, options):
     assert_follows_reference(tmp_path / name, name, nproc, [*BASE, *batch_args(dp), *options], reference)
 
