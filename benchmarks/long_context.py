@@ -38,7 +38,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-# Running `python benchmarks/long_context.py` puts benchmarks/ first on sys.path, not the checkout that holds torchtitan.
+# `python benchmarks/long_context.py` puts benchmarks/ first on sys.path, not the checkout that holds torchtitan.
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import torch  # noqa: E402
