@@ -148,8 +148,8 @@ def test_context_parallel_method_options():
         context_parallel_rotate_method == "alltoall"
     with pytest.raises(UserError, match=r"^option parallelism.context_parallel_rotate_method = 'alltoall': does not "
                                         r"compose with context parallelism over gathered keys and values "
-                                        r"\(parallelism.context_parallel_method = 'allgather_kv', the default.*; set "
-                                        r"parallelism.context_parallel_method = 'ring'"):
+                                        r"\(parallelism.context_parallel_method = 'allgather_kv', the default.*; leave "
+                                        r"parallelism.context_parallel_rotate_method at 'allgather'"):
         parse_args([*cp2, *alltoall])
     with pytest.raises(UserError, match=r"^option context_parallel_degree > 1 with model.attention_mask = "
                                         r"'block_causal': does not compose with parallelism.context_parallel_method = "

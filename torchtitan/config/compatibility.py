@@ -146,9 +146,9 @@ REFUSALS: list[Refusal] = [
     Refusal("cp_block_causal", "cp_ring", "torch's ring attention is causal only; block-causal context parallelism "
             "all-gathers the grouped keys and values", "use parallelism.context_parallel_method = 'allgather_kv'"),
     Refusal("cp_alltoall", "cp_gathered_kv", "the rotate method is the ring's: it passes keys and values from rank "
-            "to rank, and this context parallelism all-gathers them once per layer", "set "
-            "parallelism.context_parallel_method = 'ring' (causal attention) to rotate them, or leave "
-            "context_parallel_rotate_method at 'allgather'"),
+            "to rank, and this context parallelism all-gathers them once per layer", "leave "
+            "parallelism.context_parallel_rotate_method at 'allgather' (or, for causal attention without documents, "
+            "set parallelism.context_parallel_method = 'ring' to rotate them)"),
     Refusal("async_tp", "on_cpu", "async TP fuses collectives into matmuls through CUDA symmetric memory",
             "turn it off, or run on CUDA GPUs"),
     Refusal("async_tp", "no_compile_model", "async TP is a compiler pass over the model's blocks",
