@@ -30,7 +30,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 
 from scripts import convert_checkpoint
-from tests.unit.forked_ranks import join_forked
+from tests.unit.forked_ranks import in_environment, join_forked
 from torchtitan.components.checkpoint import integrity as checkpoint_integrity
 from torchtitan.components.checkpoint import manager as manager_module
 from torchtitan.components.checkpoint import resume as resume_module
@@ -1075,7 +1075,7 @@ def save_until_killed(root: Path, marker: Path) -> None:
     manager.save(2)
 
 
-def run_single_threaded(target, *args) -> None:
+def run_single_threaded(rank: int, target, *args) -> None:
     torch.set_num_threads(1)  # the test process runs beside it on the same cores
     target(*args)
 
@@ -1083,7 +1083,8 @@ def run_single_threaded(target, *args) -> None:
 def forked(target, *args) -> multiprocessing.Process:
     """A child forked from the tests' fork server (tests/unit/forked_ranks.py says why not from this process), not a
     spawned one, which would import torch again: seconds on two cores. `target` and `args` are pickled."""
-    process = multiprocessing.get_context("forkserver").Process(target=run_single_threaded, args=(target, *args))
+    process = multiprocessing.get_context("forkserver").Process(
+        target=in_environment, args=(0, dict(os.environ), run_single_threaded, target, *args))
     process.start()
     return process
 

@@ -44,12 +44,6 @@ def pipeline_shapes_per_mode() -> bool:
     return release() >= (2, 13)
 
 
-def partitioner_recomputes_reductions() -> bool:
-    """torch 2.14's min-cut partitioner recomputes a compiled forward's reductions in backward (a Float8 weight's
-    absolute maximum); 2.13's saves them (tests/unit/test_planner.py reads the graphs)."""
-    return release() >= (2, 14)
-
-
 def untested_torch() -> str | None:
     """A warning line when this torch is not a tested release (None when it is)."""
     if ".".join(map(str, release())) in TESTED_TORCH:
