@@ -29,12 +29,13 @@ def _sample() -> list[int]:
     def first(condition) -> int:
         return next(cell.index for cell in CELLS if condition(cell))
 
-    return [
+    sample = [
         first(lambda c: c.levels["layout"] == "fsdp2" and c.levels["compression"] != "none"
               and c.levels["health"] != "none" and matrix.predicted_refusal(c) is None),
         first(lambda c: matrix.predicted_refusal(c) is not None),
         first(lambda c: c.dry_run and c.levels["layout"] != "one" and matrix.predicted_refusal(c) is None),
     ]
+    return sorted(set(sample))  # one cell may be several of these
 
 
 SAMPLE = _sample()

@@ -146,6 +146,7 @@ def test_out_of_memory_is_reported_after_the_report(tmp_path):
     assert "more than the 79.6 GiB of one h100" in report["_log"]
 
 
+@pytest.mark.slow
 def test_compiled_layout_is_judged_by_its_compiled_memory(tmp_path):
     """8B on 8 without AC: the eager trace exceeds an H100 (80.5 GiB); compiled blocks and loss save less, and the
     analytic compiled peak (54 GiB), which the report adds, lets the run through with a warning."""
@@ -254,7 +255,8 @@ def test_flexdemo_exchanges_its_components_once_per_step(tmp_path):
 
 @pytest.mark.parametrize("shard, cp, ac, method, rotate", [
     # K/V all-gathered (the default), of the KV heads TP left on the rank.
-    (2, 2, "none", "allgather_kv", "allgather"), (1, 4, "full", "allgather_kv", "allgather"),
+    (2, 2, "none", "allgather_kv", "allgather"),
+    pytest.param(1, 4, "full", "allgather_kv", "allgather", marks=pytest.mark.slow),
     # Per-op AC saves the reduce-scatters' and attention's outputs, not the gathered inputs: backward gathers them
     # again (TP's hidden states and CP's keys and values).
     (2, 2, "op", "allgather_kv", "allgather"),
