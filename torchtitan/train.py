@@ -50,8 +50,9 @@ from torchtitan.dry_run import FAKE_BOS_ID
 from torchtitan.dry_run import run as dry_run
 from torchtitan.errors import UserError
 from torchtitan.models.llama3.args import describe_model, model_args_for, shape_overrides
-from torchtitan.models.llama3.model import (Transformer, count_parameters, document_ids, document_positions,
-                                            flops_per_token)
+from torchtitan.models.llama3.model import Transformer, flops_per_token
+from torchtitan.nn.attention import document_ids, document_positions
+from torchtitan.nn.parameters import count_parameters
 from torchtitan.models.llama3.parallelize import parallelize_llama, validate_parallelism
 from torchtitan.tools.device_info import (device_name, memory_capacity, memory_stats, peak_flops,
                                           require_host_memory, reset_peak_memory)

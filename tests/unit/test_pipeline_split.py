@@ -400,7 +400,8 @@ def test_stages_of_one_rank_build_each_microbatch_mask_once(one_rank_pipeline, m
     both stages), not 8, and its losses are those of stages that each build their own."""
     from torchtitan.distributed import pipeline_parallel
     from torchtitan.models.llama3 import model as llama_model
-    from torchtitan.models.llama3.model import document_ids
+    from torchtitan.nn import attention
+    from torchtitan.nn.attention import document_ids
 
     job = config("Interleaved1F1B")
     job.parallelism.pipeline_parallel_degree = 1
@@ -413,7 +414,7 @@ def test_stages_of_one_rank_build_each_microbatch_mask_once(one_rank_pipeline, m
     for part in parts:
         part.to_empty(device="cpu")
         part.init_weights(seed=0)
-    built_masks, build = [], llama_model.document_mask
+    built_masks, build = [], attention.document_mask
 
     def counted(ids, flex=None):
         built_masks.append(ids)

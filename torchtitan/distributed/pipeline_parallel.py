@@ -35,7 +35,7 @@ from torchtitan.config import JobConfig, validation_shape
 from torchtitan.distributed import torch_compat
 from torchtitan.distributed.parallel_dims import ParallelDims
 from torchtitan.errors import UserError
-from torchtitan.models.llama3.model import DocumentMask, document_mask
+from torchtitan.nn.attention import DocumentMask, document_mask
 from torchtitan.models.llama3.parallelize import parallelize_llama
 from torchtitan.models.llama3.pipeline import (LAYERS_PER_STAGE_OPTION, SPLIT_POINTS_OPTION, build_stage_module,
                                                requested_stage_count, split_into_stages, stage_ids_for_rank)

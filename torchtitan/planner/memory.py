@@ -154,7 +154,8 @@ from torchtitan.distributed.compression import compensation_bytes_per_value
 from torchtitan.distributed.parallel_dims import ParallelDims
 from torchtitan.distributed.pipeline_parallel import plan_pipeline
 from torchtitan.models.llama3.args import TransformerModelArgs, model_args_for, shape_overrides
-from torchtitan.models.llama3.model import Transformer, cpu_attention_in_fp32
+from torchtitan.models.llama3.model import Transformer
+from torchtitan.nn.attention import cpu_attention_in_fp32
 from torchtitan.models.llama3.pipeline import stage_ids_for_rank
 from torchtitan.planner import pipeline_schedule
 
