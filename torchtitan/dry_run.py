@@ -39,7 +39,8 @@ from torchtitan.distributed import torch_compat
 from torchtitan.distributed.fake import GIB, CollectiveCounter, StepMemoryTracker, dry_run_patches
 from torchtitan.distributed.parallel_dims import ParallelDims
 from torchtitan.errors import UserError
-from torchtitan.models.llama3.args import model_args_for, shape_overrides
+from torchtitan.config.model_shape import shape_overrides
+from torchtitan.models.llama3.args import model_args_for
 from torchtitan.models.llama3.parallelize import validate_parallelism
 from torchtitan.planner.hardware import gpu_named, headroom
 from torchtitan.planner.memory import estimate

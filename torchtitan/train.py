@@ -49,7 +49,8 @@ from torchtitan.distributed.pipeline_parallel import is_multi_stage, pipeline_ll
 from torchtitan.dry_run import FAKE_BOS_ID
 from torchtitan.dry_run import run as dry_run
 from torchtitan.errors import UserError
-from torchtitan.models.llama3.args import describe_model, model_args_for, shape_overrides
+from torchtitan.config.model_shape import describe_model, shape_overrides
+from torchtitan.models.llama3.args import model_args_for
 from torchtitan.models.llama3.model import Transformer, flops_per_token
 from torchtitan.nn.attention import document_ids, document_positions
 from torchtitan.nn.parameters import count_parameters

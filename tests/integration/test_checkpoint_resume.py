@@ -21,7 +21,8 @@ from torchtitan.components.checkpoint import WeightsOnlyLoadPlanner, read_metada
 from torchtitan.components.datasets import build_dataloader
 from torchtitan.components.tokenizer import build_tokenizer
 from torchtitan.config import parse_args
-from torchtitan.models.llama3.args import model_args_for, shape_overrides
+from torchtitan.config.model_shape import shape_overrides
+from torchtitan.models.llama3.args import model_args_for
 from torchtitan.models.llama3.model import Transformer
 from torchtitan.models.llama3.state_dict_adapter import load_hf
 from torchtitan.train import main as train_main

@@ -153,7 +153,8 @@ from torchtitan.config import JobConfig
 from torchtitan.distributed.compression import compensation_bytes_per_value
 from torchtitan.distributed.parallel_dims import ParallelDims
 from torchtitan.distributed.pipeline_parallel import plan_pipeline
-from torchtitan.models.llama3.args import TransformerModelArgs, model_args_for, shape_overrides
+from torchtitan.config.model_shape import shape_overrides
+from torchtitan.models.llama3.args import TransformerModelArgs, model_args_for
 from torchtitan.models.llama3.model import Transformer
 from torchtitan.nn.attention import cpu_attention_in_fp32
 from torchtitan.models.llama3.pipeline import stage_ids_for_rank

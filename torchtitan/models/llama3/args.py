@@ -5,6 +5,7 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
+from torchtitan.config.model_shape import SHAPE_OPTIONS
 from torchtitan.errors import UserError
 
 
@@ -59,23 +60,6 @@ llama3_flavors: dict[str, TransformerModelArgs] = {
     "405B": TransformerModelArgs(dim=16384, n_layers=126, n_heads=128, n_kv_heads=8, ffn_dim_multiplier=1.2,
                                  multiple_of=4096),
 }
-
-
-# The shape options that [model] may set on top of the flavor (None there = the flavor's value).
-SHAPE_OPTIONS = ("dim", "n_layers", "n_heads", "n_kv_heads", "ffn_dim_multiplier", "multiple_of", "vocab_size",
-                 "rope_theta")
-
-
-def shape_overrides(model_config: Any) -> dict[str, Any]:
-    """The shape options that the [model] section (a job_config.Model) sets."""
-    return {name: getattr(model_config, name) for name in SHAPE_OPTIONS if getattr(model_config, name) is not None}
-
-
-def describe_model(flavor: str, overrides: dict[str, Any]) -> str:
-    """`debugmodel`, or `debugmodel with dim 768, n_layers 12` when [model] changes the flavor's shape."""
-    changes = ", ".join(f"{name} {value:g}" if isinstance(value, float) else f"{name} {value}"
-                        for name, value in overrides.items())
-    return f"{flavor} with {changes}" if changes else flavor
 
 
 def model_args_for(flavor: str, seq_len: int, vocab_size: int | None = None,
