@@ -40,8 +40,7 @@ from torchtitan.distributed.fake import GIB, CollectiveCounter, StepMemoryTracke
 from torchtitan.distributed.parallel_dims import ParallelDims
 from torchtitan.errors import UserError
 from torchtitan.config.model_shape import shape_overrides
-from torchtitan.models.llama3.args import model_args_for
-from torchtitan.models.llama3.parallelize import validate_parallelism
+from torchtitan.models import spec_of
 from torchtitan.planner.hardware import gpu_named, headroom
 from torchtitan.planner.memory import estimate
 from torchtitan.tools.device_info import device_name, memory_stats
@@ -85,8 +84,12 @@ def dry_run_config(config: JobConfig, world_size: int) -> JobConfig:
     execute turned off: files, async TP and torch.compile (the blocks run eagerly, whose memory bounds the compiled
     blocks' from above; the collectives are the same)."""
     dims = ParallelDims.from_config(config.parallelism, world_size)
-    validate_parallelism(model_args_for(config.model.flavor, config.training.seq_len,
-                                        overrides=shape_overrides(config.model)), dims, config, config.comm.fake_device)
+    spec = spec_of(config)
+    if spec.name != "llama3":
+        raise UserError(f"option model.name: a dry run (comm.mode = fake_backend) compares the step with the planner's "
+                        f"memory estimate, which models llama3 only, not {spec.name}; train {spec.name} for real")
+    spec.validate_parallelism(spec.build_args(config.model.flavor, config.training.seq_len, None,
+                                              shape_overrides(config.model)), dims, config, config.comm.fake_device)
     check_composition(setup_of(config, dims, config.comm.fake_device))
     peak_flops = config.metrics.peak_flops
     if config.comm.fake_device == "cuda" and not peak_flops:

@@ -152,12 +152,12 @@ from torchtitan.components.optimizers import optimizer_spec
 from torchtitan.config import JobConfig
 from torchtitan.distributed.compression import compensation_bytes_per_value
 from torchtitan.distributed.parallel_dims import ParallelDims
-from torchtitan.distributed.pipeline_parallel import plan_pipeline
+from torchtitan.distributed.pipeline_parallel import plan_pipeline, stage_ids_for_rank
+from torchtitan.models import get as model_spec
 from torchtitan.config.model_shape import shape_overrides
 from torchtitan.models.llama3.args import TransformerModelArgs, model_args_for
 from torchtitan.models.llama3.model import Transformer
 from torchtitan.nn.attention import cpu_attention_in_fp32
-from torchtitan.models.llama3.pipeline import stage_ids_for_rank
 from torchtitan.planner import pipeline_schedule
 
 
@@ -259,7 +259,7 @@ def _pipeline_layout(config: JobConfig, args: TransformerModelArgs, dims: Parall
     micro-batches whose activations a stage holds at once."""
     if dims.pp == 1:
         return [[(args.n_layers, True, True)]], lambda rank, stage_index, rebuilt: (1, 0)
-    plan = plan_pipeline(_skeleton(args.n_layers), dims.pp, config)
+    plan = plan_pipeline(model_spec("llama3"), _skeleton(args.n_layers), dims.pp, config)
     stages = []
     for names in plan.stage_names:
         blocks = sum(name.startswith("layers.") for name in names)

@@ -7,6 +7,7 @@ from typing import Any
 
 from torchtitan.config.model_shape import SHAPE_OPTIONS
 from torchtitan.errors import UserError
+from torchtitan.protocols import ModelShape
 
 
 @dataclass
@@ -87,6 +88,17 @@ def model_args_for(flavor: str, seq_len: int, vocab_size: int | None = None,
                                vocab_size=vocab_size, **overrides)
     _check_shape(args)
     return args
+
+
+def model_shape(args: TransformerModelArgs) -> ModelShape:
+    """What model.json records: every value that decides what the weights compute, named as the model.* options; the
+    SwiGLU width both as its options and as the width they give, which is what is compared."""
+    record = {"dim": args.dim, "n_layers": args.n_layers, "n_heads": args.n_heads, "n_kv_heads": args.kv_heads,
+              "ffn_dim_multiplier": args.ffn_dim_multiplier, "multiple_of": args.multiple_of,
+              "ffn_hidden_dim": args.ffn_hidden_dim, "vocab_size": args.vocab_size, "rope_theta": args.rope_theta,
+              "norm_eps": args.norm_eps, "use_scaled_rope": args.use_scaled_rope}
+    return ModelShape(record, compared=tuple(name for name in record
+                                             if name not in ("ffn_dim_multiplier", "multiple_of")))
 
 
 def _check_shape(args: TransformerModelArgs) -> None:
