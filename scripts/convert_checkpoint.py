@@ -29,8 +29,8 @@ from torchtitan.components.checkpoint import (EXPORT_DTYPES, INCOMPLETE_SUFFIX, 
                                               without_collectives)
 from torchtitan.components.checkpoint.hf import export_hf_from_dcp
 from torchtitan.components.checkpoint.hf_folder import CONFIG_FILE, load_hf
-from torchtitan.errors import UserError
 from torchtitan.config.model_shape import SHAPE_OPTIONS
+from torchtitan.errors import UserError
 from torchtitan.models.llama3.args import TransformerModelArgs, llama3_flavors, model_args_for, model_shape
 from torchtitan.models.llama3.state_dict_adapter import Llama3StateDictAdapter
 from torchtitan.tools.logging import init_logger, logger

@@ -35,11 +35,11 @@ import torch
 
 from torchtitan.config import JobConfig, to_toml
 from torchtitan.config.compatibility import check_composition, setup_of
+from torchtitan.config.model_shape import shape_overrides
 from torchtitan.distributed import torch_compat
 from torchtitan.distributed.fake import GIB, CollectiveCounter, StepMemoryTracker, dry_run_patches
 from torchtitan.distributed.parallel_dims import ParallelDims
 from torchtitan.errors import UserError
-from torchtitan.config.model_shape import shape_overrides
 from torchtitan.models import spec_of
 from torchtitan.planner.hardware import gpu_named, headroom
 from torchtitan.planner.memory import estimate

@@ -111,7 +111,9 @@ OUT_OF_REACH = {
     "option parallelism.enable_async_tensor_parallel: compile.enable = false",
     "option comm.weight_quantization = 'qsdp': quantize.linear.float8.enable_fsdp_float8_all_gather",
     "option context_parallel_degree > 1 with model.attention_mask = 'block_causal': "
-    "parallelism.context_parallel_rotate_method = 'alltoall'",
+    "parallelism.context_parallel_method = 'ring'",
+    "option parallelism.context_parallel_rotate_method = 'alltoall': "
+    "context parallelism over gathered keys and values",
     "option comm.gradient_compression (loco, error_feedback, qsdp): data_parallel_replicate_degree > 1",
     "option comm.weight_quantization = 'qsdp': data_parallel_shard_degree x context_parallel_degree = 1",
     "option comm.weight_quantization = 'qsdp': data_parallel_replicate_degree > 1",

@@ -37,6 +37,7 @@ from torchtitan.components.checkpoint import manager as manager_module
 from torchtitan.components.checkpoint import resume as resume_module
 from torchtitan.components.checkpoint import (CHECKSUMS_FILE, CheckpointManager, TrainState, complete_steps,
                                               read_full_checkpoint, read_full_model, read_metadata)
+from torchtitan.components.checkpoint.hf_folder import INDEX_FILE, load_hf, save_hf
 from torchtitan.components.lr_scheduler import LRSchedulersContainer
 from torchtitan.components.optimizer import OptimizersContainer
 from torchtitan.config.job_config import Checkpoint as CheckpointConfig
@@ -46,7 +47,6 @@ from torchtitan.distributed import utils as dist_utils
 from torchtitan.errors import UserError
 from torchtitan.models.llama3.args import model_args_for, model_shape
 from torchtitan.models.llama3.model import Transformer
-from torchtitan.components.checkpoint.hf_folder import INDEX_FILE, load_hf, save_hf
 from torchtitan.models.llama3.state_dict_adapter import Llama3StateDictAdapter
 from torchtitan.tools.logging import logger
 

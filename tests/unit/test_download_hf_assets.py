@@ -10,8 +10,8 @@ import pytest
 
 from scripts import download_hf_assets
 from tests.unit.hub_server import HubServer
-from torchtitan.components.tokenizer import DEFAULT_TOKENIZER_PATH, build_tokenizer
 from torchtitan.components.checkpoint.hf_folder import is_hf_folder
+from torchtitan.components.tokenizer import DEFAULT_TOKENIZER_PATH, build_tokenizer
 
 
 @pytest.fixture

@@ -46,12 +46,13 @@ class DocumentSpans:
 
 @dataclass(frozen=True)
 class GatheredDocuments:
-    """Block-causal attention of this rank's queries against the keys and values of the whole sequence, which
-    `gather` collects from the ranks that hold its parts (context parallelism: torchtitan/distributed/
-    context_parallel.py builds it). `visible`: a BlockMask on GPUs, else (batch, 1, queries, keys) booleans."""
+    """Attention of this rank's queries against the keys and values of the whole sequence, which `gather` collects
+    (keys and values together, grouped heads as they are) from the ranks that hold its parts (context parallelism,
+    block-causal or causal: torchtitan/distributed/context_parallel.py builds it). `visible`: a BlockMask on GPUs,
+    else (batch, 1, queries, keys) booleans."""
 
     visible: BlockMask | torch.Tensor
-    gather: Callable[[torch.Tensor], torch.Tensor]
+    gather: Callable[[torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
 
 
 # What block-causal attention needs of a batch's documents: a FlexAttention BlockMask on GPUs, the spans elsewhere.
@@ -115,11 +116,12 @@ def block_causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ma
     FlexAttention has no backward (torch 2.13): causal attention document by document, which does only the work
     inside documents (at seq 2048 it measured 2x faster than causal attention over the window, 4x faster than SDPA
     with a block-diagonal mask); inside torch.compile, SDPA with that mask instead, so that compiled blocks do not
-    specialise on, and recompile for, every batch's document boundaries. Under context parallelism, the same
-    kernels (FlexAttention or SDPA with a boolean mask) over the gathered keys and values.
+    specialise on, and recompile for, every batch's document boundaries. Under context parallelism (packed
+    documents, or one causal sequence with parallelism.context_parallel_method = allgather_kv), the same kernels
+    (FlexAttention or SDPA with a boolean mask) over the gathered keys and values, their heads grouped.
     """
     if isinstance(mask, GatheredDocuments):
-        k, v, mask = mask.gather(k), mask.gather(v), mask.visible
+        (k, v), mask = mask.gather(k, v), mask.visible
     if isinstance(mask, BlockMask):
         global _compiled_flex_attention
         if _compiled_flex_attention is None:

@@ -124,14 +124,15 @@ under full AC, backward peak: compiled bf16 22% below it, compiled Float8 2.5% b
 their weights themselves: under autocast no bf16 weight copies.
 
 Context parallelism's exchange buffers (cp_exchange_bytes, cp_saved_bytes; T = this rank's tokens, c = CP degree,
-h = the attention's key/value width: q/t on CUDA, whose kernels take the heads expanded, kv/t on CPU):
-  causal, allgather   one layer's gathered keys and values during its attention call, c x T x 2h x a, plus in
+h = the ring's key/value width: q/t on CUDA, whose kernels take the heads expanded, kv/t on CPU):
+  K/V gathered        (the default, context_parallel_method = allgather_kv, and block-causal) the gathered grouped
+                      keys and values (kv heads), c x T x 2 kv/t x a, and in backward their gradients before the
+                      reduce-scatter (the same again); without AC each layer saves its gathered keys and values for
+                      backward (per-op AC's policy saves attention's output, not them: backward gathers them again)
+  ring, allgather     one layer's gathered keys and values during its attention call, c x T x 2h x a, plus in
                       backward the fp32 accumulators of the query gradient (T x q/t x 4) and of the rotating key
                       and value gradients (two chunks, the current and the incoming: 2 x T x 2h x 4)
-  causal, alltoall    the current and the incoming chunk, 2 x T x 2h x a, and the same fp32 accumulators
-  block-causal        the gathered grouped keys and values (kv heads), c x T x 2 kv/t x a, and in backward their
-                      gradients before the reduce-scatter (the same again); without AC (or per-op AC, whose policy
-                      saves attention's inputs) each layer saves its gathered keys and values for backward
+  ring, alltoall      the current and the incoming chunk, 2 x T x 2h x a, and the same fp32 accumulators
 These add to a block's backward transients; the saved ones to its activations.
 
 Not modelled: allocator fragmentation (planner/hardware.py's headroom adds it); eager Float8 saves the
@@ -150,11 +151,12 @@ import torch
 from torchtitan.components.float8 import float8_enabled
 from torchtitan.components.optimizers import optimizer_spec
 from torchtitan.config import JobConfig
+from torchtitan.config.model_shape import shape_overrides
 from torchtitan.distributed.compression import compensation_bytes_per_value
+from torchtitan.distributed.context_parallel import gathers_keys_and_values
 from torchtitan.distributed.parallel_dims import ParallelDims
 from torchtitan.distributed.pipeline_parallel import plan_pipeline, stage_ids_for_rank
 from torchtitan.models import get as model_spec
-from torchtitan.config.model_shape import shape_overrides
 from torchtitan.models.llama3.args import TransformerModelArgs, model_args_for
 from torchtitan.models.llama3.model import Transformer
 from torchtitan.nn.attention import cpu_attention_in_fp32
@@ -276,9 +278,14 @@ def _pipeline_layout(config: JobConfig, args: TransformerModelArgs, dims: Parall
     return per_rank, in_flight
 
 
-def _attention_bytes(s: _Shapes, seq_len: float, t: int, a: int, device: str) -> tuple[float, float]:
+def _attention_bytes(s: _Shapes, seq_len: float, t: int, a: int, device: str,
+                     gathered_kv: bool = False) -> tuple[float, float]:
     """Bytes per token that attention saves for backward, and those of SDPA's output alone (model.causal_attention
-    chooses the path from the local sequence length; see the module docstring)."""
+    chooses the path from the local sequence length; see the module docstring). `gathered_kv`: context parallelism
+    over gathered keys and values, whose attention saves the query and output of the rank's tokens and the gathered
+    keys and values (cp_saved_bytes), not the rank's own."""
+    if gathered_kv:
+        return 2 * s.q / t * a, s.q / t * a
     if device != "cpu":
         return 4 * s.q / t * a, s.q / t * a
     if _attention_in_fp32(s, seq_len, a, device):
@@ -288,7 +295,7 @@ def _attention_bytes(s: _Shapes, seq_len: float, t: int, a: int, device: str) ->
 
 def _cp_key_value_width(config: JobConfig, s: _Shapes, t: int, device: str) -> float:
     """Width of the keys and values one CP exchange moves, per token: both, over the heads of one TP rank."""
-    if config.model.attention_mask == "block_causal":
+    if gathers_keys_and_values(config):
         return 2 * s.kv / t
     return 2 * (s.q if device == "cuda" else s.kv) / t
 
@@ -298,7 +305,7 @@ def cp_exchange_bytes(config: JobConfig, s: _Shapes, tokens: float, t: int, cp: 
     if cp == 1:
         return 0.0
     width = _cp_key_value_width(config, s, t, device)
-    if config.model.attention_mask == "block_causal":
+    if gathers_keys_and_values(config):
         return 2 * cp * tokens * width * a
     chunks = cp if config.parallelism.context_parallel_rotate_method == "allgather" else 2
     return chunks * tokens * width * a + tokens * s.q / t * 4 + 2 * tokens * width * 4
@@ -306,8 +313,8 @@ def cp_exchange_bytes(config: JobConfig, s: _Shapes, tokens: float, t: int, cp: 
 
 def cp_saved_bytes(config: JobConfig, s: _Shapes, tokens: float, t: int, cp: int, a: int, mode: str,
                    device: str) -> float:
-    """Bytes one layer saves for backward of block-causal CP's gathered keys and values (module docstring)."""
-    if cp == 1 or config.model.attention_mask != "block_causal" or mode == "full":
+    """Bytes one layer saves for backward of CP's gathered keys and values (module docstring)."""
+    if not gathers_keys_and_values(config) or mode in ("full", "op"):
         return 0.0
     return cp * tokens * _cp_key_value_width(config, s, t, device) * a
 
@@ -317,12 +324,14 @@ def _attention_in_fp32(s: _Shapes, seq_len: float, a: int, device: str) -> bool:
 
 
 def _block_activations(s: _Shapes, tokens: float, seq_len: float, t: int, a: int, r: int, autocast: bool,
-                       mode: str, device: str, compiled: bool = False, float8: bool = False) -> float:
+                       mode: str, device: str, compiled: bool = False, float8: bool = False,
+                       gathered_kv: bool = False) -> float:
     """Bytes one block saves for backward for one micro-batch of `tokens` tokens in sequences of `seq_len` (see the
     module docstring); `compiled`: what inductor's partitioner saves of a compiled block without AC, which with
-    Float8 (`float8`) recomputes the casts and so the linear inputs too."""
+    Float8 (`float8`) recomputes the casts and so the linear inputs too; `gathered_kv`: attention over keys and
+    values gathered by context parallelism (their own bytes: cp_saved_bytes)."""
     sp = tokens / t
-    attention, sdpa_output = _attention_bytes(s, seq_len, t, a, device)
+    attention, sdpa_output = _attention_bytes(s, seq_len, t, a, device, gathered_kv)
     if mode == "full":
         return sp * s.d * r
     if mode == "op":
@@ -381,7 +390,8 @@ def _estimate_rank(config: JobConfig, args: TransformerModelArgs, dims: Parallel
     # What a checkpointed block's backward holds while it recomputes: the eager `none` set, compiled or not
     # (measured on this CPU, one block under full AC, backward peak: compiled bf16 22% below it, compiled Float8
     # 2.5%).
-    none = _block_activations(s, tokens, seq_len, t, a, residual, autocast, "none", device)
+    gathered_kv = gathers_keys_and_values(config)
+    none = _block_activations(s, tokens, seq_len, t, a, residual, autocast, "none", device, gathered_kv=gathered_kv)
     # Per block of the rank, in forward order: (saved bytes for its in-flight micro-batches, bytes rebuilt and
     # alive during its backward, autocast copies it keeps for backward, micro-batches in flight, which of the
     # rank's stages holds it).
@@ -395,7 +405,7 @@ def _estimate_rank(config: JobConfig, args: TransformerModelArgs, dims: Parallel
     ac = config.activation_checkpoint
     checkpointed_mode = "op" if ac.mode == "selective" and ac.selective_ac_option == "op" else "full"
     checkpointed = _block_activations(s, tokens, seq_len, t, a, residual, autocast, checkpointed_mode, device,
-                                      compiled_blocks, float8)
+                                      compiled_blocks, float8, gathered_kv)
     rebuilt_ratio = max(0.0, none - checkpointed) / checkpointed if ac.mode != "none" else 0.0
     for stage_index, (n_blocks, has_embedding, stage_has_head) in enumerate(stages):
         mbs, awaiting_weight_pass = in_flight(rank, stage_index, rebuilt_ratio)
@@ -405,7 +415,7 @@ def _estimate_rank(config: JobConfig, args: TransformerModelArgs, dims: Parallel
             optimizer += _optimizer_state(config, [("embeddings", (s.vocab, s.d), 0)], t, fsdp)
         for mode in _ac_modes(config, n_blocks):
             per_micro_batch = (_block_activations(s, tokens, seq_len, t, a, residual, autocast, mode, device,
-                                                  compiled_blocks, float8)
+                                                  compiled_blocks, float8, gathered_kv)
                                + cp_saved_bytes(config, s, tokens, t, dims.cp, a, mode, device))
             saved = mbs * per_micro_batch + awaiting_weight_pass * max(0.0, none - per_micro_batch) * (mode != "none")
             rebuilt = none + block_copies if mode != "none" else 0.0

@@ -129,17 +129,20 @@ class Transformer(nn.Module):
         self.norm: nn.RMSNorm | None = nn.RMSNorm(args.dim, eps=args.norm_eps)
         self.output: nn.Linear | None = nn.Linear(args.dim, args.vocab_size, bias=False)
         self.register_buffer("rope", rope_table(args, device=torch.device("meta")), persistent=False)
-        # Document ids and positions -> the attention's mask, when context parallelism replaces `document_mask()`
-        # with a mask over the documents of every rank (distributed/context_parallel.py: apply_document_cp).
-        self.build_document_mask: Callable[[torch.Tensor, torch.Tensor | None], DocumentMask] | None = None
+        # Document ids (None: one causal sequence) and positions -> the attention's mask, when context parallelism
+        # attends to the keys of every rank (distributed/context_parallel.py: apply_document_cp).
+        self.build_document_mask: Callable[[torch.Tensor | None, torch.Tensor | None], DocumentMask] | None = None
 
     def forward(self, tokens: torch.Tensor, document_ids: torch.Tensor | None = None,
                 positions: torch.Tensor | None = None) -> torch.Tensor:
         """With `document_ids` (batch, seq) attention is block-causal (see `document_ids()`); `positions` (batch,
-        seq) replace 0..seq-1 as RoPE positions (see `document_positions()`)."""
+        seq) replace 0..seq-1 as RoPE positions (see `document_positions()`). Under context parallelism over
+        gathered keys (`build_document_mask`), positions alone: causal by those positions."""
         h = self.tok_embeddings(tokens) if self.tok_embeddings is not None else tokens
-        mask = None if document_ids is None else document_mask(document_ids) if self.build_document_mask is None \
-            else self.build_document_mask(document_ids, positions)
+        if self.build_document_mask is not None and (document_ids is not None or positions is not None):
+            mask = self.build_document_mask(document_ids, positions)
+        else:
+            mask = None if document_ids is None else document_mask(document_ids)
         rope = self.rope if positions is None else self.rope[positions]
         for layer in self.layers.values():
             h = layer(h, rope, mask=mask)
