@@ -1,6 +1,6 @@
 """The systems `benchmarks/benchmark.py` races ours against, each trained on our batches with the same recipe.
 
-- `transformers`: Hugging Face `LlamaForCausalLM` of our shape (config from `state_dict_adapter.hf_config`), SDPA
+- `transformers`: Hugging Face `LlamaForCausalLM` of our shape (config from `Llama3StateDictAdapter.hf_config`), SDPA
   attention, as a plain transformers user trains it.
 - `plain`: a Llama written here in plain PyTorch, no framework: what one file of `torch.nn` achieves on this stack,
   the floor every framework should reach. Its modules carry our parameter names, so it loads our state dict as is.

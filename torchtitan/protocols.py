@@ -1,6 +1,6 @@
 """What a model family gives the trainer and the generic layers: a `ModelSpec`, registered by name in
 `torchtitan.models` and chosen by model.name. `distributed/`, `components/` and `tools/` import no model
-(tests/unit/test_layering.py): what they need of one comes from here, as functions the trainer hands them, or from
+(tests/unit/test_model_spec.py): what they need of one comes from here, as functions the trainer hands them, or from
 the model-agnostic `torchtitan/nn/` (attention over packed documents, parameter names and initialisation).
 
 The generic layers also rely on the model's skeleton, which every family keeps:
