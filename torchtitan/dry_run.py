@@ -42,7 +42,7 @@ from torchtitan.distributed.parallel_dims import ParallelDims
 from torchtitan.errors import UserError
 from torchtitan.models import spec_of
 from torchtitan.planner.hardware import gpu_named, headroom
-from torchtitan.planner.memory import estimate
+from torchtitan.planner.memory import estimate, require_planned_model
 from torchtitan.tools.device_info import device_name, memory_stats
 from torchtitan.tools.dry_run_report import read_report, write_report
 from torchtitan.tools.logging import logger
@@ -85,9 +85,9 @@ def dry_run_config(config: JobConfig, world_size: int) -> JobConfig:
     blocks' from above; the collectives are the same)."""
     dims = ParallelDims.from_config(config.parallelism, world_size)
     spec = spec_of(config)
-    if spec.name != "llama3":
-        raise UserError(f"option model.name: a dry run (comm.mode = fake_backend) compares the step with the planner's "
-                        f"memory estimate, which models llama3 only, not {spec.name}; train {spec.name} for real")
+    if config.compile.enable:
+        require_planned_model(config, "a compiled dry run reports it (the blocks are traced eagerly); set "
+                                      "compile.enable = false")
     spec.validate_parallelism(spec.build_args(config.model.flavor, config.training.seq_len, None,
                                               shape_overrides(config.model)), dims, config, config.comm.fake_device)
     check_composition(setup_of(config, dims, config.comm.fake_device))

@@ -17,6 +17,7 @@ from torchtitan.distributed.parallel_dims import ParallelDims
 from torchtitan.dry_run import dry_run_config
 from torchtitan.errors import UserError
 from torchtitan.models.llama3.args import model_args_for, model_shape
+from torchtitan.planner.memory import estimate
 
 BELOW_THE_MODELS = ["distributed", "components", "tools", "config", "nn", "protocols.py"]
 
@@ -75,9 +76,14 @@ def test_a_family_without_hugging_face_format_refuses_its_options(tmp_path, opti
                           model_shape(model_args_for("tiny", 32)), hf_adapter=None)
 
 
-def test_a_dry_run_of_another_family_is_refused():
-    """The dry run compares the step with the planner's estimate, which models Llama alone."""
+def test_the_planner_refuses_another_family():
+    """The planner's memory model is Llama's: neither its estimate nor a compiled dry run (which reports it) takes
+    another family."""
     config = parse_args(["--model.name", parallel_block_model.NAME, "--model.flavor", "tiny"])
-    with pytest.raises(UserError, match=r"^option model\.name: a dry run .* models llama3 only, not "
-                                        r"llama3_parallel_blocks"):
+    with pytest.raises(UserError, match=r"^option model\.name: the planner's memory estimate models llama3 only, not "
+                                        r"'llama3_parallel_blocks'; measure the model's memory with a dry run"):
+        estimate(config, 8)
+    config.compile.enable = True
+    with pytest.raises(UserError, match=r"^option model\.name: .*; a compiled dry run reports it .* set "
+                                        r"compile\.enable = false$"):
         dry_run_config(config, 8)
