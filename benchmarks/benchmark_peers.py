@@ -1,6 +1,6 @@
 """The systems `benchmarks/benchmark.py` races ours against, each trained on our batches with the same recipe.
 
-- `transformers`: Hugging Face `LlamaForCausalLM` of our shape (config from `state_dict_adapter.hf_config`), SDPA
+- `transformers`: Hugging Face `LlamaForCausalLM` of our shape (config from `Llama3StateDictAdapter.hf_config`), SDPA
   attention, as a plain transformers user trains it.
 - `plain`: a Llama written here in plain PyTorch, no framework: what one file of `torch.nn` achieves on this stack,
   the floor every framework should reach. Its modules carry our parameter names, so it loads our state dict as is.
@@ -24,7 +24,7 @@ from torchtitan.components.loss import IGNORE_INDEX
 from torchtitan.distributed.fsdp import TORCH_DTYPES
 from torchtitan.models.llama3.args import TransformerModelArgs
 from torchtitan.models.llama3.model import rope_table
-from torchtitan.models.llama3.state_dict_adapter import hf_config, to_hf
+from torchtitan.models.llama3.state_dict_adapter import Llama3StateDictAdapter
 
 Batch = tuple[torch.Tensor, torch.Tensor]
 PEERS = ("transformers", "plain")
@@ -111,10 +111,11 @@ def build_peer_model(name: str, trainer, state_dict: dict[str, torch.Tensor]) ->
 
     # It warns that Llama 3.1's original context (8192) is not below max_position_embeddings; harmless.
     hf_logging.set_verbosity_error()
-    config = LlamaConfig(**hf_config(trainer.model_args), use_cache=False)
+    adapter = Llama3StateDictAdapter(trainer.model_args)
+    config = LlamaConfig(**adapter.hf_config(), use_cache=False)
     config._attn_implementation = "sdpa"
     model = LlamaForCausalLM(config)
-    model.load_state_dict(to_hf(state_dict, trainer.model_args))
+    model.load_state_dict(adapter.to_hf(state_dict))
     return model
 
 

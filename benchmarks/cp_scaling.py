@@ -53,7 +53,8 @@ from benchmarks.cp_balance import MIXES, document_lengths, window_document_ids  
 from torchtitan.distributed import context_parallel as cp  # noqa: E402
 from torchtitan.errors import UserError  # noqa: E402
 from torchtitan.models.llama3.args import model_args_for  # noqa: E402
-from torchtitan.models.llama3.model import Transformer, document_ids, document_positions  # noqa: E402
+from torchtitan.models.llama3.model import Transformer  # noqa: E402
+from torchtitan.nn.attention import document_ids, document_positions  # noqa: E402
 
 BOS = 1
 MASKS = ("causal", "block_causal")

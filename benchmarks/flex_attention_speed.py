@@ -47,8 +47,8 @@ from torch.nn.attention import SDPBackend, sdpa_kernel  # noqa: E402
 from torch.nn.attention.flex_attention import flex_attention  # noqa: E402
 
 from torchtitan.distributed.context_parallel import visible_keys  # noqa: E402
-from torchtitan.models.llama3 import model as llama3_model  # noqa: E402
-from torchtitan.models.llama3.model import block_causal_attention, build_block_mask, document_mask  # noqa: E402
+from torchtitan.nn import attention  # noqa: E402
+from torchtitan.nn.attention import block_causal_attention, build_block_mask, document_mask  # noqa: E402
 from torchtitan.tools.device_info import device_name  # noqa: E402
 
 MASKS = ("causal", "block_causal", "causal_index")
@@ -201,12 +201,12 @@ def main(argv: list[str] | None = None) -> int:
     if device.type == "cuda":
         run_cases(args, shape, seq_lens, device)
         return 0
-    compiled = llama3_model._compiled_flex_attention
-    llama3_model._compiled_flex_attention = flex_attention
+    compiled = attention._compiled_flex_attention
+    attention._compiled_flex_attention = flex_attention
     try:
         run_cases(args, shape, seq_lens, device)
     finally:
-        llama3_model._compiled_flex_attention = compiled
+        attention._compiled_flex_attention = compiled
     return 0
 
 

@@ -31,8 +31,8 @@ from torch.nn.attention.flex_attention import create_block_mask, flex_attention 
 
 from torchtitan.distributed.context_parallel import (  # noqa: E402
     CAUSAL_CHUNKS_PER_RANK, CHUNKS_PER_RANK, balanced_chunk_order, chunk_work, head_tail_order, visible_keys)
-from torchtitan.models.llama3 import model as llama3_model  # noqa: E402
-from torchtitan.models.llama3.model import (  # noqa: E402
+from torchtitan.nn import attention  # noqa: E402
+from torchtitan.nn.attention import (  # noqa: E402
     block_causal_attention, build_block_mask, document_mask, document_positions)
 from torchtitan.tools.device_info import device_name  # noqa: E402
 
@@ -179,7 +179,7 @@ def main(argv: list[str] | None = None) -> int:
     on_gpu = device.type == "cuda"
     if not on_gpu:
         # Inductor's CPU FlexAttention template fails to build for these shapes (torch 2.13); eager runs forward.
-        llama3_model._compiled_flex_attention = flex_attention
+        attention._compiled_flex_attention = flex_attention
     generator = torch.Generator().manual_seed(0)
     results = []
     for dtype in (torch.float32, torch.bfloat16) if on_gpu else (torch.float32,):

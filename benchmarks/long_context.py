@@ -46,7 +46,8 @@ import torch  # noqa: E402
 from torchtitan.config import parse_args  # noqa: E402
 from torchtitan.errors import UserError  # noqa: E402
 from torchtitan.models.llama3.args import model_args_for  # noqa: E402
-from torchtitan.models.llama3.model import Transformer, count_parameters, flops_per_token  # noqa: E402
+from torchtitan.models.llama3.model import Transformer, flops_per_token  # noqa: E402
+from torchtitan.nn.parameters import count_parameters  # noqa: E402
 from torchtitan.planner.cost import Layout, sequence_collectives, step_time  # noqa: E402
 from torchtitan.planner.hardware import GPUS  # noqa: E402
 from torchtitan.planner.memory import estimate  # noqa: E402

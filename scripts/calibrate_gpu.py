@@ -166,7 +166,7 @@ def block_causal_attention_rates(s: dict, device: torch.device, iterations: int,
     """Compiled FlexAttention under a document BlockMask (the trainer's GPU path, torchtitan/models/llama3/model.py),
     grouped K/V (kv heads = heads / 4, as in Llama 3 8B): FLOP/s over the visible pairs, forward and backward, and the same as a
     fraction of SDPA's causal flash kernel on one document of that length (the planner's block-causal term)."""
-    from torchtitan.models.llama3.model import block_causal_attention, document_mask
+    from torchtitan.nn.attention import block_causal_attention, document_mask
 
     rows = []
     heads = s["heads"]

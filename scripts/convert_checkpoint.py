@@ -28,9 +28,11 @@ from torchtitan.components.checkpoint import (EXPORT_DTYPES, INCOMPLETE_SUFFIX, 
                                               read_full_checkpoint, read_metadata, verify_checkpoint,
                                               without_collectives)
 from torchtitan.components.checkpoint.hf import export_hf_from_dcp
+from torchtitan.components.checkpoint.hf_folder import CONFIG_FILE, load_hf
+from torchtitan.config.model_shape import SHAPE_OPTIONS
 from torchtitan.errors import UserError
-from torchtitan.models.llama3.args import SHAPE_OPTIONS, TransformerModelArgs, llama3_flavors, model_args_for
-from torchtitan.models.llama3.state_dict_adapter import CONFIG_FILE, expected_shapes, load_hf
+from torchtitan.models.llama3.args import TransformerModelArgs, llama3_flavors, model_args_for, model_shape
+from torchtitan.models.llama3.state_dict_adapter import Llama3StateDictAdapter
 from torchtitan.tools.logging import init_logger, logger
 
 
@@ -53,7 +55,7 @@ def _saved_shape_options(checkpoint: Path) -> dict:
 
 def _check_shapes(shapes: dict[str, tuple[int, ...]], model_args: TransformerModelArgs, source: Path,
                   flavor: str) -> None:
-    expected = expected_shapes(model_args)
+    expected = Llama3StateDictAdapter(model_args).expected_shapes()
     for name, shape in expected.items():
         if name not in shapes:
             raise UserError(f"{source} has no weight {name}; it does not match --flavor {flavor}")
@@ -74,11 +76,11 @@ def dcp_to_hf(source: Path, output: Path, flavor: str, dtype: str) -> None:
     if "tok_embeddings.weight" not in shapes:
         raise UserError(f"{source} has no model.tok_embeddings.weight, so it is not a Llama checkpoint")
     model_args = _model_args(flavor, shapes["tok_embeddings.weight"][0], _saved_shape_options(source))
-    check_model_shape(source, model_args)
+    check_model_shape(source, model_shape(model_args))
     _check_shapes(shapes, model_args, source, flavor)
     staging = output.with_name(output.name + INCOMPLETE_SUFFIX)
     shutil.rmtree(staging, ignore_errors=True)
-    export_hf_from_dcp(source, staging, model_args, EXPORT_DTYPES[dtype])
+    export_hf_from_dcp(source, staging, Llama3StateDictAdapter(model_args), EXPORT_DTYPES[dtype])
     os.rename(staging, output)
 
 
@@ -88,7 +90,7 @@ def hf_to_dcp(source: Path, output: Path, flavor: str) -> None:
         vocab_size = json.loads(config_path.read_text())["vocab_size"]
     except (OSError, ValueError, KeyError) as err:
         raise UserError(f"{config_path} cannot be read or has no vocab_size: {err}") from err
-    state_dict = load_hf(source, _model_args(flavor, vocab_size))
+    state_dict = load_hf(source, Llama3StateDictAdapter(_model_args(flavor, vocab_size)))
     if output.exists():
         raise UserError(f"output {output} already exists; remove it or choose another")
     staging = output.with_name(output.name + INCOMPLETE_SUFFIX)

@@ -25,16 +25,12 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import torch  # noqa: E402
 
 from torchtitan.components.checkpoint import complete_steps, read_full_model  # noqa: E402
+from torchtitan.components.checkpoint.hf_folder import CONFIG_FILE, is_hf_folder, load_hf  # noqa: E402
 from torchtitan.components.tokenizer import Tokenizer, build_tokenizer  # noqa: E402
 from torchtitan.errors import UserError  # noqa: E402
 from torchtitan.models.llama3.args import llama3_flavors, model_args_for  # noqa: E402
 from torchtitan.models.llama3.model import Transformer  # noqa: E402
-from torchtitan.models.llama3.state_dict_adapter import (  # noqa: E402
-    CONFIG_FILE,
-    expected_shapes,
-    is_hf_folder,
-    load_hf,
-)
+from torchtitan.models.llama3.state_dict_adapter import Llama3StateDictAdapter  # noqa: E402
 
 
 def load_model(checkpoint: Path, flavor: str, hf: bool, context_len: int, device: torch.device) -> Transformer:
@@ -53,7 +49,7 @@ def load_model(checkpoint: Path, flavor: str, hf: bool, context_len: int, device
                         f"or model.safetensors.index.json)")
     if hf:
         model_args = model_args_for(flavor, context_len, _hf_vocab_size(checkpoint))
-        state_dict = load_hf(checkpoint, model_args)
+        state_dict = load_hf(checkpoint, Llama3StateDictAdapter(model_args))
     else:
         steps = complete_steps(checkpoint)
         if steps:
@@ -64,7 +60,7 @@ def load_model(checkpoint: Path, flavor: str, hf: bool, context_len: int, device
         if embeddings is None:
             raise UserError(f"checkpoint {checkpoint} has no tok_embeddings.weight: it is not a Llama checkpoint")
         model_args = model_args_for(flavor, context_len, embeddings.shape[0])
-        for name, shape in expected_shapes(model_args).items():
+        for name, shape in Llama3StateDictAdapter(model_args).expected_shapes().items():
             if name not in state_dict or state_dict[name].shape != shape:
                 found = list(state_dict[name].shape) if name in state_dict else "nothing"
                 raise UserError(f"checkpoint {checkpoint}: {name} is {found}, --flavor {flavor} expects "

@@ -22,7 +22,8 @@ import torch  # noqa: E402
 
 from torchtitan.errors import UserError  # noqa: E402
 from torchtitan.models.llama3.args import llama3_flavors, model_args_for  # noqa: E402
-from torchtitan.models.llama3.model import Transformer, count_parameters, flops_per_token  # noqa: E402
+from torchtitan.models.llama3.model import Transformer, flops_per_token  # noqa: E402
+from torchtitan.nn.parameters import count_parameters  # noqa: E402
 
 
 def describe(flavor: str, seq_len: int) -> str:

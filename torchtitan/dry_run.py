@@ -35,14 +35,14 @@ import torch
 
 from torchtitan.config import JobConfig, to_toml
 from torchtitan.config.compatibility import check_composition, setup_of
+from torchtitan.config.model_shape import shape_overrides
 from torchtitan.distributed import torch_compat
 from torchtitan.distributed.fake import GIB, CollectiveCounter, StepMemoryTracker, dry_run_patches
 from torchtitan.distributed.parallel_dims import ParallelDims
 from torchtitan.errors import UserError
-from torchtitan.models.llama3.args import model_args_for, shape_overrides
-from torchtitan.models.llama3.parallelize import validate_parallelism
+from torchtitan.models import spec_of
 from torchtitan.planner.hardware import gpu_named, headroom
-from torchtitan.planner.memory import estimate
+from torchtitan.planner.memory import estimate, require_planned_model
 from torchtitan.tools.device_info import device_name, memory_stats
 from torchtitan.tools.dry_run_report import read_report, write_report
 from torchtitan.tools.logging import logger
@@ -84,8 +84,12 @@ def dry_run_config(config: JobConfig, world_size: int) -> JobConfig:
     execute turned off: files, async TP and torch.compile (the blocks run eagerly, whose memory bounds the compiled
     blocks' from above; the collectives are the same)."""
     dims = ParallelDims.from_config(config.parallelism, world_size)
-    validate_parallelism(model_args_for(config.model.flavor, config.training.seq_len,
-                                        overrides=shape_overrides(config.model)), dims, config, config.comm.fake_device)
+    spec = spec_of(config)
+    if config.compile.enable:
+        require_planned_model(config, "a compiled dry run reports it (the blocks are traced eagerly); set "
+                                      "compile.enable = false")
+    spec.validate_parallelism(spec.build_args(config.model.flavor, config.training.seq_len, None,
+                                              shape_overrides(config.model)), dims, config, config.comm.fake_device)
     check_composition(setup_of(config, dims, config.comm.fake_device))
     peak_flops = config.metrics.peak_flops
     if config.comm.fake_device == "cuda" and not peak_flops:

@@ -34,6 +34,7 @@ from torchtitan.components.profiling import maybe_enable_memory_snapshot, maybe_
 from torchtitan.components.tokenizer import build_model_tokenizer
 from torchtitan.config import JobConfig, parse_args, save_config, to_toml, validation_shape
 from torchtitan.config.compatibility import check_composition, setup_of
+from torchtitan.config.model_shape import describe_model, shape_overrides
 from torchtitan.distributed import utils as dist_utils
 from torchtitan.distributed.compile import compile_loss
 from torchtitan.distributed.compression import (compensation_state_bytes, compression_stats,
@@ -46,14 +47,13 @@ from torchtitan.distributed.fault_tolerance import (GroupStopped, QuorumError, d
                                                     peer_checkpoint_folders, setup_fault_tolerance)
 from torchtitan.distributed.fsdp import TORCH_DTYPES
 from torchtitan.distributed.parallel_dims import ParallelDims
-from torchtitan.distributed.pipeline_parallel import is_multi_stage, pipeline_llama
+from torchtitan.distributed.pipeline_parallel import is_multi_stage, pipeline_model
 from torchtitan.dry_run import FAKE_BOS_ID
 from torchtitan.dry_run import run as dry_run
 from torchtitan.errors import UserError
-from torchtitan.models.llama3.args import describe_model, model_args_for, shape_overrides
-from torchtitan.models.llama3.model import (Transformer, count_parameters, document_ids, document_positions,
-                                            flops_per_token)
-from torchtitan.models.llama3.parallelize import parallelize_llama, validate_parallelism
+from torchtitan.models import spec_of
+from torchtitan.nn.attention import document_ids, document_positions
+from torchtitan.nn.parameters import count_parameters
 from torchtitan.tools.device_info import (device_name, memory_capacity, memory_stats, peak_flops,
                                           require_host_memory, reset_peak_memory)
 from torchtitan.tools.logging import init_logger, logger
@@ -94,12 +94,13 @@ class Trainer:
 
         # A dry run trains on the flavor's own vocabulary (128,256 for Llama 3.1), as with Meta's tokenizer.
         self.tokenizer = None if self.dry_run else build_model_tokenizer(config.model)
+        self.model_spec = spec_of(config)
         self.model_args = dataclasses.replace(
-            model_args_for(config.model.flavor, config.training.seq_len,
-                           self.tokenizer.vocab_size if self.tokenizer else None,
-                           overrides=shape_overrides(config.model)),
+            self.model_spec.build_args(config.model.flavor, config.training.seq_len,
+                                       self.tokenizer.vocab_size if self.tokenizer else None,
+                                       shape_overrides(config.model)),
             attention_device=self.target_device_type)
-        validate_parallelism(self.model_args, self.parallel_dims, config, self.target_device_type)
+        self.model_spec.validate_parallelism(self.model_args, self.parallel_dims, config, self.target_device_type)
         torch_compat.require_torch_features(config, self.target_device_type, multi_stage_pipeline=(
             self.parallel_dims.pp_enabled and is_multi_stage(config.parallelism.pipeline_parallel_schedule)))
         self.grad_accumulation_steps = self._grad_accumulation_steps()
@@ -108,23 +109,23 @@ class Trainer:
             config.training.seq_len, infinite=config.training.dataset_loop, section="training")
 
         with torch.device("meta"):
-            model = Transformer(self.model_args)
+            model = self.model_spec.build_model(self.model_args)
         self.float8_layers = apply_float8(model, config)
         if config.model.print_after_conversion:
             logger.info(f"Model after conversion:\n{model}")
         self.num_params = count_parameters(model)
-        self.flops_per_token = flops_per_token(self.model_args, count_parameters(model, exclude_embeddings=True),
-                                               config.training.seq_len)
+        self.flops_per_token = self.model_spec.flops_per_token(
+            self.model_args, count_parameters(model, exclude_embeddings=True), config.training.seq_len)
         model_name = describe_model(config.model.flavor, shape_overrides(config.model))
-        logger.info(f"Model llama3 {model_name}: {self.num_params:,} parameters, "
+        logger.info(f"Model {self.model_spec.name} {model_name}: {self.num_params:,} parameters, "
                     f"{self.flops_per_token / 1e9:.3f} GFLOPs per token")
 
         self.pp_schedule = None
         if self.parallel_dims.pp_enabled:
-            self.pp_schedule, self.model_parts, self.has_first_stage, self.has_last_stage = pipeline_llama(
-                model, self.world_mesh, self.parallel_dims, config, self.device, self._pipeline_loss)
+            self.pp_schedule, self.model_parts, self.has_first_stage, self.has_last_stage = pipeline_model(
+                self.model_spec, model, self.world_mesh, self.parallel_dims, config, self.device, self._pipeline_loss)
         else:
-            self.model_parts = [parallelize_llama(model, self.world_mesh, self.parallel_dims, config)]
+            self.model_parts = [self.model_spec.parallelize(model, self.world_mesh, self.parallel_dims, config)]
             self.has_first_stage = self.has_last_stage = True
         if not self.fake_tensors and (self.device.type == "cpu" or config.training.enable_cpu_offload):
             # The gradients, not allocated yet, will take as many bytes as the parameters.
@@ -158,7 +159,8 @@ class Trainer:
         self._logged_sent = (0, 0)  # the compressed collectives' (sent, full-precision) bytes at the last log
         self.checkpointer = CheckpointManager(config.checkpoint, config.job.dump_folder, self.model_parts,
                                               self.optimizers, self.lr_schedulers, self.dataloader,
-                                              self.train_state, self.model_args,
+                                              self.train_state, self.model_spec.model_shape(self.model_args),
+                                              self.model_spec.hf_adapter(self.model_args),
                                               peer_folders=peer_checkpoint_folders(config))
         # Mixed precision comes from FSDP/DDP's policy when they wrap the model, else from autocast.
         wrapped = self.parallel_dims.fsdp_enabled or self.parallel_dims.ddp_enabled

@@ -18,12 +18,14 @@ import torch.distributed.checkpoint as dcp
 from scripts import tokenize_dataset
 from tests.integration.harness import TINY, losses, max_relative_difference, read_metrics, train
 from torchtitan.components.checkpoint import WeightsOnlyLoadPlanner, read_metadata, without_collectives
+from torchtitan.components.checkpoint.hf_folder import load_hf
 from torchtitan.components.datasets import build_dataloader
 from torchtitan.components.tokenizer import build_tokenizer
 from torchtitan.config import parse_args
-from torchtitan.models.llama3.args import model_args_for, shape_overrides
+from torchtitan.config.model_shape import shape_overrides
+from torchtitan.models.llama3.args import model_args_for
 from torchtitan.models.llama3.model import Transformer
-from torchtitan.models.llama3.state_dict_adapter import load_hf
+from torchtitan.models.llama3.state_dict_adapter import Llama3StateDictAdapter
 from torchtitan.train import main as train_main
 
 pytestmark = pytest.mark.integration
@@ -347,8 +349,8 @@ def test_hugging_face_last_save_in_bf16_and_fp32(tmp_path, runs):
         assert sorted(p.name for p in exports[dtype].iterdir()) == ["config.json", "model.safetensors"]
 
     model_args = model_args_for("tiny", SEQ_LEN, build_tokenizer("").vocab_size)
-    fp32 = load_hf(exports["float32"], model_args)
-    bf16 = load_hf(exports["bfloat16"], model_args)
+    fp32 = load_hf(exports["float32"], Llama3StateDictAdapter(model_args))
+    bf16 = load_hf(exports["bfloat16"], Llama3StateDictAdapter(model_args))
     assert bf16.keys() == fp32.keys()
     assert all(bf16[name].dtype == torch.bfloat16 and torch.equal(bf16[name], fp32[name].bfloat16()) for name in fp32)
     hf_bf16 = transformers.LlamaForCausalLM.from_pretrained(exports["bfloat16"])

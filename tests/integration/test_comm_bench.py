@@ -8,7 +8,8 @@ import torch
 from benchmarks import comm_bench
 from torchtitan.components.optimizers import flexdemo
 from torchtitan.models.llama3.args import model_args_for
-from torchtitan.models.llama3.model import Transformer, count_parameters
+from torchtitan.models.llama3.model import Transformer
+from torchtitan.nn.parameters import count_parameters
 from torchtitan.tools.emulated_cluster import two_hosts, unavailable_reason
 
 pytestmark = pytest.mark.integration

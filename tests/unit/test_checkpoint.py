@@ -36,6 +36,7 @@ from torchtitan.components.checkpoint import manager as manager_module
 from torchtitan.components.checkpoint import resume as resume_module
 from torchtitan.components.checkpoint import (CHECKSUMS_FILE, CheckpointManager, TrainState, complete_steps,
                                               read_full_checkpoint, read_full_model, read_metadata)
+from torchtitan.components.checkpoint.hf_folder import INDEX_FILE, load_hf, save_hf
 from torchtitan.components.lr_scheduler import LRSchedulersContainer
 from torchtitan.components.optimizer import OptimizersContainer
 from torchtitan.config.job_config import Checkpoint as CheckpointConfig
@@ -43,14 +44,14 @@ from torchtitan.config.job_config import LRScheduler as LRSchedulerConfig
 from torchtitan.config.job_config import Optimizer as OptimizerConfig
 from torchtitan.distributed import utils as dist_utils
 from torchtitan.errors import UserError
-from torchtitan.models.llama3.args import model_args_for
+from torchtitan.models.llama3.args import model_args_for, model_shape
 from torchtitan.models.llama3.model import Transformer
-from torchtitan.models.llama3.state_dict_adapter import (INDEX_FILE, from_hf, hf_config, load_hf, save_hf,
-                                                          to_hf)
+from torchtitan.models.llama3.state_dict_adapter import Llama3StateDictAdapter
 from torchtitan.tools.logging import logger
 
 SEQ_LEN = 32
 MODEL_ARGS = model_args_for("tiny", SEQ_LEN)
+ADAPTER = Llama3StateDictAdapter(MODEL_ARGS)
 
 
 class FakeLoader(Stateful):
@@ -106,7 +107,7 @@ def train_step(c: Components, step: int) -> float:
 def make_manager(root: Path, c: Components, peer_folders: tuple[Path, ...] = (), **options) -> CheckpointManager:
     config = CheckpointConfig(**{"enable": True, "folder": "ckpt", "interval": 1, **options})
     return CheckpointManager(config, str(root), [c.model], c.optimizers, c.lr_schedulers, c.loader, c.train_state,
-                             MODEL_ARGS, peer_folders=peer_folders)
+                             model_shape(MODEL_ARGS), ADAPTER, peer_folders=peer_folders)
 
 
 def snapshot(c: Components) -> dict:
@@ -663,36 +664,36 @@ def test_invalid_options():
 def test_hf_export_matches_transformers(tmp_path):
     transformers = pytest.importorskip("transformers")
     model = build_model(seed=0)
-    save_hf(tmp_path / "hf", model.state_dict(), MODEL_ARGS)
+    save_hf(tmp_path / "hf", model.state_dict(), ADAPTER)
     hf_model = transformers.LlamaForCausalLM.from_pretrained(tmp_path / "hf", dtype=torch.float32).eval()
     tokens = torch.randint(0, MODEL_ARGS.vocab_size, (2, SEQ_LEN), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
         ours = model(tokens)
         theirs = hf_model(tokens).logits
     assert (ours - theirs).abs().max().item() < 1e-4
-    assert_same(load_hf(tmp_path / "hf", MODEL_ARGS), model.state_dict())
+    assert_same(load_hf(tmp_path / "hf", ADAPTER), model.state_dict())
 
 
 def test_from_hf_inverts_to_hf():
     state_dict = build_model(seed=0).state_dict()
-    hf = to_hf(state_dict, MODEL_ARGS)
+    hf = ADAPTER.to_hf(state_dict)
     assert not torch.equal(hf["model.layers.0.self_attn.q_proj.weight"], state_dict["layers.0.attention.wq.weight"])
     assert hf["model.layers.0.self_attn.k_proj.weight"].shape == state_dict["layers.0.attention.wk.weight"].shape
-    assert_same(from_hf(hf, MODEL_ARGS), state_dict)
+    assert_same(ADAPTER.from_hf(hf), state_dict)
     with pytest.raises(UserError, match=r"'layers\.0\.attention\.bias' is not a Llama 3 parameter"):
-        to_hf({"layers.0.attention.bias": torch.zeros(1)}, MODEL_ARGS)
+        ADAPTER.to_hf({"layers.0.attention.bias": torch.zeros(1)})
 
 
 def test_hf_sharded_index_and_config_mismatch(tmp_path):
     state_dict = build_model(seed=0).state_dict()
-    save_hf(tmp_path / "hf", state_dict, MODEL_ARGS, max_shard_bytes=200_000)
+    save_hf(tmp_path / "hf", state_dict, ADAPTER, max_shard_bytes=200_000)
     assert (tmp_path / "hf" / INDEX_FILE).is_file()
     assert len(list((tmp_path / "hf").glob("model-*-of-*.safetensors"))) > 2
-    assert_same(load_hf(tmp_path / "hf", MODEL_ARGS), state_dict)
+    assert_same(load_hf(tmp_path / "hf", ADAPTER), state_dict)
     with pytest.raises(UserError, match=r"config\.json: num_hidden_layers is 4, but the model .* needs 2"):
-        load_hf(tmp_path / "hf", dataclasses.replace(MODEL_ARGS, n_layers=2))
+        load_hf(tmp_path / "hf", Llama3StateDictAdapter(dataclasses.replace(MODEL_ARGS, n_layers=2)))
     with pytest.raises(UserError, match=r"already exists"):
-        save_hf(tmp_path / "hf", state_dict, MODEL_ARGS)
+        save_hf(tmp_path / "hf", state_dict, ADAPTER)
 
 
 def test_folder_saved_by_transformers_loads_with_equal_logits(tmp_path):
@@ -702,12 +703,12 @@ def test_folder_saved_by_transformers_loads_with_equal_logits(tmp_path):
     torch.manual_seed(0)
     # A larger initialisation than transformers' 0.02, so that attention is far from uniform: loading without the
     # RoPE row permutation gives logits 0.3 off (with 0.02, 0.007), loading right about 1e-6.
-    config = transformers.LlamaConfig(**hf_config(MODEL_ARGS), initializer_range=0.05)
+    config = transformers.LlamaConfig(**ADAPTER.hf_config(), initializer_range=0.05)
     hf_model = transformers.LlamaForCausalLM(config).eval()
     hf_model.save_pretrained(tmp_path / "hf", safe_serialization=True, max_shard_size="200KB")
     assert (tmp_path / "hf" / INDEX_FILE).is_file()
     model = build_model(seed=1).eval()
-    model.load_state_dict(load_hf(tmp_path / "hf", MODEL_ARGS))
+    model.load_state_dict(load_hf(tmp_path / "hf", ADAPTER))
     tokens = torch.randint(0, MODEL_ARGS.vocab_size, (2, SEQ_LEN), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
         ours = model(tokens)
@@ -751,28 +752,28 @@ def transformers5_layout(config: dict) -> None:
 def test_hf_config_rope_and_norm_mismatch(tmp_path, edit, pattern):
     """These leave every shape as it is: without the check the weights would load and give other logits."""
     state_dict = build_model(seed=0).state_dict()
-    save_hf(tmp_path / "hf", state_dict, MODEL_ARGS)
+    save_hf(tmp_path / "hf", state_dict, ADAPTER)
     edit_config(tmp_path / "hf", transformers5_layout)
-    assert_same(load_hf(tmp_path / "hf", MODEL_ARGS), state_dict)
-    (tmp_path / "hf" / "config.json").write_text(json.dumps(hf_config(MODEL_ARGS)))
+    assert_same(load_hf(tmp_path / "hf", ADAPTER), state_dict)
+    (tmp_path / "hf" / "config.json").write_text(json.dumps(ADAPTER.hf_config()))
     edit_config(tmp_path / "hf", edit)
     with pytest.raises(UserError, match=r"config\.json: " + pattern):
-        load_hf(tmp_path / "hf", MODEL_ARGS)
+        load_hf(tmp_path / "hf", ADAPTER)
 
 
 def test_hf_config_scaling_for_an_unscaled_model(tmp_path):
     unscaled = dataclasses.replace(MODEL_ARGS, use_scaled_rope=False)
     state_dict = build_model(seed=0, args=unscaled).state_dict()
-    save_hf(tmp_path / "unscaled", state_dict, unscaled)
-    assert_same(load_hf(tmp_path / "unscaled", unscaled), state_dict)
+    save_hf(tmp_path / "unscaled", state_dict, Llama3StateDictAdapter(unscaled))
+    assert_same(load_hf(tmp_path / "unscaled", Llama3StateDictAdapter(unscaled)), state_dict)
     edit_config(tmp_path / "unscaled", lambda c: c.update(rope_scaling=None, rope_theta=None,
                                                           rope_parameters={"rope_type": "default", "rope_theta": 5e5}))
-    assert_same(load_hf(tmp_path / "unscaled", unscaled), state_dict)
+    assert_same(load_hf(tmp_path / "unscaled", Llama3StateDictAdapter(unscaled)), state_dict)
     with pytest.raises(UserError, match=r"it has no rope_scaling, but the model uses Llama 3\.1 RoPE scaling"):
-        load_hf(tmp_path / "unscaled", MODEL_ARGS)
-    save_hf(tmp_path / "scaled", state_dict, MODEL_ARGS)
+        load_hf(tmp_path / "unscaled", ADAPTER)
+    save_hf(tmp_path / "scaled", state_dict, ADAPTER)
     with pytest.raises(UserError, match=r"rope_scaling is \{'rope_type': 'llama3'.*but the model does not scale"):
-        load_hf(tmp_path / "scaled", unscaled)
+        load_hf(tmp_path / "scaled", Llama3StateDictAdapter(unscaled))
 
 
 def test_last_save_in_hf_then_resume_and_initial_load(pg, tmp_path):
@@ -799,7 +800,7 @@ def test_convert_script(pg, tmp_path, capsys, monkeypatch):
     step = tmp_path / "ckpt" / "step-1"
     assert convert_checkpoint.main(["dcp-to-hf", str(step), str(tmp_path / "hf"), "--flavor", "tiny",
                                     "--dtype", "float32"]) == 0
-    assert_same(load_hf(tmp_path / "hf", MODEL_ARGS), snapshot(saved)["model"])
+    assert_same(load_hf(tmp_path / "hf", ADAPTER), snapshot(saved)["model"])
     assert convert_checkpoint.main(["hf-to-dcp", str(tmp_path / "hf"), str(tmp_path / "dcp"), "--flavor", "tiny"]) == 0
     fresh = build_components(seed=1)
     make_manager(tmp_path / "run2", fresh, initial_load_path=str(tmp_path / "dcp")).load()
@@ -814,7 +815,7 @@ def test_convert_script(pg, tmp_path, capsys, monkeypatch):
     # The shape comes from the checkpoint's model.json, on top of the flavor; without one, from the flavor alone.
     assert convert_checkpoint.main(["dcp-to-hf", str(step), str(tmp_path / "hf2"), "--flavor", "debugmodel",
                                     "--dtype", "float32"]) == 0
-    assert_same(load_hf(tmp_path / "hf2", MODEL_ARGS), snapshot(saved)["model"])
+    assert_same(load_hf(tmp_path / "hf2", ADAPTER), snapshot(saved)["model"])
     (step / "model.json").unlink()
     assert convert_checkpoint.main(["dcp-to-hf", str(step), str(tmp_path / "hf3"), "--flavor", "debugmodel"]) == 2
     assert "--flavor debugmodel expects" in capsys.readouterr().err

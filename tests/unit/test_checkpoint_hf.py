@@ -26,13 +26,15 @@ from torch.distributed.tensor import DTensor, distribute_tensor
 
 from tests.unit.test_checkpoint import run_forked
 from torchtitan.components.checkpoint.hf import export_hf_from_dcp, load_hf_model
+from torchtitan.components.checkpoint.hf_folder import load_hf, save_hf
 from torchtitan.models.llama3.args import model_args_for
 from torchtitan.models.llama3.model import Transformer
 from torchtitan.models.llama3.pipeline import build_stage_module, split_into_stages
-from torchtitan.models.llama3.state_dict_adapter import load_hf, save_hf
+from torchtitan.models.llama3.state_dict_adapter import Llama3StateDictAdapter
 
 MODEL_ARGS = dataclasses.replace(model_args_for("debugmodel", 32), dim=512, n_layers=4, n_heads=8, n_kv_heads=4,
                                  vocab_size=4096)
+ADAPTER = Llama3StateDictAdapter(MODEL_ARGS)
 MIB = 2**20
 # Python objects, the allocator's arenas and torch's bookkeeping: what a step adds besides tensors.
 SLACK = 6 * MIB
@@ -115,7 +117,7 @@ def import_worker(rank: int, world_size: int, tmp: str, layout: str) -> None:
         with torch.no_grad():
             for param in part.parameters():
                 param.zero_()
-        added, private = added_peak_bytes(lambda: load_hf_model([part], Path(tmp) / "hf", MODEL_ARGS))
+        added, private = added_peak_bytes(lambda: load_hf_model([part], Path(tmp) / "hf", ADAPTER))
         model_bytes = tensor_bytes(reference_model().parameters())
         largest = max(p.numel() * p.element_size() for p in reference_model().parameters())
         share = model_bytes / world_size if layout == "fsdp" else tensor_bytes(part.parameters())
@@ -128,7 +130,7 @@ def import_worker(rank: int, world_size: int, tmp: str, layout: str) -> None:
         assert added <= share + granularity + largest + SLACK, (added / MIB, share / MIB, largest / MIB)
         assert added < model_bytes
         # The weights equal what the whole-folder reader gives.
-        expected = load_hf(Path(tmp) / "hf", MODEL_ARGS)
+        expected = load_hf(Path(tmp) / "hf", ADAPTER)
         loaded = full_tensors(part)
         assert loaded and all(torch.equal(tensor, expected[name]) for name, tensor in loaded.items())
     finally:
@@ -156,14 +158,14 @@ def fsdp_tp_import_worker(rank: int, world_size: int, tmp: str) -> None:
         model.to_empty(device="cpu")
         state = get_model_state_dict(model)
         assert any("_StridedShard" in str(value.placements) for value in state.values())
-        read = load_hf_model([model], Path(tmp) / "hf", SMALL_ARGS)
+        read = load_hf_model([model], Path(tmp) / "hf", Llama3StateDictAdapter(SMALL_ARGS))
         # Every block is whole query/key heads here (a TP rank's heads, split in two by FSDP: 2 of 8 query heads,
         # 1 of 4 key heads), so the rank reads exactly its blocks: a quarter of each matrix, half of each norm
         # (FSDP splits the norms, TP replicates them). The whole model is 4x that and more.
         local_bytes = tensor_bytes(value.to_local() for value in state.values())
         assert read == local_bytes, (read, local_bytes)
         assert read < tensor_bytes(Transformer(SMALL_ARGS).parameters()) / 3
-        expected = load_hf(Path(tmp) / "hf", SMALL_ARGS)
+        expected = load_hf(Path(tmp) / "hf", Llama3StateDictAdapter(SMALL_ARGS))
         loaded = full_tensors(model)
         assert loaded.keys() == expected.keys()
         assert all(torch.equal(tensor, expected[name]) for name, tensor in loaded.items())
@@ -174,13 +176,13 @@ def fsdp_tp_import_worker(rank: int, world_size: int, tmp: str) -> None:
 def test_hf_import_under_fsdp_and_tp_reads_only_this_ranks_blocks(tmp_path):
     small = Transformer(SMALL_ARGS)
     small.init_weights(seed=0)
-    save_hf(tmp_path / "hf", small.state_dict(), SMALL_ARGS, max_shard_bytes=MIB)
+    save_hf(tmp_path / "hf", small.state_dict(), Llama3StateDictAdapter(SMALL_ARGS), max_shard_bytes=MIB)
     run_forked(fsdp_tp_import_worker, 4, str(tmp_path))
 
 
 @pytest.mark.parametrize("layout, world_size", [("fsdp", 4), ("pipeline", 2)])
 def test_hf_import_reads_only_this_ranks_share(tmp_path, layout, world_size):
-    save_hf(tmp_path / "hf", reference_model().state_dict(), MODEL_ARGS, max_shard_bytes=8 * MIB)
+    save_hf(tmp_path / "hf", reference_model().state_dict(), ADAPTER, max_shard_bytes=8 * MIB)
     run_forked(import_worker, world_size, str(tmp_path), layout)
 
 
@@ -197,7 +199,7 @@ def export_worker(rank: int, world_size: int, tmp: str, max_shard_bytes: int) ->
         dcp.save({"model": {name: value.to(torch.bfloat16) for name, value in get_model_state_dict(model).items()}},
                  checkpoint_id=scratch)
         if rank == 0:
-            added, private = added_peak_bytes(lambda: export_hf_from_dcp(scratch, Path(tmp) / "hf", MODEL_ARGS,
+            added, private = added_peak_bytes(lambda: export_hf_from_dcp(scratch, Path(tmp) / "hf", ADAPTER,
                                                                          torch.bfloat16, max_shard_bytes))
             bf16 = {name: tensor.to(torch.bfloat16) for name, tensor in reference.items()}
             largest = max(tensor_bytes([t]) for t in bf16.values())
@@ -217,7 +219,7 @@ def test_hf_export_streams_one_shard_at_a_time(tmp_path):
     run_forked(export_worker, 2, str(tmp_path), max_shard_bytes)
     assert len(list((tmp_path / "hf").glob("model-*-of-*.safetensors"))) >= 8
     # transformers loads the export, and computes the logits of our model with the exported (bf16) weights.
-    exported = load_hf(tmp_path / "hf", MODEL_ARGS)
+    exported = load_hf(tmp_path / "hf", ADAPTER)
     assert all(torch.equal(exported[name], value.to(torch.bfloat16)) for name, value in model.state_dict().items())
     model.load_state_dict({name: value.float() for name, value in exported.items()})
     hf_model = transformers.LlamaForCausalLM.from_pretrained(tmp_path / "hf", dtype=torch.float32).eval()

@@ -543,7 +543,7 @@ def test_the_predicted_compensation_state_is_what_loco_holds(results):
 @pytest.mark.parametrize("method,bytes_per_value", [("loco", 1 + 2 / 128), ("error_feedback", 4.0), ("qsdp", 0.0)])
 def test_the_memory_model_counts_the_compensation_state_unsharded(method, bytes_per_value):
     from torchtitan.planner.memory import estimate
-    from torchtitan.models.llama3.model import count_parameters
+    from torchtitan.nn.parameters import count_parameters
 
     def optimizer_bytes(gradient_compression: str) -> int:
         config = JobConfig()

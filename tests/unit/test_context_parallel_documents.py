@@ -15,7 +15,8 @@ import torch.nn.functional as F
 from tests.unit.forked_ranks import join_forked
 from torchtitan.distributed import context_parallel as cp
 from torchtitan.models.llama3.args import model_args_for
-from torchtitan.models.llama3.model import Transformer, document_ids, document_positions
+from torchtitan.models.llama3.model import Transformer
+from torchtitan.nn.attention import document_ids, document_positions
 
 BOS = 1
 SEQ_LEN = 64
@@ -78,10 +79,10 @@ def test_flex_attention_mask_over_gathered_keys_matches_the_sdpa_mask(monkeypatc
     even eager, building the mask and attending took 1.6-5 s, hence slow)."""
     from torch.nn.attention.flex_attention import flex_attention
 
-    from torchtitan.models.llama3 import model
-    from torchtitan.models.llama3.model import GatheredDocuments, block_causal_attention
+    from torchtitan.nn import attention
+    from torchtitan.nn.attention import GatheredDocuments, block_causal_attention
 
-    monkeypatch.setattr(model, "_compiled_flex_attention", flex_attention)
+    monkeypatch.setattr(attention, "_compiled_flex_attention", flex_attention)
     degree, rank = 2, 1
     seq_len = 256  # FlexAttention's blocks are 128 tokens: a rank's 128 queries against two blocks of keys
     ids = ids_with_starts([[0, 5, 70, 71, 150, 200]], seq_len)

@@ -8,7 +8,8 @@ import torch
 import torch.nn.functional as F
 
 from torchtitan.models.llama3.args import llama3_flavors
-from torchtitan.models.llama3.model import Transformer, document_ids, document_positions
+from torchtitan.models.llama3.model import Transformer
+from torchtitan.nn.attention import document_ids, document_positions
 
 BOS = 7
 
@@ -104,10 +105,10 @@ def test_flex_attention_block_mask_matches_the_sdpa_mask(monkeypatch):
     the CPU too, so its mask and call are checked here (eager: compiling it would take the test 15 s)."""
     from torch.nn.attention.flex_attention import flex_attention
 
-    from torchtitan.models.llama3 import model
-    from torchtitan.models.llama3.model import block_causal_attention, document_mask
+    from torchtitan.nn import attention
+    from torchtitan.nn.attention import block_causal_attention, document_mask
 
-    monkeypatch.setattr(model, "_compiled_flex_attention", flex_attention)
+    monkeypatch.setattr(attention, "_compiled_flex_attention", flex_attention)
 
     generator = torch.Generator().manual_seed(0)
     q = torch.randn(2, 4, 128, 16, generator=generator)
@@ -123,7 +124,7 @@ def test_flex_attention_block_mask_matches_the_sdpa_mask(monkeypatch):
 @torch.no_grad()
 def test_compiled_code_uses_a_mask_with_the_same_result(monkeypatch):
     """Inside torch.compile, attention takes a block-diagonal mask instead of a loop over documents: same output."""
-    from torchtitan.models.llama3.model import block_causal_attention, document_mask
+    from torchtitan.nn.attention import block_causal_attention, document_mask
 
     generator = torch.Generator().manual_seed(1)
     q, k, v = (torch.randn(2, 4, 96, 16, generator=generator) for _ in range(3))

@@ -10,8 +10,8 @@ import pytest
 
 from scripts import download_hf_assets
 from tests.unit.hub_server import HubServer
+from torchtitan.components.checkpoint.hf_folder import is_hf_folder
 from torchtitan.components.tokenizer import DEFAULT_TOKENIZER_PATH, build_tokenizer
-from torchtitan.models.llama3.state_dict_adapter import is_hf_folder
 
 
 @pytest.fixture

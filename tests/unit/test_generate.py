@@ -6,10 +6,11 @@ import torch.distributed.checkpoint as dcp
 from torch import nn
 
 from scripts import generate
+from torchtitan.components.checkpoint.hf_folder import save_hf
 from torchtitan.components.tokenizer import build_tokenizer
 from torchtitan.models.llama3.args import model_args_for
 from torchtitan.models.llama3.model import Transformer
-from torchtitan.models.llama3.state_dict_adapter import save_hf
+from torchtitan.models.llama3.state_dict_adapter import Llama3StateDictAdapter
 
 # The fixtures write checkpoints with DCP in one process, as the trainer's single-process tools do; DCP warns that
 # it assumes so.
@@ -52,7 +53,7 @@ def dcp_checkpoint(tmp_path_factory, weights):
 @pytest.fixture(scope="module")
 def hf_checkpoint(tmp_path_factory, weights):
     folder = tmp_path_factory.mktemp("hf") / "export"
-    save_hf(folder, weights[1], weights[0], torch.float32)
+    save_hf(folder, weights[1], Llama3StateDictAdapter(weights[0]), torch.float32)
     return folder
 
 

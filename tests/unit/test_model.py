@@ -10,11 +10,12 @@ import torch
 
 from torchtitan.errors import UserError
 from torchtitan.config import parse_args
-from torchtitan.models.llama3.args import (TransformerModelArgs, describe_model, llama3_flavors, model_args_for,
-                                           shape_overrides)
-from torchtitan.models.llama3.model import (Transformer, apply_rotary_emb, causal_attention, count_parameters,
-                                            cpu_attention_in_fp32, flops_per_token, rope_table,
+from torchtitan.config.model_shape import describe_model, shape_overrides
+from torchtitan.models.llama3.args import TransformerModelArgs, llama3_flavors, model_args_for
+from torchtitan.models.llama3.model import (Transformer, apply_rotary_emb, flops_per_token, rope_table,
                                             scale_rope_frequencies)
+from torchtitan.nn.attention import causal_attention, cpu_attention_in_fp32
+from torchtitan.nn.parameters import count_parameters
 
 REPO = Path(__file__).resolve().parents[2]
 

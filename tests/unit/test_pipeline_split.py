@@ -11,14 +11,15 @@ from torch.testing._internal.distributed.fake_pg import FakeStore
 from torchtitan.config.compatibility import check_composition, setup_of
 from torchtitan.config.job_config import JobConfig
 from torchtitan.distributed.parallel_dims import ParallelDims
-from torchtitan.distributed.pipeline_parallel import SCHEDULES, pipeline_llama, plan_pipeline
+from torchtitan.distributed.pipeline_parallel import SCHEDULES, pipeline_model, plan_pipeline, stage_ids_for_rank
 from torchtitan.errors import UserError
+from torchtitan.models import get as model_spec
 from torchtitan.models.llama3.args import model_args_for
 from torchtitan.models.llama3.model import Transformer
-from torchtitan.models.llama3.pipeline import (build_stage_module, requested_stage_count, split_into_stages,
-                                               stage_ids_for_rank)
+from torchtitan.models.llama3.pipeline import build_stage_module, requested_stage_count, split_into_stages
 
 SEQ_LEN = 16
+LLAMA3 = model_spec("llama3")
 
 
 def meta_model(n_layers: int) -> Transformer:
@@ -134,7 +135,7 @@ def test_v_shaped_placement():
 
 @pytest.mark.parametrize("schedule", SCHEDULES)
 def test_plan_of_every_schedule(schedule):
-    plan = plan_pipeline(meta_model(4), 2, config(schedule))
+    plan = plan_pipeline(LLAMA3, meta_model(4), 2, config(schedule))
     single = schedule in ("GPipe", "1F1B")
     assert plan.num_stages == (2 if single else 4)
     assert plan.v_shaped == (schedule in ("ZBVZeroBubble", "DualPipeV"))
@@ -142,14 +143,14 @@ def test_plan_of_every_schedule(schedule):
 
 
 def test_schedule_names_match_case_insensitively():
-    assert plan_pipeline(meta_model(4), 2, config("interleaved1f1b")).schedule_name == "Interleaved1F1B"
+    assert plan_pipeline(LLAMA3, meta_model(4), 2, config("interleaved1f1b")).schedule_name == "Interleaved1F1B"
 
 
 def test_microbatches_and_explicit_stages():
-    plan = plan_pipeline(meta_model(6), 2, config("LoopedBFS", local_batch_size=8, microbatch_size=2,
+    plan = plan_pipeline(LLAMA3, meta_model(6), 2, config("LoopedBFS", local_batch_size=8, microbatch_size=2,
                                                   split_points=["layers.1", "layers.3", "layers.4"]))
     assert plan.n_microbatches == 4 and blocks_per_stage(plan.stage_names) == [1, 2, 1, 2]
-    plan = plan_pipeline(meta_model(6), 4, config("Interleaved1F1B", layers_per_stage=1))
+    plan = plan_pipeline(LLAMA3, meta_model(6), 4, config("Interleaved1F1B", layers_per_stage=1))
     assert plan.num_stages == 8
 
 
@@ -165,7 +166,7 @@ def test_fewer_blocks_than_stages():
     with raises(r"pipeline_parallel_degree: 4 pipeline stages .* need at least 4 .* has 3"):
         split_into_stages(meta_model(3), 4)
     with raises(r"pipeline_parallel_degree: 4 pipeline stages"):
-        plan_pipeline(meta_model(3), 2, config("Interleaved1F1B"))
+        plan_pipeline(LLAMA3, meta_model(3), 2, config("Interleaved1F1B"))
 
 
 @pytest.mark.parametrize("points, problem", [
@@ -182,12 +183,12 @@ def test_bad_split_points(points, problem):
 
 def test_split_points_and_layers_per_stage_together():
     with raises(r"pipeline_parallel_split_points \(layers.2\) and .*layers_per_stage \(2\) both define"):
-        plan_pipeline(meta_model(4), 2, config(split_points=["layers.2"], layers_per_stage=2))
+        plan_pipeline(LLAMA3, meta_model(4), 2, config(split_points=["layers.2"], layers_per_stage=2))
 
 
 def test_layers_per_stage_below_one():
     with raises(r"pipeline_parallel_layers_per_stage: 0 must be at least 1"):
-        plan_pipeline(meta_model(4), 2, config(layers_per_stage=0))
+        plan_pipeline(LLAMA3, meta_model(4), 2, config(layers_per_stage=0))
 
 
 def test_split_options_disagreeing_with_the_stage_count():
@@ -198,55 +199,55 @@ def test_split_options_disagreeing_with_the_stage_count():
 def test_single_stage_schedule_given_several_stages_per_rank():
     with raises(r"split_points: layers.1,layers.2,layers.3 makes 4 stages, but schedule 1F1B on "
                 r"pipeline_parallel_degree 2 needs exactly 2 stages \(one per rank\)"):
-        plan_pipeline(meta_model(4), 2, config("1F1B", split_points=["layers.1", "layers.2", "layers.3"]))
+        plan_pipeline(LLAMA3, meta_model(4), 2, config("1F1B", split_points=["layers.1", "layers.2", "layers.3"]))
     with raises(r"layers_per_stage: 1 units per stage make 6 stages .* GPipe .* needs exactly 2 stages .*"
                 r"valid: 3, 4, 5"):
-        plan_pipeline(meta_model(4), 2, config("GPipe", layers_per_stage=1))
+        plan_pipeline(LLAMA3, meta_model(4), 2, config("GPipe", layers_per_stage=1))
 
 
 def test_multi_stage_schedule_given_one_stage_per_rank():
     with raises(r"split_points: layers.2 makes 2 stages, but schedule Interleaved1F1B on pipeline_parallel_degree 2 "
                 r"needs a multiple of 2 stages, at least 4"):
-        plan_pipeline(meta_model(4), 2, config("Interleaved1F1B", split_points=["layers.2"]))
+        plan_pipeline(LLAMA3, meta_model(4), 2, config("Interleaved1F1B", split_points=["layers.2"]))
     with raises(r"layers_per_stage: 2 units per stage make 3 stages .* ZBVZeroBubble .* needs exactly 4 stages "
                 r"\(two per rank\).* valid: none"):
-        plan_pipeline(meta_model(4), 2, config("ZBVZeroBubble", layers_per_stage=2))
+        plan_pipeline(LLAMA3, meta_model(4), 2, config("ZBVZeroBubble", layers_per_stage=2))
 
 
 def test_unknown_schedule_lists_the_valid_ones():
     with raises(r"pipeline_parallel_schedule: unknown schedule 'Zigzag'; valid: GPipe, 1F1B, Interleaved1F1B, "
                 r"LoopedBFS, InterleavedZeroBubble, ZBVZeroBubble, DualPipeV"):
-        plan_pipeline(meta_model(4), 2, config("Zigzag"))
+        plan_pipeline(LLAMA3, meta_model(4), 2, config("Zigzag"))
 
 
 @pytest.mark.parametrize("local_batch_size, microbatch_size, valid", [(6, 4, "1, 2, 3, 6"), (4, 0, "1, 2, 4")])
 def test_microbatch_size_must_divide_the_local_batch(local_batch_size, microbatch_size, valid):
     with raises(rf"pipeline_parallel_microbatch_size: {microbatch_size} does not divide "
                 rf"training.local_batch_size \({local_batch_size}\) .* valid: {valid}"):
-        plan_pipeline(meta_model(4), 2, config("GPipe", local_batch_size, microbatch_size))
+        plan_pipeline(LLAMA3, meta_model(4), 2, config("GPipe", local_batch_size, microbatch_size))
 
 
 def test_too_few_microbatches():
     with raises(r"schedule 1F1B needs at least as many micro-batches as stages \(4\), but .* gives 2"):
-        plan_pipeline(meta_model(4), 4, config("1F1B", local_batch_size=2))
+        plan_pipeline(LLAMA3, meta_model(4), 4, config("1F1B", local_batch_size=2))
     with raises(r"schedule DualPipeV needs at least as many micro-batches as stages \(4\), but .* gives 3"):
-        plan_pipeline(meta_model(4), 2, config("DualPipeV", local_batch_size=3))
-    plan_pipeline(meta_model(4), 4, config("GPipe", local_batch_size=1))
-    plan_pipeline(meta_model(4), 2, config("ZBVZeroBubble", local_batch_size=1))
+        plan_pipeline(LLAMA3, meta_model(4), 2, config("DualPipeV", local_batch_size=3))
+    plan_pipeline(LLAMA3, meta_model(4), 4, config("GPipe", local_batch_size=1))
+    plan_pipeline(LLAMA3, meta_model(4), 2, config("ZBVZeroBubble", local_batch_size=1))
 
 
 @pytest.mark.parametrize("schedule", ["Interleaved1F1B", "InterleavedZeroBubble"])
 def test_microbatches_must_fill_whole_rounds(schedule):
     with raises(rf"schedule {schedule} runs the micro-batches in 2 rounds .* gives 5; valid counts nearby: 3, 4, 6"):
-        plan_pipeline(meta_model(4), 2, config(schedule, local_batch_size=5))
-    plan_pipeline(meta_model(4), 2, config(schedule, local_batch_size=3))
+        plan_pipeline(LLAMA3, meta_model(4), 2, config(schedule, local_batch_size=5))
+    plan_pipeline(LLAMA3, meta_model(4), 2, config(schedule, local_batch_size=3))
 
 
 def test_validation_batch_must_split_into_the_microbatches():
     job = config("GPipe")
     job.validation.enable, job.validation.local_batch_size = True, 6
     with raises(r"validation.local_batch_size: .* 6 must be a multiple of 4"):
-        plan_pipeline(meta_model(4), 2, job)
+        plan_pipeline(LLAMA3, meta_model(4), 2, job)
 
 
 def test_schedule_csv_needs_a_multi_stage_schedule_and_an_existing_file(tmp_path):
@@ -254,9 +255,9 @@ def test_schedule_csv_needs_a_multi_stage_schedule_and_an_existing_file(tmp_path
     csv.write_text("0F0\n1F0\n")
     with raises(r"pipeline_parallel_schedule_csv: .*pipeline_parallel_schedule = 1F1B is a single-stage schedule; "
                 r"name the multi-stage schedule .*: Interleaved1F1B, LoopedBFS"):
-        plan_pipeline(meta_model(4), 2, config("1F1B", schedule_csv=str(csv)))
+        plan_pipeline(LLAMA3, meta_model(4), 2, config("1F1B", schedule_csv=str(csv)))
     with raises(r"pipeline_parallel_schedule_csv: '.*missing.csv' is not a file"):
-        plan_pipeline(meta_model(4), 2, config("Interleaved1F1B", schedule_csv=str(tmp_path / "missing.csv")))
+        plan_pipeline(LLAMA3, meta_model(4), 2, config("Interleaved1F1B", schedule_csv=str(tmp_path / "missing.csv")))
 
 
 # ------------------------------------------------------------------------------------------------------------------
@@ -282,11 +283,12 @@ def fake_pipeline_rank():
 def build_pipeline(mesh, dims, job: JobConfig):
     job.parallelism.pipeline_parallel_degree = 2
     job.activation_checkpoint.mode = "none"
-    return pipeline_llama(meta_model(4), mesh, dims, job, torch.device("cpu"), lambda logits, labels: logits.sum())
+    return pipeline_model(LLAMA3, meta_model(4), mesh, dims, job, torch.device("cpu"),
+                          lambda logits, labels: logits.sum())
 
 
 @pytest.mark.parametrize("schedule", SCHEDULES)
-def test_pipeline_llama_builds_this_ranks_stages(fake_pipeline_rank, schedule):
+def test_pipeline_model_builds_this_ranks_stages(fake_pipeline_rank, schedule):
     v_shaped = schedule in ("ZBVZeroBubble", "DualPipeV")
     if schedule in ("GPipe", "1F1B"):
         expected_layers = [[["0", "1"]], [["2", "3"]]]
@@ -351,7 +353,7 @@ def start_up(job: JobConfig) -> None:
     """The trainer's start-up checks of a 2-stage pipeline on the CPU: the pairs of features, then the plan."""
     dims = ParallelDims(dp_replicate=1, dp_shard=1, cp=1, tp=1, pp=2, world_size=2)
     check_composition(setup_of(job, dims, "cpu"))
-    plan_pipeline(meta_model(4), 2, job)
+    plan_pipeline(LLAMA3, meta_model(4), 2, job)
 
 
 @pytest.mark.parametrize("schedule", ["InterleavedZeroBubble", "ZBVZeroBubble", "DualPipeV"])
@@ -400,20 +402,21 @@ def test_stages_of_one_rank_build_each_microbatch_mask_once(one_rank_pipeline, m
     both stages), not 8, and its losses are those of stages that each build their own."""
     from torchtitan.distributed import pipeline_parallel
     from torchtitan.models.llama3 import model as llama_model
-    from torchtitan.models.llama3.model import document_ids
+    from torchtitan.nn import attention
+    from torchtitan.nn.attention import document_ids
 
     job = config("Interleaved1F1B")
     job.parallelism.pipeline_parallel_degree = 1
     job.activation_checkpoint.mode = "none"
     job.model.attention_mask = "block_causal"
-    built, parts, *_ = pipeline_llama(meta_model(4), *one_rank_pipeline, job, torch.device("cpu"),
+    built, parts, *_ = pipeline_model(LLAMA3, meta_model(4), *one_rank_pipeline, job, torch.device("cpu"),
                                       lambda logits, labels: torch.nn.functional.cross_entropy(
                                           logits.flatten(0, 1), labels.flatten(0, 1)))
     assert len(parts) == 2
     for part in parts:
         part.to_empty(device="cpu")
         part.init_weights(seed=0)
-    built_masks, build = [], llama_model.document_mask
+    built_masks, build = [], attention.document_mask
 
     def counted(ids, flex=None):
         built_masks.append(ids)

@@ -25,7 +25,8 @@ from torchtitan.distributed.fsdp import apply_fsdp
 from torchtitan.distributed.rotated import apply_rtp, init_rotated_weights, shard_rows
 from torchtitan.distributed.utils import clip_grad_norm_, init_model_weights, materialize_model
 from torchtitan.models.llama3.args import model_args_for
-from torchtitan.models.llama3.model import Transformer, checkpoint_name
+from torchtitan.models.llama3.model import Transformer
+from torchtitan.nn.parameters import checkpoint_name
 
 SEQ = 32
 LOCAL_BATCH = 2

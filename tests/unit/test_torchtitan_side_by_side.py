@@ -75,7 +75,8 @@ def test_flops_per_token_is_this_projects_count():
     """The harness counts TorchTitan's model by this project's convention: on this project's model it gives the
     trainer's own `flops_per_token`."""
     from torchtitan.models.llama3.args import TransformerModelArgs
-    from torchtitan.models.llama3.model import Transformer, count_parameters, flops_per_token
+    from torchtitan.models.llama3.model import Transformer, flops_per_token
+    from torchtitan.nn.parameters import count_parameters
 
     args = TransformerModelArgs(dim=64, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=256, max_seq_len=32)
     with torch.device("meta"):

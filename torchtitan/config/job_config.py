@@ -75,6 +75,9 @@ class Job:
     print_config: bool = False
     """Log the resolved configuration (as TOML) at start; it is saved to <dump_folder>/config.toml either way (as in TorchTitan, off by default). job.print_args, the old name, is still accepted."""
 
+    custom_import: str = ""
+    """Python module (dotted name, importable from the working directory or PYTHONPATH) to import before the model is built, e.g. one that registers another model family with torchtitan.models.register (TorchTitan's experimental.custom_import). Empty = none."""
+
 
 @dataclass
 class Profiling:
@@ -120,8 +123,8 @@ class Metrics:
 
 @dataclass
 class Model:
-    name: Literal["llama3"] = "llama3"
-    """Model family to train: llama3 is the only one this project implements."""
+    name: str = "llama3"
+    """Model family to train, by its registered name (torchtitan/models/__init__.py): llama3, the one this project implements, or a family that a module named by job.custom_import registers."""
 
     flavor: str = "debugmodel"
     """Model size: debugmodel, tiny (for tests), 8B, 70B or 405B (see torchtitan/models/llama3/args.py). The shape options below change it."""

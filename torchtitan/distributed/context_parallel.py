@@ -68,7 +68,7 @@ from torch.nn.attention.flex_attention import BlockMask
 
 from torchtitan.distributed import torch_compat
 from torchtitan.errors import UserError
-from torchtitan.models.llama3.model import GatheredDocuments, build_block_mask, document_positions
+from torchtitan.nn.attention import GatheredDocuments, build_block_mask, document_positions
 
 ROTATE_METHODS = ("allgather", "alltoall")
 

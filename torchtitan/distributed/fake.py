@@ -21,6 +21,7 @@ from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 
 from torchtitan.distributed import torch_compat
+from torchtitan.nn import attention
 
 # torch's private tools, which only a dry run uses: a torch that lacks one refuses the dry run at start-up
 # (torch_compat.require_torch_features) and still imports this module.
@@ -150,9 +151,7 @@ def dry_run_patches(target_device: str, fake_tensors: bool = True) -> contextlib
                                   _separate_propagation(propagator._propagate_tensor_meta_non_cached)))
     stack.enter_context(_replaced(torch.Tensor, "pin_memory", _pinning_without_storage(torch.Tensor.pin_memory)))
     if target_device == "cuda":
-        from torchtitan.models.llama3 import model
-
-        stack.enter_context(_replaced(model, "_compiled_flex_attention", _flex_attention_as_flash))
+        stack.enter_context(_replaced(attention, "_compiled_flex_attention", _flex_attention_as_flash))
     # torch.compile that components call themselves (FlexAttention and its block mask on the GPU path) runs eagerly,
     # as the model does: a compiled kernel would read the storage fake tensors do not have.
     stack.enter_context(torch.compiler.set_stance("force_eager"))

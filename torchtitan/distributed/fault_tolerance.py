@@ -27,7 +27,7 @@ from torchtitan.distributed.lighthouse import (connect_to_lighthouse, group_pref
                                                refuse_a_second_copy, wait_for_lighthouse)
 from torchtitan.distributed.utils import placed_like
 from torchtitan.errors import UserError
-from torchtitan.models.llama3.model import checkpoint_name
+from torchtitan.nn.parameters import checkpoint_name
 from torchtitan.tools.logging import logger
 
 

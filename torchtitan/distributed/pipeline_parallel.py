@@ -1,4 +1,9 @@
-"""Pipeline parallelism: split the model into stages, parallelise each stage, and build the schedule.
+"""Pipeline parallelism: split the model into stages (the model's own split, from its ModelSpec), place them on the
+ranks, parallelise each stage, and build the schedule.
+
+Placement of S stages on pp ranks: one stage per rank for single-stage schedules; looped (stage s on rank s % pp)
+for interleaved schedules; V-shaped (rank r holds stages r and 2 * pp - 1 - r) for ZBVZeroBubble and DualPipeV,
+so that the first and last stages share a rank and the turn of the V stays on one rank.
 
 Gradients: the trainer's loss is a sum of token cross-entropies divided by the global count of valid tokens, so the
 gradients summed over micro-batches already equal the non-pipelined gradients. The schedules' default
@@ -15,7 +20,6 @@ return local shards, and a different dtype under mixed precision or a different 
 """
 
 import inspect
-import math
 import os
 from collections import deque
 from collections.abc import Callable
@@ -36,10 +40,8 @@ from torchtitan.distributed import torch_compat
 from torchtitan.distributed.context_parallel import gathers_keys_and_values
 from torchtitan.distributed.parallel_dims import ParallelDims
 from torchtitan.errors import UserError
-from torchtitan.models.llama3.model import DocumentMask, document_mask
-from torchtitan.models.llama3.parallelize import parallelize_llama
-from torchtitan.models.llama3.pipeline import (LAYERS_PER_STAGE_OPTION, SPLIT_POINTS_OPTION, build_stage_module,
-                                               requested_stage_count, split_into_stages, stage_ids_for_rank)
+from torchtitan.nn.attention import DocumentMask, document_mask
+from torchtitan.protocols import ModelSpec
 from torchtitan.tools.logging import logger
 
 Schedule = PipelineScheduleSingle | PipelineScheduleMulti
@@ -48,6 +50,8 @@ SCHEDULES = ("GPipe", "1F1B", "Interleaved1F1B", "LoopedBFS", "InterleavedZeroBu
 SCHEDULE_OPTION = "parallelism.pipeline_parallel_schedule"
 CSV_OPTION = "parallelism.pipeline_parallel_schedule_csv"
 MICROBATCH_OPTION = "parallelism.pipeline_parallel_microbatch_size"
+SPLIT_POINTS_OPTION = "parallelism.pipeline_parallel_split_points"
+LAYERS_PER_STAGE_OPTION = "parallelism.pipeline_parallel_layers_per_stage"
 ROUNDS_SCHEDULES = ("Interleaved1F1B", "InterleavedZeroBubble")
 V_SHAPED = (ScheduleZBVZeroBubble, ScheduleDualPipeV)
 # These split each backward into an input-gradient and a later weight-gradient pass.
@@ -72,8 +76,9 @@ class PipelinePlan:
         return issubclass(self.schedule_class, PipelineScheduleMulti)
 
 
-def plan_pipeline(model: nn.Module, pp_degree: int, config: JobConfig) -> PipelinePlan:
-    """Check the pipeline options against the model and each other; no process group is needed."""
+def plan_pipeline(spec: ModelSpec, model: nn.Module, pp_degree: int, config: JobConfig) -> PipelinePlan:
+    """Check the pipeline options against the model (split as its `spec` splits it) and each other; no process group
+    is needed."""
     parallelism = config.parallelism
     name, schedule_class = resolve_schedule(parallelism.pipeline_parallel_schedule)
     multi_stage = issubclass(schedule_class, PipelineScheduleMulti)
@@ -89,10 +94,10 @@ def plan_pipeline(model: nn.Module, pp_degree: int, config: JobConfig) -> Pipeli
     n_layers = len(model.layers)
     split_points = parallelism.pipeline_parallel_split_points
     layers_per_stage = parallelism.pipeline_parallel_layers_per_stage
-    num_stages = requested_stage_count(n_layers, pp_degree * (2 if multi_stage else 1), split_points,
-                                       layers_per_stage)
+    num_stages = spec.requested_stage_count(n_layers, pp_degree * (2 if multi_stage else 1), split_points,
+                                            layers_per_stage)
     v_shaped = issubclass(schedule_class, V_SHAPED)
-    _check_stage_count(num_stages, n_layers, pp_degree, name, schedule_class, split_points, layers_per_stage)
+    _check_stage_count(spec, num_stages, n_layers, pp_degree, name, schedule_class, split_points, layers_per_stage)
     if not csv_path:
         _check_microbatches(n_microbatches, name, pp_degree, num_stages)
     validation_batch_size, validation_seq_len = validation_shape(config)
@@ -107,7 +112,8 @@ def plan_pipeline(model: nn.Module, pp_degree: int, config: JobConfig) -> Pipeli
         raise UserError(f"option validation.local_batch_size: under pipeline parallelism a validation batch is "
                         f"split into the {n_microbatches} training micro-batches, so "
                         f"{validation_batch_size} must be a multiple of {n_microbatches}")
-    stage_names = split_into_stages(model, num_stages, split_points=split_points, layers_per_stage=layers_per_stage)
+    stage_names = spec.split_into_stages(model, num_stages, split_points=split_points,
+                                         layers_per_stage=layers_per_stage)
     return PipelinePlan(name, schedule_class, n_microbatches, stage_names, v_shaped)
 
 
@@ -148,7 +154,7 @@ def microbatch_count(local_batch_size: int, microbatch_size: int) -> int:
     return local_batch_size // microbatch_size
 
 
-def _check_stage_count(num_stages: int, n_layers: int, pp_degree: int, name: str,
+def _check_stage_count(spec: ModelSpec, num_stages: int, n_layers: int, pp_degree: int, name: str,
                        schedule_class: type[Schedule], split_points: list[str],
                        layers_per_stage: int | None) -> None:
     fits, needed = _stage_count_rule(schedule_class, pp_degree)
@@ -158,7 +164,7 @@ def _check_stage_count(num_stages: int, n_layers: int, pp_degree: int, name: str
     if split_points:
         raise UserError(f"option {SPLIT_POINTS_OPTION}: {','.join(split_points)} makes {num_stages} stages, but "
                         f"{requirement}; give one split point fewer than that many stages")
-    valid = [k for k in range(1, n_layers + 3) if fits(math.ceil((n_layers + 2) / k))]
+    valid = [k for k in range(1, n_layers + 3) if fits(spec.requested_stage_count(n_layers, 0, (), k))]
     raise UserError(f"option {LAYERS_PER_STAGE_OPTION}: {layers_per_stage} units per stage make {num_stages} stages "
                     f"of the {n_layers} blocks + embedding + output, but {requirement}; valid: "
                     f"{', '.join(map(str, valid)) or 'none (choose another schedule or degree)'}")
@@ -198,17 +204,18 @@ def _rounds(n_microbatches: int, pp_degree: int) -> int:
     return max(1, n_microbatches // pp_degree)
 
 
-def pipeline_llama(model: nn.Module, world_mesh: DeviceMesh, parallel_dims: ParallelDims, config: JobConfig,
-                   device: torch.device, loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
+def pipeline_model(spec: ModelSpec, model: nn.Module, world_mesh: DeviceMesh, parallel_dims: ParallelDims,
+                   config: JobConfig, device: torch.device,
+                   loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
                    ) -> tuple[Schedule, list[nn.Module], bool, bool]:
-    """Split the meta `model`, parallelise this rank's stages, and build the schedule.
+    """Split the meta `model` as its `spec` does, parallelise this rank's stages, and build the schedule.
 
     Returns (schedule, this rank's stage modules in stage order, whether it runs the first stage, whether it runs
     the last). `loss_fn(logits, labels)` must already be normalised by the global count of valid tokens.
     """
     pp_mesh = world_mesh["pp"]
     pp_rank, pp_degree = pp_mesh.get_local_rank(), pp_mesh.size()
-    plan = plan_pipeline(model, pp_degree, config)
+    plan = plan_pipeline(spec, model, pp_degree, config)
     if plan.v_shaped and torch_compat.release() < (2, 13) and dist.get_backend(pp_mesh.get_group()) == "gloo":
         # Measured on torch 2.11: "Pair is not connected" at the first step, for ZBVZeroBubble and DualPipeV alike.
         raise UserError(f"option {SCHEDULE_OPTION}: {plan.schedule_name} runs two stages per rank that exchange with "
@@ -217,8 +224,8 @@ def pipeline_llama(model: nn.Module, world_mesh: DeviceMesh, parallel_dims: Para
                         f"(Interleaved1F1B, InterleavedZeroBubble), or torch 2.13 or newer")
     stages, parts = [], []
     for stage_id in stage_ids_for_rank(pp_rank, pp_degree, plan.num_stages, plan.v_shaped):
-        part = parallelize_llama(build_stage_module(model, plan.stage_names[stage_id]), world_mesh,
-                                 parallel_dims, config)
+        part = spec.parallelize(spec.build_stage_module(model, plan.stage_names[stage_id]), world_mesh,
+                                parallel_dims, config)
         shapes = (static_stage_shapes(part, config, parallel_dims, world_mesh)
                   if config.comm.mode == "fake_backend" else {})
         # torch before 2.13 takes no gradient shapes (it derives them from the outputs).
@@ -235,6 +242,17 @@ def pipeline_llama(model: nn.Module, world_mesh: DeviceMesh, parallel_dims: Para
     logger.info(f"pipeline schedule {plan.schedule_name}: {plan.num_stages} stages on {pp_degree} ranks, "
                 f"{plan.n_microbatches} micro-batches of {config.parallelism.pipeline_parallel_microbatch_size}")
     return schedule, parts, any(stage.is_first for stage in stages), any(stage.is_last for stage in stages)
+
+
+def stage_ids_for_rank(pp_rank: int, pp_degree: int, num_stages: int, v_shaped: bool) -> list[int]:
+    """The stages rank `pp_rank` runs, in increasing order (the order the schedules expect)."""
+    if v_shaped:
+        if num_stages != 2 * pp_degree:
+            raise ValueError(f"a V-shaped placement needs 2 x {pp_degree} stages, not {num_stages}")
+        return [pp_rank, 2 * pp_degree - 1 - pp_rank]
+    if num_stages % pp_degree:
+        raise ValueError(f"{num_stages} stages do not divide evenly over {pp_degree} ranks")
+    return list(range(pp_rank, num_stages, pp_degree))
 
 
 class SharedDocumentMasks:

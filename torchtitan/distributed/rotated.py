@@ -67,7 +67,7 @@ from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tenso
 
 from torchtitan.distributed.fsdp import TORCH_DTYPES
 from torchtitan.distributed.utils import init_parameter
-from torchtitan.models.llama3.model import Initializer, parameter_generator
+from torchtitan.nn.parameters import Initializer, parameter_generator
 from torchtitan.tools.logging import logger
 
 # Gloo matches point-to-point messages between two ranks by tag, in order: the weight shards and the gradient buffers

@@ -18,7 +18,7 @@ from torch.distributed.tensor import DTensor, distribute_tensor
 from torchtitan.distributed import torch_compat
 from torchtitan.distributed.fake import init_fake_process_group
 from torchtitan.errors import UserError
-from torchtitan.models.llama3.model import Initializer, parameter_generator
+from torchtitan.nn.parameters import Initializer, parameter_generator
 from torchtitan.tools.logging import logger, warn_once
 
 

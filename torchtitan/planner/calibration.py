@@ -29,8 +29,9 @@ from pathlib import Path
 
 from torchtitan.components.metrics import RUN_INFO_FILE
 from torchtitan.config import JobConfig, parse_args
+from torchtitan.config.model_shape import shape_overrides
 from torchtitan.errors import UserError
-from torchtitan.models.llama3.args import model_args_for, shape_overrides
+from torchtitan.models.llama3.args import model_args_for
 from torchtitan.planner.cost import MODEL_CONSTANTS, Layout
 from torchtitan.planner.hardware import GPU, require_same_gpu
 from torchtitan.planner.search import layout_from_config, predict

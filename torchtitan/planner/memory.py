@@ -151,13 +151,16 @@ import torch
 from torchtitan.components.float8 import float8_enabled
 from torchtitan.components.optimizers import optimizer_spec
 from torchtitan.config import JobConfig
+from torchtitan.config.model_shape import shape_overrides
 from torchtitan.distributed.compression import compensation_bytes_per_value
 from torchtitan.distributed.context_parallel import gathers_keys_and_values
 from torchtitan.distributed.parallel_dims import ParallelDims
-from torchtitan.distributed.pipeline_parallel import plan_pipeline
-from torchtitan.models.llama3.args import TransformerModelArgs, model_args_for, shape_overrides
-from torchtitan.models.llama3.model import Transformer, cpu_attention_in_fp32
-from torchtitan.models.llama3.pipeline import stage_ids_for_rank
+from torchtitan.distributed.pipeline_parallel import plan_pipeline, stage_ids_for_rank
+from torchtitan.errors import UserError
+from torchtitan.models import get as model_spec
+from torchtitan.models.llama3.args import TransformerModelArgs, model_args_for
+from torchtitan.models.llama3.model import Transformer
+from torchtitan.nn.attention import cpu_attention_in_fp32
 from torchtitan.planner import pipeline_schedule
 
 
@@ -229,6 +232,13 @@ def _compensation_state(config: JobConfig, dims: ParallelDims, params: float) ->
     return params * compensation_bytes_per_value(config) if dims.fsdp_enabled else 0.0
 
 
+def require_planned_model(config: JobConfig, instead: str) -> None:
+    """The planner models Llama 3 alone: another family's estimate would silently be Llama's."""
+    if config.model.name != "llama3":
+        raise UserError(f"option model.name: the planner's memory estimate models llama3 only, not "
+                        f"{config.model.name!r}; {instead}")
+
+
 def estimate(config: JobConfig, ngpu: int, device: str = "cuda", row_split_embedding: bool = False,
              kept_pipeline_outputs: bool = False, pipeline_rank: int | None = None) -> Estimate:
     """The peak over the pipeline ranks (every rank of a pipeline stage group holds the same), or that of
@@ -237,6 +247,7 @@ def estimate(config: JobConfig, ngpu: int, device: str = "cuda", row_split_embed
     the published figures; this framework splits it by column): its gradient is then whole on every rank.
     `kept_pipeline_outputs`: the last stage keeps every micro-batch's fp32 logits until the step merges them
     (TorchTitan's pipeline when it measured them; cost.Layout.kept_pipeline_outputs)."""
+    require_planned_model(config, "measure the model's memory with a dry run (comm.mode = fake_backend)")
     dims = ParallelDims.from_config(config.parallelism, ngpu)
     args = model_args_for(config.model.flavor, config.training.seq_len, overrides=shape_overrides(config.model))
     stages_of_rank, in_flight = _pipeline_layout(config, args, dims)
@@ -259,7 +270,7 @@ def _pipeline_layout(config: JobConfig, args: TransformerModelArgs, dims: Parall
     micro-batches whose activations a stage holds at once."""
     if dims.pp == 1:
         return [[(args.n_layers, True, True)]], lambda rank, stage_index, rebuilt: (1, 0)
-    plan = plan_pipeline(_skeleton(args.n_layers), dims.pp, config)
+    plan = plan_pipeline(model_spec("llama3"), _skeleton(args.n_layers), dims.pp, config)
     stages = []
     for names in plan.stage_names:
         blocks = sum(name.startswith("layers.") for name in names)

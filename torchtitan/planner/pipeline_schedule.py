@@ -26,8 +26,8 @@ from torch import nn
 from torch.distributed.pipelining.schedules import (BACKWARD_INPUT, BACKWARD_WEIGHT, FORWARD, FULL_BACKWARD,
                                                     ScheduleGPipe, get_schedule_class)
 
-from torchtitan.distributed.pipeline_parallel import SPLIT_BACKWARD, V_SHAPED, is_multi_stage
-from torchtitan.models.llama3.pipeline import stage_ids_for_rank
+from torchtitan.distributed.pipeline_parallel import (SPLIT_BACKWARD, V_SHAPED, is_multi_stage,
+                                                     stage_ids_for_rank)
 
 Action = Any  # an entry of a schedule's action list (torch's private _Action)
 

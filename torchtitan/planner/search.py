@@ -16,9 +16,10 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from torchtitan.config import JobConfig, parse_args
+from torchtitan.config.model_shape import shape_overrides
 from torchtitan.distributed.pipeline_parallel import is_multi_stage, resolve_schedule
 from torchtitan.errors import UserError
-from torchtitan.models.llama3.args import llama3_flavors, model_args_for, shape_overrides
+from torchtitan.models.llama3.args import llama3_flavors, model_args_for
 from torchtitan.models.llama3.pipeline import requested_stage_count
 from torchtitan.planner.cost import Layout, float8_gathered, step_time
 from torchtitan.planner.hardware import GPU, headroom

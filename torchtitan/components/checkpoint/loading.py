@@ -10,6 +10,7 @@ from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 from torch.distributed.checkpoint.stateful import Stateful
 
 from torchtitan.components.checkpoint.hf import load_hf_model
+from torchtitan.components.checkpoint.hf_folder import is_hf_folder
 from torchtitan.components.checkpoint.integrity import verify_checkpoint
 from torchtitan.components.checkpoint.model_shape import check_model_shape
 from torchtitan.components.checkpoint.options import LOADABLE_PARTS
@@ -17,7 +18,6 @@ from torchtitan.components.checkpoint.safe_io import METADATA_FILE, dcp_load, de
 from torchtitan.components.checkpoint.state import _pack_param_groups, _unpack_param_groups
 from torchtitan.distributed.compression import EXACT
 from torchtitan.errors import UserError
-from torchtitan.models.llama3.state_dict_adapter import is_hf_folder
 from torchtitan.tools.logging import logger
 
 
@@ -105,7 +105,7 @@ class Loading:
         if skipped:
             logger.warning(f"Checkpoint {checkpoint} holds no {', '.join(skipped)}; they keep their initial state")
         if "model" in present:
-            check_model_shape(checkpoint, self.model_args)
+            check_model_shape(checkpoint, self.model_shape)
             self._check_model_shapes(checkpoint, saved)
         state_dict = {self._key(part): self._load_template(part, saved) for part in present}
         if "optimizer" in present:
@@ -162,6 +162,9 @@ class Loading:
                                 f"model.flavor")
 
     def _load_hf_model(self, folder: Path) -> list[str]:
-        read = load_hf_model(self.model.model_parts, folder, self.model_args)
+        if self.hf_adapter is None:
+            raise UserError(f"checkpoint {folder} is a Hugging Face folder, but the model family (model.name) has no "
+                            f"Hugging Face format; load a DCP checkpoint of it")
+        read = load_hf_model(self.model.model_parts, folder, self.hf_adapter)
         logger.info(f"Hugging Face import from {folder}: this rank read {read / 2**30:.2f} GiB of its weights")
         return ["model"]

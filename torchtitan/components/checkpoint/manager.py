@@ -24,7 +24,7 @@ from torchtitan.components.checkpoint.state import ModelWrapper, RNGState, Train
 from torchtitan.config.job_config import Checkpoint as CheckpointConfig
 from torchtitan.distributed.utils import collectives_bounded_by, new_group_with_own_timeout
 from torchtitan.errors import UserError
-from torchtitan.models.llama3.args import TransformerModelArgs
+from torchtitan.protocols import ModelShape, StateDictAdapter
 from torchtitan.tools.cost import Cost
 from torchtitan.tools.logging import logger
 
@@ -42,13 +42,21 @@ class CheckpointManager(ResumeChoice, Loading, Saving, AsyncSaving, Retention):
 
     def __init__(self, config: CheckpointConfig, dump_folder: str, model_parts: list[nn.Module],
                  optimizers: Stateful, lr_schedulers: Stateful, dataloader: Stateful, train_state: TrainState,
-                 model_args: TransformerModelArgs, peer_folders: Sequence[Path] = ()):
-        """`peer_folders`: the checkpoint folders of the other replica groups (fault tolerance), whose weights,
+                 model_shape: ModelShape, hf_adapter: StateDictAdapter | None, peer_folders: Sequence[Path] = ()):
+        """`model_shape`: what model.json records of the model; `hf_adapter`: the model's Hugging Face format (None:
+        it has none, and the options that read or write one are refused).
+
+        `peer_folders`: the checkpoint folders of the other replica groups (fault tolerance), whose weights,
         optimizer, schedule, step and data position equal this group's at every committed step: a default resume
         takes the newest full checkpoint among this group's and theirs, so that a group with an older checkpoint,
         or none, does not start behind (and, training alone while the others are down, overwrite their progress
         when they heal from it)."""
         validate_config(config)
+        if hf_adapter is None:
+            for option in ("initial_load_in_hf", "last_save_in_hf"):
+                if getattr(config, option):
+                    raise UserError(f"option checkpoint.{option}: the model family (model.name) has no Hugging "
+                                    f"Face format (no state-dict adapter in its ModelSpec); unset the option")
         self.config = config
         self.folder = Path(dump_folder) / config.folder
         self.peer_folders = list(peer_folders)
@@ -63,7 +71,8 @@ class CheckpointManager(ResumeChoice, Loading, Saving, AsyncSaving, Retention):
         # DiLoCo's state between syncs (fault_tolerance.semi_sync_method = diloco), set by the trainer once its
         # replica group exists: saved and loaded as the `diloco` part.
         self.diloco: Stateful | None = None
-        self.model_args = model_args
+        self.model_shape = model_shape
+        self.hf_adapter = hf_adapter
         self.rank = _rank()
         self.rng_key = f"rng_rank{self.rank}"
         self._pending: _PendingSave | None = None

@@ -6,10 +6,10 @@ from typing import Any
 
 import torch.distributed as dist
 
+from torchtitan.components.checkpoint.hf_folder import is_hf_folder
 from torchtitan.components.checkpoint.layout import complete_steps
 from torchtitan.components.checkpoint.safe_io import METADATA_FILE, read_metadata
 from torchtitan.errors import UserError
-from torchtitan.models.llama3.state_dict_adapter import is_hf_folder
 from torchtitan.tools.logging import logger
 
 

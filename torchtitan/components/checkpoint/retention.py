@@ -11,7 +11,7 @@ import torch.distributed as dist
 
 from torchtitan.components.checkpoint.integrity import fsync_dir
 from torchtitan.components.checkpoint.layout import INCOMPLETE_SUFFIX, _incomplete, complete_steps
-from torchtitan.components.checkpoint.model_shape import MODEL_FILE, _model_shape
+from torchtitan.components.checkpoint.model_shape import MODEL_FILE
 from torchtitan.components.checkpoint.safe_io import METADATA_FILE
 from torchtitan.errors import UserError
 from torchtitan.tools.cost import Cost, Stopwatch
@@ -75,7 +75,7 @@ class Retention:
         staging = _incomplete(final)
         if (staging / METADATA_FILE).exists():
             with atomic_write(staging / MODEL_FILE) as f:
-                json.dump(_model_shape(self.model_args), f, indent=1)
+                json.dump(self.model_shape.record, f, indent=1)
         if final.exists():
             logger.warning(f"Replacing the existing checkpoint {final} by the one just saved")
             os.rename(final, _incomplete(final.with_name(final.name + _STALE)))

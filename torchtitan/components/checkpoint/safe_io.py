@@ -17,9 +17,9 @@ from torch.distributed.checkpoint.planner import ReadItem, SavePlan, SavePlanner
 from torch.distributed.checkpoint.storage import WriteResult
 from torch.futures import Future
 
+from torchtitan.components.checkpoint.hf_folder import is_hf_folder
 from torchtitan.distributed import torch_compat
 from torchtitan.errors import UserError
-from torchtitan.models.llama3.state_dict_adapter import is_hf_folder
 
 METADATA_FILE = ".metadata"
 

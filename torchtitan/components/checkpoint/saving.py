@@ -147,7 +147,7 @@ class Saving:
         if self.rank != 0:
             return
         try:
-            export_hf_from_dcp(scratch, _incomplete(final), self.model_args, dtype)
+            export_hf_from_dcp(scratch, _incomplete(final), self.hf_adapter, dtype)
             shutil.rmtree(scratch)
             self._publish(step, full=False)
         except OSError as err:

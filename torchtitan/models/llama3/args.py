@@ -5,7 +5,9 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
+from torchtitan.config.model_shape import SHAPE_OPTIONS
 from torchtitan.errors import UserError
+from torchtitan.protocols import ModelShape
 
 
 @dataclass
@@ -61,23 +63,6 @@ llama3_flavors: dict[str, TransformerModelArgs] = {
 }
 
 
-# The shape options that [model] may set on top of the flavor (None there = the flavor's value).
-SHAPE_OPTIONS = ("dim", "n_layers", "n_heads", "n_kv_heads", "ffn_dim_multiplier", "multiple_of", "vocab_size",
-                 "rope_theta")
-
-
-def shape_overrides(model_config: Any) -> dict[str, Any]:
-    """The shape options that the [model] section (a job_config.Model) sets."""
-    return {name: getattr(model_config, name) for name in SHAPE_OPTIONS if getattr(model_config, name) is not None}
-
-
-def describe_model(flavor: str, overrides: dict[str, Any]) -> str:
-    """`debugmodel`, or `debugmodel with dim 768, n_layers 12` when [model] changes the flavor's shape."""
-    changes = ", ".join(f"{name} {value:g}" if isinstance(value, float) else f"{name} {value}"
-                        for name, value in overrides.items())
-    return f"{flavor} with {changes}" if changes else flavor
-
-
 def model_args_for(flavor: str, seq_len: int, vocab_size: int | None = None,
                    overrides: dict[str, Any] | None = None) -> TransformerModelArgs:
     """The flavor's shapes for training at `seq_len`; `vocab_size` (the tokenizer's) replaces the flavor's.
@@ -103,6 +88,17 @@ def model_args_for(flavor: str, seq_len: int, vocab_size: int | None = None,
                                vocab_size=vocab_size, **overrides)
     _check_shape(args)
     return args
+
+
+def model_shape(args: TransformerModelArgs) -> ModelShape:
+    """What model.json records: every value that decides what the weights compute, named as the model.* options; the
+    SwiGLU width both as its options and as the width they give, which is what is compared."""
+    record = {"dim": args.dim, "n_layers": args.n_layers, "n_heads": args.n_heads, "n_kv_heads": args.kv_heads,
+              "ffn_dim_multiplier": args.ffn_dim_multiplier, "multiple_of": args.multiple_of,
+              "ffn_hidden_dim": args.ffn_hidden_dim, "vocab_size": args.vocab_size, "rope_theta": args.rope_theta,
+              "norm_eps": args.norm_eps, "use_scaled_rope": args.use_scaled_rope}
+    return ModelShape(record, compared=tuple(name for name in record
+                                             if name not in ("ffn_dim_multiplier", "multiple_of")))
 
 
 def _check_shape(args: TransformerModelArgs) -> None:

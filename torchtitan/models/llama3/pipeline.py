@@ -1,4 +1,4 @@
-"""Splitting the Llama model into pipeline stages, and placing the stages on pipeline ranks.
+"""Splitting the Llama model into pipeline stages (distributed/pipeline_parallel.py places them on the ranks).
 
 The model runs as a chain of units: `tok_embeddings`, the blocks `layers.0` ... `layers.{n-1}`, and the head
 (`norm` + `output`, never separated). A stage keeps a contiguous run of units; its module is a copy of the meta
@@ -12,10 +12,6 @@ stage, which gives every stage at least one block whenever there are at least as
 
 `pipeline_parallel_split_points` (names of blocks that start a new stage) or `pipeline_parallel_layers_per_stage`
 (units per stage, the last stage taking what is left) replace the default.
-
-Placement of S stages on pp ranks: one stage per rank for single-stage schedules; looped (stage s on rank s % pp)
-for interleaved schedules; V-shaped (rank r holds stages r and 2 * pp - 1 - r) for ZBVZeroBubble and DualPipeV,
-so that the first and last stages share a rank and the turn of the V stays on one rank.
 """
 
 import copy
@@ -24,12 +20,11 @@ from collections.abc import Sequence
 
 from torch import nn
 
+from torchtitan.distributed.pipeline_parallel import LAYERS_PER_STAGE_OPTION, SPLIT_POINTS_OPTION
 from torchtitan.errors import UserError
 
 EMBEDDING = "tok_embeddings"
 HEAD = ("norm", "output")
-SPLIT_POINTS_OPTION = "parallelism.pipeline_parallel_split_points"
-LAYERS_PER_STAGE_OPTION = "parallelism.pipeline_parallel_layers_per_stage"
 
 
 def stage_units(n_layers: int) -> list[list[str]]:
@@ -118,14 +113,3 @@ def build_stage_module(model: nn.Module, names: Sequence[str]) -> nn.Module:
         if name not in names:
             setattr(stage, name, None)
     return stage
-
-
-def stage_ids_for_rank(pp_rank: int, pp_degree: int, num_stages: int, v_shaped: bool) -> list[int]:
-    """The stages rank `pp_rank` runs, in increasing order (the order the schedules expect)."""
-    if v_shaped:
-        if num_stages != 2 * pp_degree:
-            raise ValueError(f"a V-shaped placement needs 2 x {pp_degree} stages, not {num_stages}")
-        return [pp_rank, 2 * pp_degree - 1 - pp_rank]
-    if num_stages % pp_degree:
-        raise ValueError(f"{num_stages} stages do not divide evenly over {pp_degree} ranks")
-    return list(range(pp_rank, num_stages, pp_degree))
