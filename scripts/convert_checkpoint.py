@@ -31,7 +31,8 @@ from torchtitan.components.checkpoint.hf import export_hf_from_dcp
 from torchtitan.components.checkpoint.hf_folder import CONFIG_FILE, load_hf
 from torchtitan.config.model_shape import SHAPE_OPTIONS
 from torchtitan.errors import UserError
-from torchtitan.models.llama3.args import TransformerModelArgs, llama3_flavors, model_args_for, model_shape
+from torchtitan.models import get as model_spec
+from torchtitan.models.llama3.args import TransformerModelArgs, llama3_flavors, model_args_for
 from torchtitan.models.llama3.state_dict_adapter import Llama3StateDictAdapter
 from torchtitan.tools.logging import init_logger, logger
 
@@ -76,7 +77,7 @@ def dcp_to_hf(source: Path, output: Path, flavor: str, dtype: str) -> None:
     if "tok_embeddings.weight" not in shapes:
         raise UserError(f"{source} has no model.tok_embeddings.weight, so it is not a Llama checkpoint")
     model_args = _model_args(flavor, shapes["tok_embeddings.weight"][0], _saved_shape_options(source))
-    check_model_shape(source, model_shape(model_args))
+    check_model_shape(source, model_spec("llama3").recorded_shape(model_args))
     _check_shapes(shapes, model_args, source, flavor)
     staging = output.with_name(output.name + INCOMPLETE_SUFFIX)
     shutil.rmtree(staging, ignore_errors=True)

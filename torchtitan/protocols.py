@@ -145,5 +145,11 @@ class ModelSpec:
     """args -> the Hugging Face adapter; None: the family has no HF format (checkpoint.initial_load_in_hf and
     checkpoint.last_save_in_hf are refused)."""
 
+    def recorded_shape(self, args: Any) -> ModelShape:
+        """What model.json records: the family's name, compared like the shape (another family's weights may have
+        the same names and shapes), then the family's own record."""
+        shape = self.model_shape(args)
+        return ModelShape({"model": self.name, **shape.record}, ("model", *shape.compared))
+
     def hf_adapter(self, args: Any) -> StateDictAdapter | None:
         return None if self.state_dict_adapter is None else self.state_dict_adapter(args)

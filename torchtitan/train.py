@@ -159,7 +159,7 @@ class Trainer:
         self._logged_sent = (0, 0)  # the compressed collectives' (sent, full-precision) bytes at the last log
         self.checkpointer = CheckpointManager(config.checkpoint, config.job.dump_folder, self.model_parts,
                                               self.optimizers, self.lr_schedulers, self.dataloader,
-                                              self.train_state, self.model_spec.model_shape(self.model_args),
+                                              self.train_state, self.model_spec.recorded_shape(self.model_args),
                                               self.model_spec.hf_adapter(self.model_args),
                                               peer_folders=peer_checkpoint_folders(config))
         # Mixed precision comes from FSDP/DDP's policy when they wrap the model, else from autocast.

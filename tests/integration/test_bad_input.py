@@ -290,8 +290,8 @@ CHECKPOINT_CASES = [
      "was saved from another model: dim 64 (this run: 256), n_layers 4 (this run: 6)"),
     # Same parameter shapes (8 heads of 8 = 4 heads of 16): only the saved model.json tells them apart.
     ("another_head_count", None, ["--model.n_heads", "4", "--model.n_kv_heads", "2"],
-     "was saved from another model: n_heads 8 (this run: 4), n_kv_heads 4 (this run: 2); set model.flavor and the "
-     "[model] shape options it was trained with"),
+     "was saved from another model: n_heads 8 (this run: 4), n_kv_heads 4 (this run: 2); set model.name, "
+     "model.flavor and the [model] shape options it was trained with"),
     ("another_rope_theta", None, ["--model.rope_theta", "10000"],
      "was saved from another model: rope_theta 500000.0 (this run: 10000.0)"),
     ("truncated_shard", lambda d: truncate(next((d / "checkpoint/step-2").glob("*.distcp"))), [],

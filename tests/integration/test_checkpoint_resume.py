@@ -409,7 +409,7 @@ def test_model_shape_options_are_saved_checked_on_resume_and_exported(tmp_path, 
     saved = parse_args(["--job.config_file", str(dump / "config.toml")])
     assert shape_overrides(saved.model) == SHAPE
     assert json.loads((dump / "checkpoint" / "step-2" / "model.json").read_text()) == {
-        "dim": 96, "n_layers": 2, "n_heads": 6, "n_kv_heads": 2, "ffn_dim_multiplier": None, "multiple_of": 64,
+        "model": "llama3", "dim": 96, "n_layers": 2, "n_heads": 6, "n_kv_heads": 2, "ffn_dim_multiplier": None, "multiple_of": 64,
         "ffn_hidden_dim": 256, "vocab_size": 2304,
         "rope_theta": 10000.0, "norm_eps": 1e-5, "use_scaled_rope": True}
     assert "Model llama3 tiny with dim 96, n_layers 2, n_heads 6, n_kv_heads 2, rope_theta 10000:" in \

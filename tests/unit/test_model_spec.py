@@ -87,3 +87,19 @@ def test_the_planner_refuses_another_family():
     with pytest.raises(UserError, match=r"^option model\.name: .*; a compiled dry run reports it .* set "
                                         r"compile\.enable = false$"):
         dry_run_config(config, 8)
+
+
+def test_a_checkpoint_of_another_family_with_the_same_shape_is_refused(tmp_path):
+    """The second family has Llama's parameter names and shapes: only the family's name in model.json tells them
+    apart."""
+    import json
+
+    from torchtitan.components.checkpoint import MODEL_FILE, check_model_shape
+
+    args = model_args_for("tiny", 32)
+    llama = models.get("llama3").recorded_shape(args)
+    (tmp_path / MODEL_FILE).write_text(json.dumps(llama.record))
+    check_model_shape(tmp_path, llama)
+    with pytest.raises(UserError, match=rf"was saved from another model: model llama3 \(this run: "
+                                        rf"{parallel_block_model.NAME}\); set model.name"):
+        check_model_shape(tmp_path, models.get(parallel_block_model.NAME).recorded_shape(args))

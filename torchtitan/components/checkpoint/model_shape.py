@@ -26,5 +26,5 @@ def check_model_shape(checkpoint: Path, shape: ModelShape) -> None:
     if differ:
         raise UserError(f"checkpoint {checkpoint} was saved from another model: "
                         + ", ".join(f"{name} {saved[name]} (this run: {ours[name]})" for name in differ)
-                        + "; set model.flavor and the [model] shape options it was trained with (its shape is in "
+                        + "; set model.name, model.flavor and the [model] shape options it was trained with (its shape is in "
                         f"{path})")
