@@ -151,7 +151,7 @@ class Trainer:
         # Under FlexDeMo each replica steps with its own gradient (the optimizer exchanges momentum components).
         self.replica_gradients = config.optimizer.name == "FlexDeMo" and self.parallel_dims.dp_replicate > 1
         self.optimizers = build_optimizers(self.model_parts, config.optimizer,
-                                           self.world_mesh["dp_replicate"].get_group())
+                                           self.world_mesh["dp_replicate"].get_group(), self.target_device_type)
         self.lr_schedulers = build_lr_schedulers(self.optimizers, config.lr_scheduler, config.training.steps)
         self.train_state = TrainState()
         self._logged_sent = (0, 0)  # the compressed collectives' (sent, full-precision) bytes at the last log

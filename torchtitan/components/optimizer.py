@@ -25,14 +25,15 @@ class OptimizersContainer(Stateful):
     """
 
     def __init__(self, model_parts: list[nn.Module], config: OptimizerConfig,
-                 replicate_group: dist.ProcessGroup | None = None):
+                 replicate_group: dist.ProcessGroup | None = None, device_type: str | None = None):
         self.model_parts = model_parts
         spec = optimizer_spec(config.name)
         groups_per_part = [param_groups(m, config) for m in model_parts]
         if spec.needs_matrices:
             check_matrix_groups(spec.name, [g for groups in groups_per_part for g in groups])
         log_groups(groups_per_part, spec.name)
-        context = BuildContext(replicate_group=replicate_group)
+        device_type = device_type or next(model_parts[0].parameters()).device.type
+        context = BuildContext(replicate_group=replicate_group, device_type=device_type)
         self.optimizers = [spec.build(groups, config, context) for groups in groups_per_part]
         self._options = StateDictOptions(flatten_optimizer_state_dict=True)
         # Error-feedback residuals of compressed gradient reductions: state of the update, saved with it.
@@ -114,6 +115,8 @@ def _tensor_bytes(tensor: torch.Tensor) -> int:
 
 
 def build_optimizers(model_parts: list[nn.Module], config: OptimizerConfig,
-                     replicate_group: dist.ProcessGroup | None = None) -> OptimizersContainer:
-    """`replicate_group`: the ranks holding the same shard in other replicas (FlexDeMo exchanges over it)."""
-    return OptimizersContainer(model_parts, config, replicate_group)
+                     replicate_group: dist.ProcessGroup | None = None,
+                     device_type: str | None = None) -> OptimizersContainer:
+    """`replicate_group`: the ranks holding the same shard in other replicas (FlexDeMo exchanges over it);
+    `device_type`: the device whose code paths the run takes (a dry run's target; None: the parameters')."""
+    return OptimizersContainer(model_parts, config, replicate_group, device_type)

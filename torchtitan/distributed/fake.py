@@ -219,30 +219,54 @@ class _RootsPerMicroBatch:
     It also keeps a second peak, of the device alone: without the categories that live in host memory (FSDP's CPU
     offload keeps the shards of parameters and gradients and the optimizer state there). A dry run's tensors all
     sit on one device, so the tracker's per-device peak cannot tell them apart; the categories can.
+
+    And the peak of each phase of the step (PHASES): the optimizer step while an optimizer steps, the backward while
+    autograd's engine runs, the forward while a module's forward runs; between them the phase is the last one
+    entered (the loss belongs to the forward, gradient clipping to the backward, and what the step starts with to
+    the previous step's optimizer step).
     """
 
     _roots: set[nn.Module]
     _host_categories: frozenset[str] = frozenset()
     _device_peak: int = 0
     _device_peak_snap: dict[str, int] | None = None
+    _phase: str = "optimizer step"  # what the previous step's optimizer step left, until the first forward
+    _phase_peaks: dict[str, tuple[int, dict[str, int]]]
 
     def _forget_root(self, module: nn.Module) -> None:
         if module in self._roots and not self._mod_tracker.is_bw:
             self.memory_tracking.pop(module, None)
 
-    def _update_peak_stats(self, peak_state) -> None:
-        super()._update_peak_stats(peak_state)
-        if not self._host_categories:
-            return
+    def _current_phase(self) -> str:
+        if self._in_opt:
+            self._phase = "optimizer step"
+        elif self._mod_tracker.is_bw:
+            self._phase = "backward"
+        elif len(self._mod_tracker.parents) > 1:  # a module's forward is running ("Global" is always there)
+            self._phase = "forward"
+        return self._phase
+
+    def _by_category(self, leave_out: frozenset[str] = frozenset()) -> dict[str, int]:
         snap: dict[str, int] = defaultdict(int)
         for device_snap in self._curr_mem_snap.values():
             for key, value in device_snap.items():
                 raw = getattr(key, "value", key)
                 name = _CATEGORY.get(raw, str(raw))
-                if raw != "Total" and name not in self._host_categories:
+                if raw != "Total" and name not in leave_out:
                     snap[name] += value
+        return dict(snap)
+
+    def _update_peak_stats(self, peak_state) -> None:
+        super()._update_peak_stats(peak_state)
+        phase = self._current_phase()
+        total = sum(device_snap.get("Total", 0) for device_snap in self._curr_mem_snap.values())
+        if total > self._phase_peaks.get(phase, (0, {}))[0]:
+            self._phase_peaks[phase] = (total, self._by_category())
+        if not self._host_categories:
+            return
+        snap = self._by_category(self._host_categories)
         if sum(snap.values()) > self._device_peak:
-            self._device_peak, self._device_peak_snap = sum(snap.values()), dict(snap)
+            self._device_peak, self._device_peak_snap = sum(snap.values()), snap
 
 
 class _FSDPStageMemTracker(_RootsPerMicroBatch, FSDPMemTracker):
@@ -350,6 +374,10 @@ _CATEGORY = {
 }
 
 
+# The phases of a training step whose peaks a dry run reports.
+PHASES = ("forward", "backward", "optimizer step")
+
+
 class StepMemoryTracker:
     """The peak memory of this rank's model parts and optimizers over what runs inside the `with` block, by
     category, from `FSDPMemTracker` when the parts are FSDP modules, else from the generic `MemTracker`;
@@ -360,6 +388,7 @@ class StepMemoryTracker:
         tracker_class = _FSDPStageMemTracker if isinstance(parts[0], FSDPModule) else _PlainStageMemTracker
         self._tracker = tracker_class(parts, optimizers)
         self._tracker._host_categories = frozenset(host_categories)
+        self._tracker._phase_peaks = {}
 
     def __enter__(self) -> "StepMemoryTracker":
         self._tracker.__enter__()
@@ -378,6 +407,11 @@ class StepMemoryTracker:
                     continue
                 by_category[_CATEGORY.get(name, str(name))] += value
         return dict(by_category)
+
+    def peak_by_phase(self) -> dict[str, dict[str, int]]:
+        """Per phase of the step (PHASES, in order), bytes per category at the moment that phase's total peaked."""
+        return {phase: dict(self._tracker._phase_peaks[phase][1]) for phase in PHASES
+                if phase in self._tracker._phase_peaks}
 
     def device_peak_by_category(self) -> dict[str, int]:
         """Bytes per category, host categories left out, at the moment their sum peaked: the device's own peak

@@ -74,6 +74,10 @@ class BuildContext:
     replicate_group: dist.ProcessGroup | None = None
     """The ranks holding the same shard in the other replicas (HSDP/DDP); FlexDeMo exchanges over it."""
 
+    device_type: str = "cuda"
+    """The device whose code paths the run takes ("cuda" or "cpu"; a dry run's target device): Muon computes in
+    bfloat16 off the CPU."""
+
 
 Builder = Callable[[list[dict], OptimizerConfig, BuildContext], torch.optim.Optimizer]
 StateBytes = Callable[[tuple[int, ...], tuple[float, ...], OptimizerConfig, bool], float]
