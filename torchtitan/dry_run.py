@@ -300,7 +300,8 @@ def _run_steps(trainer, rank: int, world_size: int, gpu) -> dict:
         trainer.train_step(fake_batches(trainer))
         counter = CollectiveCounter(trainer.parallel_dims)
         with StepMemoryTracker(trainer.model_parts, trainer.optimizers.optimizers,
-                               host_categories=_offloaded(trainer.config)) as memory, counter:
+                               host_categories=_offloaded(trainer.config),
+                               state=trainer.optimizers.compression.tensors()) as memory, counter:
             trainer.train_step(fake_batches(trainer))
     return _report(trainer, rank, world_size, memory.peak_by_category(), memory.device_peak_by_category(),
                    memory.peak_by_phase(), counter, gpu)

@@ -41,15 +41,18 @@ class OptimizersContainer(Stateful):
         self._replica_suffix = replica_suffix(replicate_group)
 
     def state_bytes(self) -> int:
-        """Bytes of optimizer state this rank holds: local shards, quantized tensors by their codes and scales."""
+        """Bytes of optimizer state this rank holds: local shards, quantized tensors by their codes and scales, and
+        gradient compression's compensation state (its whole local gradient's, unsharded)."""
         return sum(_tensor_bytes(value) for optimizer in self.optimizers for state in optimizer.state.values()
-                   for value in state.values() if isinstance(value, torch.Tensor))
+                   for value in state.values() if isinstance(value, torch.Tensor)) + self.compression.state_bytes()
 
     def step(self) -> None:
-        """Apply the gradients; the compensation state their compressed reductions staged is committed with them."""
+        """Apply the gradients. The compensation state their compressed reductions staged is committed first: the
+        previous state is then freed before the optimizers' temporaries are allocated (the step holds one state,
+        not two)."""
+        self.compression.commit()
         for optimizer in self.optimizers:
             optimizer.step()
-        self.compression.commit()
 
     def zero_grad(self) -> None:
         """Drop the gradients, and the compensation state their reductions staged: a step whose update is skipped

@@ -163,15 +163,25 @@ def dry_run_patches(target_device: str, fake_tensors: bool = True) -> contextlib
 
 def _shard_dim_alltoall_as_on_gpus(input, gather_dim, shard_dim, mesh, mesh_dim):
     """DTensor moves a shard to another dimension by an all-to-all, except on a CPU mesh (gloo has none), where it
-    all-gathers the whole tensor and keeps its chunk; torch's fake kernel of the all-to-all does the same. A chunk
-    of a micro-batch of one sequence is a view that keeps the whole gathered tensor alive: tp times the memory (at
-    405B a column-split embedding's output, 256 MiB per micro-batch in flight). A dry run for GPUs runs on a CPU
-    mesh: issue the GPUs' all-to-all (the fake backend has one, and the collective counter sees it) and return a
-    tensor of its own, as the GPUs' kernel does."""
+    all-gathers the whole tensor and keeps its chunk; torch's fake kernel of the all-to-all does the same, and its
+    chunk is a view that keeps the whole gathered tensor alive: n times the memory (at 405B a column-split
+    embedding's output, 256 MiB per micro-batch in flight; a Muon stack n times over). A dry run for GPUs runs on a
+    CPU mesh: do what the GPUs' kernel (torch's `_dtensor::shard_dim_alltoall`) does, with the memory it takes: a
+    contiguous copy of the input's chunks in rank order, the all-to-all into a buffer of the same size (the fake
+    backend has one, and the collective counter sees it), and the received chunks made contiguous along the
+    gathered dimension."""
     group = torch_compat.get("resolve_group")((mesh, mesh_dim))
-    out = torch.ops._dtensor.shard_dim_alltoall(input, gather_dim, shard_dim,
-                                                torch_compat.get("group_or_group_name")(group))
-    return torch.empty_like(out, memory_format=torch.contiguous_format)
+    n = mesh.size(mesh_dim)
+    chunked = list(input.shape)
+    chunked[shard_dim] //= n
+    chunked.insert(shard_dim, n)
+    chunks = input.view(chunked).movedim(shard_dim, 0).contiguous()
+    received = torch.ops._c10d_functional.wait_tensor(torch.ops._c10d_functional.all_to_all_single(
+        chunks, [1] * n, [1] * n, torch_compat.get("group_or_group_name")(group)))
+    output = list(input.shape)
+    output[shard_dim] //= n
+    output[gather_dim] *= n
+    return received.movedim(0, gather_dim).contiguous().view(output)
 
 
 def _separate_propagation(original):
@@ -384,14 +394,20 @@ class StepMemoryTracker:
     `host_categories` (report categories held in host memory) also give the device's own peak."""
 
     def __init__(self, parts: list[nn.Module], optimizers: list[torch.optim.Optimizer],
-                 host_categories: tuple[str, ...] = ()):
+                 host_categories: tuple[str, ...] = (), state: list[torch.Tensor] = ()):
+        """`state`: tensors held between steps outside the optimizers' state (gradient compression's compensation
+        state), counted as optimizer state."""
         tracker_class = _FSDPStageMemTracker if isinstance(parts[0], FSDPModule) else _PlainStageMemTracker
         self._tracker = tracker_class(parts, optimizers)
         self._tracker._host_categories = frozenset(host_categories)
         self._tracker._phase_peaks = {}
+        self._state = list(state)
 
     def __enter__(self) -> "StepMemoryTracker":
         self._tracker.__enter__()
+        for tensor in self._state:
+            self._tracker._update_and_maybe_create_winfos(tensor, self._tracker._ref_class.OPT)
+        self._state = []  # the tracker holds weak references only: the step may free them
         return self
 
     def __exit__(self, *exc) -> None:

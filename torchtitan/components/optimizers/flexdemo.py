@@ -43,7 +43,8 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
-from torchtitan.components.optimizers import BuildContext, register_optimizer
+from torchtitan.components.optimizers import (BuildContext, RankTensor, StepLayout, largest_shard,
+                                              register_optimizer)
 from torchtitan.config.compatibility import MethodRefusal
 from torchtitan.config.job_config import Optimizer as OptimizerConfig
 
@@ -242,7 +243,17 @@ def _delta_bytes(shape: tuple[int, ...], local_shape: tuple[float, ...], config:
     return 4 * math.prod(local_shape)
 
 
-@register_optimizer("FlexDeMo", state_bytes=_delta_bytes, options=FlexDeMoOptions, refuses=(
+def _step_bytes(tensors: list[RankTensor], config: OptimizerConfig, layout: StepLayout) -> float:
+    """By reading (fp32): every shard's payload, in a list and concatenated, and the gather buffer of every replica's
+    (R x the payload); tensor by tensor, the tiles, the DCT's two products, the sent coefficients and their inverse
+    transform (about 20 bytes per value of the largest shard, extracting or decoding)."""
+    options = config.flexdemo
+    payload = sum(payload_bytes(tuple(round(size) for size in t.local_shape), options.chunk_size, options.topk)
+                  for t in tensors)
+    return (layout.replicas + 2) * payload + 20 * largest_shard(tensors)
+
+
+@register_optimizer("FlexDeMo", state_bytes=_delta_bytes, step_bytes=_step_bytes, options=FlexDeMoOptions, refuses=(
     MethodRefusal("one_replica", "FlexDeMo exchanges momentum components across replicas, and this layout has one",
                   "set parallelism.data_parallel_replicate_degree to 2 or more (HSDP, or DDP when "
                   "data_parallel_shard_degree = 1)"),))

@@ -33,7 +33,8 @@ from typing import ClassVar
 import torch
 from torch.distributed.tensor import DTensor, Shard
 
-from torchtitan.components.optimizers import BuildContext, gradient, local, register_optimizer
+from torchtitan.components.optimizers import (BuildContext, RankTensor, StepLayout, gradient, largest_shard, local,
+                                              register_optimizer)
 from torchtitan.components.optimizers.adam_direction import adam_direction
 from torchtitan.config.job_config import Optimizer as OptimizerConfig
 from torchtitan.errors import UserError
@@ -194,6 +195,11 @@ class Muon(torch.optim.Optimizer):
             spread_dims = [d for d, placement in enumerate(members[0][0].placements)
                            if self.spread_over_replicas or isinstance(placement, Shard)]
             ranks = math.prod(mesh.shape[d] for d in spread_dims)
+            if ranks == 1:  # replicated only (DDP): every rank orthogonalises every matrix, nothing to exchange
+                for param, group in members:
+                    self._apply_update(param, group, newton_schulz(self._direction(param, group), group["ns_steps"],
+                                                                   self._dtype(local(param).device)))
+                continue
             # Shard(2) on the spread dimensions gives rank (i, j, ...) the stack's chunks in row-major order.
             coordinate = mesh.get_coordinate()
             me = sum(coordinate[d] * math.prod(mesh.shape[e] for e in spread_dims if e > d) for d in spread_dims)
@@ -270,7 +276,49 @@ def state_bytes(shape: tuple[int, ...], local_shape: tuple[float, ...], config: 
     return (4 if matrix_method else 8) * math.prod(local_shape)
 
 
-@register_optimizer("Muon", state_bytes=state_bytes, needs_matrices=True, options=MuonOptions)
+def newton_schulz_bytes(shape: tuple[int, ...], element: int) -> float:
+    """What `newton_schulz` holds at once for one m x n matrix, by reading, in the iteration's dtype: the iterate
+    with the Gram matrix and the three k x k terms of the polynomial (k the smaller side), or the iterate, the
+    polynomial's product with it, its multiple and their sum (m x n each) beside the Gram matrix."""
+    m, n = shape[-2:]
+    k = min(m, n)
+    return element * max(m * n + 4 * k * k, 4 * m * n + k * k)
+
+
+def step_bytes(tensors: list[RankTensor], config: OptimizerConfig, layout: StepLayout) -> float:
+    """Muon's step at its peak (tests/unit/test_estimate_memory.py checks it against the dry run's trace):
+
+    - AdamW's groups, tensor by tensor: adam_direction's three temporaries of the shard (fp32), while the previous
+      tensor's direction is still bound: 16 bytes per value of the largest shard;
+    - each kind of matrix (shape and layout), one at a time: its stack, `width` = ceil(matrices / ranks) slots per
+      spreading rank, in the iteration's dtype. Each exchange holds three copies of what the rank holds (the input,
+      the all-to-all's contiguous send buffer and its receive buffer, or the received buffer made contiguous: torch's
+      `_dtensor::shard_dim_alltoall` on GPUs); between them the rank's share (width whole matrices) and one matrix's
+      Newton-Schulz temporaries; last, per matrix, an fp32 update of the shard. Where a kind has fewer matrices than
+      ranks a rank stacks a whole matrix (width 1): at 8B on 512 ranks a w1's stack is 64 times its momentum shard.
+    Without spreading (one process, or DDP's replicas) each matrix is orthogonalised whole, one at a time: its fp32
+    Nesterov momentum and Newton-Schulz's temporaries."""
+    element = 4 if layout.device_type == "cpu" else 2
+    ranks = layout.shard_ranks * (layout.replicas if config.muon.spread_over_replicas else 1)
+    peak = 16 * largest_shard([t for t in tensors if not t.matrix_method])
+    kinds: dict = {}
+    for t in tensors:
+        if t.matrix_method:
+            kinds.setdefault((t.shape, t.layout), []).append(t)
+    for (shape, _), members in kinds.items():
+        whole = math.prod(shape)
+        if ranks == 1:
+            peak = max(peak, 4 * whole + newton_schulz_bytes(shape, element))
+            continue
+        width = -(-len(members) // ranks)
+        sent = element * width * ranks * math.prod(members[0].local_shape)  # the stack before the exchange
+        share = element * width * whole
+        update = 4 * math.prod(members[0].local_shape)
+        peak = max(peak, 3 * sent, share + newton_schulz_bytes(shape, element), 3 * share, sent + update)
+    return peak
+
+
+@register_optimizer("Muon", state_bytes=state_bytes, step_bytes=step_bytes, needs_matrices=True, options=MuonOptions)
 def build_muon(groups: list[dict], config: OptimizerConfig, context: BuildContext) -> torch.optim.Optimizer:
     options = config.muon
     if not 0 <= options.momentum < 1:

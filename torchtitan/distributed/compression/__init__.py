@@ -32,11 +32,14 @@ from torchtitan.errors import UserError
 class GradientMethod:
     """One `comm.gradient_compression` method: its rounding, the compensation state it keeps per FSDP module (None:
     none), and that state's bytes per value of the module's unsharded gradient, on every rank (what memory
-    predictions add: the state covers everything a rank sends, so it is not divided by the FSDP degree), and the
-    dataclass of its own options ([comm.<options.TABLE>], read as `comm.<TABLE>`; None: it has none)."""
+    predictions add: the state covers everything a rank sends, so it is not divided by the FSDP degree), what its
+    reduce-scatter holds at its peak per value of the module's unsharded gradient by gradient_bits, beyond FSDP's
+    input buffer and with the module's new (staged) state, and the dataclass of its own options
+    ([comm.<options.TABLE>], read as `comm.<TABLE>`; None: it has none)."""
     stochastic: bool
     compensation: Callable[[Comm, list[int]], ErrorFeedback | LoCo] | None
     state_bytes_per_value: float
+    reduction_bytes_per_value: dict[int, float]
     options: type | None = None
 
 
@@ -45,11 +48,17 @@ GRADIENT_COMPRESSION: dict[str, GradientMethod] = {
                            compensation=lambda comm, segments: LoCo(comm.loco.beta, comm.loco.reset_interval,
                                                                     segments),
                            # 8-bit codes and one bfloat16 scale per block
-                           state_bytes_per_value=LOCO_ERROR_BITS / 8 + 2 / BLOCK, options=LoCoOptions),
+                           state_bytes_per_value=LOCO_ERROR_BITS / 8 + 2 / BLOCK,
+                           reduction_bytes_per_value={4: 19.6, 8: 20.1}, options=LoCoOptions),
     "error_feedback": GradientMethod(stochastic=False, compensation=lambda comm, segments: ErrorFeedback(),
-                                     state_bytes_per_value=4.0),
-    "qsdp": GradientMethod(stochastic=True, compensation=None, state_bytes_per_value=0.0),
+                                     state_bytes_per_value=4.0, reduction_bytes_per_value={4: 21.1, 8: 22.1}),
+    "qsdp": GradientMethod(stochastic=True, compensation=None, state_bytes_per_value=0.0,
+                           reduction_bytes_per_value={4: 20.1, 8: 20.1}),
 }
+"""The reductions' bytes, by reading `CompressedReduceScatter.__call__` and measured with torch's MemTracker on 2 to
+8 ranks (tests/unit/test_compression.py keeps them true): the compensated rows, the quantizer's codes and restored
+values, the new state, the payload sent and the one received, and the decoded rows (fp32 each, 4 bytes per value);
+QSDP's stochastic rounding holds its int64 hashes where the others hold a state."""
 
 
 def method_options() -> dict[str, type]:
@@ -63,6 +72,30 @@ def compensation_bytes_per_value(config: JobConfig) -> float:
     keeps between steps: 0 without one."""
     method = GRADIENT_COMPRESSION.get(config.comm.gradient_compression)
     return method.state_bytes_per_value if method else 0.0
+
+
+# What encoding a row holds at its peak per value (fp32): the rows' absolute values or the codes, the restored
+# values, QSDP's hashes; measured as the reductions' (a QSDP reduction holds 20 bytes per value beyond its input).
+QUANTIZE_BYTES_PER_VALUE = 20.0
+
+
+def weight_code_bytes_per_value(config: JobConfig) -> float:
+    """Bytes per value of a rank's parameter shard that QSDP's weight all-gather keeps as codes between a module's
+    first gather of a step and the optimizer step: 0 without it."""
+    if config.comm.weight_quantization != "qsdp":
+        return 0.0
+    return config.comm.weight_bits / 8 + 2 / BLOCK
+
+
+def reduction_bytes_per_value(config: JobConfig) -> float:
+    """Bytes per value of a module's unsharded (local) gradient that the configured gradient compression's
+    reduce-scatter holds at its peak beyond FSDP's input buffer (its new state included; a reduce dtype below fp32
+    adds the rows' fp32 copy): 0 without one."""
+    method = GRADIENT_COMPRESSION.get(config.comm.gradient_compression)
+    if method is None:
+        return 0.0
+    upcast = 4.0 if config.training.mixed_precision_reduce != "float32" else 0.0
+    return method.reduction_bytes_per_value[config.comm.gradient_bits] + upcast
 
 
 def validate_compression(config: JobConfig) -> None:
@@ -228,8 +261,16 @@ class CompressionState(Stateful):
     def __bool__(self) -> bool:
         return bool(self.entries)
 
+    def tensors(self) -> list[torch.Tensor]:
+        """The compensation state held now (committed, and staged by this step's reductions)."""
+        return [t for comm, _, _ in self.entries for t in comm.compensation.held() if t is not None]
+
+    def state_bytes(self) -> int:
+        """Bytes of compensation state this rank holds now."""
+        return sum(t.numel() * t.element_size() for t in self.tensors())
+
     def commit(self) -> None:
-        """The optimizer applied the step's gradients: what their reductions staged becomes the state."""
+        """The step's gradients will be applied: what their reductions staged becomes the state."""
         for comm, _, _ in self.entries:
             comm.compensation.commit()
 

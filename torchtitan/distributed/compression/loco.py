@@ -96,6 +96,10 @@ class _StagedCompensation:
             self._adopt = False
         return self._staged if self._staged is not None else self._start()
 
+    def held(self) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        """The committed and the staged state (None where there is none)."""
+        return self._committed, self._staged
+
     def commit(self) -> None:
         if self._staged is not None:
             self._committed, self._staged = self._staged, None
