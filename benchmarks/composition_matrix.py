@@ -229,7 +229,8 @@ def _launch(cell: Cell, folder: Path, timeout: int) -> subprocess.CompletedProce
     elif cell.nproc == 1 or cell.dry_run:
         cmd = [sys.executable, *trainer]
     else:
-        cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={cell.nproc}",
+        # torchtitan.launch: torchrun, with the first failed worker's exit code (2 for a refusal) as its own.
+        cmd = [sys.executable, "-m", "torchtitan.launch", f"--nproc_per_node={cell.nproc}",
                "--rdzv-backend=c10d", "--rdzv-endpoint=localhost:0", *trainer]
     with subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                           start_new_session=True) as proc:
@@ -250,7 +251,8 @@ def _losses(folder: Path) -> list[float]:
     by_step = {}
     for path in filter(Path.exists, paths):
         rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
-        by_step.update({row["step"]: row["loss"] for row in rows if "loss" in row})
+        # The metrics file writes a non-finite value as a string ("nan"), which float() reads back.
+        by_step.update({row["step"]: float(row["loss"]) for row in rows if "loss" in row})
     return [by_step[step] for step in sorted(by_step)]
 
 

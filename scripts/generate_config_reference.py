@@ -17,7 +17,8 @@ REPO = Path(__file__).resolve().parent.parent
 # Running `python scripts/generate_config_reference.py` puts scripts/ first on sys.path, not the checkout.
 sys.path.insert(0, str(REPO))
 
-from torchtitan.config.manager import _toml_value, option_specs, type_name  # noqa: E402
+from torchtitan.config.options import option_specs, type_name  # noqa: E402
+from torchtitan.config.toml_write import _toml_value  # noqa: E402
 
 OUTPUT = REPO / "docs" / "config_reference.md"
 

@@ -124,7 +124,7 @@ def run(config: JobConfig, trainer_class: type) -> dict:
     rank, world_size = resolve_world(config)
     if not config.comm.fake_tensors:
         return _measure_rank(_without_files(config, world_size), trainer_class, rank, world_size, start)
-    if torch_compat.RELEASE < (2, 13):
+    if torch_compat.release() < (2, 13):
         # Measured: 8B on 8 GPUs (FSDP 8) traced 111.5 GiB of optimizer state on torch 2.11, 7.5 GiB (two fp32 moments
         # of a 3.74 GiB shard) on 2.13 and 2.14, and an out-of-memory verdict that a real run would not meet.
         raise UserError(f"option comm.fake_tensors: the dry run's memory accounting on fake tensors needs torch 2.13 "

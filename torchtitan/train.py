@@ -176,7 +176,8 @@ class Trainer:
         self.preempted = False
         self.left_quorum = False
         self.fault_tolerance = setup_fault_tolerance(config.fault_tolerance, {
-            "model": self.checkpointer.model, "optimizer": self.optimizers, "lr_scheduler": self.lr_schedulers,
+            "model": self.checkpointer.model, "optimizer": self.optimizers.replica_group_view(),
+            "lr_scheduler": self.lr_schedulers,
             "dataloader": self.dataloader, "train_state": self.train_state}, dict(os.environ), self.model_parts)
         if self.fault_tolerance is not None:
             self.checkpointer.diloco = self.fault_tolerance.diloco_state

@@ -1,13 +1,23 @@
-"""Run a test's `worker(rank, out_dir)` as forked processes and collect what each rank saved."""
+"""Run a test's `worker(rank, out_dir)` as ranks forked from a clean server process and collect what each rank saved.
 
-import gc
+The ranks are forked from multiprocessing's fork server, never from the test process: a spawned rank would import
+torch again (seconds each on two cores), and a rank forked from the test process inherits whatever earlier tests left
+there. On torch 2.14 that includes autograd's device threads once anything ran a compiled backward ("Unable to
+handle autograd's threading in combination with fork-based multiprocessing" at the rank's first backward), a gloo
+group waiting for the garbage collector (whose destructor waits forever for threads the fork did not copy), and
+DTensor's sharding-propagation caches (tests/unit/test_forked_ranks.py). The server imports torch and the trainer
+once, before any test runs in it, and forks every rank from that state.
+"""
+
+import multiprocessing
 import time
 from pathlib import Path
 
 import pytest
 import torch
 import torch.multiprocessing as mp
-from torch.distributed.tensor.debug import _clear_sharding_prop_cache
+
+multiprocessing.set_forkserver_preload(["torch", "torch.distributed", "torchtitan.train"])
 
 
 def run_ranks(worker, out_dir: Path, nprocs: int, timeout_s: float, what: str) -> list[dict]:
@@ -18,14 +28,9 @@ def run_ranks(worker, out_dir: Path, nprocs: int, timeout_s: float, what: str) -
 
 
 def join_forked(worker, args: tuple, nprocs: int, timeout_s: float, what: str) -> None:
-    """Fork `nprocs` ranks of `worker(rank, *args)` (forked, not spawned: a spawned process would import torch
-    again, seconds each on two cores) and wait for them; fails the test, killing them, after `timeout_s`."""
-    # Objects that earlier tests left for the garbage collector (a gloo process group among them) are destroyed
-    # here, where their threads run: a forked child has none of those threads, and a gloo group's destructor
-    # collected there waits for them forever.
-    gc.collect()
-    workers = mp.start_processes(_without_inherited_garbage, args=(worker, *args), nprocs=nprocs, join=False,
-                                 start_method="fork")
+    """Fork `nprocs` ranks of `worker(rank, *args)` from the fork server and wait for them; fails the test, killing
+    them, after `timeout_s`. `worker` and `args` are pickled: a function of a test module, plain values."""
+    workers = mp.start_processes(worker, args=args, nprocs=nprocs, join=False, start_method="forkserver")
     deadline = time.monotonic() + timeout_s
     while not workers.join(timeout=1):
         if time.monotonic() > deadline:
@@ -33,14 +38,3 @@ def join_forked(worker, args: tuple, nprocs: int, timeout_s: float, what: str) -
                 process.kill()
             pytest.fail(f"{what} still running after {timeout_s:.0f} s")
 
-
-def _without_inherited_garbage(rank: int, worker, *args) -> None:
-    """Run the worker with what the parent held out of the child's garbage collection (see join_forked), and with
-    none of the parent's DTensor sharding propagations."""
-    gc.freeze()
-    # torch's sharding-propagation caches (its C++ fast path's and the Python one) hand back an earlier op's output
-    # spec, mesh object included, whenever the input meshes compare equal, and DeviceMesh equality ignores the rank
-    # and the process group. An entry the parent made under a fake world (test_parallelize's tensor-parallel tests)
-    # would put this rank's results on the parent's mesh, rank 0's on every rank (test_forked_ranks).
-    _clear_sharding_prop_cache()
-    worker(rank, *args)

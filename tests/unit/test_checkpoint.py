@@ -34,6 +34,7 @@ from scripts import convert_checkpoint
 from tests.unit.forked_ranks import join_forked
 from torchtitan.components.checkpoint import integrity as checkpoint_integrity
 from torchtitan.components.checkpoint import manager as manager_module
+from torchtitan.components.checkpoint import resume as resume_module
 from torchtitan.components.checkpoint import (CHECKSUMS_FILE, CheckpointManager, TrainState, complete_steps,
                                               read_full_checkpoint, read_full_model, read_metadata)
 from torchtitan.components.lr_scheduler import LRSchedulersContainer
@@ -907,11 +908,11 @@ def disagreeing_listing_worker(rank: int, world_size: int, tmp: str) -> None:
     try:
         c = build_components(seed=0)
         save_steps(make_manager(Path(tmp), c, interval=2), c, range(1, 5))
-        listing = manager_module.complete_steps
+        listing = resume_module.complete_steps
         # Rank 1's view of the shared folder differs from rank 0's: first it shows a step-6 that rank 0 does not
         # list, then it lags behind, without step-4.
         for seen_by_rank1 in ([2, 4, 6], [2]):
-            manager_module.complete_steps = (lambda folder: seen_by_rank1) if rank == 1 else listing
+            resume_module.complete_steps = (lambda folder: seen_by_rank1) if rank == 1 else listing
             resumed = build_components(seed=1)
             manager = make_manager(Path(tmp), resumed)
             if 4 in seen_by_rank1:
@@ -920,7 +921,7 @@ def disagreeing_listing_worker(rank: int, world_size: int, tmp: str) -> None:
                 with pytest.raises(UserError, match=r"rank 0 resumes from checkpoint step-4 in .*ckpt, which "
                                                     r"rank\(s\) 1 cannot see there"):
                     manager.load()
-        manager_module.complete_steps = listing
+        resume_module.complete_steps = listing
     finally:
         dist.destroy_process_group()
 

@@ -15,10 +15,10 @@ from torch.distributed.fsdp._fully_shard._fsdp_api import AllGather
 
 from tests.unit.forked_ranks import run_ranks
 from torchtitan.components.checkpoint import read_metadata
-from torchtitan.components.checkpoint.manager import exact_where_it_fits
+from torchtitan.components.checkpoint.loading import exact_where_it_fits
 from torchtitan.config.compatibility import check_composition, setup_of
 from torchtitan.config.job_config import JobConfig
-from torchtitan.config.manager import get_option
+from torchtitan.config.options import get_option
 from torchtitan.distributed.compression import (EXACT, CompressionState, _param_groups, apply_compression,
                                                 compensation_state_bytes, compression_stats,
                                                 require_compensation_fits, validate_compression)
@@ -656,3 +656,23 @@ def test_parameter_groups_of_torch_before_2_13():
     assert fsdp_param_groups(module(_fsdp_param_groups=[group])) == [group]
     assert fsdp_param_groups(module(_fsdp_param_group=group)) == [group]
     assert fsdp_param_groups(module(_fsdp_param_group=None)) == []
+
+
+def test_a_healing_peer_gets_the_optimizer_state_without_the_compensation_state():
+    """torchft's checkpoint server (a thread beside the training loop) serves a replica group's state to a peer that
+    heals: the compensation state, whose saving runs collectives of the sending group and which is that group's own
+    history, stays out of it, and the healed group starts without compensation."""
+    from types import SimpleNamespace
+
+    from torchtitan.components.optimizer import OptimizersContainer
+
+    calls = []
+    container = SimpleNamespace(
+        _optimizer_state_dict=lambda: {"state.w.exp_avg": 1},
+        _load_optimizer_state_dict=lambda state: calls.append(("load", state)),
+        compression=SimpleNamespace(state_dict=lambda: calls.append("compression collectives"),
+                                    clear=lambda: calls.append("clear")))
+    view = OptimizersContainer.replica_group_view(container)
+    assert view.state_dict() == {"state.w.exp_avg": 1}
+    view.load_state_dict({"state.w.exp_avg": 2})
+    assert calls == [("load", {"state.w.exp_avg": 2}), "clear"]

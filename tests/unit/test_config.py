@@ -7,8 +7,8 @@ from pathlib import Path
 import pytest
 
 from torchtitan.config import JobConfig, parse_args, save_config, to_toml, validation_shape
-from torchtitan.config import manager
-from torchtitan.config.manager import get_option, option_specs
+from torchtitan.config import option_names
+from torchtitan.config.options import get_option, option_specs
 from torchtitan.errors import UserError
 
 REPO = Path(__file__).resolve().parents[2]
@@ -526,7 +526,7 @@ def test_print_config_is_off_by_default():
 ])
 def test_print_args_is_an_alias_of_print_config(argv, expected, monkeypatch):
     warnings = []
-    monkeypatch.setattr(manager, "warn_once", warnings.append)
+    monkeypatch.setattr(option_names, "warn_once", warnings.append)
     assert parse_args(argv).job.print_config is expected
     assert warnings == ["command line: option job.print_args is deprecated; it is now job.print_config "
                         "(TorchTitan v0.2 naming)"]
@@ -691,7 +691,7 @@ def test_method_options_by_their_table_in_toml_and_on_the_command_line(tmp_path)
 ])
 def test_old_flat_method_options_still_work_with_one_deprecation_line(argv, where, tmp_path, monkeypatch):
     warnings = []
-    monkeypatch.setattr(manager, "warn_once", warnings.append)
+    monkeypatch.setattr(option_names, "warn_once", warnings.append)
     if argv is None:
         path = write_toml(tmp_path, "[optimizer]\nmuon_ns_steps = 3\n")
         argv, where = ["--job.config_file", path], f"config file {path}"
@@ -702,7 +702,7 @@ def test_old_flat_method_options_still_work_with_one_deprecation_line(argv, wher
 
 
 def test_every_old_flat_method_option_names_its_table_option():
-    old = {key: new for key, (new, _) in manager.deprecated_aliases().items() if key != "job.print_args"}
+    old = {key: new for key, (new, _) in option_names.deprecated_aliases().items() if key != "job.print_args"}
     assert {"optimizer.demo_chunk_size": "optimizer.flexdemo.chunk_size", "optimizer.galore_rank": "optimizer.galore.rank",
             "optimizer.ranger_agc_clip": "optimizer.ranger21.agc_clip", "comm.loco_beta": "comm.loco.beta",
             "optimizer.muon_momentum": "optimizer.muon.momentum"}.items() <= old.items()

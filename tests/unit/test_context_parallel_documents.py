@@ -175,8 +175,8 @@ def test_block_causal_with_context_parallelism_options():
 
     block_causal_cp = ["--model.attention_mask", "block_causal", "--parallelism.context_parallel_degree", "2"]
     assert parse_args([*block_causal_cp, "--model.document_positions"]).parallelism.context_parallel_degree == 2
-    with pytest.raises(UserError, match="context_parallel_rotate_method: 'alltoall' does not work with "
-                                        "model.attention_mask = 'block_causal'.*use 'allgather'"):
+    with pytest.raises(UserError, match="model.attention_mask = 'block_causal': does not compose with "
+                                        "parallelism.context_parallel_rotate_method = 'alltoall'.*'allgather'"):
         parse_args([*block_causal_cp, "--parallelism.context_parallel_rotate_method", "alltoall"])
 
 

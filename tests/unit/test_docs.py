@@ -1,7 +1,7 @@
 """docs/config_reference.md is generated from the config dataclasses and must be regenerated when they change."""
 
 from scripts import generate_config_reference
-from torchtitan.config.manager import option_specs
+from torchtitan.config.options import option_specs
 
 
 def test_config_reference_is_up_to_date():

@@ -149,7 +149,7 @@ def test_importing_the_trainer_loads_no_compiler():
 def test_an_earlier_flexdemo_checkpoint_is_refused_with_one_clear_error():
     """Checkpoints of FlexDeMo before DeMo's step hold `momentum` (gradient units), not DeMo's lr-scaled `delta`:
     loading names the key and why, instead of DCP's "missing key" of a corrupt checkpoint."""
-    from torchtitan.components.checkpoint.manager import require_saved_optimizer_state
+    from torchtitan.components.checkpoint.loading import require_saved_optimizer_state
     from torchtitan.errors import UserError
 
     template = {"state.layers.0.attention.wq.weight.delta": torch.zeros(2),

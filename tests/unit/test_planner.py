@@ -362,12 +362,14 @@ def partitioned_graphs(module, *inputs) -> dict:
 
 
 def test_compiled_float8_backward_recasts_the_weight_with_the_forwards_maximum():
-    """What float8_weight_bytes counts for a compiled block: torch's partitioner (the one inductor uses) saves the
-    forward's absolute maximum of the weight, a scalar, and the backward casts the bf16 weight again from it: one
-    cast of a weight-sized tensor to float8 and no reduction over the weight."""
+    """What float8_weight_bytes counts for a compiled block: torch's partitioner (the one inductor uses) casts the
+    bf16 weight to float8 again in backward, once; torch 2.13's from the forward's absolute maximum (a saved scalar,
+    no reduction over the weight), torch 2.14's after computing that maximum again (one reduction)."""
     import torch
     from torch import nn
     from torchao.float8 import Float8LinearConfig, convert_to_float8_training
+
+    from torchtitan.distributed.torch_compat import partitioner_recomputes_reductions
 
     model = nn.Sequential(nn.Linear(64, 128, bias=False)).to(torch.bfloat16)
     convert_to_float8_training(model, config=Float8LinearConfig(emulate=True))
@@ -386,7 +388,9 @@ def test_compiled_float8_backward_recasts_the_weight_with_the_forwards_maximum()
 
     reduce = torch.ops.aten.max.default
     assert len(on_weight(graphs["forward"], reduce)) == 1 and len(float8_casts(graphs["forward"])) == 1
-    assert on_weight(graphs["backward"], reduce) == [] and len(float8_casts(graphs["backward"])) == 1
+    backward_reductions = 1 if partitioner_recomputes_reductions() else 0
+    assert len(on_weight(graphs["backward"], reduce)) == backward_reductions
+    assert len(float8_casts(graphs["backward"])) == 1
 
 
 def test_full_ac_runs_every_linear_again_but_the_last_as_the_planner_counts():

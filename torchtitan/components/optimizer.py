@@ -61,6 +61,14 @@ class OptimizersContainer(Stateful):
             optimizer.zero_grad(set_to_none=True)
         self.compression.discard()
 
+    def replica_group_view(self) -> Stateful:
+        """The state a replica group sends a peer that heals from it (fault_tolerance.py): the optimizers' state
+        without the compensation state of compressed reductions. That state is the sending group's own history (each
+        group reduce-scatters within itself, and a group's residuals are owed to its own next gradients), and saving it
+        runs collectives of the sending group, which torchft's checkpoint server, a thread beside the training loop,
+        must not issue. The healed group starts without compensation, as a run does at its first step."""
+        return _WithoutCompensation(self)
+
     def state_dict(self) -> dict:
         """Reads the state, never changes it: a run that saves trains exactly as one that does not.
 
@@ -68,22 +76,29 @@ class OptimizersContainer(Stateful):
         momenta) is also saved verbatim per replica, as `exact.<parameter>.<state><replica suffix>`: a resume into
         the same number of replicas restores it bit for bit; any other layout loads what the optimizer's own
         state_dict() saves (FlexDeMo: the replicas' mean)."""
-        state: dict = {}
-        for model, optimizer in zip(self.model_parts, self.optimizers):
-            state.update(get_optimizer_state_dict(model, optimizer, options=self._options))
-            state.update({self._exact_key(fqn, name): value
-                          for fqn, name, value in self._replica_state(model, optimizer)})
+        state = self._optimizer_state_dict()
         if self.compression:
             state.update({k if k.startswith(EXACT) else _COMPRESSION + k: v
                           for k, v in self.compression.state_dict().items()})
         return state
 
+    def _optimizer_state_dict(self) -> dict:
+        state: dict = {}
+        for model, optimizer in zip(self.model_parts, self.optimizers):
+            state.update(get_optimizer_state_dict(model, optimizer, options=self._options))
+            state.update({self._exact_key(fqn, name): value
+                          for fqn, name, value in self._replica_state(model, optimizer)})
+        return state
+
     def load_state_dict(self, state_dict: dict) -> None:
-        """`state_dict` may lack the `exact.` entries (checkpoint.manager loads them only into the layout they were
+        """`state_dict` may lack the `exact.` entries (checkpoint/loading.py loads them only into the layout they were
         saved from)."""
         if self.compression:
             self.compression.load_state_dict({k.removeprefix(_COMPRESSION): v for k, v in state_dict.items()
                                               if k.startswith((_COMPRESSION, EXACT))})
+        self._load_optimizer_state_dict(state_dict)
+
+    def _load_optimizer_state_dict(self, state_dict: dict) -> None:
         optimizer_state = {k: v for k, v in state_dict.items()
                            if not k.startswith(_COMPRESSION) and not k.startswith(EXACT)}
         for model, optimizer in zip(self.model_parts, self.optimizers):
@@ -123,3 +138,17 @@ def build_optimizers(model_parts: list[nn.Module], config: OptimizerConfig,
     """`replicate_group`: the ranks holding the same shard in other replicas (FlexDeMo exchanges over it);
     `device_type`: the device whose code paths the run takes (a dry run's target; None: the parameters')."""
     return OptimizersContainer(model_parts, config, replicate_group, device_type)
+
+
+class _WithoutCompensation(Stateful):
+    """OptimizersContainer.replica_group_view()."""
+
+    def __init__(self, container: OptimizersContainer):
+        self.container = container
+
+    def state_dict(self) -> dict:
+        return self.container._optimizer_state_dict()
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        self.container._load_optimizer_state_dict(state_dict)
+        self.container.compression.clear()

@@ -11,7 +11,7 @@ space to hold that claim (each cell trains with finite losses, or this table ref
     over all data-parallel ranks (data_parallel_replicate_degree = 1), or exchange across replicas with FlexDeMo
 
 What a single option's value must be (a positive degree, a divisible sequence) is checked where the option is read
-(config/manager.py, the parallelize and pipeline plans); only pairs live here. A method registered in a registry
+(config/validation.py, the parallelize and pipeline plans); only pairs live here. A method registered in a registry
 (an optimizer, a gradient compression) declares its own refusals beside its implementation (`MethodRefusal`), and
 `refusals()` collects them, so adding a method edits nothing here.
 """
@@ -232,7 +232,11 @@ def check_options(config: Any) -> None:
     """The refusals that the options alone decide (neither feature depends on the layout or the device), when the
     options are read: a mistake in a config file fails before any process starts."""
     every = features()
-    setup = Setup(config, 1, 1, 1, 1, 1, device_type="")
+    degrees = config.parallelism
+    # A degree of -1 (the ranks left over) is known only at start-up; the features that read it are layout ones.
+    setup = Setup(config, degrees.data_parallel_replicate_degree, max(degrees.data_parallel_shard_degree, 1),
+                  degrees.context_parallel_degree, degrees.tensor_parallel_degree,
+                  degrees.pipeline_parallel_degree, device_type="")
     active = {name for name, feature in every.items() if not feature.layout and feature.on(setup)}
     for refusal in refusals():
         if refusal.first in active and refusal.second in active:

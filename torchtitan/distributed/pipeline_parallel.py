@@ -95,7 +95,7 @@ def plan_pipeline(model: nn.Module, pp_degree: int, config: JobConfig) -> Pipeli
     if not csv_path:
         _check_microbatches(n_microbatches, name, pp_degree, num_stages)
     validation_batch_size, validation_seq_len = validation_shape(config)
-    if config.validation.enable and not torch_compat.PIPELINE_SHAPES_PER_MODE and \
+    if config.validation.enable and not torch_compat.pipeline_shapes_per_mode() and \
             (validation_batch_size, validation_seq_len) != (config.training.local_batch_size, config.training.seq_len):
         raise UserError(f"options validation.local_batch_size / validation.seq_len: under pipeline parallelism torch "
                         f"{torch.__version__} learns the stages' shapes once (2.13 and later learn them again for "
@@ -208,7 +208,7 @@ def pipeline_llama(model: nn.Module, world_mesh: DeviceMesh, parallel_dims: Para
     pp_mesh = world_mesh["pp"]
     pp_rank, pp_degree = pp_mesh.get_local_rank(), pp_mesh.size()
     plan = plan_pipeline(model, pp_degree, config)
-    if plan.v_shaped and torch_compat.RELEASE < (2, 13) and dist.get_backend(pp_mesh.get_group()) == "gloo":
+    if plan.v_shaped and torch_compat.release() < (2, 13) and dist.get_backend(pp_mesh.get_group()) == "gloo":
         # Measured on torch 2.11: "Pair is not connected" at the first step, for ZBVZeroBubble and DualPipeV alike.
         raise UserError(f"option {SCHEDULE_OPTION}: {plan.schedule_name} runs two stages per rank that exchange with "
                         f"the same neighbour both ways, which gloo's point-to-point set-up fails on torch "

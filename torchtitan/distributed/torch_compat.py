@@ -33,16 +33,26 @@ TESTED_TORCH = ("2.11", "2.13", "2.14")
 """The torch releases the test suite runs on (CI: the full suite on the README's, a smoke set on the other)."""
 
 
-RELEASE = tuple(int(part) for part in torch.__version__.split("+")[0].split(".")[:2])
+def release() -> tuple[int, int]:
+    """This torch's (major, minor) release."""
+    return tuple(int(part) for part in torch.__version__.split("+")[0].split(".")[:2])
 
-PIPELINE_SHAPES_PER_MODE = RELEASE >= (2, 13)
-"""torch 2.13's pipeline schedules infer the stages' shapes again when switching between training and evaluation;
-earlier ones infer them once."""
+
+def pipeline_shapes_per_mode() -> bool:
+    """torch 2.13's pipeline schedules infer the stages' shapes again when switching between training and
+    evaluation; earlier ones infer them once."""
+    return release() >= (2, 13)
+
+
+def partitioner_recomputes_reductions() -> bool:
+    """torch 2.14's min-cut partitioner recomputes a compiled forward's reductions in backward (a Float8 weight's
+    absolute maximum); 2.13's saves them (tests/unit/test_planner.py reads the graphs)."""
+    return release() >= (2, 14)
 
 
 def untested_torch() -> str | None:
     """A warning line when this torch is not a tested release (None when it is)."""
-    if ".".join(map(str, RELEASE)) in TESTED_TORCH:
+    if ".".join(map(str, release())) in TESTED_TORCH:
         return None
     return (f"torch {torch.__version__} is not a tested release (tested: {', '.join(TESTED_TORCH)}): a feature whose "
             f"private torch names it lacks is refused at start-up; other differences are untested")

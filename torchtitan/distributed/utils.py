@@ -18,7 +18,7 @@ from torch.distributed.tensor import DTensor, distribute_tensor
 from torchtitan.distributed import torch_compat
 from torchtitan.distributed.fake import init_fake_process_group
 from torchtitan.errors import UserError
-from torchtitan.models.llama3.model import parameter_generator
+from torchtitan.models.llama3.model import Initializer, parameter_generator
 from torchtitan.tools.logging import logger, warn_once
 
 
@@ -225,13 +225,20 @@ def init_model_weights(model: nn.Module, seed: int, device: torch.device) -> Non
     only its local slice. The transient full tensor costs one parameter's memory at a time.
     """
     for name, param, initializer in model.parameter_initializers():
-        if isinstance(param, DTensor):
-            full = torch.empty(param.shape, dtype=param.dtype, device=device)
-            initializer(full, parameter_generator(seed, name, device))
-            local = distribute_tensor(full, param.device_mesh, param.placements, src_data_rank=None).to_local()
-            param.to_local().copy_(local)
-        else:
-            initializer(param, parameter_generator(seed, name, device))
+        init_parameter(name, param, initializer, seed, device)
+
+
+@torch.no_grad()
+def init_parameter(name: str, param: torch.Tensor, initializer: Initializer, seed: int,
+                   device: torch.device) -> None:
+    """One parameter of init_model_weights: drawn whole on `device`; a DTensor keeps its local slice."""
+    if isinstance(param, DTensor):
+        full = torch.empty(param.shape, dtype=param.dtype, device=device)
+        initializer(full, parameter_generator(seed, name, device))
+        local = distribute_tensor(full, param.device_mesh, param.placements, src_data_rank=None).to_local()
+        param.to_local().copy_(local)
+    else:
+        initializer(param, parameter_generator(seed, name, device))
 
 
 def materialize_model(model: nn.Module, device: torch.device, cpu_offload: bool) -> None:

@@ -75,6 +75,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from torchtitan.distributed.torch_compat import partitioner_recomputes_reductions
 from torchtitan.errors import UserError
 from torchtitan.models.llama3.args import TransformerModelArgs
 from torchtitan.planner import pipeline_schedule
@@ -341,9 +342,10 @@ def float8_weight_bytes(weights: float, rerun_weights: float, recast_weights: fl
       (source 4 bytes) or the gathered bf16 weight with FSDP's bf16 all-gather (2): its absolute maximum (a
       reduction, one read) and the cast (one read, 1 byte written). The backward's input-gradient product needs
       the weight cast again, column-major. Eager, torchao casts it again in full and copies the cast transposed
-      (2). Compiled, the partitioner keeps the forward's absolute maximum (it does not recompute reductions) and
-      recomputes the cast in the layout the product wants: one read and 1 byte written, nothing else (the
-      partitioner's graphs of a compiled Float8Linear: tests/unit/test_planner.py). A product per-op AC runs again
+      (2). Compiled, torch 2.13's partitioner keeps the forward's absolute maximum (it does not recompute
+      reductions) and recomputes the cast in the layout the product wants: one read and 1 byte written, nothing
+      else; torch 2.14's recomputes the maximum too (one read more). The partitioner's graphs of a compiled
+      Float8Linear: tests/unit/test_planner.py. A product per-op AC runs again
       casts with the saved maximum: one read, 1 byte written. Without FSDP autocast makes no bf16 copy of these
       weights, so parameter_traffic_bytes' forward cast (4 + 2) is taken back."""
     if shard > 1 and gathered:
@@ -351,7 +353,10 @@ def float8_weight_bytes(weights: float, rerun_weights: float, recast_weights: fl
         return weights / shard * shard_bytes + microbatches * weights * 2
     source = 2 if shard > 1 else 4
     forward = 2 * source + 1
-    backward = source + 1 if compiled else forward + 2
+    if compiled:
+        backward = forward if partitioner_recomputes_reductions() else source + 1
+    else:
+        backward = forward + 2
     autocast_copy = 0 if shard > 1 else 4 + 2
     return microbatches * (weights * (forward + backward - autocast_copy) + rerun_weights * forward
                            + recast_weights * (source + 1))

@@ -59,12 +59,14 @@ rest as initialised).
 """
 
 from torchtitan.components.checkpoint.integrity import CHECKSUMS_FILE, verify_checkpoint
-from torchtitan.components.checkpoint.manager import (ASYNC_MODES, EXPORT_DTYPES, INCOMPLETE_SUFFIX, LOADABLE_PARTS,
-                                                      MODEL_FILE, CheckpointManager, ModelWrapper, RNGState,
-                                                      TrainState, check_model_shape, complete_steps,
-                                                      read_full_checkpoint, read_full_model, validate_config)
+from torchtitan.components.checkpoint.layout import INCOMPLETE_SUFFIX, complete_steps
+from torchtitan.components.checkpoint.manager import CheckpointManager
+from torchtitan.components.checkpoint.model_shape import MODEL_FILE, check_model_shape
+from torchtitan.components.checkpoint.options import ASYNC_MODES, EXPORT_DTYPES, LOADABLE_PARTS, validate_config
+from torchtitan.components.checkpoint.read_full import read_full_checkpoint, read_full_model
 from torchtitan.components.checkpoint.safe_io import (METADATA_FILE, SafeFileSystemReader, WeightsOnlyLoadPlanner,
                                                       read_metadata, without_collectives)
+from torchtitan.components.checkpoint.state import ModelWrapper, RNGState, TrainState
 
 __all__ = [
     "ASYNC_MODES", "CHECKSUMS_FILE", "EXPORT_DTYPES", "INCOMPLETE_SUFFIX", "LOADABLE_PARTS", "METADATA_FILE",

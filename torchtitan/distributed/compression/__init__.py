@@ -279,6 +279,12 @@ class CompressionState(Stateful):
         for comm, _, _ in self.entries:
             comm.compensation.discard()
 
+    def clear(self) -> None:
+        """No compensation owed, as at the first step: what a replica group that healed from a peer starts from."""
+        for comm, _, _ in self.entries:
+            comm.compensation.discard()
+            comm.compensation.residual = None
+
     def _layout(self, group):
         offset = 0
         for fsdp_param in group.fsdp_params:

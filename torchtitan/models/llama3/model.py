@@ -313,8 +313,17 @@ def checkpoint_name(wrapped_name: str) -> str:
 
 
 def _trunc_normal(std: float, cutoff: float | None = None) -> Initializer:
+    """A normal of mean 0 and this std truncated to +-cutoff (default 2 std), by the inverse CDF of uniform draws:
+    torch 2.11's `trunc_normal_` method. torch 2.13 rejection-samples instead, which draws other values from the same
+    generator (docs/torch_versions.md); this one gives every tested torch the same initial weights, and draws value
+    after value in order, so that a shard's rows can be drawn alone (distributed/rotated.py)."""
     bound = cutoff if cutoff is not None else 2 * std
-    return lambda t, g: nn.init.trunc_normal_(t, mean=0.0, std=std, a=-bound, b=bound, generator=g)
+    low, high = (math.erf(-bound / (std * math.sqrt(2.0))), math.erf(bound / (std * math.sqrt(2.0))))
+
+    def draw(t: torch.Tensor, g: torch.Generator) -> torch.Tensor:
+        t.uniform_(low, high, generator=g).erfinv_().mul_(std * math.sqrt(2.0))
+        return t.clamp_(-bound, bound)
+    return draw
 
 
 def parameter_generator(seed: int, name: str, device: torch.device) -> torch.Generator:
