@@ -1,6 +1,7 @@
 """The low-bit wire format, LoCo's and classic error feedback's compensation, QSDP's all-gather and the checkpointed
 residuals, with real gloo processes (forked: spawned ones would import torch again, seconds each on two cores)."""
 
+import contextlib
 import datetime
 from pathlib import Path
 
@@ -359,6 +360,26 @@ class CheckedAllGather(AllGather):
         self.calls.append((self.inner.encoded is before, torch.equal(fresh, self.inner.encoded[1])))
 
 
+@contextlib.contextmanager
+def recorded_collectives():
+    """(collective, dtype) of every all-to-all and reduce-scatter issued inside the block."""
+    calls, originals = [], {name: getattr(dist, name) for name in ("all_to_all_single", "reduce_scatter_single")}
+
+    def recording(name):
+        def collective(output, input, *args, **kwargs):
+            calls.append((name, input.dtype))
+            return originals[name](output, input, *args, **kwargs)
+        return collective
+
+    for name in originals:
+        setattr(dist, name, recording(name))
+    try:
+        yield calls
+    finally:
+        for name, original in originals.items():
+            setattr(dist, name, original)
+
+
 def worker(rank: int, out_dir: str) -> None:
     torch.set_num_threads(1)
     dist.init_process_group("gloo", store=dist.FileStore(f"{out_dir}/store", WORLD), rank=rank, world_size=WORLD,
@@ -449,7 +470,8 @@ def worker(rank: int, out_dir: str) -> None:
         owed = [comm.compensation.residual.clone() for comm, _, _ in state.entries]
         for total in owed:
             dist.all_reduce(total)
-        saved = state.state_dict()
+        with recorded_collectives() as save_collectives:
+            saved = state.state_dict()
         raw_after = [comm.compensation.raw.clone() for comm, _, _ in state.entries]
         for comm, _, _ in state.entries:
             comm.compensation.raw = None
@@ -458,6 +480,9 @@ def worker(rank: int, out_dir: str) -> None:
         state.load_state_dict({key: value for key, value in saved.items() if not key.startswith(EXACT)})
         totals = [comm.compensation.residual.clone() for comm, _, _ in state.entries]
         results["state"] = (raw_before, raw_after, restored, owed, totals, sorted(saved))
+        results["loco_save"] = (save_collectives, state.save_sent_bytes, state.save_full_precision_bytes,
+                                [payload_bytes(comm.segments, 8) for comm, _, _ in state.entries],
+                                [sum(comm.segments) for comm, _, _ in state.entries])
 
         # A checkpoint of error feedback's (fp32) residuals, which 4 ranks reshard (see test_residuals_reshard...);
         # saving them changes nothing either, and loading restores them bit for bit.
@@ -467,12 +492,21 @@ def worker(rank: int, out_dir: str) -> None:
             backward(error_feedback, rank, seed)
             state.commit()
         raw_before = [comm.compensation.raw.clone() for comm, _, _ in state.entries]
-        saved = state.state_dict()
+        owed = [comm.compensation.residual.clone() for comm, _, _ in state.entries]
+        for total in owed:
+            dist.all_reduce(total)
+        with recorded_collectives() as save_collectives:
+            saved = state.state_dict()
         raw_after = [comm.compensation.raw.clone() for comm, _, _ in state.entries]
         for comm, _, _ in state.entries:
             comm.compensation.raw = None
         state.load_state_dict(saved)
         results["ef_state"] = (raw_before, raw_after, [comm.compensation.raw.clone() for comm, _, _ in state.entries])
+        state.load_state_dict({key: value for key, value in saved.items() if not key.startswith(EXACT)})
+        largest = torch.stack([residual.abs().max() for residual in raw_before])
+        dist.all_reduce(largest, op=dist.ReduceOp.MAX)
+        results["ef_save"] = (save_collectives, largest, owed,
+                              [comm.compensation.residual.clone() for comm, _, _ in state.entries])
         dcp.save({"optimizer": saved}, checkpoint_id=Path(out_dir) / "error_feedback")
         results["ef_totals"] = {key: value.full_tensor() for key, value in saved.items() if not key.startswith(EXACT)}
         torch.save(results, Path(out_dir) / f"rank{rank}.pt")
@@ -597,6 +631,27 @@ def test_saving_leaves_the_residuals_and_what_is_saved_restores_them(results):
             assert torch.allclose(loaded[rank], total[rank], atol=atol)
             others = [r for r in range(WORLD) if r != rank]
             assert not loaded[others].any()  # each rank owes only its own shard after loading the totals
+
+
+def test_saving_sends_the_compensation_state_as_8_bit_codes(results):
+    """A save's totals travel as 8-bit codes, one all-to-all per FSDP module, not a reduce-scatter of fp32 states
+    (the data-parallel link is the one gradient compression spares): (W - 1) payload rows per module and rank, 26%
+    of fp32's bytes (1 byte per value and a bfloat16 scale per 128). LoCo's codes are its stored state, so what
+    each owner gets is the fp32 sum of the states (checked above); error feedback's fp32 residuals are rounded to
+    the codes, each rank's within half a code of its block's largest residual (the block's maximum / 127, its
+    bfloat16 scale rounded up by at most 2^-8)."""
+    for rank, rank_results in enumerate(results):
+        collectives, sent, full_precision, payloads, rows = rank_results["loco_save"]
+        assert collectives == [("all_to_all_single", torch.uint8)] * len(payloads)
+        assert sent == (WORLD - 1) * sum(payloads)
+        assert full_precision == (WORLD - 1) * 4 * sum(rows)
+        assert sent < 0.26 * full_precision
+        collectives, largest, owed, loaded = rank_results["ef_save"]
+        assert {collective for collective in collectives} == {("all_to_all_single", torch.uint8)}
+        assert largest.max() > 0
+        for bound, total, back in zip(largest.tolist(), owed, loaded):
+            # Each rank's codes within half a code of a block whose largest residual is at most `bound`.
+            assert torch.allclose(back[rank], total[rank], atol=WORLD * bound / 254 * (1 + 2 ** -8) + 1e-7)
 
 
 RESHARDED = 4

@@ -23,7 +23,7 @@ from torchtitan.distributed import torch_compat
 from torchtitan.distributed.compression.loco import (LOCO_ERROR_BITS, CompressedReduceScatter, ErrorFeedback, LoCo,
                                                      LoCoOptions)
 from torchtitan.distributed.compression.qsdp import QuantizedAllGather
-from torchtitan.distributed.compression.quantize import BLOCK, VALID_BITS
+from torchtitan.distributed.compression.quantize import BLOCK, VALID_BITS, decode
 from torchtitan.distributed.utils import placed_like
 from torchtitan.errors import UserError
 
@@ -241,10 +241,14 @@ class CompressionState(Stateful):
     - verbatim (`exact.compression.<first parameter of the module><replica suffix>`): every rank's own state (LoCo's
       codes, error feedback's fp32 residuals) as one DTensor sharded over the module's mesh. A resume into the same
       layout restores it bit for bit, so a resumed run repeats the uninterrupted one.
-    - per parameter (`compression.<parameter>`): what all ranks together owe each shard (the ranks' states summed
-      per shard, one reduce-scatter), sharded like the parameter, so that it reshards to any layout as the optimizer
-      state does. Where the verbatim state does not fit the layout (another data-parallel degree), each shard's
-      total is loaded into the shard's own rank.
+    - per parameter (`compression.<parameter>`): what all ranks together owe each shard, sharded like the
+      parameter, so that it reshards to any layout as the optimizer state does. Where the verbatim state does not fit
+      the layout (another data-parallel degree), each shard's total is loaded into the shard's own rank. The ranks'
+      states travel to each shard's owner as 8-bit codes (one all-to-all; the data-parallel group is the link that
+      gradient compression spares): LoCo's are its stored codes, so its totals are exact; error feedback's fp32
+      residuals are rounded to them (within half a code of each 128-value block's largest residual, per rank).
+      `save_sent_bytes` counts what this rank sent, `save_full_precision_bytes` what a reduce-scatter of fp32
+      states would have.
     LoCo's step count (for its periodic reset) is saved as `loco_steps`. Reductions stage the state; `commit` and
     `discard` settle it once the step's update is applied or dropped (OptimizersContainer calls them).
     """
@@ -252,6 +256,8 @@ class CompressionState(Stateful):
     def __init__(self, model_parts: list[nn.Module], replicate_group: dist.ProcessGroup | None = None):
         names = {id(p): name for part in model_parts for name, p in part.named_parameters()}
         self.suffix = replica_suffix(replicate_group)
+        self.save_sent_bytes = 0
+        self.save_full_precision_bytes = 0
         self.entries = []
         for group in _param_groups(model_parts):
             comm = group._reduce_scatter_comm
@@ -309,14 +315,7 @@ class CompressionState(Stateful):
     def state_dict(self) -> dict[str, Any]:
         state: dict[str, Any] = {}
         for comm, group, fqns in self.entries:
-            process_group = group.mesh_info.shard_process_group
-            world = process_group.size()
-            row = sum(size.numel() for _, _, size in self._layout(group))
-            residual = comm.compensation.residual
-            if residual is None:
-                residual = torch.zeros(world, row, device=group.device)
-            owed = torch.empty(row, dtype=residual.dtype, device=residual.device)
-            dist.reduce_scatter_single(owed, residual.reshape(-1), group=process_group)
+            owed = self._owed(comm, group)
             for fqn, (fsdp_param, offset, size) in zip(fqns, self._layout(group)):
                 local = owed[offset:offset + size.numel()].view(size)[:fsdp_param.sharded_size[0]]
                 state[fqn] = placed_like(local.clone(), fsdp_param.sharded_param)
@@ -325,6 +324,21 @@ class CompressionState(Stateful):
             if isinstance(comm.compensation, LoCo):
                 state["loco_steps"] = torch.tensor(comm.compensation.steps, dtype=torch.int64)
         return state
+
+    def _owed(self, comm, group) -> torch.Tensor:
+        """What all ranks owe this rank's shards (fp32, the module's row): every rank's codes for them, decoded and
+        summed in rank order."""
+        process_group = group.mesh_info.shard_process_group
+        world = process_group.size()
+        row = sum(size.numel() for _, _, size in self._layout(group))
+        codes = comm.compensation.owed_codes(comm.segments)
+        if codes is None:
+            codes = LoCo.raw_template(world, comm.segments, group.device)
+        received = torch.empty_like(codes)
+        dist.all_to_all_single(received, codes, group=process_group)
+        self.save_sent_bytes += (world - 1) * codes.shape[1]
+        self.save_full_precision_bytes += (world - 1) * row * 4
+        return decode(received, row, LOCO_ERROR_BITS, segments=comm.segments).sum(dim=0)
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         for comm, group, fqns in self.entries:
