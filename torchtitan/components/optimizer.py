@@ -73,9 +73,10 @@ class OptimizersContainer(Stateful):
         """Reads the state, never changes it: a run that saves trains exactly as one that does not.
 
         State that differs between data-parallel replicas (an optimizer's `replica_state()`, e.g. FlexDeMo's local
-        momenta) is also saved verbatim per replica, as `exact.<parameter>.<state><replica suffix>`: a resume into
-        the same number of replicas restores it bit for bit; any other layout loads what the optimizer's own
-        state_dict() saves (FlexDeMo: the replicas' mean)."""
+        momenta) is also saved verbatim per replica, as `exact.<parameter>.<state><replica suffix>`, sharded like the
+        parameter: a resume into the same number of replicas restores it bit for bit (resharded over FSDP where its
+        degree changed), and one into another number continues each replica r from saved replica r mod R
+        (checkpoint/loading.py, exact_where_it_fits). Saving runs no collective across replicas."""
         state = self._optimizer_state_dict()
         if self.compression:
             state.update({k if k.startswith(EXACT) else _COMPRESSION + k: v
@@ -104,7 +105,9 @@ class OptimizersContainer(Stateful):
         for model, optimizer in zip(self.model_parts, self.optimizers):
             set_optimizer_state_dict(model, optimizer, optim_state_dict=optimizer_state, options=self._options)
             for fqn, name, value in self._replica_state(model, optimizer):
-                saved = state_dict.get(self._exact_key(fqn, name))
+                # This replica's own, or the saved replica it continues (checkpoint/loading.py renames the key).
+                stem = f"{EXACT}{fqn}.{name}.replica"
+                saved = next((v for k, v in state_dict.items() if k.startswith(stem)), None)
                 if saved is not None:
                     local(value).copy_(local(saved))
 

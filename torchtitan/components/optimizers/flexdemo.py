@@ -216,25 +216,12 @@ class FlexDeMo(torch.optim.Optimizer):
         mean = total.div_(senders.clamp_(min=1))
         return from_tiles(transform(mean, height, width, inverse=True), shape, self.chunk_size).sign_()
 
-    def state_dict(self):
-        """The replicas' mean delta, in a new tensor: every replica saves the same values, so the checkpoint holds
-        one delta per parameter, sharded and resharded like any optimizer state. The live deltas are left as they
-        are (saving must not change training); OptimizersContainer also saves each replica's own
-        (`replica_state`) for an exact resume."""
-        saved = super().state_dict()
-        replicas = dist.get_world_size(self.replicate_group)
-        # torch's state_dict() holds the live per-parameter dicts: copied before one of their entries is replaced.
-        saved["state"] = {index: dict(state) for index, state in saved["state"].items()}
-        for state in saved["state"].values():
-            if "delta" in state:
-                mean = state["delta"].detach().clone()
-                dist.all_reduce(self._local(mean), group=self.replicate_group)
-                self._local(mean).div_(replicas)
-                state["delta"] = mean
-        return saved
-
     def replica_state(self) -> dict[torch.Tensor, dict[str, torch.Tensor]]:
-        """The state that differs between replicas, live: each replica's own delta."""
+        """The state that differs between replicas, live: each replica's own delta. OptimizersContainer saves it per
+        replica, which is what every resume loads (a resume into another number of replicas continues each replica
+        from one saved replica's delta); the optimizer's own state_dict() holds the live deltas too, without the
+        all-reduce across replicas (the slow link this optimizer spares) that their mean would take, and DCP writes
+        one replica's copy of it."""
         return {param: {"delta": state["delta"]} for param, state in self.state.items() if "delta" in state}
 
 
