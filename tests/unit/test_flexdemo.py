@@ -165,10 +165,13 @@ def test_a_resume_into_more_replicas_continues_each_from_a_saved_ones_delta(monk
     config = parse_args(["--optimizer.name", "FlexDeMo"]).optimizer
     optimizers = build_optimizers([model], config)
     state = exact_where_it_fits(optimizers.state_dict(), saved, "optimizer.")
-    replica_1 = torch.randn(32, 20, generator=torch.Generator().manual_seed(1))
-    state["exact.weight.delta.replica1of2"] = replica_1
+    # DCP fills the template's tensors in place, in an order of its own: here the per-replica entry first, then the
+    # optimizer's own entry (the copy of the replica DCP wrote, replica 0's), which must not land in the live delta.
+    replicas = [torch.randn(32, 20, generator=torch.Generator().manual_seed(r)) for r in range(2)]
+    state["exact.weight.delta.replica1of2"].copy_(replicas[1])
+    state["state.weight.delta"].copy_(replicas[0])
     optimizers.load_state_dict(state)
-    assert torch.equal(optimizers.optimizers[0].state[model.weight]["delta"], replica_1)
+    assert torch.equal(optimizers.optimizers[0].state[model.weight]["delta"], replicas[1])
 
 
 def test_bytes_sent_per_step(results):

@@ -12,7 +12,8 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
 
 from tests.unit.forked_ranks import run_ranks
-from torchtitan.components.optimizer import OptimizersContainer
+from torchtitan.components.metrics import communication_metrics
+from torchtitan.components.optimizer import OptimizersContainer, sent_bytes
 from torchtitan.components.optimizers import optimizer_spec
 from torchtitan.components.optimizers.galore import GaLoreAdamW, rotate_moments, top_subspace
 from torchtitan.components.optimizers import muon
@@ -229,8 +230,10 @@ def sharded_worker(rank: int, out_dir: str) -> None:
             optimizer = train_steps(name, params, grads)
             results[layout, name] = [p.full_tensor() for p in params]
             results[layout, name, "orthogonalised"] = len(orthogonalised)
-            results[layout, name, "sent"] = (getattr(optimizer, "sent_bytes", 0),
-                                             getattr(optimizer, "replica_sent_bytes", 0))
+            results[layout, name, "sent"] = (getattr(optimizer, "exchange_sent_bytes", 0),
+                                             getattr(optimizer, "exchange_replica_bytes", 0))
+            results[layout, name, "metrics"] = communication_metrics(sent_bytes([], [optimizer], save_sent_bytes=0),
+                                                                     {}, steps=STEPS)
             state = [value for p in params for value in optimizer.state[p].values() if isinstance(value, DTensor)]
             results[layout, name, "state_fraction"] = (sum(v.to_local().numel() for v in state)
                                                        / sum(v.numel() for v in state))
@@ -314,6 +317,12 @@ def test_muon_counts_the_bytes_its_exchanges_send(sharded_results, layout, over_
                 expected_replica += back * (n - 1)
     assert (sent, replica_sent) == (pytest.approx(expected * STEPS, abs=16), pytest.approx(expected_replica * STEPS,
                                                                                             abs=16))
+    # The trainer logs them per step as the optimizer's own exchange, apart from the compressed collectives' bytes
+    # (whose percentage of full precision they would distort); DDP's ranks, which exchange nothing, log nothing.
+    metrics = sharded_results[0][layout, name, "metrics"]
+    assert metrics == ({} if not sent else {
+        "optimizer_exchange_mib_per_step": pytest.approx(sent / STEPS / 2**20),
+        "optimizer_exchange_across_replicas_mib_per_step": pytest.approx(replica_sent / STEPS / 2**20)})
 
 
 def test_spread_balances_flops():

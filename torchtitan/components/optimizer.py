@@ -13,7 +13,7 @@ from torch.distributed.tensor import DTensor
 from torchtitan.components.optimizer_groups import check_matrix_groups, log_groups, param_groups
 from torchtitan.components.optimizers import BuildContext, local, optimizer_spec
 from torchtitan.config.job_config import Optimizer as OptimizerConfig
-from torchtitan.distributed.compression import EXACT, CompressionState, replica_suffix
+from torchtitan.distributed.compression import EXACT, CompressionState, compression_stats, replica_suffix
 
 _COMPRESSION = "compression."
 
@@ -45,6 +45,10 @@ class OptimizersContainer(Stateful):
         gradient compression's compensation state (its whole local gradient's, unsharded)."""
         return sum(_tensor_bytes(value) for optimizer in self.optimizers for state in optimizer.state.values()
                    for value in state.values() if isinstance(value, torch.Tensor)) + self.compression.state_bytes()
+
+    def sent_bytes(self) -> dict[str, int]:
+        """What this rank has sent so far, by kind (see `sent_bytes`)."""
+        return sent_bytes(self.model_parts, self.optimizers, self.compression.save_sent_bytes)
 
     def step(self) -> None:
         """Apply the gradients. The compensation state their compressed reductions staged is committed first: the
@@ -133,6 +137,21 @@ def _tensor_bytes(tensor: torch.Tensor) -> int:
         names, _ = tensor.__tensor_flatten__()
         return sum(_tensor_bytes(getattr(tensor, name)) for name in names)
     return tensor.numel() * tensor.element_size()
+
+
+def sent_bytes(model_parts: list[nn.Module], optimizers: list[torch.optim.Optimizer],
+               save_sent_bytes: int) -> dict[str, int]:
+    """Bytes this rank has sent so far: `sent_bytes` through the collectives that replace a full-precision one (the
+    compressed FSDP collectives, FlexDeMo's exchange) and `uncompressed_bytes`, what those would have sent (NCCL's ring
+    arithmetic); `exchange_sent_bytes` through optimizers' own exchanges, which replace none (Muon's spreading), and
+    `exchange_replica_bytes`, their part across data-parallel replicas; `save_sent_bytes` through the optimizer
+    state's saves (gradient compression's totals)."""
+    counters = compression_stats(model_parts)
+    for optimizer in optimizers:
+        for key in ("sent_bytes", "uncompressed_bytes", "exchange_sent_bytes", "exchange_replica_bytes"):
+            counters[key] = counters.get(key, 0) + getattr(optimizer, key, 0)
+    counters["save_sent_bytes"] = save_sent_bytes
+    return counters
 
 
 def build_optimizers(model_parts: list[nn.Module], config: OptimizerConfig,

@@ -216,12 +216,21 @@ class FlexDeMo(torch.optim.Optimizer):
         mean = total.div_(senders.clamp_(min=1))
         return from_tiles(transform(mean, height, width, inverse=True), shape, self.chunk_size).sign_()
 
+    def state_dict(self):
+        """This replica's deltas, in new tensors (no collective: their mean would take an all-reduce of fp32 deltas
+        across replicas, the link this optimizer spares). Every resume loads each replica's own (`replica_state`);
+        DCP writes one replica's copy of these. New tensors, because a load's template is this state dict: the live
+        deltas, which the per-replica entries load into, must not also receive this copy."""
+        saved = super().state_dict()
+        # torch's state_dict() holds the live per-parameter dicts: copied before one of their entries is replaced.
+        saved["state"] = {index: {name: value.detach().clone() if name == "delta" else value
+                                  for name, value in state.items()} for index, state in saved["state"].items()}
+        return saved
+
     def replica_state(self) -> dict[torch.Tensor, dict[str, torch.Tensor]]:
         """The state that differs between replicas, live: each replica's own delta. OptimizersContainer saves it per
         replica, which is what every resume loads (a resume into another number of replicas continues each replica
-        from one saved replica's delta); the optimizer's own state_dict() holds the live deltas too, without the
-        all-reduce across replicas (the slow link this optimizer spares) that their mean would take, and DCP writes
-        one replica's copy of it."""
+        from one saved replica's delta)."""
         return {param: {"delta": state["delta"]} for param, state in self.state.items() if "delta" in state}
 
 

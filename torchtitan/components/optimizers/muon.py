@@ -118,9 +118,10 @@ class Muon(torch.optim.Optimizer):
     replicated mesh dimensions too (HSDP's and DDP's replicas), whose exchange then all-gathers every update across
     them; by default only over the dimensions that shard the parameters.
 
-    `sent_bytes` counts what this rank's exchanges sent so far, `replica_sent_bytes` the part of it over replicated
-    dimensions: by the arithmetic of NCCL's collectives (an all-to-all sends (n - 1) / n of its tensor, an
-    all-gather's ring n - 1 times the rank's part).
+    `exchange_sent_bytes` counts what this rank's exchanges sent so far, `exchange_replica_bytes` the part of it
+    over replicated dimensions: by the arithmetic of NCCL's collectives (an all-to-all sends (n - 1) / n of its
+    tensor, an all-gather's ring n - 1 times the rank's part). The trainer logs them per step
+    (`optimizer_exchange_mib_per_step`, `optimizer_exchange_across_replicas_mib_per_step`).
     """
 
     def __init__(self, params, lr: float, weight_decay: float = 0.0, momentum: float = 0.95, nesterov: bool = True,
@@ -134,8 +135,8 @@ class Muon(torch.optim.Optimizer):
                 raise ValueError("Muon orthogonalises 2-D weights only: a matrix_method group holds other tensors")
         self.iteration_dtype = iteration_dtype
         self.spread_over_replicas = spread_over_replicas
-        self.sent_bytes = 0
-        self.replica_sent_bytes = 0
+        self.exchange_sent_bytes = 0
+        self.exchange_replica_bytes = 0
 
     @torch.no_grad()
     def step(self, closure=None):
@@ -254,9 +255,9 @@ class Muon(torch.optim.Optimizer):
             size = local_tensor.numel() * local_tensor.element_size()
             sent = size * (n - 1) / n if isinstance(current[d], Shard) and isinstance(target[d], Shard) else \
                 size * (n - 1) if isinstance(current[d], Shard) else 0
-            self.sent_bytes += round(sent)
+            self.exchange_sent_bytes += round(sent)
             if not (isinstance(placements[d], Shard) and isinstance(target[d], Shard)):  # a replicated dimension
-                self.replica_sent_bytes += round(sent)
+                self.exchange_replica_bytes += round(sent)
             nxt = current[:d] + [target[d]] + current[d + 1:]
             local_tensor = _redistribute(local_tensor, mesh, current, nxt, shape)
             current = nxt
