@@ -325,6 +325,18 @@ def test_muon_counts_the_bytes_its_exchanges_send(sharded_results, layout, over_
         "optimizer_exchange_across_replicas_mib_per_step": pytest.approx(replica_sent / STEPS / 2**20)})
 
 
+@pytest.mark.parametrize("over_replicas", [False, True])
+def test_the_benchmarks_byte_model_is_what_muon_counts(sharded_results, over_replicas):
+    """benchmarks/muon_cost.py's bytes table models what the optimizer counts: HSDP, 2 replicas x 2 FSDP ranks
+    (every shape even over 2), fp32 stacks on the CPU; across replicas only with spread_over_replicas."""
+    from benchmarks.muon_cost import exchanged_bytes
+
+    name = "muon_spread_over_replicas" if over_replicas else "muon"
+    sent, replica_sent = exchanged_bytes(SHAPES, shard=2, replicas=2, over_replicas=over_replicas, element=4)
+    assert sharded_results[0]["hsdp", name, "sent"] == (sent * STEPS, replica_sent * STEPS)
+    assert (replica_sent > 0) == over_replicas
+
+
 def test_spread_balances_flops():
     """Per kind, n // ranks matrices to every rank, the remainder to the ranks with the fewest FLOPs so far, the
     costliest kind first: 5 of cost 10 over 2 ranks give 3 / 2 (rank 0 first on a tie), then 3 of cost 1 give

@@ -19,7 +19,7 @@ The replicas of HSDP and DDP hold the same momenta (their gradients are all-redu
 its own shards' matrices and nothing crosses between replicas (usually between hosts); DDP, whose parameters no
 mesh dimension shards, orthogonalises every matrix on every rank. `[optimizer.muon] spread_over_replicas` spreads
 over the replicas too: fewer FLOPs per rank, and every update all-gathered across the replicas each step (at 8B on
-8 ranks per replica, about a bf16 copy of the rank's matrices, 1.75 GB, per rank and step).
+8 replicas of 8 ranks, 1.9 GB per rank and step across replicas; benchmarks/muon_cost.py has the table).
 
 Memory: one kind (shape and layout) at a time is stacked, exchanged, orthogonalised in place, exchanged back and
 applied (`Muon._orthogonalise_kind`); `step_bytes` below is what the memory planner counts.
