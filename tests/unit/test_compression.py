@@ -10,6 +10,7 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 import torch.nn.functional as F
+from torch.distributed._tools.mem_tracker import MemTracker
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import FSDPModule
 from torch.distributed.fsdp._fully_shard._fsdp_api import AllGather
@@ -20,8 +21,8 @@ from torchtitan.components.checkpoint.loading import exact_where_it_fits
 from torchtitan.config.compatibility import check_composition, setup_of
 from torchtitan.config.job_config import JobConfig
 from torchtitan.config.options import get_option
-from torchtitan.distributed.compression import (EXACT, CompressionState, _param_groups, apply_compression,
-                                                compensation_state_bytes, compression_stats,
+from torchtitan.distributed.compression import (EXACT, GRADIENT_COMPRESSION, CompressionState, _param_groups,
+                                                apply_compression, compensation_state_bytes, compression_stats,
                                                 require_compensation_fits, validate_compression)
 from torchtitan.distributed.compression.hadamard import hadamard_rotate
 from torchtitan.distributed.compression.loco import CompressedReduceScatter, ErrorFeedback, LoCo
@@ -407,6 +408,27 @@ def worker(rank: int, out_dir: str) -> None:
             results[f"ef_rotate{rotate}"] = (received, residuals[rank], sent.view(WORLD, ROW)[rank])
             results[f"ef_bytes_rotate{rotate}"] = (comm.sent_bytes, comm.uncompressed_bytes)
 
+        # What one compressed reduce-scatter holds at its peak beyond its input, per value of the input (the memory
+        # model's reduction_bytes_per_value): the second call of each (a committed state to read), torch's own
+        # accounting of the tensors it allocates (the new state included).
+        row = 64 * 1024
+        reductions = {}
+        for method, compensation in (("loco", lambda: LoCo(0.8, 0, [row])), ("error_feedback", ErrorFeedback),
+                                     ("qsdp", lambda: None)):
+            for bits in (4, 8):
+                comm = CompressedReduceScatter(bits, compensation(), stochastic=method == "qsdp", rotate=False,
+                                               segments=[row])
+                for _ in range(2):
+                    tracker = MemTracker()
+                    with tracker:  # made inside, so that the tracker knows them: the input and output are left out
+                        grad, output = torch.randn(WORLD * row, generator=generator), torch.empty(row)
+                        comm(output, grad, group, dist.ReduceOp.SUM)
+                    if comm.compensation is not None:
+                        comm.compensation.commit()
+                peak = sum(snapshot["Total"] for snapshot in tracker.get_tracker_snapshot("peak").values())
+                reductions[method, bits] = (peak - 4 * (grad.numel() + output.numel())) / grad.numel()
+        results["reduction_bytes_per_value"] = reductions
+
         # One reduction without compensation: the own row is summed exactly, the others' rows as their codes.
         inputs = torch.randn(WORLD * ROW, generator=torch.Generator().manual_seed(200 + rank))
         output = torch.empty(ROW)
@@ -652,6 +674,15 @@ def test_saving_sends_the_compensation_state_as_8_bit_codes(results):
         for bound, total, back in zip(largest.tolist(), owed, loaded):
             # Each rank's codes within half a code of a block whose largest residual is at most `bound`.
             assert torch.allclose(back[rank], total[rank], atol=WORLD * bound / 254 * (1 + 2 ** -8) + 1e-7)
+
+
+@pytest.mark.parametrize("method", ["loco", "error_feedback", "qsdp"])
+@pytest.mark.parametrize("bits", [4, 8])
+def test_the_memory_model_counts_what_a_compressed_reduce_scatter_holds(results, method, bits):
+    """GRADIENT_COMPRESSION's reduction_bytes_per_value, which the planner adds per value of a module's unsharded
+    gradient, is what torch's accounting sees one reduction hold at its peak (2 ranks here), within 5%."""
+    measured = results[0]["reduction_bytes_per_value"][method, bits]
+    assert GRADIENT_COMPRESSION[method].reduction_bytes_per_value[bits] == pytest.approx(measured, rel=0.05)
 
 
 RESHARDED = 4
