@@ -514,6 +514,7 @@ def worker(rank: int, out_dir: str) -> None:
             backward(error_feedback, rank, seed)
             state.commit()
         raw_before = [comm.compensation.raw.clone() for comm, _, _ in state.entries]
+        results["held"] = (state.state_bytes(), sum(raw.numel() * raw.element_size() for raw in raw_before))
         owed = [comm.compensation.residual.clone() for comm, _, _ in state.entries]
         for total in owed:
             dist.all_reduce(total)
@@ -613,6 +614,20 @@ def test_the_memory_model_counts_the_compensation_state_unsharded(method, bytes_
         params = count_parameters(Transformer(model_args_for("8B", 8192)))
     # Every rank holds a row per FSDP rank of its shards: the whole model, not an eighth (FSDP 8, no TP).
     assert optimizer_bytes(method) - optimizer_bytes("none") == pytest.approx(params * bytes_per_value, rel=1e-3)
+
+
+def test_the_logged_optimizer_state_counts_the_compensation_state(results):
+    """`optimizer_state_gib` (OptimizersContainer.state_bytes) adds what compensation state the rank holds: error
+    feedback's fp32 residuals here, 4 bytes per value of every module's unsharded local gradient."""
+    from types import SimpleNamespace
+
+    from torchtitan.components.optimizer import OptimizersContainer
+
+    for rank_results in results:
+        held, residuals = rank_results["held"]
+        assert held == residuals > 0
+        container = SimpleNamespace(optimizers=[], compression=SimpleNamespace(state_bytes=lambda: held))
+        assert OptimizersContainer.state_bytes(container) == held
 
 
 def test_a_layout_whose_compensation_state_cannot_fit_is_refused():
