@@ -40,7 +40,7 @@ How to add an optimizer
    planner and scripts/estimate_memory.py use it). `step_bytes(tensors, config, layout)` returns the bytes its step
    allocates at its peak beyond the state (temporaries: a for-loop's per-tensor ones, a foreach call's per group,
    whatever the method gathers or exchanges), given the rank's tensors (`RankTensor`) and a `StepLayout`; the memory
-   planner adds it to the optimizer step, tests/unit/test_estimate_memory.py checks it against the dry run's trace.
+   planner adds it to the optimizer step, tests/unit/test_step_memory.py checks it against the dry run's trace.
    Pass `needs_matrices=True` when the method
    only makes sense with at least one 2-D group with matrix_method = true (the container then checks the groups).
 2. Import the module at the end of this file, add the name to the `name` Literal of `Optimizer` in

@@ -287,7 +287,7 @@ def newton_schulz_bytes(shape: tuple[int, ...], element: int) -> float:
 
 
 def step_bytes(tensors: list[RankTensor], config: OptimizerConfig, layout: StepLayout) -> float:
-    """Muon's step at its peak (tests/unit/test_estimate_memory.py checks it against the dry run's trace):
+    """Muon's step at its peak (tests/unit/test_step_memory.py checks it against the dry run's trace):
 
     - AdamW's groups, tensor by tensor: adam_direction's three temporaries of the shard (fp32), while the previous
       tensor's direction is still bound: 16 bytes per value of the largest shard;
@@ -296,7 +296,9 @@ def step_bytes(tensors: list[RankTensor], config: OptimizerConfig, layout: StepL
       the all-to-all's contiguous send buffer and its receive buffer, or the received buffer made contiguous: torch's
       `_dtensor::shard_dim_alltoall` on GPUs); between them the rank's share (width whole matrices) and one matrix's
       Newton-Schulz temporaries; last, per matrix, an fp32 update of the shard. Where a kind has fewer matrices than
-      ranks a rank stacks a whole matrix (width 1): at 8B on 512 ranks a w1's stack is 64 times its momentum shard.
+      ranks a rank stacks a whole matrix (width 1: one slot per rank): at 8B on 512 ranks each kind's stack holds a
+      whole matrix in bf16, where the rank's momenta of that kind's 64 (or 32) matrices hold an eighth (a sixteenth)
+      of one in fp32: 4 (8) times their bytes.
     Without spreading (one process, or DDP's replicas) each matrix is orthogonalised whole, one at a time: its fp32
     Nesterov momentum and Newton-Schulz's temporaries."""
     element = 4 if layout.device_type == "cpu" else 2
