@@ -11,7 +11,7 @@ nothing of this project). On this CPU:
 
 (`triton` only because TorchTitan 0.2.2 imports it at start-up; nothing runs on it.) On a GPU machine, whose image
 has torch but neither TorchTitan nor some of either trainer's dependencies, from wheels carried there
-(`benchmarks/gpu_carry.py`; `benchmarks/run_gpu_checks.sh` does all of this):
+(`benchmarks/gpu_carry.py`; `scripts/run_gpu_checks.sh` does all of this):
 
     python3 benchmarks/gpu_carry.py install /tmp/gpu_carry
     PYTHONPATH=/tmp/gpu_carry/torchtitan:/tmp/gpu_carry/deps python3 benchmarks/benchmark_torchtitan.py \

@@ -8,7 +8,8 @@ From the repository root:
 For each CP degree it forks that many ranks (one torch thread each) once; they run every sequence length, and at
 each length the two masks one after the other on the same batch, so that causal and block-causal are timed side by
 side. A step is what the trainer's step does to the model (`Trainer.forward_backward`): the batch sharded as the
-trainer shards it (causal: torch's ring attention with head-tail balancing; block-causal: chunks balanced by the
+trainer shards it (causal: torch's ring attention with head-tail balancing, the trainer's
+parallelism.context_parallel_method = ring; block-causal: chunks balanced by the
 mask's work, keys and values all-gathered), forward, cross-entropy, backward; no optimizer step (the same for every
 configuration, and not what CP changes). The batch is one window of a stream of packed documents of `--mix` lengths
 (`benchmarks/cp_balance.py`'s mixes) with random tokens, BOS at each document start.

@@ -1,4 +1,4 @@
-"""The Python packages that benchmarks/run_gpu_checks.sh needs on a GPU machine beyond what its image has, as wheels
+"""The Python packages that scripts/run_gpu_checks.sh needs on a GPU machine beyond what its image has, as wheels
 carried there with the working tree, and their offline installation there.
 
 The GPU machine (docs/gpu_checks.md) has Python 3.12 and torch 2.11 with CUDA, reaches no package index, and takes

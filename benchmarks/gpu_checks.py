@@ -1,5 +1,6 @@
 """Check on one GPU the paths that only run there: block-causal attention through FlexAttention (one process, and a
-context-parallel rank's queries against the gathered keys), the compiled BlockMask build (time, memory, and that a
+context-parallel rank's queries against the gathered keys), causal attention under context parallelism over
+gathered keys (a rank's head-tail chunks, the mask by positions), the compiled BlockMask build (time, memory, and that a
 new batch does not recompile it). Prints a table and writes the figures to a JSON file.
 
     python benchmarks/gpu_checks.py --output gpu_checks.json
@@ -29,7 +30,7 @@ import torch.nn.functional as F  # noqa: E402
 from torch.nn.attention.flex_attention import create_block_mask, flex_attention  # noqa: E402
 
 from torchtitan.distributed.context_parallel import (  # noqa: E402
-    CHUNKS_PER_RANK, balanced_chunk_order, chunk_work, visible_keys)
+    CAUSAL_CHUNKS_PER_RANK, CHUNKS_PER_RANK, balanced_chunk_order, chunk_work, head_tail_order, visible_keys)
 from torchtitan.models.llama3 import model as llama3_model  # noqa: E402
 from torchtitan.models.llama3.model import (  # noqa: E402
     block_causal_attention, build_block_mask, document_mask, document_positions)
@@ -73,32 +74,44 @@ def attention_and_grads(fn, q, k, v, grad_out, backward: bool) -> list[torch.Ten
 
 
 def check_block_causal(device: torch.device, dtype: torch.dtype, backward: bool, seq: int, cp: int,
-                       generator: torch.Generator) -> dict:
-    """Block-causal attention (cp == 1) or a simulated CP group's ranks against the float64 reference."""
+                       generator: torch.Generator, documents: bool = True) -> dict:
+    """Block-causal attention (cp == 1) or a simulated CP group's ranks against the float64 reference; without
+    `documents`, causal attention under CP over gathered keys (context_parallel_method = allgather_kv: head-tail
+    chunks, the mask by global positions)."""
     batch, heads, kv_heads, head_dim = 2, 8, 2, 64
-    ids = packed_document_ids(batch, seq, [seq // 16, seq // 5, seq // 3, 7, seq + seq // 2], generator).to(device)
-    positions = document_positions(ids)
+    causal = torch.ones(seq, seq, dtype=torch.bool, device=device).tril()
+    if documents:
+        ids = packed_document_ids(batch, seq, [seq // 16, seq // 5, seq // 3, 7, seq + seq // 2],
+                                  generator).to(device)
+        positions = document_positions(ids)
+        allowed = ((ids[:, :, None] == ids[:, None, :]) & causal).unsqueeze(1)
+    else:
+        ids, positions = None, torch.arange(seq, device=device).expand(batch, seq)
+        allowed = causal.expand(batch, 1, seq, seq)
     q = torch.randn(batch, heads, seq, head_dim, generator=generator).to(device, dtype)
     k, v = (torch.randn(batch, kv_heads, seq, head_dim, generator=generator).to(device, dtype) for _ in range(2))
     grad_out = torch.randn(batch, heads, seq, head_dim, generator=generator).to(device, dtype)
-    causal = torch.ones(seq, seq, dtype=torch.bool, device=device).tril()
-    allowed = ((ids[:, :, None] == ids[:, None, :]) & causal).unsqueeze(1)
     expected = attention_and_grads(lambda q, k, v: reference(q, k, v, allowed), q, k, v, grad_out.double(), backward)
     if cp == 1:
         got = attention_and_grads(
             lambda q, k, v: block_causal_attention(q, k, v, document_mask(ids, flex=True), device.type),
             q, k, v, grad_out, backward)
     else:
-        order = balanced_chunk_order(chunk_work(ids, CHUNKS_PER_RANK * cp), cp)
-        chunk = seq // (CHUNKS_PER_RANK * cp)
+        chunks_per_rank = CHUNKS_PER_RANK if documents else CAUSAL_CHUNKS_PER_RANK
+        order = balanced_chunk_order(chunk_work(ids, chunks_per_rank * cp), cp) if documents else \
+            head_tail_order(cp, chunks_per_rank)
+        chunk = seq // (chunks_per_rank * cp)
         index = torch.cat([torch.arange(c * chunk, (c + 1) * chunk) for c in order]).to(device)
         per_rank = index.reshape(cp, -1)
+
+        def ids_at(where: torch.Tensor) -> torch.Tensor | None:
+            return None if ids is None else ids[:, where]
 
         def cp_ranks(q, k, v):
             # gathered keys: every rank's chunks, rank after rank; each rank's output lands at its queries' places
             out = torch.empty_like(q)
             for mine in per_rank:
-                mask = visible_keys(ids[:, mine], positions[:, mine], ids[:, index], positions[:, index], flex=True)
+                mask = visible_keys(ids_at(mine), positions[:, mine], ids_at(index), positions[:, index], flex=True)
                 out[:, :, mine] = block_causal_attention(q[:, :, mine], k[:, :, index], v[:, :, index], mask,
                                                          device.type)
             return out
@@ -106,7 +119,7 @@ def check_block_causal(device: torch.device, dtype: torch.dtype, backward: bool,
         got = attention_and_grads(cp_ranks, q, k, v, grad_out, backward)
     names = ["out", "grad_q", "grad_k", "grad_v"]
     errors = {name: relative_error(g, e) for name, g, e in zip(names, got, expected)}
-    return {"check": f"block_causal cp={cp}", "dtype": str(dtype).removeprefix("torch."), "seq": seq,
+    return {"check": f"{'block_causal' if documents else 'causal'} cp={cp}", "dtype": str(dtype).removeprefix("torch."), "seq": seq,
             "errors": errors, "bound": BOUND[dtype], "ok": max(errors.values()) <= BOUND[dtype]}
 
 
@@ -172,6 +185,9 @@ def main(argv: list[str] | None = None) -> int:
     for dtype in (torch.float32, torch.bfloat16) if on_gpu else (torch.float32,):
         for cp in (1, 2, 4):
             results.append(check_block_causal(device, dtype, on_gpu, 2048 if on_gpu else 512, cp, generator))
+        for cp in (2, 4):
+            results.append(check_block_causal(device, dtype, on_gpu, 2048 if on_gpu else 512, cp, generator,
+                                              documents=False))
     results += check_mask_build(device, [8192, 32768, 131072] if on_gpu else [1024], generator)
     record = {"device": device_name(device), "torch": torch.__version__, "results": results}
     Path(args.output).write_text(json.dumps(record, indent=2) + "\n")

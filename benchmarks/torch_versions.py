@@ -98,7 +98,8 @@ def report() -> dict:
             "import_trainer_s": _import_seconds("import torchtitan.train"),
             "losses_one_process": _train(1, [], tmp / "one"),
             "losses_fsdp2": _train(2, ["--parallelism.data_parallel_shard_degree", "2"], tmp / "fsdp"),
-            "losses_cp2_ring": _train(2, ["--parallelism.context_parallel_degree", "2"], tmp / "cp"),
+            "losses_cp2_ring": _train(2, ["--parallelism.context_parallel_degree", "2",
+                                          "--parallelism.context_parallel_method", "ring"], tmp / "cp"),
             "compile": _compile_counts(),
             "dry_run_8b_on_8": _dry_run(tmp / "dry"),
         }

@@ -34,7 +34,8 @@ from torchtitan.config import parse_args, parse_script_args  # noqa: E402
 from torchtitan.errors import UserError  # noqa: E402
 from torchtitan.planner.cost import MODEL_CONSTANTS, Layout  # noqa: E402
 from torchtitan.planner.hardware import GPU, GPUS, calibrated_gpu, gpu_named, require_same_gpu  # noqa: E402
-from torchtitan.planner.search import RANKINGS, Prediction, exclusions, layout_from_config, plan, predict  # noqa: E402
+from torchtitan.planner.search import (CP_METHODS, RANKINGS, Prediction, exclusions, layout_from_config,  # noqa: E402
+                                       plan, predict)
 
 
 def describe(layout: Layout) -> str:
@@ -46,7 +47,9 @@ def describe(layout: Layout) -> str:
     parts += [f"TP {layout.tp}"] if layout.tp > 1 else []
     parts += [f"PP {layout.pp} {layout.schedule} ({layout.stages_per_rank} stage(s)/rank, micro-batch "
               f"{layout.microbatch})"] if layout.pp > 1 else []
-    parts += [f"CP {layout.cp}"] if layout.cp > 1 else []
+    if layout.cp > 1:
+        parts.append(f"CP {layout.cp} " + ("(K/V all-gathered)" if layout.gathers_kv else
+                                           f"(ring, {layout.cp_rotate})"))
     parts.append(layout.ac_label)
     parts += ["float8"] if layout.float8 else []
     parts += ["compile"] if layout.compile else []
@@ -268,8 +271,11 @@ def main(argv: list[str] | None = None) -> int:
                         help="block-causal attention over packed documents of this E[len^2] / E[len] in tokens (their "
                              "length, if all are alike); 0: causal over the whole sequence. With --predict, needed "
                              "when model.attention_mask is block_causal")
+    parser.add_argument("--cp_method", choices=CP_METHODS, default=None,
+                        help="only layouts whose causal context parallelism runs so "
+                             "(parallelism.context_parallel_method); default: either")
     parser.add_argument("--cp_rotate", choices=("allgather", "alltoall"), default="allgather",
-                        help="how context parallelism exchanges keys and values "
+                        help="with --cp_method ring: how the ring exchanges keys and values "
                              "(parallelism.context_parallel_rotate_method)")
     parser.add_argument("--json", action="store_true", help="print JSON instead of a table")
     parser.add_argument("--rank_by", choices=tuple(RANKINGS), default="conservative",
@@ -349,6 +355,7 @@ def main(argv: list[str] | None = None) -> int:
                      if getattr(args, name) is not None}
             results = plan(args.flavor, args.gpus, gpu, args.seq_len, global_batch, fixed, constants,
                            rank_by=args.rank_by, document_length=args.document_length,
+                           cp_methods=(args.cp_method,) if args.cp_method else CP_METHODS,
                            cp_rotate=args.cp_rotate)[:args.top]
     except UserError as e:
         print(f"error: {e}", file=sys.stderr)

@@ -37,7 +37,8 @@ from torchtitan.config.compatibility import check_composition, setup_of
 from torchtitan.distributed import utils as dist_utils
 from torchtitan.distributed.compile import compile_loss
 from torchtitan.distributed.compression import compensation_state_bytes, require_compensation_fits
-from torchtitan.distributed.context_parallel import context_parallel_context, shard_documents
+from torchtitan.distributed.context_parallel import (context_parallel_context, gathers_keys_and_values,
+                                                     shard_documents)
 from torchtitan.distributed import torch_compat
 from torchtitan.distributed.fake import host_values
 from torchtitan.distributed.fault_tolerance import (GroupStopped, QuorumError, data_slice, join_checks,
@@ -214,10 +215,15 @@ class Trainer:
                                 shard_access=ShardAccess(training.max_open_shards, training.verify_all_shards))
 
     def _masking(self, inputs: torch.Tensor) -> dict[str, torch.Tensor]:
-        """The model's inputs for model.attention_mask = block_causal, from where the batch's documents start (BOS);
-        passed to every pipeline stage too."""
+        """The model's inputs for model.attention_mask = block_causal, from where the batch's documents start (BOS),
+        and for causal attention over keys gathered by context parallelism, the tokens' positions; passed to every
+        pipeline stage too."""
         if self.config.model.attention_mask == "causal":
-            return {}
+            if not gathers_keys_and_values(self.config):
+                return {}
+            # A rank's share of the sequence is not its start: its tokens' RoPE positions come with them, and order
+            # the causal mask over the gathered keys.
+            return {"positions": torch.arange(inputs.shape[1], device=inputs.device).expand_as(inputs)}
         ids = document_ids(inputs, self.tokenizer.bos_id if self.tokenizer else FAKE_BOS_ID)
         if self.config.model.document_positions:
             return {"document_ids": ids, "positions": document_positions(ids)}
@@ -233,12 +239,13 @@ class Trainer:
     def _train_context(self, inputs: torch.Tensor, labels: torch.Tensor) -> Iterator[
             tuple[torch.Tensor, torch.Tensor, dict[str, torch.Tensor]]]:
         """This rank's (inputs, labels, masking inputs of the model). Context parallelism shards the sequence of the
-        batch (and RoPE table; with packed documents, balanced by the mask's work, their ids and positions too);
-        loss parallelism lets the vocabulary-sharded logits enter the loss. Both must cover forward and backward."""
+        batch and the tokens' positions (with packed documents balanced by the mask's work, their ids too; the ring
+        shards the RoPE table instead); loss parallelism lets the vocabulary-sharded logits enter the loss. Both must
+        cover forward and backward."""
         masking = self._masking(inputs)
         with contextlib.ExitStack() as stack:
             if self.parallel_dims.cp_enabled and masking:
-                inputs, labels, *sharded = shard_documents(self.world_mesh["cp"], masking["document_ids"],
+                inputs, labels, *sharded = shard_documents(self.world_mesh["cp"], masking.get("document_ids"),
                                                            [inputs, labels, *masking.values()])
                 masking = dict(zip(masking, sharded))
             elif self.parallel_dims.cp_enabled:

@@ -137,7 +137,7 @@ def dataloader_state(checkpoint: Path) -> dict:
 # Exact resumption in the same layout
 
 
-@pytest.mark.parametrize("async_mode", [pytest.param("disabled", marks=pytest.mark.smoke), "async",
+@pytest.mark.parametrize("async_mode", ["disabled", pytest.param("async", marks=pytest.mark.slow),
                                         pytest.param("async_with_pinned_mem", marks=pytest.mark.slow)])
 def test_one_process_resume_is_bitwise_exact(tmp_path, runs, async_mode):
     mode = ["--checkpoint.async_mode", async_mode]
@@ -173,7 +173,8 @@ def test_multi_rank_resume_is_exact(tmp_path, runs, layout):
 
 
 @pytest.mark.parametrize("layout", [
-    "one_process", "fsdp4", "tp2",
+    "one_process", "tp2",
+    pytest.param("fsdp4", marks=pytest.mark.slow),
     pytest.param("hsdp2x2", marks=pytest.mark.slow),
     # Last: pipeline parallelism is the newest layout.
     pytest.param("pp2", marks=pytest.mark.slow),
@@ -206,13 +207,12 @@ OPTIMIZERS = {
 }
 # (optimizer, layout that resumes FSDP 2's checkpoint). torchao's 8-/4-bit state is saved dequantized and quantized
 # again on load (see optimizers/low_precision.py): TP 2 splits it along the second dimension, one process not at all.
-RESHARDS = [
-    ("Ranger21", "tp2"), ("GaLore-AdamW", "tp2"),
-    *(pytest.param(name, layout, marks=pytest.mark.slow)
-      for name, layout in [("AdamW-bf16", "tp2"), ("AdamW-8bit", "tp2"), ("AdamW-4bit", "tp2"),
-                           ("AdamW-8bit", "one_process"), ("AdamW-4bit", "one_process"),
-                           ("GaLore-AdamW", "one_process"), ("Muon", "tp2")]),
-]
+# Each case is five runs (about a minute here): all run with the slow ones; the default suite reshards AdamW's state
+# (test_fsdp2_checkpoint_resumes_under_another_layout).
+RESHARDS = [pytest.param(name, layout, marks=pytest.mark.slow)
+            for name, layout in [("GaLore-AdamW", "tp2"), ("Ranger21", "tp2"), ("AdamW-bf16", "tp2"),
+                                 ("AdamW-8bit", "tp2"), ("AdamW-4bit", "tp2"), ("AdamW-8bit", "one_process"),
+                                 ("AdamW-4bit", "one_process"), ("GaLore-AdamW", "one_process"), ("Muon", "tp2")]]
 RESHARD_BOUND = {
     # torchao quantizes each local shard whose size allows it: the tiny model's FSDP 2 shards of 64 x 64 matrices
     # (2048 values) keep fp32 moments in 4-bit mode, and one process quantizes them on load (measured: 2.2e-4 over
@@ -312,6 +312,7 @@ def test_data_parallel_change_consumes_every_window_once(corpus, num_workers):
     assert sorted(consumed) == list(range(whole_steps))
 
 
+@pytest.mark.slow
 def test_token_shards_read_ahead_resume_under_another_degree(tmp_path_factory, corpus):
     """The trainer on token shards with 2 reader threads (training.num_workers): FSDP 2 saves after step 4 while its
     threads have read further windows, one process resumes; it continues at the first unconsumed sample (16 after 4

@@ -29,12 +29,13 @@ def _sample() -> list[int]:
     def first(condition) -> int:
         return next(cell.index for cell in CELLS if condition(cell))
 
-    return [
+    sample = [
         first(lambda c: c.levels["layout"] == "fsdp2" and c.levels["compression"] != "none"
               and c.levels["health"] != "none" and matrix.predicted_refusal(c) is None),
         first(lambda c: matrix.predicted_refusal(c) is not None),
         first(lambda c: c.dry_run and c.levels["layout"] != "one" and matrix.predicted_refusal(c) is None),
     ]
+    return sorted(set(sample))  # one cell may be several of these
 
 
 SAMPLE = _sample()
@@ -111,7 +112,9 @@ OUT_OF_REACH = {
     "option parallelism.enable_async_tensor_parallel: compile.enable = false",
     "option comm.weight_quantization = 'qsdp': quantize.linear.float8.enable_fsdp_float8_all_gather",
     "option context_parallel_degree > 1 with model.attention_mask = 'block_causal': "
-    "parallelism.context_parallel_rotate_method = 'alltoall'",
+    "parallelism.context_parallel_method = 'ring'",
+    "option parallelism.context_parallel_rotate_method = 'alltoall': "
+    "context parallelism over gathered keys and values",
     "option comm.gradient_compression (loco, error_feedback, qsdp): data_parallel_replicate_degree > 1",
     "option comm.weight_quantization = 'qsdp': data_parallel_shard_degree x context_parallel_degree = 1",
     "option comm.weight_quantization = 'qsdp': data_parallel_replicate_degree > 1",

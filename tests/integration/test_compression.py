@@ -60,6 +60,7 @@ def test_saving_changes_nothing_and_loco_resumes_bitwise(tmp_path, corpus, strai
     assert [row["grad_norm"] for row in rows] == [row["grad_norm"] for row in uninterrupted]
 
 
+@pytest.mark.slow
 def test_loco_checkpoint_reshards_to_four_ranks(tmp_path, corpus, straight, saved):
     """The residuals are saved per parameter, sharded like it: 4 ranks resume 2 ranks' step-4 checkpoint and follow
     the 2-rank run closely (4-bit codes of other shards: not bitwise). A smoke test of the trainer's path only: with
@@ -87,6 +88,7 @@ def test_the_checkpoint_holds_the_residuals_per_parameter(saved):
     assert any(value.abs().sum() > 0 for value in residuals.values())
 
 
+@pytest.mark.slow
 def test_saving_changes_nothing_and_flexdemo_resumes_bitwise(tmp_path, corpus):
     """Two DDP replicas under FlexDeMo: a run that saves every 2 steps and resumes from step 4 has the losses of one
     that never saves. The checkpoint holds each replica's own delta (DeMo's momentum, what every resume loads) and,

@@ -101,14 +101,22 @@ def test_8b_on_8_gpus(tmp_path):
 @pytest.mark.smoke
 def test_block_causal_under_context_parallelism_is_traced(tmp_path):
     """Packed documents under CP 2 x FSDP 2: each of the debug model's 6 layers gathers its keys and values over the
-    CP group in forward and reduce-scatters their gradients in backward (the dry run's batches are one document per
-    sequence: a tokenizer-free run has no documents to find)."""
+    CP group in forward (one call for both, after one gather of the document ids and positions) and reduce-scatters
+    their gradients in backward, as the planner counts them (the dry run's batches are one document per sequence: a
+    tokenizer-free run has no documents to find)."""
+    from torchtitan.models.llama3.args import model_args_for
+    from torchtitan.planner.cost import Layout, sequence_collectives
+
     report = dry_run(tmp_path, 4, "--model.attention_mask", "block_causal", "--parallelism.context_parallel_degree",
                      "2", "--parallelism.data_parallel_shard_degree", "2", "--training.seq_len", "256",
                      "--training.local_batch_size", "2")
     found = collectives(report)
-    assert found[("reduce_scatter", "cp")]["count"] == 2 * 6
-    assert found[("all_gather", "cp")]["count"] >= 2 * 6
+    layout = Layout(dp_replicate=1, dp_shard=2, tp=1, pp=1, cp=2, schedule=None, stages_per_rank=1, local_batch=2,
+                    microbatch=2, ac="none", float8=False, compile=False, async_tp=False, document_length=256.0)
+    predicted = sequence_collectives(model_args_for("debugmodel", 256), layout, 256)
+    assert predicted[("reduce_scatter", "cp")][0] == 6 and predicted[("all_gather", "cp")][0] == 6 + 1
+    for key, (calls, size) in predicted.items():
+        assert (found[key]["count"], found[key]["bytes"]) == (calls, size), key
     assert report["peak_memory_gib"] > 0
 
 
@@ -138,6 +146,7 @@ def test_out_of_memory_is_reported_after_the_report(tmp_path):
     assert "more than the 79.6 GiB of one h100" in report["_log"]
 
 
+@pytest.mark.slow
 def test_compiled_layout_is_judged_by_its_compiled_memory(tmp_path):
     """8B on 8 without AC: the eager trace exceeds an H100 (80.5 GiB); compiled blocks and loss save less, and the
     analytic compiled peak (54 GiB), which the report adds, lets the run through with a warning."""
@@ -244,20 +253,23 @@ def test_flexdemo_exchanges_its_components_once_per_step(tmp_path):
     assert not any(c["mesh_dim"] == "dp_replicate" and c["kind"] != "all_gather" for c in report["collectives"])
 
 
-@pytest.mark.parametrize("shard, cp, ac, options", [
-    (2, 2, "none", []), (1, 4, "full", []),
-    # Per-op AC saves the reduce-scatters' outputs, not the gathered inputs: backward gathers them again.
-    (2, 2, "op", []),
-    # The other rotate method: each call passes one chunk on cp - 1 times instead of gathering them all.
-    pytest.param(1, 4, "full", ["--parallelism.context_parallel_rotate_method", "alltoall"], marks=pytest.mark.slow),
+@pytest.mark.parametrize("shard, cp, ac, method, rotate", [
+    # K/V all-gathered (the default), of the KV heads TP left on the rank.
+    (2, 2, "none", "allgather_kv", "allgather"),
+    pytest.param(1, 4, "full", "allgather_kv", "allgather", marks=pytest.mark.slow),
+    # Per-op AC saves the reduce-scatters' and attention's outputs, not the gathered inputs: backward gathers them
+    # again (TP's hidden states and CP's keys and values).
+    (2, 2, "op", "allgather_kv", "allgather"),
+    # The ring: each call gathers the keys and values expanded to the query heads.
+    pytest.param(1, 4, "full", "ring", "allgather", marks=pytest.mark.slow),
+    # The ring's other rotate method: each call passes one chunk on cp - 1 times instead of gathering them all.
+    pytest.param(1, 4, "full", "ring", "alltoall", marks=pytest.mark.slow),
 ])
-def test_planner_counts_the_sequence_collectives_the_dry_run_issues(tmp_path, shard, cp, ac, options):
+def test_planner_counts_the_sequence_collectives_the_dry_run_issues(tmp_path, shard, cp, ac, method, rotate):
     """TP's and CP's collectives of one step, calls and bytes, as the planner's cost model counts them and as the
     dry run sees them: CP's ring attention issues its collectives inside DTensor's dispatch (counted only because
     the counter lets DTensor run first), and shards each step's batch in place (so each step needs a batch of its
     own, or the measured step is shorter by a factor cp)."""
-    import dataclasses
-
     from torchtitan.models.llama3.args import model_args_for
     from torchtitan.planner.cost import Layout, sequence_collectives
 
@@ -266,11 +278,11 @@ def test_planner_counts_the_sequence_collectives_the_dry_run_issues(tmp_path, sh
                      *(["--activation_checkpoint.mode", "selective", "--activation_checkpoint.selective_ac_option", "op"]
                        if ac == "op" else ["--activation_checkpoint.mode", ac]),
                      "--training.seq_len", "256", "--training.local_batch_size", "8",
-                     *options)
+                     "--parallelism.context_parallel_method", method,
+                     "--parallelism.context_parallel_rotate_method", rotate)
     layout = Layout(dp_replicate=1, dp_shard=shard, tp=2, pp=1, cp=cp, schedule=None, stages_per_rank=1,
-                    local_batch=8, microbatch=8, ac=ac, float8=False, compile=False, async_tp=False)
-    if options:
-        layout = dataclasses.replace(layout, cp_rotate="alltoall")
+                    local_batch=8, microbatch=8, ac=ac, float8=False, compile=False, async_tp=False,
+                    cp_method=method, cp_rotate=rotate)
     predicted = sequence_collectives(model_args_for("debugmodel", 256), layout, 256)
     found = collectives(report)
     sequence_parallel = {("all_gather", "tp"), ("reduce_scatter", "tp")}

@@ -91,6 +91,7 @@ def uninterrupted(tmp_path_factory) -> list[float]:
     return final_losses(dump)
 
 
+@pytest.mark.slow
 def test_elastic_restart_after_sigkill_resumes_exactly(tmp_path, uninterrupted):
     """torchrun --max-restarts 2: rank 1 dies by SIGKILL in step 6 of the first attempt; the restarted group resumes
     from step-4 and ends on the uninterrupted run's losses. The goodput account of the two runs counts step 5 as
@@ -128,6 +129,7 @@ def test_ctrl_c_stops_with_one_line_and_exit_130(tmp_path):
     assert sorted(p.name for p in (tmp_path / "checkpoint").iterdir()) == ["step-2"]
 
 
+@pytest.mark.slow
 def test_preemption_saves_and_a_relaunch_continues_exactly(tmp_path, uninterrupted):
     """SIGTERM twice, as a scheduler preempts: first to the workers alone (rank 0 only, so the ranks must agree on
     where to stop), then to the torchrun agent, which forwards it to every worker. Each time the workers finish
@@ -183,7 +185,7 @@ def test_kill_while_saving_resumes_from_the_previous_checkpoint(tmp_path):
     report_faults("kill during a checkpoint save", events(tmp_path, "inject"), survived=1)
 
 
-@pytest.mark.parametrize("kind", ["nan", "inf_grad"])
+@pytest.mark.parametrize("kind", ["nan", pytest.param("inf_grad", marks=pytest.mark.slow)])
 def test_nonfinite_on_one_rank_stops_every_rank(tmp_path, kind):
     """A NaN loss, or a finite loss with an infinite gradient, on rank 1 only: every rank stops before the update,
     and nothing non-finite is checkpointed."""
@@ -325,6 +327,7 @@ def test_a_gradient_spike_on_one_flexdemo_replica_is_skipped_by_every_replica(tm
     report_faults("gradient spike on one FlexDeMo replica", events(tmp_path, "inject"), survived=1)
 
 
+@pytest.mark.slow
 def test_stalled_rank_times_out_with_a_clear_error(tmp_path):
     """Rank 1 stalls in step 3: rank 0's collective times out after comm.train_timeout_seconds and it exits with a
     message naming the option. torchrun then gives the stalled rank a fixed 30 s to exit after SIGTERM before it

@@ -21,6 +21,7 @@ ARGS = [*TINY, "--training.steps", str(STEPS), "--training.local_batch_size", "1
 TIMEOUT = 300
 
 
+@pytest.mark.slow
 def test_two_nodes_match_one_node(tmp_path):
     reference = train(tmp_path / "one_node", 4, ARGS, timeout=TIMEOUT)
     dump = tmp_path / "two_nodes"

@@ -5,6 +5,7 @@ must equal the one-process run within 1e-5 relative.
 """
 
 import re
+import shutil
 from pathlib import Path
 
 import pytest
@@ -31,9 +32,17 @@ LAYOUTS = [
     ("fsdp2_tp2", 4, 2, ["--parallelism.data_parallel_shard_degree", "2", "--parallelism.tensor_parallel_degree", "2"]),
     ("fsdp2_cp2", 4, 2, ["--parallelism.data_parallel_shard_degree", "2",
                          "--parallelism.context_parallel_degree", "2"]),
-    ("tp2_cp2", 4, 1, ["--parallelism.tensor_parallel_degree", "2", "--parallelism.context_parallel_degree", "2",
-                       "--parallelism.context_parallel_rotate_method", "alltoall"]),
+    # Context parallelism's default all-gathers the keys and values of the heads TP left on the rank.
+    ("tp2_cp2", 4, 1, ["--parallelism.tensor_parallel_degree", "2", "--parallelism.context_parallel_degree", "2"]),
+    # torch's ring attention, the other CP method.
+    ("tp2_cp2_ring", 4, 1, ["--parallelism.tensor_parallel_degree", "2", "--parallelism.context_parallel_degree", "2",
+                            "--parallelism.context_parallel_method", "ring",
+                            "--parallelism.context_parallel_rotate_method", "alltoall"]),
+    ("cp2_ring", 2, 1, ["--parallelism.context_parallel_degree", "2", "--parallelism.context_parallel_method", "ring"]),
+    ("cp4", 4, 1, ["--parallelism.context_parallel_degree", "4"]),
 ]
+# The ring (both rotations) is checked against one process at CP 2 and 4 in tests/unit/test_context_parallel.py.
+SLOW_LAYOUTS = {"cp2_ring", "tp2_cp2_ring", "cp4", "tp4"}
 
 
 def batch_args(dp: int) -> list[str]:
@@ -45,8 +54,18 @@ def reference(tmp_path_factory) -> list[dict]:
     return train(tmp_path_factory.mktemp("reference"), 1, [*BASE, *batch_args(1)])
 
 
-@pytest.mark.smoke
-@pytest.mark.parametrize("name,nproc,dp,options", LAYOUTS, ids=[layout[0] for layout in LAYOUTS])
+# The other tested torch's smoke set (.ci/run): one layout of each kind (cp2: causal CP over gathered keys and
+# values, the default method); the compositions run on the README's torch.
+SMOKE_LAYOUTS = {"fsdp2", "ddp2", "hsdp2x2", "tp2", "cp2"}
+
+
+def _marks(name: str) -> list:
+    return [mark for mark, names in ((pytest.mark.smoke, SMOKE_LAYOUTS), (pytest.mark.slow, SLOW_LAYOUTS))
+            if name in names]
+
+
+@pytest.mark.parametrize("name,nproc,dp,options", [pytest.param(*layout, id=layout[0], marks=_marks(layout[0]))
+                                                   for layout in LAYOUTS])
 def test_layout_matches_single_process(tmp_path, reference, name, nproc, dp, options):
     assert_follows_reference(tmp_path / name, name, nproc, [*BASE, *batch_args(dp), *options], reference)
 
@@ -112,6 +131,21 @@ def test_optimizer_matches_single_process(tmp_path, optimizer_references, optimi
     assert_follows_reference(tmp_path / name, f"{optimizer} {name}", nproc,
                              [*BASE, *batch_args(dp), *options, *OPTIMIZERS[optimizer]], optimizer_references(optimizer),
                              LOSS_BOUND.get(optimizer, 1e-5))
+
+
+@pytest.mark.slow
+def test_context_parallel_checkpoint_resumes_under_another_degree(tmp_path, reference):
+    """Causal attention over gathered keys and values: a checkpoint saved at step 5 under CP 2, resumed under CP 4,
+    continues the one-process run (each rank's share of the sequence, and so of the keys it gathers, changes)."""
+    checkpoint = ["--checkpoint.enable", "--checkpoint.interval", "5"]
+    train(tmp_path / "saved_cp2", 2, [*BASE, *batch_args(1), *checkpoint, "--parallelism.context_parallel_degree", "2"])
+    shutil.copytree(tmp_path / "saved_cp2" / "checkpoint" / "step-5", tmp_path / "resumed_cp4" / "checkpoint" / "step-5")
+    resumed = losses(train(tmp_path / "resumed_cp4", 4, [*BASE, *batch_args(1), *checkpoint,
+                                                          "--parallelism.context_parallel_degree", "4"]))
+    assert len(resumed) == STEPS - 5
+    difference = max_relative_difference(resumed, losses(reference)[5:])
+    print(f"cp2 -> cp4 resume: max relative loss difference of steps 6-{STEPS} {difference:.2e}")
+    assert difference <= 1e-5
 
 
 def test_fsdp_shards_model_state(tmp_path, reference):

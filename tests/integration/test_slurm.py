@@ -2,8 +2,9 @@
 a one-machine SLURM cluster (slurmctld + slurmd started by the test) where the job reaches its time limit, is
 requeued, and resumes from its checkpoint.
 
-The real cluster needs the Debian packages slurmctld, slurmd and slurm-client (and root, as slurmd starts the job
-steps); without them that test is skipped, saying why.
+The real cluster needs the Debian packages slurmctld, slurmd, slurm-client and munge (and root, as slurmd starts the
+job steps); without them that test is skipped, saying why. It runs with the slow tests (`pytest -m slow`, about a
+minute), so CI installs no SLURM.
 """
 
 import glob
@@ -353,6 +354,7 @@ def wait_for(condition, timeout: float, what: str, job: subprocess.Popen, output
         time.sleep(0.2)
 
 
+@pytest.mark.slow
 def test_job_at_time_limit_checkpoints_requeues_and_resumes(slurm_cluster, tmp_path):
     """2 CPU processes on one node train until the time limit warning, checkpoint and requeue; the next run resumes
     from that checkpoint and trains to the end."""

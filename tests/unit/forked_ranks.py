@@ -10,6 +10,7 @@ once, before any test runs in it, and forks every rank from that state.
 """
 
 import multiprocessing
+import os
 import time
 from pathlib import Path
 
@@ -30,7 +31,8 @@ def run_ranks(worker, out_dir: Path, nprocs: int, timeout_s: float, what: str) -
 def join_forked(worker, args: tuple, nprocs: int, timeout_s: float, what: str) -> None:
     """Fork `nprocs` ranks of `worker(rank, *args)` from the fork server and wait for them; fails the test, killing
     them, after `timeout_s`. `worker` and `args` are pickled: a function of a test module, plain values."""
-    workers = mp.start_processes(worker, args=args, nprocs=nprocs, join=False, start_method="forkserver")
+    workers = mp.start_processes(in_environment, args=(dict(os.environ), worker, *args), nprocs=nprocs, join=False,
+                                 start_method="forkserver")
     deadline = time.monotonic() + timeout_s
     while not workers.join(timeout=1):
         if time.monotonic() > deadline:
@@ -38,3 +40,11 @@ def join_forked(worker, args: tuple, nprocs: int, timeout_s: float, what: str) -
                 process.kill()
             pytest.fail(f"{what} still running after {timeout_s:.0f} s")
 
+
+
+def in_environment(rank: int, environment: dict[str, str], worker, *args) -> None:
+    """Run `worker(rank, *args)` with the test process's environment as it is now: the fork server's is the one it
+    started with, and a test may have set a variable since (a port, a fault to inject)."""
+    os.environ.clear()
+    os.environ.update(environment)
+    worker(rank, *args)

@@ -161,6 +161,7 @@ def test_turns_are_for_one_process_against_one(capsys):
     assert "--turns times ours against another process" in capsys.readouterr().err
 
 
+@pytest.mark.slow
 def test_attention_paths_compute_the_same_attention(capsys):
     """benchmarks/attention_paths.py: every path, compiled ones included, gives the flash kernel's output and gradient
     (to bf16 rounding), and a time."""

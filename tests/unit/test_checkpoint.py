@@ -4,7 +4,6 @@ import contextlib
 import copy
 import dataclasses
 import errno
-import gc
 import json
 import multiprocessing
 import os
@@ -31,7 +30,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 
 from scripts import convert_checkpoint
-from tests.unit.forked_ranks import join_forked
+from tests.unit.forked_ranks import in_environment, join_forked
 from torchtitan.components.checkpoint import integrity as checkpoint_integrity
 from torchtitan.components.checkpoint import manager as manager_module
 from torchtitan.components.checkpoint import resume as resume_module
@@ -1076,17 +1075,16 @@ def save_until_killed(root: Path, marker: Path) -> None:
     manager.save(2)
 
 
-def run_single_threaded(target, *args) -> None:
-    # OpenMP's thread pool does not survive fork(): a child that uses the parent's pool deadlocks.
-    torch.set_num_threads(1)
-    gc.freeze()  # nor do the threads of a gloo group the parent left for the collector (forked_ranks.join_forked)
+def run_single_threaded(rank: int, target, *args) -> None:
+    torch.set_num_threads(1)  # the test process runs beside it on the same cores
     target(*args)
 
 
 def forked(target, *args) -> multiprocessing.Process:
-    """A forked child, not a spawned one, which would import torch again: seconds on two cores."""
-    gc.collect()
-    process = multiprocessing.get_context("fork").Process(target=run_single_threaded, args=(target, *args))
+    """A child forked from the tests' fork server (tests/unit/forked_ranks.py says why not from this process), not a
+    spawned one, which would import torch again: seconds on two cores. `target` and `args` are pickled."""
+    process = multiprocessing.get_context("forkserver").Process(
+        target=in_environment, args=(0, dict(os.environ), run_single_threaded, target, *args))
     process.start()
     return process
 

@@ -1,4 +1,5 @@
-"""Context parallel on CPU (gloo) against a single-process reference, with real processes."""
+"""Context parallel on CPU (gloo) against a single-process reference, with real processes: causal attention by torch's
+ring (both rotate methods) and over grouped keys and values all-gathered (context_parallel_method = allgather_kv)."""
 
 import datetime
 import inspect
@@ -11,6 +12,7 @@ import torch.nn.functional as F
 
 from tests.unit.forked_ranks import join_forked
 from torchtitan.distributed import context_parallel as cp
+from torchtitan.distributed import torch_compat
 from torchtitan.errors import UserError
 from torchtitan.models.llama3.args import model_args_for
 from torchtitan.models.llama3.model import Transformer
@@ -19,6 +21,8 @@ pytestmark = pytest.mark.smoke
 
 BATCH, SEQ_LEN = 2, 64
 ROTATE_METHODS = ("allgather", "alltoall")
+# The ring's two rotate methods, then the keys and values gathered.
+METHODS = (*ROTATE_METHODS, "allgather_kv")
 
 
 def build_model() -> Transformer:
@@ -33,9 +37,9 @@ def batch() -> tuple[torch.Tensor, torch.Tensor]:
     return tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous()
 
 
-def loss_and_grads(model: Transformer, inputs: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+def loss_and_grads(model: Transformer, inputs: torch.Tensor, labels: torch.Tensor, **model_inputs) -> torch.Tensor:
     model.zero_grad(set_to_none=True)
-    logits = model(inputs)
+    logits = model(inputs, **model_inputs)
     loss = F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten(0, 1), reduction="sum")
     loss.backward()
     return loss.detach()
@@ -68,6 +72,29 @@ def cp_worker(rank: int, world_size: int, store_path: str, out_dir: str) -> None
                 dist.all_reduce(grad)
             if rank == 0:
                 torch.save({"loss": loss, "grads": grads}, Path(out_dir) / f"{method}.pt")
+        # The same causal sequence, each rank's head-tail chunks attending to the keys and values of all, gathered
+        # with their heads grouped (the spy records the heads of each gathered buffer: keys and values together).
+        gathered_heads = []
+        gather = torch_compat.all_gather_autograd_function()
+
+        def spy(tensor, dim, group):
+            gathered_heads.append(tensor.shape[1])
+            return gather(tensor, dim, group)
+        torch_compat.all_gather_autograd_function = lambda: spy
+        cp.apply_document_cp(model, mesh["cp"])
+        inputs, labels = batch()
+        positions = torch.arange(SEQ_LEN).expand_as(inputs)
+        inputs, labels, positions = cp.shard_documents(mesh["cp"], None, [inputs, labels, positions])
+        chunks = batch()[0].chunk(2 * world_size, dim=1)
+        assert torch.equal(inputs, torch.cat([chunks[rank], chunks[-1 - rank]], dim=1)), "not sharded head-tail"
+        loss = loss_and_grads(model, inputs, labels, positions=positions)
+        dist.all_reduce(loss)
+        grads = {name: p.grad for name, p in model.named_parameters()}
+        for grad in grads.values():
+            dist.all_reduce(grad)
+        if rank == 0:
+            torch.save({"loss": loss, "grads": grads, "gathered_heads": gathered_heads},
+                       Path(out_dir) / "allgather_kv.pt")
     finally:
         dist.destroy_process_group()
 
@@ -87,10 +114,10 @@ def cp_results(request, tmp_path_factory) -> dict[str, dict]:
     tmp = tmp_path_factory.mktemp(f"cp{world_size}")
     join_forked(cp_worker, (world_size, str(tmp / "store"), str(tmp)), world_size, 120,
                 f"{world_size} context-parallel workers")
-    return {method: torch.load(tmp / f"{method}.pt") for method in ROTATE_METHODS}
+    return {method: torch.load(tmp / f"{method}.pt") for method in METHODS}
 
 
-@pytest.mark.parametrize("method", ROTATE_METHODS)
+@pytest.mark.parametrize("method", METHODS)
 def test_context_parallel_matches_single_process(cp_results, reference, method):
     ref_loss, ref_grads = reference
     result = cp_results[method]
@@ -99,6 +126,37 @@ def test_context_parallel_matches_single_process(cp_results, reference, method):
     for name, grad in result["grads"].items():
         diff = (grad - ref_grads[name]).abs().max().item()
         assert diff <= 1e-5, f"{name}: gradient differs by {diff:.3g}"
+
+
+def test_gathered_keys_and_values_keep_their_heads_grouped(cp_results):
+    """One all-gather per layer of the keys and values together, over the model's KV heads (4 of the 8 query heads
+    of the tiny flavor): nothing expanded them to the query heads before the exchange."""
+    args = model_args_for("tiny", SEQ_LEN)
+    assert args.kv_heads < args.n_heads
+    assert cp_results["allgather_kv"]["gathered_heads"] == [2 * args.kv_heads] * args.n_layers
+
+
+def test_context_parallel_method_options():
+    """The gathered keys and values by default; the ring's rotate method only with the ring; block-causal attention
+    only over gathered keys (the ring is causal only)."""
+    from torchtitan.config import parse_args
+
+    cp2 = ["--parallelism.context_parallel_degree", "2"]
+    assert parse_args(cp2).parallelism.context_parallel_method == "allgather_kv"
+    alltoall = ["--parallelism.context_parallel_rotate_method", "alltoall"]
+    assert parse_args([*cp2, "--parallelism.context_parallel_method", "ring", *alltoall]).parallelism.\
+        context_parallel_rotate_method == "alltoall"
+    with pytest.raises(UserError, match=r"^option parallelism.context_parallel_rotate_method = 'alltoall': does not "
+                                        r"compose with context parallelism over gathered keys and values "
+                                        r"\(parallelism.context_parallel_method = 'allgather_kv', the default.*; leave "
+                                        r"parallelism.context_parallel_rotate_method at 'allgather'"):
+        parse_args([*cp2, *alltoall])
+    with pytest.raises(UserError, match=r"^option context_parallel_degree > 1 with model.attention_mask = "
+                                        r"'block_causal': does not compose with parallelism.context_parallel_method = "
+                                        r"'ring' .*; use parallelism.context_parallel_method = 'allgather_kv'$"):
+        parse_args([*cp2, "--parallelism.context_parallel_method", "ring", "--model.attention_mask", "block_causal"])
+    # Without context parallelism neither option does anything: nothing to refuse.
+    parse_args(alltoall)
 
 
 def test_unknown_rotate_method():

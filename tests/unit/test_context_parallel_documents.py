@@ -98,6 +98,20 @@ def test_flex_attention_mask_over_gathered_keys_matches_the_sdpa_mask(monkeypatc
     torch.testing.assert_close(*outputs, rtol=1e-4, atol=1e-5)
 
 
+def test_the_mask_follows_the_models_attention_device():
+    """FlexAttention's BlockMask where the model's attention runs on CUDA, even over tensors on the host (a dry run for
+    GPUs: the memory of the GPUs' kernel, not of the CPU's dense boolean mask); booleans where it runs on the CPU,
+    and by the mesh's device where the model does not say."""
+    import dataclasses
+
+    for attention_device, mesh_device, flex in (("cuda", "cpu", True), ("cpu", "cpu", False), (None, "cpu", False),
+                                                (None, "cuda", True)):
+        with torch.device("meta"):
+            model = Transformer(dataclasses.replace(model_args_for("tiny", SEQ_LEN), attention_device=attention_device))
+        cp.apply_document_cp(model, SimpleNamespace(device_type=mesh_device, get_group=lambda: None))
+        assert model.build_document_mask.flex is flex, (attention_device, mesh_device)
+
+
 def test_one_document_is_balanced_as_head_tail_does():
     # One causal document cut in chunks of c tokens: chunk i has c^2 i + c(c+1)/2 visible pairs, and chunks s + r and
     # s + 2cp-1-r add up to c^2 (2s + 2cp-1) + c(c+1) for every r: every rank gets exactly the mean.
@@ -175,8 +189,9 @@ def test_block_causal_with_context_parallelism_options():
 
     block_causal_cp = ["--model.attention_mask", "block_causal", "--parallelism.context_parallel_degree", "2"]
     assert parse_args([*block_causal_cp, "--model.document_positions"]).parallelism.context_parallel_degree == 2
-    with pytest.raises(UserError, match="model.attention_mask = 'block_causal': does not compose with "
-                                        "parallelism.context_parallel_rotate_method = 'alltoall'.*'allgather'"):
+    with pytest.raises(UserError, match="option parallelism.context_parallel_rotate_method = 'alltoall': does not "
+                                        "compose with context parallelism over gathered keys and values .*"
+                                        "model.attention_mask = 'block_causal'.*'allgather'$"):
         parse_args([*block_causal_cp, "--parallelism.context_parallel_rotate_method", "alltoall"])
 
 
@@ -319,3 +334,19 @@ def test_losses_and_gradients_match_one_process(cp_results, pipeline_batch, name
         difference = (grad - reference["grads"][name]).abs().max().item()
         largest = reference["grads"][name].abs().max().item()
         assert difference <= 1e-5 * max(1.0, largest), f"{name}: gradient differs by {difference:.3g} (largest entry {largest:.3g})"
+
+
+def test_per_op_activation_checkpointing_saves_flex_attention():
+    """Per-op AC keeps attention's output, whichever kernel ran it: on GPUs FlexAttention (over gathered keys, or
+    packed documents) and the compiled region that runs it, as SDPA's, instead of running attention again in
+    backward (what the planner counts for per-op AC)."""
+    from torch.utils.checkpoint import CheckpointPolicy
+
+    from torchtitan.distributed.activation_checkpoint import _per_op_policy
+
+    policy = _per_op_policy()
+    context = SimpleNamespace(is_recompute=False)
+    for op in (torch.ops.higher_order.flex_attention, torch.ops.higher_order.inductor_compiled_code,
+               torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default):
+        assert policy(context, op) == CheckpointPolicy.MUST_SAVE, op
+    assert policy(context, torch.ops.aten.add.Tensor) == CheckpointPolicy.PREFER_RECOMPUTE

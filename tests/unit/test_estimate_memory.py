@@ -35,6 +35,7 @@ def test_estimate_within_15_percent_of_measured_peak(overrides):
                                                   f"{measured / 2**20:.1f} MiB"
 
 
+@pytest.mark.slow
 def test_compiled_estimate_within_5_percent_of_measured_peak():
     """Compiled blocks and loss save less than eager ones (inductor recomputes the norms and SiLU, the fused loss
     keeps no fp32 copy of the logits); a vocabulary of 32,768 makes the loss the peak, as in the presets. The
@@ -151,7 +152,11 @@ LAYOUTS = [
 ]
 
 
-@pytest.mark.parametrize("nproc, layout", [(n, args) for _, n, args in LAYOUTS], ids=[name for name, _, _ in LAYOUTS])
+# Each case measures a real run and traces it (20-40 s here): one process and FSDP 2 run by default, the rest with
+# the slow ones.
+@pytest.mark.parametrize("nproc, layout", [(n, args) if name in ("one_process", "fsdp2")
+                                           else pytest.param(n, args, marks=pytest.mark.slow)
+                                           for name, n, args in LAYOUTS], ids=[name for name, _, _ in LAYOUTS])
 def test_dry_run_within_10_percent_of_measured_peak(nproc, layout):
     argv = [*DEBUG_TOML, "--training.seq_len", "256", "--training.local_batch_size", "4",
             "--training.mixed_precision_param", "bfloat16", "--activation_checkpoint.mode", "none", *layout]
@@ -160,8 +165,9 @@ def test_dry_run_within_10_percent_of_measured_peak(nproc, layout):
     assert abs(traced / measured - 1) <= 0.10, f"dry run {traced / 2**20:.1f} MiB, measured {measured / 2**20:.1f} MiB"
 
 
-@pytest.mark.parametrize("schedule, ac", [("GPipe", "full"), ("ZBVZeroBubble", "none"),
-                                          ("InterleavedZeroBubble", "none")])
+@pytest.mark.parametrize("schedule, ac", [pytest.param("GPipe", "full", marks=pytest.mark.slow),
+                                          pytest.param("ZBVZeroBubble", "none", marks=pytest.mark.slow),
+                                          pytest.param("InterleavedZeroBubble", "none", marks=pytest.mark.slow)])
 def test_pipeline_schedules_within_10_percent_of_measured_peak(schedule, ac):
     """Schedules that hold many micro-batches where 1F1B holds one: GPipe runs every forward first, so its last
     stage keeps each micro-batch's logits (the stage's output) and loss (the fp32 log-softmax) until its backward,
@@ -199,7 +205,8 @@ ANALYTIC_AGAINST_TRACE = [
 ]
 
 
-@pytest.mark.parametrize("layout", [args for _, args in ANALYTIC_AGAINST_TRACE],
+@pytest.mark.parametrize("layout", [pytest.param(args, marks=pytest.mark.slow) if name == "pp2_fsdp2" else args
+                                    for name, args in ANALYTIC_AGAINST_TRACE],
                          ids=[name for name, _ in ANALYTIC_AGAINST_TRACE])
 def test_analytic_estimate_within_5_percent_of_the_trace(layout):
     argv = [*DEBUG_TOML, "--training.seq_len", "256", "--training.local_batch_size", "4", *layout]
@@ -208,9 +215,9 @@ def test_analytic_estimate_within_5_percent_of_the_trace(layout):
     assert abs(predicted / traced - 1) <= 0.05, f"analytic {predicted / 2**20:.1f} MiB, traced {traced / 2**20:.1f} MiB"
 
 
-# Each case traces torchao's Float8 block through dynamo, about 45 s here: the default run keeps per-op AC, the
-# planner's usual choice; the case without AC runs with the slow ones.
-@pytest.mark.parametrize("ac", [pytest.param("none", marks=pytest.mark.slow), "op"])
+# Each case traces torchao's Float8 block through dynamo, about 45 s here: both run with the slow ones (the default
+# suite reads the partitioned graphs of a compiled Float8 linear in tests/unit/test_planner.py).
+@pytest.mark.parametrize("ac", [pytest.param("none", marks=pytest.mark.slow), pytest.param("op", marks=pytest.mark.slow)])
 def test_compiled_float8_block_saves_what_the_model_says(ac):
     """Inductor recomputes torchao's Float8 casts, and with them the norms' outputs, instead of saving them; under
     per-op AC it saves only the policy's tensors that backward reads (not w2's output). One compiled block with bf16

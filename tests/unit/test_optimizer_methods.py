@@ -81,7 +81,7 @@ def test_bf16_state_resumes_in_bf16_and_exactly():
     assert_same_after_three_steps(straight, straight_optimizer, resumed, second)
 
 
-@pytest.mark.parametrize("name, most", [("AdamW-8bit", 0.30), ("AdamW-4bit", 0.16)])
+@pytest.mark.parametrize("name, most", [pytest.param("AdamW-8bit", 0.30, marks=pytest.mark.slow), ("AdamW-4bit", 0.16)])
 def test_torchao_state_is_small_and_counted_by_its_codes(name, most):
     model = matrices()
     low, adamw = container(model, name), container(matrices(), "AdamW")

@@ -21,12 +21,13 @@ pytestmark = pytest.mark.smoke
 
 ROOT = Path(__file__).resolve().parents[2]
 
-# One configuration per feature that asks for that feature and no other (on the CPU), as TOML-style overrides.
+# One configuration per feature that asks for that feature and no other (on the CPU, unless FEATURE_DEVICES says
+# otherwise), as TOML-style overrides.
+RING = {"parallelism.context_parallel_degree": 2, "parallelism.context_parallel_method": "ring"}
 FEATURE_CONFIGS = {
     "dry_run": {"comm.mode": "fake_backend"},
-    "cpu_ring_attention": {"parallelism.context_parallel_degree": 2},
-    "cp_rotate_method": {"parallelism.context_parallel_degree": 2, "model.attention_mask": "block_causal",
-                         "parallelism.context_parallel_rotate_method": "alltoall"},
+    "cpu_ring_attention": RING,
+    "cp_rotate_method": {**RING, "parallelism.context_parallel_rotate_method": "alltoall"},
     "activation_checkpointing": {"activation_checkpoint.mode": "full"},
     "async_tp": {"parallelism.enable_async_tensor_parallel": True},
     "fsdp_hooks": {"comm.gradient_compression": "loco"},
@@ -50,9 +51,13 @@ def config_with(overrides: dict) -> JobConfig:
     return config
 
 
+# The ring on the CPU asks for cpu_ring_attention too.
+FEATURE_DEVICES = {"cp_rotate_method": "cuda"}
+
+
 def requested(feature: str) -> list[str]:
     # validation.enable asks for the pipeline's forward-only eval only with a multi-stage schedule.
-    return torch_compat.requested_features(config_with(FEATURE_CONFIGS[feature]), "cpu",
+    return torch_compat.requested_features(config_with(FEATURE_CONFIGS[feature]), FEATURE_DEVICES.get(feature, "cpu"),
                                            multi_stage_pipeline=feature == "pipeline_eval")
 
 
@@ -123,6 +128,10 @@ def test_every_feature_has_a_configuration_that_asks_for_it_alone():
     for feature in FEATURES:
         assert requested(feature) == [feature]
     assert torch_compat.requested_features(JobConfig(), "cpu") == ["activation_checkpointing"]
+    # Context parallelism's default method (and block-causal CP) gathers keys and values with public collectives.
+    for overrides in ({"parallelism.context_parallel_degree": 2},
+                      {"parallelism.context_parallel_degree": 2, "model.attention_mask": "block_causal"}):
+        assert torch_compat.requested_features(config_with(overrides), "cpu") == []
 
 
 @pytest.mark.parametrize("key", list(PRIVATE_NAMES))
@@ -130,15 +139,15 @@ def test_a_missing_private_name_refuses_only_its_feature(without, key):
     without(key)
     feature = PRIVATE_NAMES[key].feature
     for other in FEATURES:
-        config = config_with(FEATURE_CONFIGS[other])
+        config, device = config_with(FEATURE_CONFIGS[other]), FEATURE_DEVICES.get(other, "cpu")
         if other == feature:
             with pytest.raises(torch_compat.TorchLacks) as error:
-                torch_compat.require_torch_features(config, "cpu", multi_stage_pipeline=other == "pipeline_eval")
+                torch_compat.require_torch_features(config, device, multi_stage_pipeline=other == "pipeline_eval")
             message = str(error.value)
             assert "\n" not in message and torch.__version__ in message and PRIVATE_NAMES[key].paths[0] in message
             assert FEATURES[feature].asked_by.split(" ")[0] in message, message
         else:
-            torch_compat.require_torch_features(config, "cpu", multi_stage_pipeline=other == "pipeline_eval")
+            torch_compat.require_torch_features(config, device, multi_stage_pipeline=other == "pipeline_eval")
 
 
 def test_every_module_imports_on_a_torch_without_any_private_name():
@@ -269,7 +278,7 @@ def _gather_worker(rank: int, out_dir: str, use_private: bool) -> None:
     dist.init_process_group("gloo", rank=rank, world_size=2, store=dist.FileStore(f"{out_dir}/store", 2),
                             timeout=datetime.timedelta(seconds=60))
     local = torch.arange(6.0).reshape(1, 2, 3).add(10 * rank).requires_grad_()
-    gathered = torch_compat.all_gather_autograd(local, 2, dist.group.WORLD)
+    gathered = torch_compat.all_gather_autograd_function()(local, 2, dist.group.WORLD)
     (gathered * torch.arange(1.0, 7.0)).sum().backward()
     plain = torch_compat.all_gather(local.detach(), 2, dist.group.WORLD)
     torch.save({"gathered": gathered.detach(), "plain": plain, "grad": local.grad}, f"{out_dir}/rank{rank}.pt")

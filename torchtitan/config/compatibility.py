@@ -84,6 +84,13 @@ FEATURES: dict[str, Feature] = {
                                lambda s: s.cp > 1 and s.config.model.attention_mask == "block_causal"),
     "cp_alltoall": Feature("parallelism.context_parallel_rotate_method = 'alltoall'",
                            lambda s: s.cp > 1 and s.config.parallelism.context_parallel_rotate_method == "alltoall"),
+    "cp_ring": Feature("parallelism.context_parallel_method = 'ring'",
+                       lambda s: s.cp > 1 and s.config.parallelism.context_parallel_method == "ring"),
+    "cp_gathered_kv": Feature(
+        "context parallelism over gathered keys and values (parallelism.context_parallel_method = 'allgather_kv', "
+        "the default, or model.attention_mask = 'block_causal')",
+        lambda s: s.cp > 1 and (s.config.parallelism.context_parallel_method == "allgather_kv"
+                                or s.config.model.attention_mask == "block_causal")),
     # Performance
     "compile_model": Feature("compile.enable with 'model' in compile.components", _compile_model),
     "no_compile_model": Feature("compile.enable = false (or 'model' not in compile.components)",
@@ -136,8 +143,12 @@ REFUSALS: list[Refusal] = [
             "shard over all data-parallel ranks (data_parallel_replicate_degree = 1)"),
     Refusal("qsdp_weights", "float8_all_gather", "the float8 all-gather already quantizes the weights FSDP "
             "gathers", "choose one of them"),
-    Refusal("cp_block_causal", "cp_alltoall", "block-causal context parallelism all-gathers keys and values (ring "
-            "attention is causal only)", "use parallelism.context_parallel_rotate_method = 'allgather'"),
+    Refusal("cp_block_causal", "cp_ring", "torch's ring attention is causal only; block-causal context parallelism "
+            "all-gathers the grouped keys and values", "use parallelism.context_parallel_method = 'allgather_kv'"),
+    Refusal("cp_alltoall", "cp_gathered_kv", "the rotate method is the ring's: it passes keys and values from rank "
+            "to rank, and this context parallelism all-gathers them once per layer", "leave "
+            "parallelism.context_parallel_rotate_method at 'allgather' (or, for causal attention without documents, "
+            "set parallelism.context_parallel_method = 'ring' to rotate them)"),
     Refusal("async_tp", "on_cpu", "async TP fuses collectives into matmuls through CUDA symmetric memory",
             "turn it off, or run on CUDA GPUs"),
     Refusal("async_tp", "no_compile_model", "async TP is a compiler pass over the model's blocks",

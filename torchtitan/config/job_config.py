@@ -351,8 +351,11 @@ class Parallelism:
     context_parallel_degree: int = 1
     """Context parallel degree: the sequence is sharded across this many ranks. 1 = disabled."""
 
+    context_parallel_method: Literal["allgather_kv", "ring"] = "allgather_kv"
+    """How causal attention runs under context parallelism. allgather_kv: each layer all-gathers the grouped keys and values (n_kv_heads, not expanded to the query heads) over the CP group and attends the rank's head-tail chunks to them, as the Llama 3 paper does (its backward reduce-scatters their gradients); ring: torch's ring attention, which passes the keys and values expanded to the query heads, n_heads / n_kv_heads times the bytes (4x for Llama 3.1 8B, 16x for 405B at TP 8). block_causal always all-gathers. Measured bytes and memory: docs/parallelism.md."""
+
     context_parallel_rotate_method: Literal["allgather", "alltoall"] = "allgather"
-    """How causal context parallel (ring) attention exchanges key/value shards. With model.attention_mask = block_causal they are always all-gathered (docs/parallelism.md)."""
+    """How the ring (context_parallel_method = ring) exchanges key/value shards: all-gathered once per call, or passed to the next rank chunk by chunk."""
 
 
 @dataclass

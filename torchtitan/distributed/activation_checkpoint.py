@@ -29,7 +29,12 @@ _OPS_TO_SAVE = _ops(
     "aten._scaled_dot_product_efficient_attention", "aten._scaled_dot_product_cudnn_attention",
     "aten._scaled_dot_product_flash_attention_for_cpu", "_c10d_functional.reduce_scatter_tensor",
     # Float8's amax computations: cheap to keep, costly to redo under tensor parallelism.
-    "aten.max")
+    "aten.max") | {
+    # FlexAttention, the GPUs' kernel over keys gathered by context parallelism and over packed documents, and the
+    # compiled region torch.compile runs it in (model._compiled_flex_attention): saved like SDPA (TorchTitan's
+    # policy saves both too), not run again in backward.
+    hop for name in ("flex_attention", "inductor_compiled_code")
+    if (hop := getattr(torch.ops.higher_order, name, None)) is not None}
 
 
 def _per_op_policy():

@@ -1,4 +1,13 @@
-"""Context parallelism: torch's `context_parallel` ring attention, made to work on CPU as well as on GPUs.
+"""Context parallelism: attention over keys and values all-gathered from the CP group (the default, and packed
+documents), or torch's `context_parallel` ring attention, made to work on CPU as well as on GPUs.
+
+Two methods run causal attention (parallelism.context_parallel_method, docs/parallelism.md compares them):
+
+- allgather_kv (the default; the Llama 3 paper's, section 3.3.2): every layer all-gathers the grouped keys and
+  values of the whole sequence (n_kv_heads of the rank's TP shard, not expanded to the query heads) and attends the
+  rank's head-tail chunks to them under the causal mask by global positions: packed documents' path below, with
+  one document. The ring moves n_heads / n_kv_heads times those bytes per call (4x for Llama 3.1 8B, 16x for 405B).
+- ring: torch's ring attention, to which the GPU attention path passes keys and values expanded to the query heads.
 
 torch 2.13 shards SDPA over the sequence only for the CUDA attention kernels (flash, memory-efficient, cuDNN). On
 CPU, SDPA runs `aten._scaled_dot_product_flash_attention_for_cpu`, which has neither a context-parallel handler nor
@@ -20,13 +29,14 @@ These are private torch symbols, reached through `torch_compat` (torch 2.14 inst
 where 2.13 installed op strategies); `tests/unit/test_context_parallel.py` pins them, and a torch that handles the
 CPU op itself is left alone.
 
-Packed documents (`model.attention_mask = "block_causal"`) take another path, on every device: ring attention merges
-causal blocks, not arbitrary masks. Each rank all-gathers the keys and values of the whole sequence and attends its
-own queries to them under the block-causal mask of its tokens, as the Llama 3 paper does for document masks:
+Packed documents (`model.attention_mask = "block_causal"`) always take the other path, on every device: ring attention
+merges causal blocks, not arbitrary masks. Each rank all-gathers the keys and values of the whole sequence and
+attends its own queries to them under the block-causal mask of its tokens, as the Llama 3 paper does for document
+masks:
 
 - the exchange is cheap: with grouped-query attention K and V are each n_kv_heads / n_heads of the query's size
-  (1/4 for Llama 3.1 8B), one all-gather per layer; its backward is a reduce-scatter of the key and value gradients
-  (`all_gather_single_autograd` of torch's functional collectives);
+  (1/4 for Llama 3.1 8B), one all-gather of both per layer; its backward is a reduce-scatter of the key and value
+  gradients (`all_gather_single_autograd` of torch's functional collectives);
 - the mask is exact for any layout of documents: a query sees a key when both belong to the same document and the
   key's position is not later (document positions or global ones, both increase inside a document), whichever rank
   holds it, so no block has to be skipped or merged by hand and the result is the single-process one;
@@ -47,7 +57,7 @@ and positions are sharded by it alike. `benchmarks/cp_balance.py` measures it (d
 
 import contextlib
 import functools
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 import torch
 import torch.distributed as dist
@@ -147,12 +157,22 @@ def _ring_sdpa_backward(group: dist.ProcessGroup, grad_out: Tensor, query: Tenso
 
 
 # ----------------------------------------------------------------------------------------------------------------
-# Packed documents: block-causal attention over keys and values gathered from the whole CP group
+# Keys and values gathered from the whole CP group: packed documents (block-causal), and one causal sequence
+
+def gathers_keys_and_values(config) -> bool:
+    """Whether context parallelism all-gathers the grouped keys and values (model.attention_mask = block_causal, or
+    causal with parallelism.context_parallel_method = allgather_kv) rather than running torch's ring attention."""
+    parallelism = config.parallelism
+    return parallelism.context_parallel_degree > 1 and (
+        config.model.attention_mask == "block_causal" or parallelism.context_parallel_method == "allgather_kv")
+
 
 # Chunks per rank of the balanced assignment. With 2 (head-tail's cut), windows of 131072 tokens of packed documents
 # on CP 8 left the busiest rank 1.22-1.62x the mean attention work on average; with 8, 1.01-1.03x, worst window 1.05x
 # (benchmarks/cp_balance.py, docs/parallelism.md). The sequence must split into 8 x cp chunks (parallelize.py checks).
 CHUNKS_PER_RANK = 8
+# One causal sequence: head-tail's two chunks per rank balance it exactly (the ring's cut, 2 x cp chunks).
+CAUSAL_CHUNKS_PER_RANK = 2
 
 
 def chunk_work(document_ids: Tensor, num_chunks: int) -> Tensor:
@@ -194,57 +214,81 @@ def balanced_chunk_order(work: Tensor, cp: int) -> list[int]:
     return min(greedy, head_tail_order(cp, per_rank), key=busiest)
 
 
-def shard_documents(cp_mesh: DeviceMesh, document_ids: Tensor, tensors: list[Tensor]) -> list[Tensor]:
+def shard_documents(cp_mesh: DeviceMesh, document_ids: Tensor | None, tensors: list[Tensor]) -> list[Tensor]:
     """This rank's share of (batch, seq) `tensors` (inputs, labels, document ids, positions): the chunks that
-    `balanced_chunk_order` gives it by the work of the batch's mask, in sequence order."""
+    `balanced_chunk_order` gives it by the work of the batch's mask, in sequence order. Without `document_ids` the
+    sequences are causal, one document each: head-tail's two chunks per rank, as the ring shards them."""
     cp, rank = cp_mesh.size(), cp_mesh.get_local_rank()
-    num_chunks = CHUNKS_PER_RANK * cp
-    if torch_compat.is_fake(document_ids):
-        # A dry run's tensors have no values to count; its sequences are one document each (dry_run.FAKE_BOS_ID),
-        # which head-tail balances exactly.
-        order = head_tail_order(cp, CHUNKS_PER_RANK)
+    per_rank = CHUNKS_PER_RANK if document_ids is not None else CAUSAL_CHUNKS_PER_RANK
+    num_chunks = per_rank * cp
+    if document_ids is None or torch_compat.is_fake(document_ids):
+        # Head-tail balances one document exactly: a causal sequence's, and a dry run's (its tensors have no values
+        # to count; its sequences are one document each, dry_run.FAKE_BOS_ID).
+        order = head_tail_order(cp, per_rank)
     else:
         order = balanced_chunk_order(chunk_work(document_ids, num_chunks), cp)
-    mine = order[rank * CHUNKS_PER_RANK:(rank + 1) * CHUNKS_PER_RANK]
+    mine = order[rank * per_rank:(rank + 1) * per_rank]
     return [torch.cat([tensor.chunk(num_chunks, dim=1)[chunk] for chunk in mine], dim=1) for tensor in tensors]
 
 
-def visible_keys(query_ids: Tensor, query_positions: Tensor, key_ids: Tensor, key_positions: Tensor,
+def visible_keys(query_ids: Tensor | None, query_positions: Tensor, key_ids: Tensor | None, key_positions: Tensor,
                  flex: bool) -> BlockMask | Tensor:
-    """Where a query sees a key: same document, key not later. Positions may be global or restart per document: both
-    increase inside a document, so either orders its tokens. A BlockMask for FlexAttention with `flex`, else
-    (batch, 1, queries, keys) booleans."""
+    """Where a query sees a key: same document, key not later; without ids (one causal sequence), key not later.
+    Positions may be global or restart per document: both increase inside a document, so either orders its tokens.
+    A BlockMask for FlexAttention with `flex`, else (batch, 1, queries, keys) booleans."""
+    batch, queries, keys = query_positions.shape[0], query_positions.shape[1], key_positions.shape[1]
     if flex:
-        def visible(b, h, q, kv):
-            return (query_ids[b, q] == key_ids[b, kv]) & (query_positions[b, q] >= key_positions[b, kv])
+        if query_ids is None:
+            def visible(b, h, q, kv):
+                return query_positions[b, q] >= key_positions[b, kv]
+        else:
+            def visible(b, h, q, kv):
+                return (query_ids[b, q] == key_ids[b, kv]) & (query_positions[b, q] >= key_positions[b, kv])
 
-        return build_block_mask(visible, query_ids.shape[0], query_ids.shape[1], key_ids.shape[1], query_ids.device)
-    same_document = query_ids[:, :, None] == key_ids[:, None, :]
-    return (same_document & (query_positions[:, :, None] >= key_positions[:, None, :])).unsqueeze(1)
+        return build_block_mask(visible, batch, queries, keys, query_positions.device)
+    not_later = query_positions[:, :, None] >= key_positions[:, None, :]
+    if query_ids is not None:
+        not_later &= query_ids[:, :, None] == key_ids[:, None, :]
+    return not_later.unsqueeze(1)
 
 
-def _gather_sequence(tensor: Tensor, group: dist.ProcessGroup) -> Tensor:
-    # (batch, heads, local seq, head_dim) -> the sequence of every rank, rank after rank; backward: reduce-scatter.
-    return torch_compat.all_gather_autograd(tensor, SEQ_DIM, group)
+def _gather_keys_and_values(key: Tensor, value: Tensor, gather: Callable[[Tensor, int, dist.ProcessGroup], Tensor],
+                            group: dist.ProcessGroup) -> tuple[Tensor, Tensor]:
+    """(batch, kv heads, local seq, head_dim) keys and values -> those of the whole sequence, rank after rank, in one
+    all-gather (`gather`: torch_compat's autograd all-gather; one call's latency, not two); backward: one
+    reduce-scatter of their gradients. Grouped heads stay grouped: the kernels take them as they are (enable_gqa)."""
+    gathered = gather(torch.cat([key, value], dim=1), SEQ_DIM, group)
+    # Split, not sliced: backward concatenates the two gradients into one buffer for the reduce-scatter, where a
+    # slice's backward would allocate a whole zero buffer for each.
+    return gathered.split(key.shape[1], dim=1)
 
 
 class DocumentsAcrossRanks:
     """The model's document mask under context parallelism (`Transformer.build_document_mask`): from this rank's
-    document ids and positions, the mask of its queries against the keys of every rank, and how to gather them."""
+    document ids (None: one causal sequence) and positions, the mask of its queries against the keys of every rank,
+    and how to gather them."""
 
-    def __init__(self, group: dist.ProcessGroup):
+    def __init__(self, group: dist.ProcessGroup, flex: bool):
         self.group = group
+        self.flex = flex
 
-    def __call__(self, document_ids: Tensor, positions: Tensor | None) -> GatheredDocuments:
+    def __call__(self, document_ids: Tensor | None, positions: Tensor | None) -> GatheredDocuments:
         if positions is None:
-            raise ValueError("block-causal attention under context parallelism needs each token's position")
+            raise ValueError("attention under context parallelism over gathered keys needs each token's position")
         # Document ids and positions of the whole sequence, in the order the keys and values will be gathered in.
-        keys = torch_compat.all_gather(torch.stack([document_ids, positions]), 2, self.group)
-        # FlexAttention where it has a backward (on CUDA, as document_mask() chooses), SDPA with booleans elsewhere.
-        mask = visible_keys(document_ids, positions, keys[0], keys[1], flex=document_ids.device.type == "cuda")
-        return GatheredDocuments(mask, functools.partial(_gather_sequence, group=self.group))
+        local = positions[None] if document_ids is None else torch.stack([document_ids, positions])
+        keys = torch_compat.all_gather(local, 2, self.group)
+        key_ids, key_positions = (None, keys[0]) if document_ids is None else (keys[0], keys[1])
+        mask = visible_keys(document_ids, positions, key_ids, key_positions, flex=self.flex)
+        # The collective is looked up here, outside the blocks that torch.compile may trace.
+        return GatheredDocuments(mask, functools.partial(
+            _gather_keys_and_values, gather=torch_compat.all_gather_autograd_function(), group=self.group))
 
 
 def apply_document_cp(model: torch.nn.Module, cp_mesh: DeviceMesh) -> None:
-    """Let the model's (or pipeline stage's) block-causal attention see the documents on the other CP ranks."""
-    model.build_document_mask = DocumentsAcrossRanks(cp_mesh.get_group())
+    """Let the model's (or pipeline stage's) attention see the keys and values on the other CP ranks: block-causal
+    over packed documents, or causal (`gathers_keys_and_values`). FlexAttention where it has a backward, on CUDA (the
+    model's attention device: a dry run for GPUs takes their path on fake tensors of the host), SDPA with booleans
+    elsewhere."""
+    device = model.args.attention_device or cp_mesh.device_type
+    model.build_document_mask = DocumentsAcrossRanks(cp_mesh.get_group(), flex=device == "cuda")

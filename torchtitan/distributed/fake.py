@@ -149,6 +149,10 @@ def dry_run_patches(target_device: str, fake_tensors: bool = True) -> contextlib
     stack.enter_context(_replaced(propagator, "_propagate_tensor_meta_non_cached",
                                   _separate_propagation(propagator._propagate_tensor_meta_non_cached)))
     stack.enter_context(_replaced(torch.Tensor, "pin_memory", _pinning_without_storage(torch.Tensor.pin_memory)))
+    if target_device == "cuda":
+        from torchtitan.models.llama3 import model
+
+        stack.enter_context(_replaced(model, "_compiled_flex_attention", _flex_attention_as_flash))
     # torch.compile that components call themselves (FlexAttention and its block mask on the GPU path) runs eagerly,
     # as the model does: a compiled kernel would read the storage fake tensors do not have.
     stack.enter_context(torch.compiler.set_stance("force_eager"))
@@ -204,6 +208,16 @@ def _static_pipeline_warmup(self, stages, has_backward, p2p_done) -> None:
     vote cannot be read; a dry run gives every stage its shapes (`static_stage_shapes`), which is the static case."""
     for stage in stages:
         stage._inference_mode = torch_compat.get("PipelineInferenceMode").STATIC
+
+
+def _flex_attention_as_flash(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, block_mask,
+                             enable_gqa: bool) -> torch.Tensor:
+    """On GPUs, attention over keys and values gathered by context parallelism runs FlexAttention
+    (model.block_causal_attention), which has no backward on the CPU, where a dry run's fake tensors live. In memory
+    it is flash attention: it saves the query, the keys and values it attended to, the output and the logsumexp (and
+    a per-row maximum, as small) and returns the output. The CPU's flash kernel, grouped heads as they are, stands in
+    for it; fake tensors carry no values for the mask to change."""
+    return torch.nn.functional.scaled_dot_product_attention(query, key, value, enable_gqa=enable_gqa)
 
 
 def _pinning_without_storage(original):

@@ -33,6 +33,7 @@ from torch.distributed.tensor import DTensor, Shard
 
 from torchtitan.config import JobConfig, validation_shape
 from torchtitan.distributed import torch_compat
+from torchtitan.distributed.context_parallel import gathers_keys_and_values
 from torchtitan.distributed.parallel_dims import ParallelDims
 from torchtitan.errors import UserError
 from torchtitan.models.llama3.model import DocumentMask, document_mask
@@ -226,7 +227,7 @@ def pipeline_llama(model: nn.Module, world_mesh: DeviceMesh, parallel_dims: Para
         parts.append(part)
         logger.info(f"pipeline stage {stage_id} of {plan.num_stages} on pp rank {pp_rank}: "
                     f"{_describe(plan.stage_names[stage_id])}")
-    if config.model.attention_mask == "block_causal" and len(parts) > 1:
+    if (config.model.attention_mask == "block_causal" or gathers_keys_and_values(config)) and len(parts) > 1:
         shared = SharedDocumentMasks(parts[0].build_document_mask, plan.n_microbatches)
         for part in parts:
             part.build_document_mask = shared
@@ -237,8 +238,8 @@ def pipeline_llama(model: nn.Module, world_mesh: DeviceMesh, parallel_dims: Para
 
 
 class SharedDocumentMasks:
-    """The block-causal mask of each micro-batch, built once for all the pipeline stages of this rank
-    (`Transformer.build_document_mask`).
+    """The block-causal mask of each micro-batch (under context parallelism over gathered keys, block-causal or
+    causal), built once for all the pipeline stages of this rank (`Transformer.build_document_mask`).
 
     A looped, interleaved or V-shaped schedule runs every micro-batch through two or more stages on one rank, and
     hands each of them the same document-id and position tensors (the schedule splits the step's keyword inputs once
@@ -252,9 +253,9 @@ class SharedDocumentMasks:
 
     def __init__(self, build: Callable[[torch.Tensor, torch.Tensor | None], DocumentMask] | None, size: int):
         self.build = build
-        self.masks: deque[tuple[torch.Tensor, torch.Tensor | None, DocumentMask]] = deque(maxlen=size)
+        self.masks: deque[tuple[torch.Tensor | None, torch.Tensor | None, DocumentMask]] = deque(maxlen=size)
 
-    def __call__(self, document_ids: torch.Tensor, positions: torch.Tensor | None) -> DocumentMask:
+    def __call__(self, document_ids: torch.Tensor | None, positions: torch.Tensor | None) -> DocumentMask:
         for ids, known_positions, mask in self.masks:
             if ids is document_ids and known_positions is positions:
                 return mask

@@ -21,7 +21,7 @@ collectives are missing, `fully_shard` over a one-rank shard dimension where FSD
 import contextlib
 import functools
 import importlib
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -44,12 +44,6 @@ def pipeline_shapes_per_mode() -> bool:
     return release() >= (2, 13)
 
 
-def partitioner_recomputes_reductions() -> bool:
-    """torch 2.14's min-cut partitioner recomputes a compiled forward's reductions in backward (a Float8 weight's
-    absolute maximum); 2.13's saves them (tests/unit/test_planner.py reads the graphs)."""
-    return release() >= (2, 14)
-
-
 def untested_torch() -> str | None:
     """A warning line when this torch is not a tested release (None when it is)."""
     if ".".join(map(str, release())) in TESTED_TORCH:
@@ -69,9 +63,8 @@ class Feature:
 FEATURES: dict[str, Feature] = {
     "dry_run": Feature("comm.mode = 'fake_backend' (the dry run)", "run on real devices, or use a tested torch"),
     "cpu_ring_attention": Feature(
-        "parallelism.context_parallel_degree > 1 with model.attention_mask = 'causal' on the CPU (ring attention)",
-        "use model.attention_mask = 'block_causal' (its context parallelism uses public collectives only), or run "
-        "on GPUs"),
+        "parallelism.context_parallel_method = 'ring' (context_parallel_degree > 1, causal attention) on the CPU",
+        "use context_parallel_method = 'allgather_kv' (public collectives only), or run on GPUs"),
     "cp_rotate_method": Feature("parallelism.context_parallel_rotate_method = 'alltoall'", "use 'allgather'"),
     "activation_checkpointing": Feature("activation_checkpoint.mode = 'full' or 'selective'",
                                         "set activation_checkpoint.mode = 'none'"),
@@ -251,12 +244,14 @@ def requested_features(config: Any, device_type: str, multi_stage_pipeline: bool
     """The FEATURES that `config` turns on for a run on `device_type` (`multi_stage_pipeline`: its pipeline
     schedule holds several stages per rank)."""
     parallelism = config.parallelism
+    # torch's ring attention runs for causal attention under CP with context_parallel_method = ring; the other CP
+    # paths gather keys and values with public collectives.
+    ring_attention = parallelism.context_parallel_degree > 1 and config.model.attention_mask == "causal" and \
+        parallelism.context_parallel_method == "ring"
     requested = {
         "dry_run": config.comm.mode == "fake_backend",
-        "cpu_ring_attention": parallelism.context_parallel_degree > 1 and device_type == "cpu"
-        and config.model.attention_mask == "causal",
-        "cp_rotate_method": parallelism.context_parallel_degree > 1
-        and parallelism.context_parallel_rotate_method != "allgather",
+        "cpu_ring_attention": ring_attention and device_type == "cpu",
+        "cp_rotate_method": ring_attention and parallelism.context_parallel_rotate_method != "allgather",
         "activation_checkpointing": config.activation_checkpoint.mode != "none",
         "async_tp": parallelism.enable_async_tensor_parallel,
         "fsdp_hooks": config.comm.gradient_compression != "none" or config.comm.weight_quantization != "none",
@@ -355,16 +350,17 @@ def flatten_mesh(root: Any, dims: tuple[str, ...], name: str, leading: str | Non
     return merged[name] if leading is None else merged[leading, name]
 
 
-def all_gather_autograd(tensor: torch.Tensor, dim: int, group: Any) -> torch.Tensor:
-    """The group's tensors concatenated along `dim`, rank after rank; backward: the gradient's slice of each rank,
-    summed over the group (a reduce-scatter). The functional collectives (traceable by torch.compile), else
-    torch.distributed.nn's autograd all-gather."""
+def all_gather_autograd_function() -> Callable[[torch.Tensor, int, Any], torch.Tensor]:
+    """(tensor, dim, group) -> the group's tensors concatenated along `dim`, rank after rank; backward: the
+    gradient's slice of each rank, summed over the group (a reduce-scatter). The functional collectives (traceable by
+    torch.compile), else torch.distributed.nn's autograd all-gather. Looked up when called: code that torch.compile
+    traces gets the function from outside the traced region (dynamo cannot follow the lookup's imports)."""
     gather = lookup("all_gather_autograd")
     if gather is not None:
-        return gather(tensor.contiguous(), dim, group)
+        return lambda tensor, dim, group: gather(tensor.contiguous(), dim, group)
     from torch.distributed.nn.functional import all_gather as autograd_all_gather
 
-    return torch.cat(autograd_all_gather(tensor.contiguous(), group=group), dim=dim)
+    return lambda tensor, dim, group: torch.cat(autograd_all_gather(tensor.contiguous(), group=group), dim=dim)
 
 
 def all_gather(tensor: torch.Tensor, dim: int, group: Any) -> torch.Tensor:

@@ -12,8 +12,9 @@ Per GPU and step (all stages of one pipeline rank together; the slowest pipeline
   the fitted efficiency, no faster than HBM reads its inputs, plus its output's store, so a thin TP shard runs
   slower per FLOP than the whole layer. Attention runs at its own speed, not the
   GEMM efficiency (planner/attention.py, attention_step): the pairs its mask leaves (causal s^2/2; block-causal
-  the documents' sum of len^2/2; under CP the ring's diagonal and off-diagonal blocks), at FlashAttention-2's
-  published speed by length and head dimension (or the GPU's calibrated one), plus ring attention's fp32 merges.
+  the documents' sum of len^2/2; under CP the rank's queries against the gathered keys, or the ring's diagonal and
+  off-diagonal blocks), at FlashAttention-2's published speed by length and head dimension (or the GPU's
+  calibrated one; FlexAttention at its published fraction of it), plus ring attention's fp32 merges.
   Float8 runs the blocks' linear layers at the GPU's float8 peak, the rest at its bf16 peak; both at the same
   achievable fraction EFFICIENCY (fitted on H100 rows; on another GPU times the ratio one benchmark measured on
   both, GPU.gemm_level_vs_h100, so an efficiency given or refitted is in the H100's terms). The memory-bound work
@@ -42,13 +43,16 @@ Per GPU and step (all stages of one pipeline rank together; the slowest pipeline
     exposed, whether it comes after the drain or, for a rank's later stage, between its earlier stage's backwards.
   - Sequence-parallel TP's all-gathers and reduce-scatters sit between the matmuls that need them: exposed, unless
     async TP decomposes them into chunks that overlap the matmuls (then exposed only beyond the matmul time).
-  - Context parallelism, causal, all-gathers the keys and values once per attention call (torch's "allgather"
-    rotation) and waits for them after the local chunk; backward also passes their gradients around the ring:
-    exposed beyond 1/c of attention's time. The "alltoall" rotation passes each chunk on c - 1 times while the
-    current block computes: exposed beyond (c - 1)/c of it. Block-causal CP all-gathers the grouped keys and
-    values before the attention call (exposed) and reduce-scatters their gradients. Head-tail balancing makes
-    causal work even; block-causal's chunk assignment balances the counted pairs. The calls and bytes of TP and CP
-    are those the dry run counts (sequence_collectives).
+  - Context parallelism by default (parallelism.context_parallel_method = allgather_kv), and always under
+    block-causal attention, all-gathers the grouped keys and values (n_kv_heads, not expanded) before the attention
+    call (exposed) and reduce-scatters their gradients; attention then runs FlexAttention over the rank's queries
+    and all keys. torch's ring attention (context_parallel_method = ring) all-gathers the keys and values expanded to
+    the query heads, n_heads / n_kv_heads times the bytes, once per attention call ("allgather" rotation) and waits
+    for them after the local chunk; backward also passes their gradients around the ring: exposed beyond 1/c of
+    attention's time. The "alltoall" rotation passes each chunk on c - 1 times while the current block computes:
+    exposed beyond (c - 1)/c of it. Head-tail balancing makes causal work even; block-causal's chunk assignment
+    balances the counted pairs. The calls and bytes of TP and CP are those the dry run counts
+    (sequence_collectives).
   - Pipeline sends overlap the other micro-batches' compute in the steady state; those of the first micro-batch
     down the pipeline and of the last one's gradients back up are on the critical path (pipeline_p2p_seconds).
 - parameter traffic, memory-bound at the GPU's HBM bandwidth, counted, not fitted (parameter_traffic_bytes): once
@@ -75,7 +79,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from torchtitan.distributed.torch_compat import partitioner_recomputes_reductions
 from torchtitan.errors import UserError
 from torchtitan.models.llama3.args import TransformerModelArgs
 from torchtitan.planner import pipeline_schedule
@@ -137,9 +140,11 @@ class Layout:
     document_length: float = 0.0
     """Block-causal attention over packed documents of this E[len^2] / E[len] tokens (for documents of one
     length, that length); 0: causal over the whole sequence (model.attention_mask)."""
+    cp_method: str = "allgather_kv"
+    """How causal CP runs (parallelism.context_parallel_method): allgather_kv all-gathers the grouped keys and values,
+    as block-causal always does; ring runs torch's ring attention over keys and values expanded to the query heads."""
     cp_rotate: str = "allgather"
-    """How causal CP exchanges keys and values (parallelism.context_parallel_rotate_method); block-causal always
-    all-gathers them."""
+    """How the ring exchanges keys and values (parallelism.context_parallel_rotate_method)."""
     ac_every: int = 2
     """With ac = layer: every how many blocks one is checkpointed."""
     float8_all_gather: bool = True
@@ -163,6 +168,18 @@ class Layout:
     @property
     def world_size(self) -> int:
         return self.dp_replicate * self.dp_shard * self.tp * self.pp * self.cp
+
+    @property
+    def gathers_kv(self) -> bool:
+        """Whether CP all-gathers the grouped keys and values (block-causal, or causal with cp_method allgather_kv)
+        rather than running the ring."""
+        return self.cp > 1 and (bool(self.document_length) or self.cp_method == "allgather_kv")
+
+    def attention_document_length(self, seq_len: int) -> float:
+        """The document length attention's mask works over (planner/attention.py): the documents' under
+        block-causal; one causal document of seq_len where CP gathers the keys (its kernel, FlexAttention, takes the
+        mask over the rank's queries and all keys); 0 for causal attention's own kernel."""
+        return self.document_length or (float(seq_len) if self.gathers_kv else 0.0)
 
     @property
     def dp(self) -> int:
@@ -344,8 +361,10 @@ def float8_weight_bytes(weights: float, rerun_weights: float, recast_weights: fl
       the weight cast again, column-major. Eager, torchao casts it again in full and copies the cast transposed
       (2). Compiled, torch 2.13's partitioner keeps the forward's absolute maximum (it does not recompute
       reductions) and recomputes the cast in the layout the product wants: one read and 1 byte written, nothing
-      else; torch 2.14's recomputes the maximum too (one read more). The partitioner's graphs of a compiled
-      Float8Linear: tests/unit/test_planner.py. A product per-op AC runs again
+      else. torch 2.14's computes the maximum again in backward, one read more per weight, which is not counted:
+      the fitted constants and the published runs this model is checked against predate it, and the extra read is
+      small beside the activations' traffic. The partitioner's graphs of a compiled Float8Linear:
+      tests/unit/test_planner.py. A product per-op AC runs again
       casts with the saved maximum: one read, 1 byte written. Without FSDP autocast makes no bf16 copy of these
       weights, so parameter_traffic_bytes' forward cast (4 + 2) is taken back."""
     if shard > 1 and gathered:
@@ -353,10 +372,7 @@ def float8_weight_bytes(weights: float, rerun_weights: float, recast_weights: fl
         return weights / shard * shard_bytes + microbatches * weights * 2
     source = 2 if shard > 1 else 4
     forward = 2 * source + 1
-    if compiled:
-        backward = forward if partitioner_recomputes_reductions() else source + 1
-    else:
-        backward = forward + 2
+    backward = source + 1 if compiled else forward + 2
     autocast_copy = 0 if shard > 1 else 4 + 2
     return microbatches * (weights * (forward + backward - autocast_copy) + rerun_weights * forward
                            + recast_weights * (source + 1))
@@ -382,12 +398,15 @@ def sequence_collectives(args: TransformerModelArgs, layout: Layout,
     inputs, which backward needs for the weight gradients, so it gathers them again (twice per block; torch's
     partitioner recomputes a collective the policy marks for recomputation, compiled or not). The output layer's
     input is gathered once more, and its gradient reduce-scattered, on the last stage. Context parallelism runs
-    torch's ring attention: each attention call (forward, recomputed forward, backward) all-gathers the keys and
-    values, which the GPU attention path has expanded to the query heads; backward passes the keys' and values'
-    gradients, in fp32, to the next rank c times (all-to-all). With the "alltoall" rotation each call instead passes
-    the keys and values on c - 1 times (all-to-all, the buffer of one rank's chunk). Block-causal CP
-    (context_parallel.py) all-gathers the grouped keys and values (kv heads, not expanded) once per forward (and
-    recomputed forward), and backward reduce-scatters their gradients.
+    torch's ring attention (cp_method ring): each attention call (forward, recomputed forward, backward) all-gathers
+    the keys and values, which the GPU attention path has expanded to the query heads; backward passes the keys' and
+    values' gradients, in fp32, to the next rank c times (all-to-all). With the "alltoall" rotation each call instead
+    passes the keys and values on c - 1 times (all-to-all, the buffer of one rank's chunk). Where CP gathers the keys
+    (cp_method allgather_kv, and block-causal; context_parallel.py) each forward (and recomputed forward; per-op AC
+    saves attention's output, not its gathered inputs, and gathers them again) all-gathers the grouped keys and values
+    (kv heads, not expanded) together in one call per layer, and backward reduce-scatters their gradients; each
+    micro-batch's forward first gathers the tokens' positions (int64; and the document ids, block-causal) once for
+    all layers.
     """
     t, c = layout.tp, layout.cp
     layers = args.n_layers / layout.pp
@@ -399,10 +418,11 @@ def sequence_collectives(args: TransformerModelArgs, layout: Layout,
         for kind, per_block in (("all_gather", 4 + recomputed_tp_gathers(layout)), ("reduce_scatter", 4 + recompute)):
             calls = (per_block * layers + 1) * passes
             collectives[(kind, "tp")] = (round(calls), calls * hidden_bytes)
-    if c > 1 and layout.document_length:
+    if layout.gathers_kv:
         gathered = layout.microbatch * seq_len * 2 * args.kv_heads / t * args.head_dim * 2
-        gathers = (1 + recompute) * layers * passes
-        collectives[("all_gather", "cp")] = (round(gathers), gathers * gathered)
+        gathers = (1 + recompute + (layout.ac == "op")) * layers * passes
+        positions = layout.microbatch * seq_len * 8 * (2 if layout.document_length else 1)
+        collectives[("all_gather", "cp")] = (round(gathers + passes), gathers * gathered + passes * positions)
         collectives[("reduce_scatter", "cp")] = (round(layers * passes), layers * passes * gathered)
     elif c > 1:
         kv_bytes = layout.microbatch * seq_len / c * 2 * args.n_heads / t * args.head_dim * 2
@@ -479,18 +499,19 @@ def pipeline_p2p_seconds(args: TransformerModelArgs, layout: Layout, seq_len: in
 
 def attention_step(args: TransformerModelArgs, layout: Layout, seq_len: int, gpu: GPU) -> AttentionTime:
     """Attention's time in one step of a GPU of `layout`: the kernel calls of each layer and sequence
-    (planner/attention.py: pairs by mask and CP split, speed by length and head dim), heads split over TP; under
-    causal CP the c - 1 merges of each forward and the fp32 gradient accumulation of each backward step, at HBM
-    bandwidth. Full AC runs the forward twice (per-block AC in the blocks it recomputes); per-op AC saves SDPA's
+    (planner/attention.py: pairs by mask and CP split, speed by length and head dim), heads split over TP; under the
+    ring the c - 1 merges of each forward and the fp32 gradient accumulation of each backward step, at HBM
+    bandwidth; where CP gathers the keys, FlexAttention over them (one causal document of the whole sequence). Full AC runs the forward twice (per-block AC in the blocks it recomputes); per-op AC saves SDPA's
     output and does not."""
     t, c = layout.tp, layout.cp
     heads = args.n_heads / t
     sequences = layout.local_batch * args.n_layers / layout.pp
-    calls = attention_calls(seq_len, c, layout.document_length)
+    document_length = layout.attention_document_length(seq_len)
+    calls = attention_calls(seq_len, c, document_length)
     forward, backward = attention_seconds(calls, 4 * args.head_dim * heads, gpu.attention_rates(args.head_dim),
-                                          layout.document_length)
+                                          document_length)
     merge_bytes = 0.0
-    if c > 1 and not layout.document_length:
+    if c > 1 and not layout.gathers_kv:
         elements = seq_len / c * heads * args.head_dim
         merge_bytes = (c - 1) * elements * (MERGE_BYTES_PER_ELEMENT * (1 + layout.recomputed_blocks)
                                             + 3 * GRADIENT_ACCUMULATION_BYTES_PER_ELEMENT)
@@ -619,7 +640,7 @@ def step_time(args: TransformerModelArgs, layout: Layout, seq_len: int, gpu: GPU
                 continue
             cp_s += (_ring_seconds(moved, c, cp_bw, calls, cp_latency) if kind != "all_to_all"
                      else moved / cp_bw + calls * cp_latency)
-        if layout.document_length:
+        if layout.gathers_kv:
             # The all-gather feeds the attention call directly: nothing computes while it runs.
             cp_exposed = cp_s
         elif layout.cp_rotate == "alltoall":

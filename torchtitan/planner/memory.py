@@ -92,8 +92,15 @@ Transients, of which only the largest coexists with the rest:
                forward, T x V x a, and the logits and their gradient in backward, T x V x 2a
   block        backward of a checkpointed block rebuilds its `none` activations (and autocast copies); any
                block's backward adds the gradients inside the SwiGLU backward: T x f/t x 2 x a
-  optimizer    the foreach implementation allocates one fp32 temporary per parameter (P_rank x 4 / F); fused
-               and for-loop implementations none to speak of
+  optimizer    what the configured method's step allocates at its peak beyond its state, from the rank's
+               tensors and layout (the registry's step_bytes: torch's foreach AdamW one fp32 temporary per value
+               of the largest parameter group, the fused kernel none, Muon its stacks of one kind of matrix and
+               their exchanges' buffers, FlexDeMo every replica's payload...; components/optimizers)
+  compression  each compressed reduce-scatter: about 20 bytes per value of the module's unsharded local
+               gradient (GRADIENT_COMPRESSION's reduction_bytes_per_value), beside the new compensation state the
+               step's reductions stage until the optimizer step commits it (b per value of every module reduced so
+               far); QSDP's weight codes (weight_bits / 8 per local parameter) from a module's first gather to the
+               optimizer step
   float8       eager (not compiled) under TP: the cast of a whole-sequence output gradient in block backward
                passes through two fp32 copies, T x d x 8 (compiled blocks fuse the cast)
 
@@ -115,6 +122,10 @@ Peak = parameters + optimizer + max over the phases of the step:
   backward of      activations of blocks 0..i + block(i) + buffers + gradients of the head and of the blocks
     block i        after i (all gradients when accumulating); the largest over i
   optimizer step   gradients + optimizer temporaries
+  [gradient        with compression: gradients + the staged compensation state; its reductions: the head's and
+   reduction]      the embedding's (the largest in the backward), with the blocks' counted in their backward
+The peaks of the forward's moments, the backward's and the step's are also kept apart (Estimate.phase_peaks), as the
+dry run reports them.
 Tensors only: what a GPU holds beyond them (the allocator's reserve, the CUDA context, NCCL's buffers) is
 hardware.headroom, which the planner, the dry run's out-of-memory verdict and scripts/estimate_memory.py all add.
 
@@ -124,14 +135,15 @@ under full AC, backward peak: compiled bf16 22% below it, compiled Float8 2.5% b
 their weights themselves: under autocast no bf16 weight copies.
 
 Context parallelism's exchange buffers (cp_exchange_bytes, cp_saved_bytes; T = this rank's tokens, c = CP degree,
-h = the attention's key/value width: q/t on CUDA, whose kernels take the heads expanded, kv/t on CPU):
-  causal, allgather   one layer's gathered keys and values during its attention call, c x T x 2h x a, plus in
+h = the ring's key/value width: q/t on CUDA, whose kernels take the heads expanded, kv/t on CPU):
+  K/V gathered        (the default, context_parallel_method = allgather_kv, and block-causal) the gathered grouped
+                      keys and values (kv heads), c x T x 2 kv/t x a, and in backward their gradients before the
+                      reduce-scatter (the same again); without AC each layer saves its gathered keys and values for
+                      backward (per-op AC's policy saves attention's output, not them: backward gathers them again)
+  ring, allgather     one layer's gathered keys and values during its attention call, c x T x 2h x a, plus in
                       backward the fp32 accumulators of the query gradient (T x q/t x 4) and of the rotating key
                       and value gradients (two chunks, the current and the incoming: 2 x T x 2h x 4)
-  causal, alltoall    the current and the incoming chunk, 2 x T x 2h x a, and the same fp32 accumulators
-  block-causal        the gathered grouped keys and values (kv heads), c x T x 2 kv/t x a, and in backward their
-                      gradients before the reduce-scatter (the same again); without AC (or per-op AC, whose policy
-                      saves attention's inputs) each layer saves its gathered keys and values for backward
+  ring, alltoall      the current and the incoming chunk, 2 x T x 2h x a, and the same fp32 accumulators
 These add to a block's backward transients; the saved ones to its activations.
 
 Not modelled: allocator fragmentation (planner/hardware.py's headroom adds it); eager Float8 saves the
@@ -152,6 +164,7 @@ from torchtitan.components.optimizers import RankTensor, StepLayout, optimizer_s
 from torchtitan.config import JobConfig
 from torchtitan.distributed.compression import (QUANTIZE_BYTES_PER_VALUE, compensation_bytes_per_value,
                                                 reduction_bytes_per_value, weight_code_bytes_per_value)
+from torchtitan.distributed.context_parallel import gathers_keys_and_values
 from torchtitan.distributed.parallel_dims import ParallelDims
 from torchtitan.distributed.pipeline_parallel import plan_pipeline
 from torchtitan.models.llama3.args import TransformerModelArgs, model_args_for, shape_overrides
@@ -283,9 +296,14 @@ def _pipeline_layout(config: JobConfig, args: TransformerModelArgs, dims: Parall
     return per_rank, in_flight
 
 
-def _attention_bytes(s: _Shapes, seq_len: float, t: int, a: int, device: str) -> tuple[float, float]:
+def _attention_bytes(s: _Shapes, seq_len: float, t: int, a: int, device: str,
+                     gathered_kv: bool = False) -> tuple[float, float]:
     """Bytes per token that attention saves for backward, and those of SDPA's output alone (model.causal_attention
-    chooses the path from the local sequence length; see the module docstring)."""
+    chooses the path from the local sequence length; see the module docstring). `gathered_kv`: context parallelism
+    over gathered keys and values, whose attention saves the query and output of the rank's tokens and the gathered
+    keys and values (cp_saved_bytes), not the rank's own."""
+    if gathered_kv:
+        return 2 * s.q / t * a, s.q / t * a
     if device != "cpu":
         return 4 * s.q / t * a, s.q / t * a
     if _attention_in_fp32(s, seq_len, a, device):
@@ -295,7 +313,7 @@ def _attention_bytes(s: _Shapes, seq_len: float, t: int, a: int, device: str) ->
 
 def _cp_key_value_width(config: JobConfig, s: _Shapes, t: int, device: str) -> float:
     """Width of the keys and values one CP exchange moves, per token: both, over the heads of one TP rank."""
-    if config.model.attention_mask == "block_causal":
+    if gathers_keys_and_values(config):
         return 2 * s.kv / t
     return 2 * (s.q if device == "cuda" else s.kv) / t
 
@@ -305,7 +323,7 @@ def cp_exchange_bytes(config: JobConfig, s: _Shapes, tokens: float, t: int, cp: 
     if cp == 1:
         return 0.0
     width = _cp_key_value_width(config, s, t, device)
-    if config.model.attention_mask == "block_causal":
+    if gathers_keys_and_values(config):
         return 2 * cp * tokens * width * a
     chunks = cp if config.parallelism.context_parallel_rotate_method == "allgather" else 2
     return chunks * tokens * width * a + tokens * s.q / t * 4 + 2 * tokens * width * 4
@@ -313,8 +331,8 @@ def cp_exchange_bytes(config: JobConfig, s: _Shapes, tokens: float, t: int, cp: 
 
 def cp_saved_bytes(config: JobConfig, s: _Shapes, tokens: float, t: int, cp: int, a: int, mode: str,
                    device: str) -> float:
-    """Bytes one layer saves for backward of block-causal CP's gathered keys and values (module docstring)."""
-    if cp == 1 or config.model.attention_mask != "block_causal" or mode == "full":
+    """Bytes one layer saves for backward of CP's gathered keys and values (module docstring)."""
+    if not gathers_keys_and_values(config) or mode in ("full", "op"):
         return 0.0
     return cp * tokens * _cp_key_value_width(config, s, t, device) * a
 
@@ -324,12 +342,14 @@ def _attention_in_fp32(s: _Shapes, seq_len: float, a: int, device: str) -> bool:
 
 
 def _block_activations(s: _Shapes, tokens: float, seq_len: float, t: int, a: int, r: int, autocast: bool,
-                       mode: str, device: str, compiled: bool = False, float8: bool = False) -> float:
+                       mode: str, device: str, compiled: bool = False, float8: bool = False,
+                       gathered_kv: bool = False) -> float:
     """Bytes one block saves for backward for one micro-batch of `tokens` tokens in sequences of `seq_len` (see the
     module docstring); `compiled`: what inductor's partitioner saves of a compiled block without AC, which with
-    Float8 (`float8`) recomputes the casts and so the linear inputs too."""
+    Float8 (`float8`) recomputes the casts and so the linear inputs too; `gathered_kv`: attention over keys and
+    values gathered by context parallelism (their own bytes: cp_saved_bytes)."""
     sp = tokens / t
-    attention, sdpa_output = _attention_bytes(s, seq_len, t, a, device)
+    attention, sdpa_output = _attention_bytes(s, seq_len, t, a, device, gathered_kv)
     if mode == "full":
         return sp * s.d * r
     if mode == "op":
@@ -388,7 +408,8 @@ def _estimate_rank(config: JobConfig, args: TransformerModelArgs, dims: Parallel
     # What a checkpointed block's backward holds while it recomputes: the eager `none` set, compiled or not
     # (measured on this CPU, one block under full AC, backward peak: compiled bf16 22% below it, compiled Float8
     # 2.5%).
-    none = _block_activations(s, tokens, seq_len, t, a, residual, autocast, "none", device)
+    gathered_kv = gathers_keys_and_values(config)
+    none = _block_activations(s, tokens, seq_len, t, a, residual, autocast, "none", device, gathered_kv=gathered_kv)
     # Per block of the rank, in forward order: (saved bytes for its in-flight micro-batches, bytes rebuilt and
     # alive during its backward, autocast copies it keeps for backward, micro-batches in flight, which of the
     # rank's stages holds it).
@@ -405,7 +426,7 @@ def _estimate_rank(config: JobConfig, args: TransformerModelArgs, dims: Parallel
     ac = config.activation_checkpoint
     checkpointed_mode = "op" if ac.mode == "selective" and ac.selective_ac_option == "op" else "full"
     checkpointed = _block_activations(s, tokens, seq_len, t, a, residual, autocast, checkpointed_mode, device,
-                                      compiled_blocks, float8)
+                                      compiled_blocks, float8, gathered_kv)
     rebuilt_ratio = max(0.0, none - checkpointed) / checkpointed if ac.mode != "none" else 0.0
     for stage_index, (n_blocks, has_embedding, stage_has_head) in enumerate(stages):
         mbs, awaiting_weight_pass = in_flight(rank, stage_index, rebuilt_ratio)
@@ -413,7 +434,7 @@ def _estimate_rank(config: JobConfig, args: TransformerModelArgs, dims: Parallel
         rank_tensors += block_tensors * n_blocks + (embedding_tensors if has_embedding else [])
         for mode in _ac_modes(config, n_blocks):
             per_micro_batch = (_block_activations(s, tokens, seq_len, t, a, residual, autocast, mode, device,
-                                                  compiled_blocks, float8)
+                                                  compiled_blocks, float8, gathered_kv)
                                + cp_saved_bytes(config, s, tokens, t, dims.cp, a, mode, device))
             saved = mbs * per_micro_batch + awaiting_weight_pass * max(0.0, none - per_micro_batch) * (mode != "none")
             rebuilt = none + block_copies if mode != "none" else 0.0

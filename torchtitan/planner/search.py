@@ -30,6 +30,11 @@ CONFIGS = Path(__file__).resolve().parents[2] / "train_configs"
 PRESET_TOML = {"8B": "llama3_8b.toml", "70B": "llama3_70b.toml", "405B": "llama3_405b.toml",
                "debugmodel": "debug_model.toml"}
 SCHEDULES = ("1F1B", "Interleaved1F1B")
+# Causal context parallelism's methods (parallelism.context_parallel_method), searched both: the ring's exchange
+# hides behind attention on NVLink and its kernel is FlashAttention's, where FlexAttention over gathered keys runs at
+# its published fraction of it; the gathered keys and values are n_heads / n_kv_heads times fewer bytes, which wins
+# where CP crosses hosts (docs/parallelism.md).
+CP_METHODS = ("allgather_kv", "ring")
 
 
 @dataclass(frozen=True)
@@ -109,7 +114,9 @@ def layout_overrides(layout: Layout, seq_len: int, n_layers: int) -> list[str]:
     if layout.document_length:
         options += ["--model.attention_mask", "block_causal"]
     if layout.cp > 1:
-        options += ["--parallelism.context_parallel_rotate_method", layout.cp_rotate]
+        options += ["--parallelism.context_parallel_method", layout.cp_method]
+        if layout.cp_method == "ring":
+            options += ["--parallelism.context_parallel_rotate_method", layout.cp_rotate]
     if float8_gathered(layout):
         # Float8 all-gathers under FSDP: half the bytes of bf16 (TorchTitan's 405B recipe; tensorwise scaling only).
         options += ["--quantize.linear.float8.enable_fsdp_float8_all_gather",
@@ -206,7 +213,7 @@ def layout_from_config(config: JobConfig, world_size: int, document_length: floa
                   async_tp=parallelism.enable_async_tensor_parallel,
                   compiled_loss="loss" in config.compile.components,
                   document_length=document_length if config.model.attention_mask == "block_causal" else 0.0,
-                  cp_rotate=parallelism.context_parallel_rotate_method)
+                  cp_method=parallelism.context_parallel_method, cp_rotate=parallelism.context_parallel_rotate_method)
 
 
 # The schedules searched, with their stages per rank. GPipe and LoopedBFS have 1F1B's and Interleaved1F1B's bubble
@@ -228,9 +235,11 @@ def _microbatches(local_batch: int, pp: int) -> list[int]:
 
 
 def candidate_layouts(flavor: str, gpus: int, seq_len: int, global_batch: int, gpu: GPU,
-                      document_length: float = 0.0, cp_rotate: str = "allgather") -> list[Layout]:
+                      document_length: float = 0.0, cp_methods: tuple[str, ...] = CP_METHODS,
+                      cp_rotate: str = "allgather") -> list[Layout]:
     """Every layout of `gpus` GPUs that the model's shapes and the global batch allow; causal attention unless
-    `document_length` (Layout.document_length), CP's keys and values exchanged by `cp_rotate`."""
+    `document_length` (Layout.document_length); causal CP run by each of `cp_methods` (the ring rotating by
+    `cp_rotate`), block-causal CP by gathered keys and values (the ring is causal only)."""
     args = model_args_for(flavor, seq_len)
     candidates = []
     # CP up to 4, and for long sequences up to one 8,192-token shard per rank (at most 32): a 256k sequence is what
@@ -253,9 +262,11 @@ def candidate_layouts(flavor: str, gpus: int, seq_len: int, global_batch: int, g
             if dp_replicate > 1 and dp_shard * cp * tp < gpu.gpus_per_host:
                 continue  # replicas only across hosts
             schedules = [(None, 1)] if pp == 1 else PIPELINE_SCHEDULES
-            for (schedule, v), microbatch, ac, float8, compile_, async_tp in itertools.product(
+            # Without CP the method does nothing: one layout, with the trainer's default.
+            methods = cp_methods if cp > 1 and not document_length else (Layout.cp_method,)
+            for (schedule, v), microbatch, ac, float8, compile_, async_tp, cp_method in itertools.product(
                     schedules, _microbatches(local_batch, pp), ("op", "full"), (False, True), (False, True),
-                    (False, True)):
+                    (False, True), methods):
                 if async_tp and (tp == 1 or not compile_):
                     continue
                 if float8 and gpu.fp8_flops == 0:
@@ -264,7 +275,7 @@ def candidate_layouts(flavor: str, gpus: int, seq_len: int, global_batch: int, g
                                          schedule=schedule, stages_per_rank=v, local_batch=local_batch,
                                          microbatch=microbatch, ac=ac, float8=float8, compile=compile_,
                                          async_tp=async_tp, document_length=document_length,
-                                         cp_rotate=cp_rotate))
+                                         cp_method=cp_method, cp_rotate=cp_rotate))
     return candidates
 
 
@@ -279,12 +290,14 @@ RANKINGS = {"conservative": "tps_conservative", "predicted": "tps_per_gpu", "wit
 
 def plan(flavor: str, gpus: int, gpu: GPU, seq_len: int, global_batch: int,
          fixed: dict[str, bool] | None = None, constants: dict[str, float] | None = None,
-         rank_by: str = "conservative", document_length: float = 0.0, cp_rotate: str = "allgather") -> list[Prediction]:
+         rank_by: str = "conservative", document_length: float = 0.0, cp_methods: tuple[str, ...] = CP_METHODS,
+         cp_rotate: str = "allgather") -> list[Prediction]:
     """The layouts that fit, fastest first, each with its fastest micro-batch; `fixed` pins techniques (float8,
     compile, async_tp) on or off; `constants` replace the model's fitted ones (cost.step_time's keywords);
     `rank_by` (RANKINGS): the conservative end of each layout's range (default: no more overlap than the validated
     rows had), the prediction (the optimistic end), or the speed it keeps if no communication overlaps compute;
-    `document_length` and `cp_rotate`: the attention mask and CP's exchange (candidate_layouts)."""
+    `document_length`, `cp_methods` and `cp_rotate`: the attention mask and the CP methods searched
+    (candidate_layouts)."""
     if flavor not in llama3_flavors:
         raise UserError(f"option --flavor: unknown flavor {flavor!r}; valid: {', '.join(llama3_flavors)}")
     if (fixed or {}).get("float8") and not gpu.fp8_flops:
@@ -294,7 +307,7 @@ def plan(flavor: str, gpus: int, gpu: GPU, seq_len: int, global_batch: int,
         raise UserError(f"option --document_length: {document_length:g} is not 0 (causal) or a length of 1 to "
                         f"--seq_len ({seq_len}) tokens")
     candidates = [layout for layout in candidate_layouts(flavor, gpus, seq_len, global_batch, gpu, document_length,
-                                                         cp_rotate)
+                                                         cp_methods, cp_rotate)
                   if all(getattr(layout, name) == value for name, value in (fixed or {}).items())]
     if not candidates:
         raise UserError(f"no layout of {gpus} GPUs divides flavor {flavor} (heads, KV heads, vocabulary) and a "

@@ -97,6 +97,12 @@ def published_rows(*paths: Path) -> list[Row]:
     return rows
 
 
+def _published_cp_method(record: dict) -> str:
+    """The published runs with CP ran ring attention (torch's, or Transformer Engine's p2p ring); without CP the
+    planner's default, so that layouts compare equal."""
+    return "ring" if int(record["cp"]) > 1 else Layout.cp_method
+
+
 def _rows_of(records, first_index: int, fitted: bool) -> list[Row]:
     rows = []
     for index, record in enumerate(records, start=first_index):
@@ -111,7 +117,7 @@ def _rows_of(records, first_index: int, fitted: bool) -> list[Row]:
                         float8=record["float8"] == "true", float8_all_gather=record["float8_all_gather"] == "true",
                         compile=record["compile"] == "true", async_tp=record["async_tp"] == "true",
                         row_split_embedding=True,
-                        compiled_loss=False, kept_pipeline_outputs=True)
+                        compiled_loss=False, kept_pipeline_outputs=True, cp_method=_published_cp_method(record))
         rows.append(Row(index=index, flavor=record["flavor"], gpus=int(record["gpus"]), seq_len=int(record["seq_len"]),
                         layout=layout, tps_per_gpu=float(record["tps_per_gpu"]),
                         peak_memory_gib=float(record["peak_mem_gib"] or 0),
@@ -135,7 +141,8 @@ def other_rows(path: Path = OTHER) -> list[Row]:
                         local_batch=int(record["local_batch"]), microbatch=int(record["mbs"]), ac=ac,
                         ac_every=int(every or 2),
                         float8=record["float8"] == "true", compile=record["compile"] == "true",
-                        async_tp=record["async_tp"] == "true", cp_rotate=record["cp_rotate"] or "allgather")
+                        async_tp=record["async_tp"] == "true", cp_method=_published_cp_method(record),
+                        cp_rotate=record["cp_rotate"] or "allgather")
         row = Row(index=index, flavor=record["flavor"], gpus=int(record["gpus"]), seq_len=int(record["seq_len"]),
                   layout=layout, tps_per_gpu=float(record["tps_per_gpu"] or 0),
                   peak_memory_gib=float(record["peak_mem_gib"] or 0), gpu=GPUS[record["gpu"]],

@@ -125,12 +125,13 @@ class DocumentSpans:
 
 @dataclass(frozen=True)
 class GatheredDocuments:
-    """Block-causal attention of this rank's queries against the keys and values of the whole sequence, which
-    `gather` collects from the ranks that hold its parts (context parallelism: torchtitan/distributed/
-    context_parallel.py builds it). `visible`: a BlockMask on GPUs, else (batch, 1, queries, keys) booleans."""
+    """Attention of this rank's queries against the keys and values of the whole sequence, which `gather` collects
+    (keys and values together, grouped heads as they are) from the ranks that hold its parts (context parallelism,
+    block-causal or causal: torchtitan/distributed/context_parallel.py builds it). `visible`: a BlockMask on GPUs,
+    else (batch, 1, queries, keys) booleans."""
 
     visible: BlockMask | torch.Tensor
-    gather: Callable[[torch.Tensor], torch.Tensor]
+    gather: Callable[[torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
 
 
 # What block-causal attention needs of a batch's documents: a FlexAttention BlockMask on GPUs, the spans elsewhere.
@@ -194,11 +195,12 @@ def block_causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ma
     FlexAttention has no backward (torch 2.13): causal attention document by document, which does only the work
     inside documents (at seq 2048 it measured 2x faster than causal attention over the window, 4x faster than SDPA
     with a block-diagonal mask); inside torch.compile, SDPA with that mask instead, so that compiled blocks do not
-    specialise on, and recompile for, every batch's document boundaries. Under context parallelism, the same
-    kernels (FlexAttention or SDPA with a boolean mask) over the gathered keys and values.
+    specialise on, and recompile for, every batch's document boundaries. Under context parallelism (packed
+    documents, or one causal sequence with parallelism.context_parallel_method = allgather_kv), the same kernels
+    (FlexAttention or SDPA with a boolean mask) over the gathered keys and values, their heads grouped.
     """
     if isinstance(mask, GatheredDocuments):
-        k, v, mask = mask.gather(k), mask.gather(v), mask.visible
+        (k, v), mask = mask.gather(k, v), mask.visible
     if isinstance(mask, BlockMask):
         global _compiled_flex_attention
         if _compiled_flex_attention is None:
@@ -260,17 +262,20 @@ class Transformer(nn.Module):
         self.norm: nn.RMSNorm | None = nn.RMSNorm(args.dim, eps=args.norm_eps)
         self.output: nn.Linear | None = nn.Linear(args.dim, args.vocab_size, bias=False)
         self.register_buffer("rope", rope_table(args, device=torch.device("meta")), persistent=False)
-        # Document ids and positions -> the attention's mask, when context parallelism replaces `document_mask()`
-        # with a mask over the documents of every rank (distributed/context_parallel.py: apply_document_cp).
-        self.build_document_mask: Callable[[torch.Tensor, torch.Tensor | None], DocumentMask] | None = None
+        # Document ids (None: one causal sequence) and positions -> the attention's mask, when context parallelism
+        # attends to the keys of every rank (distributed/context_parallel.py: apply_document_cp).
+        self.build_document_mask: Callable[[torch.Tensor | None, torch.Tensor | None], DocumentMask] | None = None
 
     def forward(self, tokens: torch.Tensor, document_ids: torch.Tensor | None = None,
                 positions: torch.Tensor | None = None) -> torch.Tensor:
         """With `document_ids` (batch, seq) attention is block-causal (see `document_ids()`); `positions` (batch,
-        seq) replace 0..seq-1 as RoPE positions (see `document_positions()`)."""
+        seq) replace 0..seq-1 as RoPE positions (see `document_positions()`). Under context parallelism over
+        gathered keys (`build_document_mask`), positions alone: causal by those positions."""
         h = self.tok_embeddings(tokens) if self.tok_embeddings is not None else tokens
-        mask = None if document_ids is None else document_mask(document_ids) if self.build_document_mask is None \
-            else self.build_document_mask(document_ids, positions)
+        if self.build_document_mask is not None and (document_ids is not None or positions is not None):
+            mask = self.build_document_mask(document_ids, positions)
+        else:
+            mask = None if document_ids is None else document_mask(document_ids)
         rope = self.rope if positions is None else self.rope[positions]
         for layer in self.layers.values():
             h = layer(h, rope, mask=mask)

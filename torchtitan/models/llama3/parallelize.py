@@ -1,8 +1,9 @@
 """How the Llama model is parallelised: which `apply_*` runs, in which order.
 
 Order: tensor parallel -> activation checkpointing -> compile -> FSDP/HSDP (or DDP). Context parallelism changes no
-module: the trainer shards the sequence around forward and backward (FSDP then shards over dp_shard x cp); with
-packed documents the model's document mask becomes one over the documents of every CP rank.
+module: the trainer shards the sequence around forward and backward (FSDP then shards over dp_shard x cp); where it
+gathers keys and values (packed documents, or causal with context_parallel_method = allgather_kv) the model's mask
+becomes one over the keys of every CP rank.
 Under pipeline parallelism this runs once per stage.
 """
 
@@ -13,7 +14,8 @@ from torchtitan.config import JobConfig, validation_shape
 from torchtitan.distributed.activation_checkpoint import apply_ac
 from torchtitan.distributed.compile import apply_compile
 from torchtitan.distributed.compression import apply_compression, validate_compression
-from torchtitan.distributed.context_parallel import CHUNKS_PER_RANK, apply_document_cp
+from torchtitan.distributed.context_parallel import (CAUSAL_CHUNKS_PER_RANK, CHUNKS_PER_RANK, apply_document_cp,
+                                                     gathers_keys_and_values)
 from torchtitan.distributed.fsdp import apply_ddp, apply_fsdp
 from torchtitan.distributed.parallel_dims import ParallelDims
 from torchtitan.distributed.tensor_parallel import apply_tp
@@ -33,9 +35,9 @@ def validate_parallelism(args: TransformerModelArgs, parallel_dims: ParallelDims
                             f"flavor {config.model.flavor}; use a divisor of {size}")
     seq_len = config.training.seq_len
     # Sequence parallelism splits the sequence over tp ranks; context parallelism's head-tail load balancing cuts
-    # it into 2 x cp chunks (torch silently drops load balancing when that division is uneven), its balancing of
-    # packed documents into CHUNKS_PER_RANK x cp.
-    chunks = CHUNKS_PER_RANK if config.model.attention_mask == "block_causal" else 2
+    # it into 2 x cp chunks (torch's ring silently drops load balancing when that division is uneven), its balancing
+    # of packed documents into CHUNKS_PER_RANK x cp.
+    chunks = CHUNKS_PER_RANK if config.model.attention_mask == "block_causal" else CAUSAL_CHUNKS_PER_RANK
     multiple = tp * (chunks * cp if cp > 1 else 1)
     if seq_len % multiple:
         raise UserError(f"option training.seq_len: {seq_len} must be divisible by tensor_parallel_degree"
@@ -49,7 +51,7 @@ def validate_parallelism(args: TransformerModelArgs, parallel_dims: ParallelDims
 
 def parallelize_llama(model: nn.Module, world_mesh: DeviceMesh, parallel_dims: ParallelDims,
                       config: JobConfig) -> nn.Module:
-    if parallel_dims.cp_enabled and config.model.attention_mask == "block_causal":
+    if gathers_keys_and_values(config):
         apply_document_cp(model, world_mesh["cp"])
     if parallel_dims.tp_enabled:
         apply_tp(model, world_mesh["tp"], loss_parallel=not config.parallelism.disable_loss_parallel,

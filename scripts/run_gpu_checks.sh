@@ -8,12 +8,14 @@
 #      AC): tokens/s, MFU, peak memory, ratio (under 9 minutes)
 #   2. benchmarks/gpu_checks.py: block-causal FlexAttention, one process and simulated CP ranks, against float64; the
 #      compiled BlockMask build (time, memory, no recompile per batch)
-#   3. scripts/calibrate_gpu.py: GEMMs by shape, Float8 speed-up, attention by length and mask, allocator reserve
-#   4. the trainer through run_train.sh (torchrun, NCCL): bf16 with async checkpoints, then
+#   3. benchmarks/flex_attention_speed.py: FlexAttention's speed under the causal and block-causal masks at 8k-128k
+#      against the flash kernel, and what a first call spends compiling (the planner's FLEX_FRACTION)
+#   4. scripts/calibrate_gpu.py: GEMMs by shape, Float8 speed-up, attention by length and mask, allocator reserve
+#   5. the trainer through run_train.sh (torchrun, NCCL): bf16 with async checkpoints, then
 #      a resume; block-causal attention in fp32 (its losses compared with the CPU's by the caller); an 8B-shaped
 #      2-block model at 8,192 tokens eager, compiled, and compiled with Float8 (tokens/s and MFU)
 # Without a GPU it runs the CPU forms (the side by side at a tiny shape, two recipes, Float8 emulated; gpu_checks.py
-# --device cpu, calibrate_gpu.py --quick, no 8B runs): a check of this script.
+# and flex_attention_speed.py --device cpu, calibrate_gpu.py --quick, no 8B runs): a check of this script.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-$PWD/gpu_checks_out}
@@ -62,6 +64,11 @@ fi
 section "gpu_checks.py"
 run 120 $PY benchmarks/gpu_checks.py --device "$DEVICE" --output "$OUT/gpu_checks.json"
 
+section "flex_attention_speed.py"
+if [ "$DEVICE" = cuda ]; then
+  run 300 $PY benchmarks/flex_attention_speed.py --output "$OUT/flex_attention_speed.json" --time_limit 240
+else run 120 $PY benchmarks/flex_attention_speed.py --device cpu --output "$OUT/flex_attention_speed.json"; fi
+
 section "calibrate_gpu.py"
 if [ "$DEVICE" = cuda ]; then run 150 $PY scripts/calibrate_gpu.py --output "$OUT/calibration.json"
 else run 200 $PY scripts/calibrate_gpu.py --device cpu --quick --output "$OUT/calibration.json"; fi
@@ -87,6 +94,6 @@ if [ "$DEVICE" = cuda ]; then
     --quantize.linear.float8.recipe_name tensorwise
 fi
 section "summary"
-summary="^===|^exit|ok$|FAILED|TFLOP/s|Training finished|esum|step: +(1|10|12|16) |Error|error:|^side by side"
+summary="^===|^exit|ok$|FAILED|TFLOP/s|Training finished|esum|step: +(1|10|12|16) |Error|error:|^side by side|^mask "
 grep -E "$summary" "$LOG" | \
   grep -v "^\[rank0\].*INFO (optimizer|Model|embedded)" | grep -v "Error running lspci" | cut -c1-400
