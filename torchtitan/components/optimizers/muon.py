@@ -46,6 +46,7 @@ class MuonOptions:
 
     TABLE: ClassVar[str] = "muon"
     OLD_PREFIX: ClassVar[str] = "muon_"  # optimizer.muon_<option>, deprecated
+    OLD_OPTIONS: ClassVar[tuple[str, ...]] = ("momentum", "ns_steps")  # the flat options there were
 
     momentum: float = 0.95
     """Muon: momentum of the matrix_method matrices (Nesterov); the other groups take AdamW's beta1/beta2."""
