@@ -58,8 +58,10 @@ elementwise updates.
 Saving must not change training (checkpoint.interval is no hyperparameter): `state_dict()` reads the state and
 changes none of it (tests/unit/test_optimizer_registry.py checks every registered method). State that differs between
 data-parallel replicas (FlexDeMo's local momenta), which DCP would keep once for all replicas, is returned by a
-`replica_state()` method ({param: {name: live tensor}}): the container saves it per replica for an exact resume, and
-the optimizer's own state_dict() saves a form that reshards (FlexDeMo: the replicas' mean, in a new tensor).
+`replica_state()` method ({param: {name: live tensor}}): the container saves it per replica, and every resume loads it
+(into another number of replicas, replica r continues saved replica r mod R: checkpoint/loading.py); the optimizer's
+own state_dict() holds it in new tensors (a load's template must not alias the live ones) and runs no collective
+(FlexDeMo: the replica's own delta; DCP writes one replica's copy).
 """
 
 import math
