@@ -154,7 +154,7 @@ def run(config: JobConfig, trainer_class: type) -> dict:
             stage_peaks[other_report["pipeline_rank"]] = other_report["peak_memory_gib"]
             report["other_end_of_pipeline"] = {key: other_report[key] for key in (
                 "rank", "pipeline_rank", "pipeline_stages", "peak_memory_gib", "device_peak_memory_gib",
-                "memory_gib_by_category")}
+                "memory_gib_by_category", "phase_peak_memory_gib")}
         first, last = stage_peaks.get(0, report["peak_memory_gib"]), stage_peaks.get(max(stage_peaks))
         report["pipeline_stage_memory_gib"] = {"first": first, "last": last}
         report["max_peak_memory_gib"] = max(stage_peaks.values())
@@ -304,10 +304,11 @@ def _run_steps(trainer, rank: int, world_size: int, gpu) -> dict:
         trainer.train_step(fake_batches(trainer))
         counter = CollectiveCounter(trainer.parallel_dims)
         with StepMemoryTracker(trainer.model_parts, trainer.optimizers.optimizers,
-                               host_categories=_offloaded(trainer.config)) as memory, counter:
+                               host_categories=_offloaded(trainer.config),
+                               state=trainer.optimizers.compression.tensors()) as memory, counter:
             trainer.train_step(fake_batches(trainer))
-    return _report(trainer, rank, world_size, memory.peak_by_category(), memory.device_peak_by_category(), counter,
-                   gpu)
+    return _report(trainer, rank, world_size, memory.peak_by_category(), memory.device_peak_by_category(),
+                   memory.peak_by_phase(), counter, gpu)
 
 
 def _offloaded(config: JobConfig) -> tuple[str, ...]:
@@ -316,7 +317,7 @@ def _offloaded(config: JobConfig) -> tuple[str, ...]:
 
 
 def _report(trainer, rank: int, world_size: int, by_category: dict[str, int], device_by_category: dict[str, int],
-            counter: CollectiveCounter, gpu) -> dict:
+            by_phase: dict[str, dict[str, int]], counter: CollectiveCounter, gpu) -> dict:
     peak = sum(by_category.values())
     return _rank_fields(trainer, rank, world_size) | {
         "target_device": trainer.config.comm.fake_device,
@@ -326,6 +327,10 @@ def _report(trainer, rank: int, world_size: int, by_category: dict[str, int], de
         "gpu_memory_gib": gpu.memory_gib if gpu else None,
         "peak_memory_gib": peak / GIB,
         "memory_gib_by_category": {name: value / GIB for name, value in sorted(by_category.items())},
+        # Each phase's own peak (forward, backward, optimizer step), and what it held then.
+        "phase_peak_memory_gib": {phase: sum(snap.values()) / GIB for phase, snap in by_phase.items()},
+        "memory_gib_by_phase": {phase: {name: value / GIB for name, value in sorted(snap.items()) if value}
+                                for phase, snap in by_phase.items()},
         # The device's own peak: the host categories left out, at the moment the rest peaked.
         "device_peak_memory_gib": sum(device_by_category.values()) / GIB,
         "collectives": counter.summary(),
@@ -376,6 +381,8 @@ def _log_summary(report: dict, path: Path) -> None:
                 f"{', '.join(report['offloaded_to_host'])})" if report["offloaded_to_host"] else "")
              + (f" of {report['gpu_memory_gib']} GiB ({report['gpu']})" if report["gpu"] else "")]
     lines += [f"  {name:<24} {gib:9.3f} GiB" for name, gib in report["memory_gib_by_category"].items() if gib]
+    lines.append("Peak of each phase: " + ", ".join(f"{phase} {gib:.3f} GiB"
+                                                   for phase, gib in report["phase_peak_memory_gib"].items()))
     if "other_end_of_pipeline" in report:
         other = report["other_end_of_pipeline"]
         lines.append(f"Other end of the pipeline, rank {other['rank']} (pipeline rank {other['pipeline_rank']}, "

@@ -28,7 +28,7 @@ from torchtitan.components.float8 import apply_float8, precompute_float8_scales
 from torchtitan.components.health import Health, TrainingDiverged
 from torchtitan.components.loss import count_valid_tokens, cross_entropy_sum
 from torchtitan.components.lr_scheduler import build_lr_schedulers
-from torchtitan.components.metrics import MetricsLogger, save_run_info
+from torchtitan.components.metrics import MetricsLogger, communication_metrics, save_run_info
 from torchtitan.components.optimizer import build_optimizers
 from torchtitan.components.profiling import maybe_enable_memory_snapshot, maybe_enable_profiling
 from torchtitan.components.tokenizer import build_model_tokenizer
@@ -37,8 +37,7 @@ from torchtitan.config.compatibility import check_composition, setup_of
 from torchtitan.config.model_shape import describe_model, shape_overrides
 from torchtitan.distributed import utils as dist_utils
 from torchtitan.distributed.compile import compile_loss
-from torchtitan.distributed.compression import (compensation_state_bytes, compression_stats,
-                                                require_compensation_fits)
+from torchtitan.distributed.compression import compensation_state_bytes, require_compensation_fits
 from torchtitan.distributed.context_parallel import (context_parallel_context, gathers_keys_and_values,
                                                      shard_documents)
 from torchtitan.distributed import torch_compat
@@ -153,10 +152,10 @@ class Trainer:
         # Under FlexDeMo each replica steps with its own gradient (the optimizer exchanges momentum components).
         self.replica_gradients = config.optimizer.name == "FlexDeMo" and self.parallel_dims.dp_replicate > 1
         self.optimizers = build_optimizers(self.model_parts, config.optimizer,
-                                           self.world_mesh["dp_replicate"].get_group())
+                                           self.world_mesh["dp_replicate"].get_group(), self.target_device_type)
         self.lr_schedulers = build_lr_schedulers(self.optimizers, config.lr_scheduler, config.training.steps)
         self.train_state = TrainState()
-        self._logged_sent = (0, 0)  # the compressed collectives' (sent, full-precision) bytes at the last log
+        self._logged_sent: dict[str, int] = {}  # OptimizersContainer.sent_bytes() at the last log
         self.checkpointer = CheckpointManager(config.checkpoint, config.job.dump_folder, self.model_parts,
                                               self.optimizers, self.lr_schedulers, self.dataloader,
                                               self.train_state, self.model_spec.recorded_shape(self.model_args),
@@ -560,19 +559,10 @@ class Trainer:
                                optimizer_bytes / 2**30], device=self.device)
         dist.all_reduce(maxima, op=dist.ReduceOp.MAX)
         peak_gib, allocated_gib, state_gib, optimizer_state_gib = maxima.tolist()
-        # This rank's bytes through the compressed collectives (and FlexDeMo's exchange) per step since the last log,
-        # and what the full-precision collectives they replace send, by the arithmetic of NCCL's ring algorithms.
-        sent = compression_stats(self.model_parts)
-        for optimizer in self.optimizers.optimizers:
-            for key in sent:
-                sent[key] += getattr(optimizer, key, 0)
-        comm = {}
-        if sent["uncompressed_bytes"]:
-            steps = window["steps"] * 2**20
-            comm = {"comm_sent_mib_per_step": (sent["sent_bytes"] - self._logged_sent[0]) / steps,
-                    "comm_full_precision_mib_per_step": (sent["uncompressed_bytes"] - self._logged_sent[1]) / steps,
-                    "comm_sent_pct": 100 * sent["sent_bytes"] / sent["uncompressed_bytes"]}
-            self._logged_sent = (sent["sent_bytes"], sent["uncompressed_bytes"])
+        # This rank's bytes sent per step since the last log, by kind (OptimizersContainer.sent_bytes).
+        sent = self.optimizers.sent_bytes()
+        comm = communication_metrics(sent, self._logged_sent, window["steps"])
+        self._logged_sent = sent
         self.metrics.log(step, {
             "loss": loss, "grad_norm": grad_norm, "lr": lr, "tps": tps,
             "tflops": tflops, "mfu": 100 * tflops * 1e12 / self.peak_flops, "memory_gib": peak_gib,

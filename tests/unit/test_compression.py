@@ -1,6 +1,7 @@
 """The low-bit wire format, LoCo's and classic error feedback's compensation, QSDP's all-gather and the checkpointed
 residuals, with real gloo processes (forked: spawned ones would import torch again, seconds each on two cores)."""
 
+import contextlib
 import datetime
 from pathlib import Path
 
@@ -9,6 +10,7 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 import torch.nn.functional as F
+from torch.distributed._tools.mem_tracker import MemTracker
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import FSDPModule
 from torch.distributed.fsdp._fully_shard._fsdp_api import AllGather
@@ -19,8 +21,8 @@ from torchtitan.components.checkpoint.loading import exact_where_it_fits
 from torchtitan.config.compatibility import check_composition, setup_of
 from torchtitan.config.job_config import JobConfig
 from torchtitan.config.options import get_option
-from torchtitan.distributed.compression import (EXACT, CompressionState, _param_groups, apply_compression,
-                                                compensation_state_bytes, compression_stats,
+from torchtitan.distributed.compression import (EXACT, GRADIENT_COMPRESSION, CompressionState, _param_groups,
+                                                apply_compression, compensation_state_bytes, compression_stats,
                                                 require_compensation_fits, validate_compression)
 from torchtitan.distributed.compression.hadamard import hadamard_rotate
 from torchtitan.distributed.compression.loco import CompressedReduceScatter, ErrorFeedback, LoCo
@@ -359,6 +361,26 @@ class CheckedAllGather(AllGather):
         self.calls.append((self.inner.encoded is before, torch.equal(fresh, self.inner.encoded[1])))
 
 
+@contextlib.contextmanager
+def recorded_collectives():
+    """(collective, dtype) of every all-to-all and reduce-scatter issued inside the block."""
+    calls, originals = [], {name: getattr(dist, name) for name in ("all_to_all_single", "reduce_scatter_single")}
+
+    def recording(name):
+        def collective(output, input, *args, **kwargs):
+            calls.append((name, input.dtype))
+            return originals[name](output, input, *args, **kwargs)
+        return collective
+
+    for name in originals:
+        setattr(dist, name, recording(name))
+    try:
+        yield calls
+    finally:
+        for name, original in originals.items():
+            setattr(dist, name, original)
+
+
 def worker(rank: int, out_dir: str) -> None:
     torch.set_num_threads(1)
     dist.init_process_group("gloo", store=dist.FileStore(f"{out_dir}/store", WORLD), rank=rank, world_size=WORLD,
@@ -385,6 +407,27 @@ def worker(rank: int, out_dir: str) -> None:
             dist.all_reduce(residuals)
             results[f"ef_rotate{rotate}"] = (received, residuals[rank], sent.view(WORLD, ROW)[rank])
             results[f"ef_bytes_rotate{rotate}"] = (comm.sent_bytes, comm.uncompressed_bytes)
+
+        # What one compressed reduce-scatter holds at its peak beyond its input, per value of the input (the memory
+        # model's reduction_bytes_per_value): the second call of each (a committed state to read), torch's own
+        # accounting of the tensors it allocates (the new state included).
+        row = 64 * 1024
+        reductions = {}
+        for method, compensation in (("loco", lambda: LoCo(0.8, 0, [row])), ("error_feedback", ErrorFeedback),
+                                     ("qsdp", lambda: None)):
+            for bits in (4, 8):
+                comm = CompressedReduceScatter(bits, compensation(), stochastic=method == "qsdp", rotate=False,
+                                               segments=[row])
+                for _ in range(2):
+                    tracker = MemTracker()
+                    with tracker:  # made inside, so that the tracker knows them: the input and output are left out
+                        grad, output = torch.randn(WORLD * row, generator=generator), torch.empty(row)
+                        comm(output, grad, group, dist.ReduceOp.SUM)
+                    if comm.compensation is not None:
+                        comm.compensation.commit()
+                peak = sum(snapshot["Total"] for snapshot in tracker.get_tracker_snapshot("peak").values())
+                reductions[method, bits] = (peak - 4 * (grad.numel() + output.numel())) / grad.numel()
+        results["reduction_bytes_per_value"] = reductions
 
         # One reduction without compensation: the own row is summed exactly, the others' rows as their codes.
         inputs = torch.randn(WORLD * ROW, generator=torch.Generator().manual_seed(200 + rank))
@@ -449,7 +492,8 @@ def worker(rank: int, out_dir: str) -> None:
         owed = [comm.compensation.residual.clone() for comm, _, _ in state.entries]
         for total in owed:
             dist.all_reduce(total)
-        saved = state.state_dict()
+        with recorded_collectives() as save_collectives:
+            saved = state.state_dict()
         raw_after = [comm.compensation.raw.clone() for comm, _, _ in state.entries]
         for comm, _, _ in state.entries:
             comm.compensation.raw = None
@@ -458,6 +502,9 @@ def worker(rank: int, out_dir: str) -> None:
         state.load_state_dict({key: value for key, value in saved.items() if not key.startswith(EXACT)})
         totals = [comm.compensation.residual.clone() for comm, _, _ in state.entries]
         results["state"] = (raw_before, raw_after, restored, owed, totals, sorted(saved))
+        results["loco_save"] = (save_collectives, state.save_sent_bytes, state.save_full_precision_bytes,
+                                [payload_bytes(comm.segments, 8) for comm, _, _ in state.entries],
+                                [sum(comm.segments) for comm, _, _ in state.entries])
 
         # A checkpoint of error feedback's (fp32) residuals, which 4 ranks reshard (see test_residuals_reshard...);
         # saving them changes nothing either, and loading restores them bit for bit.
@@ -467,12 +514,22 @@ def worker(rank: int, out_dir: str) -> None:
             backward(error_feedback, rank, seed)
             state.commit()
         raw_before = [comm.compensation.raw.clone() for comm, _, _ in state.entries]
-        saved = state.state_dict()
+        results["held"] = (state.state_bytes(), sum(raw.numel() * raw.element_size() for raw in raw_before))
+        owed = [comm.compensation.residual.clone() for comm, _, _ in state.entries]
+        for total in owed:
+            dist.all_reduce(total)
+        with recorded_collectives() as save_collectives:
+            saved = state.state_dict()
         raw_after = [comm.compensation.raw.clone() for comm, _, _ in state.entries]
         for comm, _, _ in state.entries:
             comm.compensation.raw = None
         state.load_state_dict(saved)
         results["ef_state"] = (raw_before, raw_after, [comm.compensation.raw.clone() for comm, _, _ in state.entries])
+        state.load_state_dict({key: value for key, value in saved.items() if not key.startswith(EXACT)})
+        largest = torch.stack([residual.abs().max() for residual in raw_before])
+        dist.all_reduce(largest, op=dist.ReduceOp.MAX)
+        results["ef_save"] = (save_collectives, largest, owed,
+                              [comm.compensation.residual.clone() for comm, _, _ in state.entries])
         dcp.save({"optimizer": saved}, checkpoint_id=Path(out_dir) / "error_feedback")
         results["ef_totals"] = {key: value.full_tensor() for key, value in saved.items() if not key.startswith(EXACT)}
         torch.save(results, Path(out_dir) / f"rank{rank}.pt")
@@ -559,6 +616,20 @@ def test_the_memory_model_counts_the_compensation_state_unsharded(method, bytes_
     assert optimizer_bytes(method) - optimizer_bytes("none") == pytest.approx(params * bytes_per_value, rel=1e-3)
 
 
+def test_the_logged_optimizer_state_counts_the_compensation_state(results):
+    """`optimizer_state_gib` (OptimizersContainer.state_bytes) adds what compensation state the rank holds: error
+    feedback's fp32 residuals here, 4 bytes per value of every module's unsharded local gradient."""
+    from types import SimpleNamespace
+
+    from torchtitan.components.optimizer import OptimizersContainer
+
+    for rank_results in results:
+        held, residuals = rank_results["held"]
+        assert held == residuals > 0
+        container = SimpleNamespace(optimizers=[], compression=SimpleNamespace(state_bytes=lambda: held))
+        assert OptimizersContainer.state_bytes(container) == held
+
+
 def test_a_layout_whose_compensation_state_cannot_fit_is_refused():
     config = config_with(gradient_compression="error_feedback")
     require_compensation_fits(config, 30 * 2**30, 40 * 2**30, 80 * 2**30, "NVIDIA H100 memory")  # fits
@@ -597,6 +668,36 @@ def test_saving_leaves_the_residuals_and_what_is_saved_restores_them(results):
             assert torch.allclose(loaded[rank], total[rank], atol=atol)
             others = [r for r in range(WORLD) if r != rank]
             assert not loaded[others].any()  # each rank owes only its own shard after loading the totals
+
+
+def test_saving_sends_the_compensation_state_as_8_bit_codes(results):
+    """A save's totals travel as 8-bit codes, one all-to-all per FSDP module, not a reduce-scatter of fp32 states
+    (the data-parallel link is the one gradient compression spares): (W - 1) payload rows per module and rank, 26%
+    of fp32's bytes (1 byte per value and a bfloat16 scale per 128). LoCo's codes are its stored state, so what
+    each owner gets is the fp32 sum of the states (checked above); error feedback's fp32 residuals are rounded to
+    the codes, each rank's within half a code of its block's largest residual (the block's maximum / 127, its
+    bfloat16 scale rounded up by at most 2^-8)."""
+    for rank, rank_results in enumerate(results):
+        collectives, sent, full_precision, payloads, rows = rank_results["loco_save"]
+        assert collectives == [("all_to_all_single", torch.uint8)] * len(payloads)
+        assert sent == (WORLD - 1) * sum(payloads)
+        assert full_precision == (WORLD - 1) * 4 * sum(rows)
+        assert sent < 0.26 * full_precision
+        collectives, largest, owed, loaded = rank_results["ef_save"]
+        assert {collective for collective in collectives} == {("all_to_all_single", torch.uint8)}
+        assert largest.max() > 0
+        for bound, total, back in zip(largest.tolist(), owed, loaded):
+            # Each rank's codes within half a code of a block whose largest residual is at most `bound`.
+            assert torch.allclose(back[rank], total[rank], atol=WORLD * bound / 254 * (1 + 2 ** -8) + 1e-7)
+
+
+@pytest.mark.parametrize("method", ["loco", "error_feedback", "qsdp"])
+@pytest.mark.parametrize("bits", [4, 8])
+def test_the_memory_model_counts_what_a_compressed_reduce_scatter_holds(results, method, bits):
+    """GRADIENT_COMPRESSION's reduction_bytes_per_value, which the planner adds per value of a module's unsharded
+    gradient, is what torch's accounting sees one reduction hold at its peak (2 ranks here), within 5%."""
+    measured = results[0]["reduction_bytes_per_value"][method, bits]
+    assert GRADIENT_COMPRESSION[method].reduction_bytes_per_value[bits] == pytest.approx(measured, rel=0.05)
 
 
 RESHARDED = 4

@@ -93,11 +93,17 @@ def worker(rank: int, out_dir: str) -> None:
             empty.grad = torch.zeros(0, 20)
             optimizer.step()
         delta = optimizer.state[weight]["delta"].clone()
+        collectives = []  # the tensors of every collective issued while saving
+        for name in ("all_reduce", "all_gather_single", "reduce_scatter_single", "all_to_all_single", "broadcast"):
+            original = getattr(dist, name)
+            setattr(dist, name, lambda tensor, *args, _original=original, **kwargs: (
+                collectives.append(tensor), _original(tensor, *args, **kwargs))[1])
         saved = optimizer.state_dict()
         torch.save({"weight": weight.detach().clone(), "start": start, "delta": delta,
                     "saved_delta": saved["state"][0]["delta"].clone(), "sent_bytes": optimizer.sent_bytes,
                     "live_after_save": optimizer.state[weight]["delta"].clone(),
-                    "replica_state": optimizer.replica_state()[weight]["delta"].clone()},
+                    "replica_state": optimizer.replica_state()[weight]["delta"].clone(),
+                    "save_collectives": len(collectives)},
                    Path(out_dir) / f"rank{rank}.pt")
     finally:
         dist.destroy_process_group()
@@ -117,15 +123,55 @@ def test_replicas_stay_identical_while_their_deltas_differ(results):
     assert (first["weight"] - first["start"]).abs().max() <= 3 * 0.01 + 1e-6
 
 
-def test_saving_saves_the_mean_delta_and_leaves_each_replicas_own(results):
-    """The mean reshards to any layout; the live deltas are not touched (saving must not change training), and
-    each replica's own is what the checkpoint keeps for an exact resume."""
-    mean = (results[0]["delta"] + results[1]["delta"]) / 2
+def test_saving_sends_nothing_across_replicas_and_leaves_each_replicas_own(results):
+    """Saving reads each replica's own delta, with no collective (it had all-reduced the fp32 deltas across the
+    replicas, the link FlexDeMo spares, to save their mean); the live deltas are not touched (saving must not change
+    training), and each replica's own is what the checkpoint keeps for every resume."""
     for rank_results in results:
-        assert torch.allclose(rank_results["saved_delta"], mean, atol=1e-6)
+        assert rank_results["save_collectives"] == 0
+        assert torch.equal(rank_results["saved_delta"], rank_results["delta"])
         assert torch.equal(rank_results["live_after_save"], rank_results["delta"])
         assert torch.equal(rank_results["replica_state"], rank_results["delta"])
-    assert torch.equal(results[0]["saved_delta"], results[1]["saved_delta"])
+
+
+def test_a_resume_into_more_replicas_continues_each_from_a_saved_ones_delta(monkeypatch):
+    """A checkpoint of 2 replicas loaded by replica 3 of 4: the template's key of its own delta is renamed to saved
+    replica 1's (3 mod 2), which the container's load copies into the live delta. Compression's verbatim state is
+    not moved between replicas, and a layout whose shapes differ loads nothing verbatim."""
+    from torch.distributed.checkpoint.metadata import TensorProperties, TensorStorageMetadata
+
+    from torchtitan.components.checkpoint.loading import exact_where_it_fits
+    from torchtitan.components.optimizer import build_optimizers
+    from torchtitan.config import parse_args
+
+    def metadata(*shape):
+        return TensorStorageMetadata(properties=TensorProperties(dtype=torch.float32), size=torch.Size(shape),
+                                     chunks=[])
+
+    saved = {f"optimizer.exact.weight.delta.replica{r}of2": metadata(32, 20) for r in range(2)}
+    saved["optimizer.exact.compression.weight.replica1of2"] = metadata(2, 640)
+    template = {"exact.weight.delta.replica3of4": torch.zeros(32, 20), "state.weight.delta": torch.zeros(32, 20),
+                "exact.compression.weight.replica3of4": torch.zeros(2, 640),
+                "exact.bias.delta.replica3of4": torch.zeros(32)}
+    assert set(exact_where_it_fits(template, {**saved, "optimizer.exact.bias.delta.replica0of2": metadata(16)},
+                                   "optimizer.")) == {"exact.weight.delta.replica1of2", "state.weight.delta"}
+
+    # The container's load, on one process playing replica 3 of 4.
+    monkeypatch.setattr(dist, "get_world_size", lambda group=None: 1)
+    monkeypatch.setattr(dist, "all_gather_single", lambda output, payload, group=None: output.copy_(payload))
+    monkeypatch.setattr("torchtitan.components.optimizer.replica_suffix", lambda group: ".replica3of4")
+    model = torch.nn.Sequential()
+    model.register_parameter("weight", torch.nn.Parameter(torch.randn(32, 20)))
+    config = parse_args(["--optimizer.name", "FlexDeMo"]).optimizer
+    optimizers = build_optimizers([model], config)
+    state = exact_where_it_fits(optimizers.state_dict(), saved, "optimizer.")
+    # DCP fills the template's tensors in place, in an order of its own: here the per-replica entry first, then the
+    # optimizer's own entry (the copy of the replica DCP wrote, replica 0's), which must not land in the live delta.
+    replicas = [torch.randn(32, 20, generator=torch.Generator().manual_seed(r)) for r in range(2)]
+    state["exact.weight.delta.replica1of2"].copy_(replicas[1])
+    state["state.weight.delta"].copy_(replicas[0])
+    optimizers.load_state_dict(state)
+    assert torch.equal(optimizers.optimizers[0].state[model.weight]["delta"], replicas[1])
 
 
 def test_bytes_sent_per_step(results):

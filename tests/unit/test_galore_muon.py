@@ -1,6 +1,7 @@
 """GaLore-AdamW and Muon: their math on plain tensors, and the same steps on DTensor parameters of every placement
 the trainer's layouts give them (FSDP Shard(0), TP Shard(0)/Shard(1), HSDP, FSDP x TP)."""
 
+import math
 import os
 from pathlib import Path
 
@@ -11,7 +12,8 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
 
 from tests.unit.forked_ranks import run_ranks
-from torchtitan.components.optimizer import OptimizersContainer
+from torchtitan.components.metrics import communication_metrics
+from torchtitan.components.optimizer import OptimizersContainer, sent_bytes
 from torchtitan.components.optimizers import optimizer_spec
 from torchtitan.components.optimizers.galore import GaLoreAdamW, rotate_moments, top_subspace
 from torchtitan.components.optimizers import muon
@@ -186,6 +188,7 @@ OPTIMIZERS = {
     "galore_rotate": lambda groups: GaLoreAdamW(groups, lr=1e-2, weight_decay=0.1, rank=5, update_gap=2,
                                                 moments="rotate"),
     "muon": lambda groups: Muon(groups, lr=1e-2, weight_decay=0.1),
+    "muon_spread_over_replicas": lambda groups: Muon(groups, lr=1e-2, weight_decay=0.1, spread_over_replicas=True),
 }
 
 
@@ -216,8 +219,8 @@ def sharded_worker(rank: int, out_dir: str) -> None:
     results = {}
     orthogonalised = []  # this rank's Newton-Schulz calls, one per matrix
     newton_schulz_of_muon = muon.newton_schulz
-    muon.newton_schulz = lambda matrix, steps: (orthogonalised.append(matrix.shape),
-                                                newton_schulz_of_muon(matrix, steps))[1]
+    muon.newton_schulz = lambda matrix, *args: (orthogonalised.append(matrix.shape),
+                                                newton_schulz_of_muon(matrix, *args))[1]
     for layout, (mesh_shape, placements) in LAYOUTS.items():
         mesh = init_device_mesh("cpu", mesh_shape)
         for name in OPTIMIZERS:
@@ -227,6 +230,10 @@ def sharded_worker(rank: int, out_dir: str) -> None:
             optimizer = train_steps(name, params, grads)
             results[layout, name] = [p.full_tensor() for p in params]
             results[layout, name, "orthogonalised"] = len(orthogonalised)
+            results[layout, name, "sent"] = (getattr(optimizer, "exchange_sent_bytes", 0),
+                                             getattr(optimizer, "exchange_replica_bytes", 0))
+            results[layout, name, "metrics"] = communication_metrics(sent_bytes([], [optimizer], save_sent_bytes=0),
+                                                                     {}, steps=STEPS)
             state = [value for p in params for value in optimizer.state[p].values() if isinstance(value, DTensor)]
             results[layout, name, "state_fraction"] = (sum(v.to_local().numel() for v in state)
                                                        / sum(v.numel() for v in state))
@@ -259,13 +266,75 @@ def test_sharded_steps_equal_the_plain_ones(sharded_results, layout, name):
         assert difference <= 1e-5, (layout, name, difference)
 
 
+# Newton-Schulz calls per step: (all ranks together, the busiest rank), by layout; spreading over the replicas too.
+SPREAD = {"shard0": (3, 1), "shard1": (3, 1), "shard0_shard1": (3, 1), "hsdp": (6, 2), "replicate": (12, 3)}
+
+
 @pytest.mark.parametrize("layout", LAYOUTS)
-def test_muon_spreads_the_matrices_over_the_ranks(sharded_results, layout):
-    """Each of the three matrices (three shapes) is orthogonalised by one of the 4 ranks each step, under every
-    layout (HSDP's replicas too): 3 matrices a step in all, at most one per rank, where every rank took all three
-    before the spreading."""
-    counts = [rank_results[layout, "muon", "orthogonalised"] for rank_results in sharded_results]
-    assert sum(counts) == len(SHAPES) * STEPS and max(counts) == STEPS, counts
+@pytest.mark.parametrize("over_replicas", [False, True])
+def test_muon_spreads_the_matrices_over_the_ranks(sharded_results, layout, over_replicas):
+    """Each of the three matrices (three shapes) is orthogonalised by one rank of those that shard it each step: 3
+    matrices a step in all, at most one per rank, where every rank took all three before the spreading. The replicas
+    of HSDP (2 x 2) and DDP (4) hold the same momenta and each orthogonalises its own (so nothing crosses between
+    replicas): HSDP's replicas 3 each over their 2 ranks, DDP's ranks all 3; with spread_over_replicas the matrices
+    are spread over every rank of the mesh."""
+    name = "muon_spread_over_replicas" if over_replicas else "muon"
+    counts = [rank_results[layout, name, "orthogonalised"] for rank_results in sharded_results]
+    total, busiest = (3, 1) if over_replicas else SPREAD[layout]
+    assert (sum(counts), max(counts)) == (total * STEPS, busiest * STEPS), counts
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+@pytest.mark.parametrize("over_replicas", [False, True])
+def test_muon_counts_the_bytes_its_exchanges_send(sharded_results, layout, over_replicas):
+    """Rank 0's count, by the arithmetic of each collective on its fp32 stacks (4 bytes per value on the CPU): per
+    kind (one matrix each, so a stack of one slot per spreading rank) an all-to-all over each sharded dimension of n
+    ranks sends (n - 1) / n of what the rank holds, each way; spread over replicas, the way out slices the replicated
+    dimension and the way back all-gathers it (n - 1 times the rank's part). Nothing crosses between replicas unless
+    asked."""
+    mesh_shape, placements = LAYOUTS[layout]
+    name = "muon_spread_over_replicas" if over_replicas else "muon"
+    sent, replica_sent = sharded_results[0][layout, name, "sent"]
+    expected = expected_replica = 0.0
+    for shape in SHAPES:
+        spread_dims = [d for d, p in enumerate(placements) if over_replicas or isinstance(p, Shard)]
+        slots = math.prod(mesh_shape[d] for d in spread_dims)
+        local = list(shape)
+        for d, placement in enumerate(placements):  # rank 0's shard: the first chunk, ceil-sized
+            if isinstance(placement, Shard):
+                local[placement.dim] = -(-local[placement.dim] // mesh_shape[d])
+        stack = 4 * math.prod(local) * slots
+        # The way out slices the replicated dimensions first: its all-to-alls move the rank's part of the stack. The
+        # way back starts from the rank's share, one whole matrix (evenly split, or whole on a 1-D mesh).
+        out = stack / math.prod(mesh_shape[d] for d in spread_dims if not isinstance(placements[d], Shard))
+        back = 4 * math.prod(shape)
+        for d in spread_dims:
+            n = mesh_shape[d]
+            if isinstance(placements[d], Shard):
+                expected += (out + back) * (n - 1) / n
+            else:  # one replicated dimension in these layouts: the way back gathers it
+                expected += back * (n - 1)
+                expected_replica += back * (n - 1)
+    assert (sent, replica_sent) == (pytest.approx(expected * STEPS, abs=16), pytest.approx(expected_replica * STEPS,
+                                                                                            abs=16))
+    # The trainer logs them per step as the optimizer's own exchange, apart from the compressed collectives' bytes
+    # (whose percentage of full precision they would distort); DDP's ranks, which exchange nothing, log nothing.
+    metrics = sharded_results[0][layout, name, "metrics"]
+    assert metrics == ({} if not sent else {
+        "optimizer_exchange_mib_per_step": pytest.approx(sent / STEPS / 2**20),
+        "optimizer_exchange_across_replicas_mib_per_step": pytest.approx(replica_sent / STEPS / 2**20)})
+
+
+@pytest.mark.parametrize("over_replicas", [False, True])
+def test_the_benchmarks_byte_model_is_what_muon_counts(sharded_results, over_replicas):
+    """benchmarks/muon_cost.py's bytes table models what the optimizer counts: HSDP, 2 replicas x 2 FSDP ranks
+    (every shape even over 2), fp32 stacks on the CPU; across replicas only with spread_over_replicas."""
+    from benchmarks.muon_cost import exchanged_bytes
+
+    name = "muon_spread_over_replicas" if over_replicas else "muon"
+    sent, replica_sent = exchanged_bytes(SHAPES, shard=2, replicas=2, over_replicas=over_replicas, element=4)
+    assert sharded_results[0]["hsdp", name, "sent"] == (sent * STEPS, replica_sent * STEPS)
+    assert (replica_sent > 0) == over_replicas
 
 
 def test_spread_balances_flops():

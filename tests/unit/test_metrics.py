@@ -10,7 +10,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from torchtitan.components.metrics import MetricsLogger
+from torchtitan.components.metrics import MetricsLogger, communication_metrics
 from torchtitan.config.job_config import Metrics
 from torchtitan.errors import UserError
 from torchtitan.tools import device_info
@@ -389,3 +389,21 @@ def test_known_gpus_get_their_datasheet_figure(device_name, model, bf16_flops, m
     tf32_flops, tf32_source = peak_flops(gpu, torch.float32)
     assert fp32_flops < tf32_flops < bf16_flops
     assert "fp32" in fp32_source and "tf32" in tf32_source
+
+
+def test_communication_metrics_keep_each_kind_of_bytes_apart():
+    """Per step since the last log: the compressed collectives against full precision (the percentage over the run),
+    an optimizer's own exchange (Muon's) and its part across replicas, which must not enter that percentage, and what
+    saves sent, only when a save ran since the last log."""
+    mib = 2**20
+    before = {"sent_bytes": 10 * mib, "uncompressed_bytes": 40 * mib, "exchange_sent_bytes": 4 * mib,
+              "exchange_replica_bytes": 0, "save_sent_bytes": 3 * mib}
+    now = {"sent_bytes": 20 * mib, "uncompressed_bytes": 80 * mib, "exchange_sent_bytes": 12 * mib,
+           "exchange_replica_bytes": 2 * mib, "save_sent_bytes": 7 * mib}
+    assert communication_metrics(now, before, steps=2) == {
+        "comm_sent_mib_per_step": 5.0, "comm_full_precision_mib_per_step": 20.0, "comm_sent_pct": 25.0,
+        "optimizer_exchange_mib_per_step": 4.0, "optimizer_exchange_across_replicas_mib_per_step": 1.0,
+        "checkpoint_state_sent_mib": 4.0}
+    quiet = dict.fromkeys(now, 0)
+    assert communication_metrics(quiet, {}, steps=1) == {}
+    assert "checkpoint_state_sent_mib" not in communication_metrics(now, now, steps=1)

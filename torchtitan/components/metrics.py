@@ -13,6 +13,30 @@ from torchtitan.tools.files import atomic_write
 from torchtitan.tools.logging import console_has_color, logger
 
 _JSONL_FILE_NAME = "metrics.jsonl"
+_MIB = 2**20
+
+
+def communication_metrics(now: dict[str, int], before: dict[str, int], steps: int) -> dict[str, float]:
+    """The logged bytes sent (OptimizersContainer.sent_bytes: `now`, and `before` at the last log), per step since
+    the last log in MiB: through the compressed collectives and FlexDeMo's exchange, with what full precision would
+    have sent and the percentage (over the run); through optimizers' own exchanges (Muon's), and their part across
+    data-parallel replicas; and, once a save (or a load's template) exchanged state, the MiB it sent. Keys appear only
+    for what the run has."""
+
+    def per_step(key: str) -> float:
+        return (now[key] - before.get(key, 0)) / steps / _MIB
+
+    metrics = {}
+    if now["uncompressed_bytes"]:
+        metrics.update(comm_sent_mib_per_step=per_step("sent_bytes"),
+                       comm_full_precision_mib_per_step=per_step("uncompressed_bytes"),
+                       comm_sent_pct=100 * now["sent_bytes"] / now["uncompressed_bytes"])
+    if now["exchange_sent_bytes"]:
+        metrics.update(optimizer_exchange_mib_per_step=per_step("exchange_sent_bytes"),
+                       optimizer_exchange_across_replicas_mib_per_step=per_step("exchange_replica_bytes"))
+    if now["save_sent_bytes"] > before.get("save_sent_bytes", 0):
+        metrics["checkpoint_state_sent_mib"] = (now["save_sent_bytes"] - before.get("save_sent_bytes", 0)) / _MIB
+    return metrics
 _RESET = "\033[0m"
 
 

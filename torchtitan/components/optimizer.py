@@ -13,7 +13,7 @@ from torch.distributed.tensor import DTensor
 from torchtitan.components.optimizer_groups import check_matrix_groups, log_groups, param_groups
 from torchtitan.components.optimizers import BuildContext, local, optimizer_spec
 from torchtitan.config.job_config import Optimizer as OptimizerConfig
-from torchtitan.distributed.compression import EXACT, CompressionState, replica_suffix
+from torchtitan.distributed.compression import EXACT, CompressionState, compression_stats, replica_suffix
 
 _COMPRESSION = "compression."
 
@@ -25,14 +25,15 @@ class OptimizersContainer(Stateful):
     """
 
     def __init__(self, model_parts: list[nn.Module], config: OptimizerConfig,
-                 replicate_group: dist.ProcessGroup | None = None):
+                 replicate_group: dist.ProcessGroup | None = None, device_type: str | None = None):
         self.model_parts = model_parts
         spec = optimizer_spec(config.name)
         groups_per_part = [param_groups(m, config) for m in model_parts]
         if spec.needs_matrices:
             check_matrix_groups(spec.name, [g for groups in groups_per_part for g in groups])
         log_groups(groups_per_part, spec.name)
-        context = BuildContext(replicate_group=replicate_group)
+        device_type = device_type or next(model_parts[0].parameters()).device.type
+        context = BuildContext(replicate_group=replicate_group, device_type=device_type)
         self.optimizers = [spec.build(groups, config, context) for groups in groups_per_part]
         self._options = StateDictOptions(flatten_optimizer_state_dict=True)
         # Error-feedback residuals of compressed gradient reductions: state of the update, saved with it.
@@ -40,15 +41,22 @@ class OptimizersContainer(Stateful):
         self._replica_suffix = replica_suffix(replicate_group)
 
     def state_bytes(self) -> int:
-        """Bytes of optimizer state this rank holds: local shards, quantized tensors by their codes and scales."""
+        """Bytes of optimizer state this rank holds: local shards, quantized tensors by their codes and scales, and
+        gradient compression's compensation state (its whole local gradient's, unsharded)."""
         return sum(_tensor_bytes(value) for optimizer in self.optimizers for state in optimizer.state.values()
-                   for value in state.values() if isinstance(value, torch.Tensor))
+                   for value in state.values() if isinstance(value, torch.Tensor)) + self.compression.state_bytes()
+
+    def sent_bytes(self) -> dict[str, int]:
+        """What this rank has sent so far, by kind (see `sent_bytes`)."""
+        return sent_bytes(self.model_parts, self.optimizers, self.compression.save_sent_bytes)
 
     def step(self) -> None:
-        """Apply the gradients; the compensation state their compressed reductions staged is committed with them."""
+        """Apply the gradients. The compensation state their compressed reductions staged is committed first: the
+        previous state is then freed before the optimizers' temporaries are allocated (the step holds one state,
+        not two)."""
+        self.compression.commit()
         for optimizer in self.optimizers:
             optimizer.step()
-        self.compression.commit()
 
     def zero_grad(self) -> None:
         """Drop the gradients, and the compensation state their reductions staged: a step whose update is skipped
@@ -69,9 +77,10 @@ class OptimizersContainer(Stateful):
         """Reads the state, never changes it: a run that saves trains exactly as one that does not.
 
         State that differs between data-parallel replicas (an optimizer's `replica_state()`, e.g. FlexDeMo's local
-        momenta) is also saved verbatim per replica, as `exact.<parameter>.<state><replica suffix>`: a resume into
-        the same number of replicas restores it bit for bit; any other layout loads what the optimizer's own
-        state_dict() saves (FlexDeMo: the replicas' mean)."""
+        momenta) is also saved verbatim per replica, as `exact.<parameter>.<state><replica suffix>`, sharded like the
+        parameter: a resume into the same number of replicas restores it bit for bit (resharded over FSDP where its
+        degree changed), and one into another number continues each replica r from saved replica r mod R
+        (checkpoint/loading.py, exact_where_it_fits). Saving runs no collective across replicas."""
         state = self._optimizer_state_dict()
         if self.compression:
             state.update({k if k.startswith(EXACT) else _COMPRESSION + k: v
@@ -100,7 +109,9 @@ class OptimizersContainer(Stateful):
         for model, optimizer in zip(self.model_parts, self.optimizers):
             set_optimizer_state_dict(model, optimizer, optim_state_dict=optimizer_state, options=self._options)
             for fqn, name, value in self._replica_state(model, optimizer):
-                saved = state_dict.get(self._exact_key(fqn, name))
+                # This replica's own, or the saved replica it continues (checkpoint/loading.py renames the key).
+                stem = f"{EXACT}{fqn}.{name}.replica"
+                saved = next((v for k, v in state_dict.items() if k.startswith(stem)), None)
                 if saved is not None:
                     local(value).copy_(local(saved))
 
@@ -128,10 +139,27 @@ def _tensor_bytes(tensor: torch.Tensor) -> int:
     return tensor.numel() * tensor.element_size()
 
 
+def sent_bytes(model_parts: list[nn.Module], optimizers: list[torch.optim.Optimizer],
+               save_sent_bytes: int) -> dict[str, int]:
+    """Bytes this rank has sent so far: `sent_bytes` through the collectives that replace a full-precision one (the
+    compressed FSDP collectives, FlexDeMo's exchange) and `uncompressed_bytes`, what those would have sent (NCCL's ring
+    arithmetic); `exchange_sent_bytes` through optimizers' own exchanges, which replace none (Muon's spreading), and
+    `exchange_replica_bytes`, their part across data-parallel replicas; `save_sent_bytes` through the optimizer
+    state's saves (gradient compression's totals)."""
+    counters = compression_stats(model_parts)
+    for optimizer in optimizers:
+        for key in ("sent_bytes", "uncompressed_bytes", "exchange_sent_bytes", "exchange_replica_bytes"):
+            counters[key] = counters.get(key, 0) + getattr(optimizer, key, 0)
+    counters["save_sent_bytes"] = save_sent_bytes
+    return counters
+
+
 def build_optimizers(model_parts: list[nn.Module], config: OptimizerConfig,
-                     replicate_group: dist.ProcessGroup | None = None) -> OptimizersContainer:
-    """`replicate_group`: the ranks holding the same shard in other replicas (FlexDeMo exchanges over it)."""
-    return OptimizersContainer(model_parts, config, replicate_group)
+                     replicate_group: dist.ProcessGroup | None = None,
+                     device_type: str | None = None) -> OptimizersContainer:
+    """`replicate_group`: the ranks holding the same shard in other replicas (FlexDeMo exchanges over it);
+    `device_type`: the device whose code paths the run takes (a dry run's target; None: the parameters')."""
+    return OptimizersContainer(model_parts, config, replicate_group, device_type)
 
 
 class _WithoutCompensation(Stateful):

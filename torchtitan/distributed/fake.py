@@ -166,15 +166,25 @@ def dry_run_patches(target_device: str, fake_tensors: bool = True) -> contextlib
 
 def _shard_dim_alltoall_as_on_gpus(input, gather_dim, shard_dim, mesh, mesh_dim):
     """DTensor moves a shard to another dimension by an all-to-all, except on a CPU mesh (gloo has none), where it
-    all-gathers the whole tensor and keeps its chunk; torch's fake kernel of the all-to-all does the same. A chunk
-    of a micro-batch of one sequence is a view that keeps the whole gathered tensor alive: tp times the memory (at
-    405B a column-split embedding's output, 256 MiB per micro-batch in flight). A dry run for GPUs runs on a CPU
-    mesh: issue the GPUs' all-to-all (the fake backend has one, and the collective counter sees it) and return a
-    tensor of its own, as the GPUs' kernel does."""
+    all-gathers the whole tensor and keeps its chunk; torch's fake kernel of the all-to-all does the same, and its
+    chunk is a view that keeps the whole gathered tensor alive: n times the memory (at 405B a column-split
+    embedding's output, 256 MiB per micro-batch in flight; a Muon stack n times over). A dry run for GPUs runs on a
+    CPU mesh: do what the GPUs' kernel (torch's `_dtensor::shard_dim_alltoall`) does, with the memory it takes: a
+    contiguous copy of the input's chunks in rank order, the all-to-all into a buffer of the same size (the fake
+    backend has one, and the collective counter sees it), and the received chunks made contiguous along the
+    gathered dimension."""
     group = torch_compat.get("resolve_group")((mesh, mesh_dim))
-    out = torch.ops._dtensor.shard_dim_alltoall(input, gather_dim, shard_dim,
-                                                torch_compat.get("group_or_group_name")(group))
-    return torch.empty_like(out, memory_format=torch.contiguous_format)
+    n = mesh.size(mesh_dim)
+    chunked = list(input.shape)
+    chunked[shard_dim] //= n
+    chunked.insert(shard_dim, n)
+    chunks = input.view(chunked).movedim(shard_dim, 0).contiguous()
+    received = torch.ops._c10d_functional.wait_tensor(torch.ops._c10d_functional.all_to_all_single(
+        chunks, [1] * n, [1] * n, torch_compat.get("group_or_group_name")(group)))
+    output = list(input.shape)
+    output[shard_dim] //= n
+    output[gather_dim] *= n
+    return received.movedim(0, gather_dim).contiguous().view(output)
 
 
 def _separate_propagation(original):
@@ -232,30 +242,54 @@ class _RootsPerMicroBatch:
     It also keeps a second peak, of the device alone: without the categories that live in host memory (FSDP's CPU
     offload keeps the shards of parameters and gradients and the optimizer state there). A dry run's tensors all
     sit on one device, so the tracker's per-device peak cannot tell them apart; the categories can.
+
+    And the peak of each phase of the step (PHASES): the optimizer step while an optimizer steps, the backward while
+    autograd's engine runs, the forward while a module's forward runs; between them the phase is the last one
+    entered (the loss belongs to the forward, gradient clipping to the backward, and what the step starts with to
+    the previous step's optimizer step).
     """
 
     _roots: set[nn.Module]
     _host_categories: frozenset[str] = frozenset()
     _device_peak: int = 0
     _device_peak_snap: dict[str, int] | None = None
+    _phase: str = "optimizer step"  # what the previous step's optimizer step left, until the first forward
+    _phase_peaks: dict[str, tuple[int, dict[str, int]]]
 
     def _forget_root(self, module: nn.Module) -> None:
         if module in self._roots and not self._mod_tracker.is_bw:
             self.memory_tracking.pop(module, None)
 
-    def _update_peak_stats(self, peak_state) -> None:
-        super()._update_peak_stats(peak_state)
-        if not self._host_categories:
-            return
+    def _current_phase(self) -> str:
+        if self._in_opt:
+            self._phase = "optimizer step"
+        elif self._mod_tracker.is_bw:
+            self._phase = "backward"
+        elif len(self._mod_tracker.parents) > 1:  # a module's forward is running ("Global" is always there)
+            self._phase = "forward"
+        return self._phase
+
+    def _by_category(self, leave_out: frozenset[str] = frozenset()) -> dict[str, int]:
         snap: dict[str, int] = defaultdict(int)
         for device_snap in self._curr_mem_snap.values():
             for key, value in device_snap.items():
                 raw = getattr(key, "value", key)
                 name = _CATEGORY.get(raw, str(raw))
-                if raw != "Total" and name not in self._host_categories:
+                if raw != "Total" and name not in leave_out:
                     snap[name] += value
+        return dict(snap)
+
+    def _update_peak_stats(self, peak_state) -> None:
+        super()._update_peak_stats(peak_state)
+        phase = self._current_phase()
+        total = sum(device_snap.get("Total", 0) for device_snap in self._curr_mem_snap.values())
+        if total > self._phase_peaks.get(phase, (0, {}))[0]:
+            self._phase_peaks[phase] = (total, self._by_category())
+        if not self._host_categories:
+            return
+        snap = self._by_category(self._host_categories)
         if sum(snap.values()) > self._device_peak:
-            self._device_peak, self._device_peak_snap = sum(snap.values()), dict(snap)
+            self._device_peak, self._device_peak_snap = sum(snap.values()), snap
 
 
 class _FSDPStageMemTracker(_RootsPerMicroBatch, FSDPMemTracker):
@@ -363,19 +397,30 @@ _CATEGORY = {
 }
 
 
+# The phases of a training step whose peaks a dry run reports.
+PHASES = ("forward", "backward", "optimizer step")
+
+
 class StepMemoryTracker:
     """The peak memory of this rank's model parts and optimizers over what runs inside the `with` block, by
     category, from `FSDPMemTracker` when the parts are FSDP modules, else from the generic `MemTracker`;
     `host_categories` (report categories held in host memory) also give the device's own peak."""
 
     def __init__(self, parts: list[nn.Module], optimizers: list[torch.optim.Optimizer],
-                 host_categories: tuple[str, ...] = ()):
+                 host_categories: tuple[str, ...] = (), state: list[torch.Tensor] = ()):
+        """`state`: tensors held between steps outside the optimizers' state (gradient compression's compensation
+        state), counted as optimizer state."""
         tracker_class = _FSDPStageMemTracker if isinstance(parts[0], FSDPModule) else _PlainStageMemTracker
         self._tracker = tracker_class(parts, optimizers)
         self._tracker._host_categories = frozenset(host_categories)
+        self._tracker._phase_peaks = {}
+        self._state = list(state)
 
     def __enter__(self) -> "StepMemoryTracker":
         self._tracker.__enter__()
+        for tensor in self._state:
+            self._tracker._update_and_maybe_create_winfos(tensor, self._tracker._ref_class.OPT)
+        self._state = []  # the tracker holds weak references only: the step may free them
         return self
 
     def __exit__(self, *exc) -> None:
@@ -391,6 +436,11 @@ class StepMemoryTracker:
                     continue
                 by_category[_CATEGORY.get(name, str(name))] += value
         return dict(by_category)
+
+    def peak_by_phase(self) -> dict[str, dict[str, int]]:
+        """Per phase of the step (PHASES, in order), bytes per category at the moment that phase's total peaked."""
+        return {phase: dict(self._tracker._phase_peaks[phase][1]) for phase in PHASES
+                if phase in self._tracker._phase_peaks}
 
     def device_peak_by_category(self) -> dict[str, int]:
         """Bytes per category, host categories left out, at the moment their sum peaked: the device's own peak

@@ -92,8 +92,15 @@ Transients, of which only the largest coexists with the rest:
                forward, T x V x a, and the logits and their gradient in backward, T x V x 2a
   block        backward of a checkpointed block rebuilds its `none` activations (and autocast copies); any
                block's backward adds the gradients inside the SwiGLU backward: T x f/t x 2 x a
-  optimizer    the foreach implementation allocates one fp32 temporary per parameter (P_rank x 4 / F); fused
-               and for-loop implementations none to speak of
+  optimizer    what the configured method's step allocates at its peak beyond its state, from the rank's
+               tensors and layout (the registry's step_bytes: torch's foreach AdamW one fp32 temporary per value
+               of the largest parameter group, the fused kernel none, Muon its stacks of one kind of matrix and
+               their exchanges' buffers, FlexDeMo every replica's payload...; components/optimizers)
+  compression  each compressed reduce-scatter: about 20 bytes per value of the module's unsharded local
+               gradient (GRADIENT_COMPRESSION's reduction_bytes_per_value), beside the new compensation state the
+               step's reductions stage until the optimizer step commits it (b per value of every module reduced so
+               far); QSDP's weight codes (weight_bits / 8 per local parameter) from a module's first gather to the
+               optimizer step
   float8       eager (not compiled) under TP: the cast of a whole-sequence output gradient in block backward
                passes through two fp32 copies, T x d x 8 (compiled blocks fuse the cast)
 
@@ -115,6 +122,10 @@ Peak = parameters + optimizer + max over the phases of the step:
   backward of      activations of blocks 0..i + block(i) + buffers + gradients of the head and of the blocks
     block i        after i (all gradients when accumulating); the largest over i
   optimizer step   gradients + optimizer temporaries
+  [gradient        with compression: gradients + the staged compensation state; its reductions: the head's and
+   reduction]      the embedding's (the largest in the backward), with the blocks' counted in their backward
+The peaks of the forward's moments, the backward's and the step's are also kept apart (Estimate.phase_peaks), as the
+dry run reports them.
 Tensors only: what a GPU holds beyond them (the allocator's reserve, the CUDA context, NCCL's buffers) is
 hardware.headroom, which the planner, the dry run's out-of-memory verdict and scripts/estimate_memory.py all add.
 
@@ -149,10 +160,11 @@ from dataclasses import dataclass
 import torch
 
 from torchtitan.components.float8 import float8_enabled
-from torchtitan.components.optimizers import optimizer_spec
+from torchtitan.components.optimizers import RankTensor, StepLayout, optimizer_spec
 from torchtitan.config import JobConfig
 from torchtitan.config.model_shape import shape_overrides
-from torchtitan.distributed.compression import compensation_bytes_per_value
+from torchtitan.distributed.compression import (QUANTIZE_BYTES_PER_VALUE, compensation_bytes_per_value,
+                                                reduction_bytes_per_value, weight_code_bytes_per_value)
 from torchtitan.distributed.context_parallel import gathers_keys_and_values
 from torchtitan.distributed.parallel_dims import ParallelDims
 from torchtitan.distributed.pipeline_parallel import plan_pipeline, stage_ids_for_rank
@@ -176,6 +188,8 @@ class Estimate:
     buffers: int
     phase: str
     rank: int
+    phase_peaks: tuple[tuple[str, int], ...] = ()
+    """The peak of each phase the dry run reports (fake.PHASES: forward, backward, optimizer step), bytes."""
 
     @property
     def total(self) -> int:
@@ -210,19 +224,25 @@ class _Shapes:
                 ("hidden_matrices", (self.d, self.f), 1), ("norms", (self.d,), None), ("norms", (self.d,), None)]
 
 
-def _optimizer_state(config: JobConfig, tensors: list[tuple[str, tuple[int, ...], int | None]], t: int,
-                     fsdp: int) -> float:
-    """Bytes of the configured optimizer's state one rank keeps for these tensors (group, whole shape, the dimension
-    TP splits), whose TP shard FSDP splits along its first dimension: the registry's state_bytes per method (AdamW's
-    8 per parameter, 4 for bf16 moments, about 2 for 8-bit, GaLore's share of each whole matrix's projector...)."""
-    spec = optimizer_spec(config.optimizer.name)
-    total = 0.0
+def _rank_tensors(config: JobConfig, tensors: list[tuple[str, tuple[int, ...], int | None]], t: int,
+                  fsdp: int) -> list[RankTensor]:
+    """These tensors (group, whole shape, the dimension TP splits) as a rank holds them: the TP shard, split by FSDP
+    along its first dimension."""
+    result = []
     for group, shape, tp_dim in tensors:
         local = [size / t if dim == tp_dim else size for dim, size in enumerate(shape)]
         local[0] /= fsdp
-        total += spec.state_bytes(shape, tuple(local), config.optimizer,
-                                  getattr(config.optimizer.groups, group).matrix_method)
-    return total
+        result.append(RankTensor(group, shape, tuple(local), getattr(config.optimizer.groups, group).matrix_method,
+                                 layout=(fsdp > 1, tp_dim if t > 1 else None)))
+    return result
+
+
+def _optimizer_state(config: JobConfig, tensors: list[RankTensor]) -> float:
+    """Bytes of the configured optimizer's state one rank keeps for these tensors: the registry's state_bytes per
+    method (AdamW's 8 per parameter, 4 for bf16 moments, about 2 for 8-bit, GaLore's share of each whole matrix's
+    projector...)."""
+    spec = optimizer_spec(config.optimizer.name)
+    return sum(spec.state_bytes(t.shape, t.local_shape, config.optimizer, t.matrix_method) for t in tensors)
 
 
 def _compensation_state(config: JobConfig, dims: ParallelDims, params: float) -> float:
@@ -405,10 +425,13 @@ def _estimate_rank(config: JobConfig, args: TransformerModelArgs, dims: Parallel
     # alive during its backward, autocast copies it keeps for backward, micro-batches in flight, which of the
     # rank's stages holds it).
     blocks: list[tuple[float, float, float, float, int]] = []
-    params = head_activations = head_copies = optimizer = 0.0
+    params = head_activations = head_copies = 0.0
     head_in_flight = 1
     has_head = False
-    block_state = _optimizer_state(config, s.block_tensors(), t, fsdp)
+    block_tensors = _rank_tensors(config, s.block_tensors(), t, fsdp)
+    embedding_tensors = _rank_tensors(config, [("embeddings", (s.vocab, s.d), 0)], t, fsdp)
+    head_tensors = _rank_tensors(config, [("output", (s.vocab, s.d), 0), ("norms", (s.d,), None)], t, fsdp)
+    rank_tensors: list[RankTensor] = []  # every tensor the rank's optimizer steps
     # A split backward keeps what checkpointing rebuilt until the weight pass (pipeline_schedule.in_flight): per
     # checkpointed block (per-op AC's, or a whole block's under full and per-block AC), that over what it saved.
     ac = config.activation_checkpoint
@@ -419,9 +442,7 @@ def _estimate_rank(config: JobConfig, args: TransformerModelArgs, dims: Parallel
     for stage_index, (n_blocks, has_embedding, stage_has_head) in enumerate(stages):
         mbs, awaiting_weight_pass = in_flight(rank, stage_index, rebuilt_ratio)
         params += n_blocks * block_params + (s.vocab * s.d / t if has_embedding else 0.0)
-        optimizer += n_blocks * block_state
-        if has_embedding:
-            optimizer += _optimizer_state(config, [("embeddings", (s.vocab, s.d), 0)], t, fsdp)
+        rank_tensors += block_tensors * n_blocks + (embedding_tensors if has_embedding else [])
         for mode in _ac_modes(config, n_blocks):
             per_micro_batch = (_block_activations(s, tokens, seq_len, t, a, residual, autocast, mode, device,
                                                   compiled_blocks, float8, gathered_kv)
@@ -433,13 +454,17 @@ def _estimate_rank(config: JobConfig, args: TransformerModelArgs, dims: Parallel
         if stage_has_head:
             has_head = True
             params += head_params
-            optimizer += _optimizer_state(config, [("output", (s.vocab, s.d), 0), ("norms", (s.d,), None)], t, fsdp)
+            rank_tensors += head_tensors
             head_activations += mbs * (tokens / t * s.d * 8 + tokens * s.d * a)
             head_in_flight = mbs
             head_copies += s.vocab * s.d / t * 2 if autocast else 0.0
 
     sharded = params / fsdp
     parameters, gradients = 4 * sharded, 4 * sharded
+    optimizer = _optimizer_state(config, rank_tensors)
+    step_transient = optimizer_spec(config.optimizer.name).step_bytes(
+        rank_tensors, config.optimizer, StepLayout(shard_ranks=fsdp * t, replicas=dims.dp_replicate,
+                                                   device_type=device))
     accumulating = dims.pp > 1 or config.training.global_batch_size > config.training.local_batch_size * dims.dp
     grad_bytes = 4 / fsdp
     # A row-split embedding's gradient comes out of DTensor's embedding backward whole (vocabulary x dim; it has
@@ -506,12 +531,42 @@ def _estimate_rank(config: JobConfig, args: TransformerModelArgs, dims: Parallel
         head_stage = len(stages) - 1
         steady_grads = min(steady_grads, (sum(block_params for b in blocks if b[4] == head_stage) + head_params)
                            * grad_bytes)
+    # Compressed collectives (distributed/compression): QSDP's weight codes, made at each module's first gather and
+    # kept until the optimizer has stepped; each compressed reduce-scatter's temporaries (per value of the module's
+    # unsharded local gradient, its new state included) and the new compensation state of the modules reduced so
+    # far, staged beside the committed one until the step commits it.
+    compressed = wrapped and dims.fsdp_enabled
+    reduction = reduction_bytes_per_value(config) if compressed else 0.0
+    staged = compensation_bytes_per_value(config) if compressed else 0.0
+    weight_codes = weight_code_bytes_per_value(config) if compressed else 0.0
+    kept_codes = weight_codes * params / fsdp
+    embedding_params = s.vocab * s.d / t if has_embedding else 0.0
+    largest_module = max(block_params, head_params if has_head else 0.0, embedding_params)
     phases = {
-        "end of forward": (activations, loss_forward, forward_buffers + forward_copies, steady_grads),
-        "loss backward": (activations, loss_backward, forward_buffers + saved_copies, steady_grads),
-        "optimizer step": (0.0, 4 * sharded if config.optimizer.implementation == "foreach" else 0.0,
-                           receive_buffers, gradients),
+        "end of forward": (activations, loss_forward, forward_buffers + forward_copies + kept_codes, steady_grads),
+        "loss backward": (activations, loss_backward, forward_buffers + saved_copies + kept_codes, steady_grads),
+        "optimizer step": (0.0, step_transient, receive_buffers + kept_codes, gradients),
+        # After the backward, before the step: every gradient, and the compensation state they staged.
+        "gradient clipping": (0.0, staged * params, receive_buffers + kept_codes, gradients),
     }
+    if weight_codes:
+        # A module's first gather encodes its shard (the quantizer's fp32 temporaries, as a reduce-scatter's without
+        # the state) and receives every rank's codes.
+        phases["weight gather"] = (activations, largest_module * (weight_codes + QUANTIZE_BYTES_PER_VALUE / fsdp),
+                                   forward_buffers + kept_codes, steady_grads)
+    if reduction:
+        # The norm and output layer reduce first, with every block's activations still held; the embedding last,
+        # with every other module's gradient and new state.
+        unsharded_grad = a + (4 if a != 4 else 0)
+        if has_head:
+            phases["gradient reduction"] = (activations, reduction * head_params,
+                                            forward_buffers + kept_codes + head_params * unsharded_grad,
+                                            steady_grads + 4 * head_params / fsdp)
+        if has_embedding:
+            last_reduction = (0.0, reduction * embedding_params + staged * (params - embedding_params),
+                              forward_buffers + kept_codes + embedding_params * unsharded_grad, gradients)
+            if sum(last_reduction) > sum(phases.get("gradient reduction", (0.0,))):
+                phases["gradient reduction"] = last_reduction
     if whole_embedding_grad:
         # The embedding's backward comes last: every other gradient exists, its whole-vocabulary one in the
         # compute dtype beside them.
@@ -559,7 +614,9 @@ def _estimate_rank(config: JobConfig, args: TransformerModelArgs, dims: Parallel
         # Only a rank with several stages has later ones; they keep what exceeds a round of `pp` micro-batches.
         later_held = held_after - later_held_after[stage]
         copies_before = copies_before_of[index]
-        transient = rebuilt + 2 * tokens * s.f / t * a + float8_casts + cp_exchange
+        # A block's compressed reduce-scatter runs beside the next block's backward (on its own stream on GPUs).
+        transient = (rebuilt + 2 * tokens * s.f / t * a + float8_casts + cp_exchange + reduction * block_params
+                     + staged * sum(done.values()))
         candidates = [(saved_before[index] + same_after_less_one + later_held,
                        max(resident_grads if dims.pp == 1 else 0.0,
                            done[stage] * grad_bytes
@@ -573,7 +630,7 @@ def _estimate_rank(config: JobConfig, args: TransformerModelArgs, dims: Parallel
             candidates.append((saved_before[index] - stage_total + stage_less_one + same_after_less_two + later_held,
                                own * grad_bytes + later * later_bytes))
         for saved_bytes, grads in candidates:
-            phase = (saved_bytes, transient, backward_buffers + copies_before, grads)
+            phase = (saved_bytes, transient, backward_buffers + copies_before + kept_codes, grads)
             if sum(phase) > sum(phases.get("block backward", (0.0,))):
                 phases["block backward"] = phase
         done[stage] += block_params
@@ -593,6 +650,18 @@ def _estimate_rank(config: JobConfig, args: TransformerModelArgs, dims: Parallel
         phases["outputs merged"] = (0.0, 2 * kept * total_micro_batches, receive_buffers, gradients)
     phase, (acts, transient, buffers, grads) = max(phases.items(), key=lambda item: sum(item[1]))
     optimizer += _compensation_state(config, dims, params)
+    phase_peaks: dict[str, float] = {}
+    for name, held in phases.items():
+        reported = _REPORTED_PHASE[name]
+        phase_peaks[reported] = max(phase_peaks.get(reported, 0.0), parameters + optimizer + sum(held))
     return Estimate(parameters=round(parameters), optimizer=round(optimizer), gradients=round(grads),
                     activations=round(acts), transient=round(transient), buffers=round(buffers),
-                    phase=phase, rank=rank)
+                    phase=phase, rank=rank, phase_peaks=tuple((name, round(phase_peaks[name])) for name in
+                                                              ("forward", "backward", "optimizer step")))
+
+
+# The phase of the step each of the model's moments belongs to, as the dry run reports its peaks (fake.PHASES).
+_REPORTED_PHASE = {"end of forward": "forward", "loss backward": "backward", "block backward": "backward",
+                   "embedding backward": "backward", "gradient reduction": "backward", "outputs merged": "backward",
+                   "weight gather": "forward", "gradient clipping": "backward",
+                   "optimizer step": "optimizer step"}

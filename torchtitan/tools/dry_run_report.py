@@ -7,8 +7,10 @@ local_batch_size, seq_len, activation_checkpoint, float8, parameters, flops_per_
 run's own wall time).
 
 On fake tensors (the default) it adds the rank's traced memory and communication: target_device, gpu and
-gpu_memory_gib (comm.fake_gpu), peak_memory_gib, memory_gib_by_category, device_peak_memory_gib (without what CPU
-offload keeps on the host, offloaded_to_host), max_peak_memory_gib and max_device_peak_memory_gib (the larger of
+gpu_memory_gib (comm.fake_gpu), peak_memory_gib, memory_gib_by_category, phase_peak_memory_gib and
+memory_gib_by_phase (the peak of each phase of the step, forward, backward and optimizer step, and what it held then
+by category), device_peak_memory_gib (without what CPU offload keeps on the host, offloaded_to_host),
+max_peak_memory_gib and max_device_peak_memory_gib (the larger of
 both ends of a pipeline; other_end_of_pipeline and pipeline_stage_memory_gib say which), compiled_estimate_gib (with
 compile on), async_tp, and collectives (one step's: kind, mesh_dim, count, bytes).
 

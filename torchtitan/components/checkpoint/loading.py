@@ -2,6 +2,7 @@
 reads them; a Hugging Face folder's weights."""
 
 import pickle
+import re
 import time
 from pathlib import Path
 from typing import Any
@@ -24,13 +25,42 @@ from torchtitan.tools.logging import logger
 def exact_where_it_fits(template: dict[str, Any], saved: dict[str, Any], prefix: str) -> dict[str, Any]:
     """`template` without the state saved verbatim for an exact resume (`exact.` keys: a replica's or a rank's own,
     see OptimizersContainer) that the checkpoint (`saved`, its metadata; keys under `prefix`) lacks or holds in
-    another shape: it loads only into the layout that saved it, elsewhere its resharded form is used."""
+    another shape: it loads only into the layout that saved it, elsewhere its resharded form is used.
+
+    An optimizer's replica state (`exact.<parameter>.<state>.replica<r>of<R>`, FlexDeMo's deltas) saved by another
+    number of replicas R' loads from replica r mod R' (the template's key is renamed to it; the optimizer's load
+    finds it by its stem): with more replicas each saved one continues and the new ones copy one, with fewer the
+    replicas past R are dropped. Compression's verbatim state does not move between replicas (its residuals are
+    owed to its own replica's reductions)."""
 
     def fits(key: str, value: Any) -> bool:
         entry = saved.get(prefix + key)
         return isinstance(entry, TensorStorageMetadata) and tuple(entry.size) == tuple(value.shape)
 
-    return {key: value for key, value in template.items() if not key.startswith(EXACT) or fits(key, value)}
+    kept = {}
+    for key, value in template.items():
+        if key.startswith(EXACT) and not fits(key, value):
+            key = _saved_replica(key, saved, prefix)
+            if key is None or not fits(key, value):
+                continue
+        kept[key] = value
+    return kept
+
+
+_REPLICA = re.compile(r"^(?P<stem>.*\.replica)(?P<replica>\d+)of(?P<replicas>\d+)$")
+
+
+def _saved_replica(key: str, saved: dict[str, Any], prefix: str) -> str | None:
+    """The key of the saved replica an optimizer's replica-state `key` loads from (see exact_where_it_fits)."""
+    match = _REPLICA.match(key)
+    if match is None or key.startswith(f"{EXACT}compression."):
+        return None
+    stem, replica = match["stem"], int(match["replica"])
+    for saved_key in saved:
+        found = _REPLICA.match(saved_key.removeprefix(prefix))
+        if found is not None and saved_key.startswith(prefix) and found["stem"] == stem:
+            return f"{stem}{replica % int(found['replicas'])}of{found['replicas']}"
+    return None
 
 
 def require_saved_optimizer_state(checkpoint: Path, template: dict[str, Any], saved: dict[str, Any]) -> None:

@@ -7,7 +7,10 @@ How to add an optimizer
        def my_state_bytes(shape, local_shape, config, matrix_method):
            return 8 * math.prod(local_shape)
 
-       @register_optimizer("MyOpt", state_bytes=my_state_bytes)
+       def my_step_bytes(tensors, config, layout):
+           return 4 * max(math.prod(t.local_shape) for t in tensors)  # one fp32 temporary of the largest shard
+
+       @register_optimizer("MyOpt", state_bytes=my_state_bytes, step_bytes=my_step_bytes)
        def build_my_opt(groups: list[dict], config: OptimizerConfig, context: BuildContext) -> torch.optim.Optimizer:
            return MyOpt(groups, lr=config.lr, ...)
 
@@ -22,7 +25,7 @@ How to add an optimizer
            beta: float = 0.9
            '''MyOpt: the help text of beta.'''
 
-       @register_optimizer("MyOpt", state_bytes=my_state_bytes, options=MyOptOptions)
+       @register_optimizer("MyOpt", state_bytes=my_state_bytes, step_bytes=my_step_bytes, options=MyOptOptions)
 
    `groups` are torch parameter groups, one per non-empty parameter group of the model part (see
    torchtitan/components/optimizer_groups.py): keys `params`, `lr` (optimizer.lr x the group's lr_scale),
@@ -34,7 +37,11 @@ How to add an optimizer
    `state_bytes(shape, local_shape, config, matrix_method)` returns the optimizer-state bytes one rank keeps for a
    tensor of `shape` (the whole tensor) of which it holds a shard of `local_shape` (FSDP, TP; the same shape on one
    process): elementwise state follows the shard, state of the whole matrix (a projector) does not (the memory
-   planner and scripts/estimate_memory.py use it). Pass `needs_matrices=True` when the method
+   planner and scripts/estimate_memory.py use it). `step_bytes(tensors, config, layout)` returns the bytes its step
+   allocates at its peak beyond the state (temporaries: a for-loop's per-tensor ones, a foreach call's per group,
+   whatever the method gathers or exchanges), given the rank's tensors (`RankTensor`) and a `StepLayout`; the memory
+   planner adds it to the optimizer step, tests/unit/test_step_memory.py checks it against the dry run's trace.
+   Pass `needs_matrices=True` when the method
    only makes sense with at least one 2-D group with matrix_method = true (the container then checks the groups).
 2. Import the module at the end of this file, add the name to the `name` Literal of `Optimizer` in
    torchtitan/config/job_config.py (tests/unit/test_optimizer_registry.py checks that the two agree), describe it in
@@ -51,10 +58,13 @@ elementwise updates.
 Saving must not change training (checkpoint.interval is no hyperparameter): `state_dict()` reads the state and
 changes none of it (tests/unit/test_optimizer_registry.py checks every registered method). State that differs between
 data-parallel replicas (FlexDeMo's local momenta), which DCP would keep once for all replicas, is returned by a
-`replica_state()` method ({param: {name: live tensor}}): the container saves it per replica for an exact resume, and
-the optimizer's own state_dict() saves a form that reshards (FlexDeMo: the replicas' mean, in a new tensor).
+`replica_state()` method ({param: {name: live tensor}}): the container saves it per replica, and every resume loads it
+(into another number of replicas, replica r continues saved replica r mod R: checkpoint/loading.py); the optimizer's
+own state_dict() holds it in new tensors (a load's template must not alias the live ones) and runs no collective
+(FlexDeMo: the replica's own delta; DCP writes one replica's copy).
 """
 
+import math
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -74,9 +84,47 @@ class BuildContext:
     replicate_group: dist.ProcessGroup | None = None
     """The ranks holding the same shard in the other replicas (HSDP/DDP); FlexDeMo exchanges over it."""
 
+    device_type: str = "cuda"
+    """The device whose code paths the run takes ("cuda" or "cpu"; a dry run's target device): Muon computes in
+    bfloat16 off the CPU."""
+
+
+@dataclass(frozen=True)
+class RankTensor:
+    """One of a rank's tensors, as the memory planner sees it."""
+
+    group: str
+    """Its parameter group (hidden_matrices, output, embeddings, norms, other)."""
+    shape: tuple[int, ...]
+    """The whole tensor's."""
+    local_shape: tuple[float, ...]
+    """The shard this rank holds."""
+    matrix_method: bool
+    """Whether the group's matrix_method applies."""
+    layout: tuple = ()
+    """How it is sharded (the tensor dimension each mesh dimension splits): tensors of one shape and layout stack
+    together (Muon)."""
+
+
+@dataclass(frozen=True)
+class StepLayout:
+    """What an optimizer step's temporaries depend on beyond the tensors."""
+
+    shard_ranks: int = 1
+    """Ranks that shard the parameters (FSDP x TP): Muon spreads its matrices over them."""
+    replicas: int = 1
+    """Data-parallel replicas holding the same shards (HSDP's, DDP's)."""
+    device_type: str = "cuda"
+
 
 Builder = Callable[[list[dict], OptimizerConfig, BuildContext], torch.optim.Optimizer]
 StateBytes = Callable[[tuple[int, ...], tuple[float, ...], OptimizerConfig, bool], float]
+StepBytes = Callable[[list[RankTensor], OptimizerConfig, StepLayout], float]
+
+
+def largest_shard(tensors: list[RankTensor]) -> float:
+    """Values of the largest shard among `tensors` (0 for none): what a for-loop step's temporaries scale with."""
+    return max((math.prod(t.local_shape) for t in tensors), default=0.0)
 
 
 @dataclass(frozen=True)
@@ -86,6 +134,8 @@ class OptimizerSpec:
     state_bytes: StateBytes
     """Optimizer-state bytes one rank keeps for a tensor of a shape (whole) of which it holds a shard of another,
     given whether matrix_method applies."""
+    step_bytes: StepBytes
+    """Bytes the step allocates at its peak beyond the state, for a rank's tensors."""
     needs_matrices: bool = False
     """The method needs at least one group of 2-D weights with matrix_method = true."""
     options: type | None = None
@@ -97,14 +147,14 @@ class OptimizerSpec:
 _REGISTRY: dict[str, OptimizerSpec] = {}
 
 
-def register_optimizer(name: str, *, state_bytes: StateBytes, needs_matrices: bool = False,
+def register_optimizer(name: str, *, state_bytes: StateBytes, step_bytes: StepBytes, needs_matrices: bool = False,
                        options: type | None = None, refuses: tuple[MethodRefusal, ...] = ()):
     """Decorator: registers `build` under the config name `name`."""
 
     def register(build: Builder) -> Builder:
         if name in _REGISTRY:
             raise ValueError(f"optimizer {name!r} is registered twice")
-        _REGISTRY[name] = OptimizerSpec(name, build, state_bytes, needs_matrices, options, refuses)
+        _REGISTRY[name] = OptimizerSpec(name, build, state_bytes, step_bytes, needs_matrices, options, refuses)
         return build
 
     return register

@@ -43,7 +43,8 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
-from torchtitan.components.optimizers import BuildContext, register_optimizer
+from torchtitan.components.optimizers import (BuildContext, RankTensor, StepLayout, largest_shard,
+                                              register_optimizer)
 from torchtitan.config.compatibility import MethodRefusal
 from torchtitan.config.job_config import Optimizer as OptimizerConfig
 
@@ -216,24 +217,20 @@ class FlexDeMo(torch.optim.Optimizer):
         return from_tiles(transform(mean, height, width, inverse=True), shape, self.chunk_size).sign_()
 
     def state_dict(self):
-        """The replicas' mean delta, in a new tensor: every replica saves the same values, so the checkpoint holds
-        one delta per parameter, sharded and resharded like any optimizer state. The live deltas are left as they
-        are (saving must not change training); OptimizersContainer also saves each replica's own
-        (`replica_state`) for an exact resume."""
+        """This replica's deltas, in new tensors (no collective: their mean would take an all-reduce of fp32 deltas
+        across replicas, the link this optimizer spares). Every resume loads each replica's own (`replica_state`);
+        DCP writes one replica's copy of these. New tensors, because a load's template is this state dict: the live
+        deltas, which the per-replica entries load into, must not also receive this copy."""
         saved = super().state_dict()
-        replicas = dist.get_world_size(self.replicate_group)
         # torch's state_dict() holds the live per-parameter dicts: copied before one of their entries is replaced.
-        saved["state"] = {index: dict(state) for index, state in saved["state"].items()}
-        for state in saved["state"].values():
-            if "delta" in state:
-                mean = state["delta"].detach().clone()
-                dist.all_reduce(self._local(mean), group=self.replicate_group)
-                self._local(mean).div_(replicas)
-                state["delta"] = mean
+        saved["state"] = {index: {name: value.detach().clone() if name == "delta" else value
+                                  for name, value in state.items()} for index, state in saved["state"].items()}
         return saved
 
     def replica_state(self) -> dict[torch.Tensor, dict[str, torch.Tensor]]:
-        """The state that differs between replicas, live: each replica's own delta."""
+        """The state that differs between replicas, live: each replica's own delta. OptimizersContainer saves it per
+        replica, which is what every resume loads (a resume into another number of replicas continues each replica
+        from one saved replica's delta)."""
         return {param: {"delta": state["delta"]} for param, state in self.state.items() if "delta" in state}
 
 
@@ -242,7 +239,17 @@ def _delta_bytes(shape: tuple[int, ...], local_shape: tuple[float, ...], config:
     return 4 * math.prod(local_shape)
 
 
-@register_optimizer("FlexDeMo", state_bytes=_delta_bytes, options=FlexDeMoOptions, refuses=(
+def _step_bytes(tensors: list[RankTensor], config: OptimizerConfig, layout: StepLayout) -> float:
+    """By reading (fp32): every shard's payload, in a list and concatenated, and the gather buffer of every replica's
+    (R x the payload); tensor by tensor, the tiles, the DCT's two products, the sent coefficients and their inverse
+    transform (about 20 bytes per value of the largest shard, extracting or decoding)."""
+    options = config.flexdemo
+    payload = sum(payload_bytes(tuple(round(size) for size in t.local_shape), options.chunk_size, options.topk)
+                  for t in tensors)
+    return (layout.replicas + 2) * payload + 20 * largest_shard(tensors)
+
+
+@register_optimizer("FlexDeMo", state_bytes=_delta_bytes, step_bytes=_step_bytes, options=FlexDeMoOptions, refuses=(
     MethodRefusal("one_replica", "FlexDeMo exchanges momentum components across replicas, and this layout has one",
                   "set parallelism.data_parallel_replicate_degree to 2 or more (HSDP, or DDP when "
                   "data_parallel_shard_degree = 1)"),))

@@ -31,7 +31,8 @@ from typing import ClassVar, Literal
 import torch
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
-from torchtitan.components.optimizers import BuildContext, gradient, local, register_optimizer
+from torchtitan.components.optimizers import (BuildContext, RankTensor, StepLayout, gradient, largest_shard, local,
+                                              register_optimizer)
 from torchtitan.components.optimizers.adam_direction import adam_direction
 from torchtitan.config.job_config import Optimizer as OptimizerConfig
 from torchtitan.errors import UserError
@@ -222,7 +223,29 @@ def state_bytes(shape: tuple[int, ...], local_shape: tuple[float, ...], config: 
     return 4 * rank * (2 * shape[1 - d] + shape[d]) * math.prod(local_shape) / math.prod(shape)
 
 
-@register_optimizer("GaLore-AdamW", state_bytes=state_bytes, needs_matrices=True, options=GaLoreOptions)
+def step_bytes(tensors: list[RankTensor], config: OptimizerConfig, layout: StepLayout) -> float:
+    """Tensor by tensor, by reading (fp32): the unprojected tensors AdamW's direction (three temporaries of the shard,
+    the previous tensor's direction still bound: 16 bytes per value); a projected matrix its gathered projector, the
+    low-rank gradient with Adam's temporaries of it and the projected-back update of the shard; at a refresh (every
+    update_gap steps) the whole gathered gradient and the SVD's factors (the range finder's rank + oversample columns,
+    or the exact SVD's full factors)."""
+    options = config.galore
+    peak = 16 * largest_shard([t for t in tensors if not t.matrix_method])
+    for t in tensors:
+        if not t.matrix_method:
+            continue
+        rank = options.rank or default_rank(t.shape)
+        d = projected_dim(t.shape)
+        local_values = math.prod(t.local_shape)
+        regular = 4 * (t.shape[d] * rank + 4 * t.shape[1 - d] * rank + 2 * local_values)
+        columns = min(t.shape) if options.svd == "exact" else min(rank + 8, *t.shape)
+        refresh = 4 * (math.prod(t.shape) + 3 * sum(t.shape) * columns)
+        peak = max(peak, regular, refresh)
+    return peak
+
+
+@register_optimizer("GaLore-AdamW", state_bytes=state_bytes, step_bytes=step_bytes, needs_matrices=True,
+                    options=GaLoreOptions)
 def build_galore_adamw(groups: list[dict], config: OptimizerConfig, context: BuildContext) -> torch.optim.Optimizer:
     _check(config, groups)
     options = config.galore

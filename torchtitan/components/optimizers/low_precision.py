@@ -29,7 +29,8 @@ import math
 import torch
 from torch.distributed.tensor import DTensor
 
-from torchtitan.components.optimizers import BuildContext, gradient, local, register_optimizer
+from torchtitan.components.optimizers import (BuildContext, RankTensor, StepLayout, gradient, largest_shard, local,
+                                              register_optimizer)
 from torchtitan.config.compatibility import MethodRefusal
 from torchtitan.config.job_config import Optimizer as OptimizerConfig
 from torchtitan.distributed import torch_compat
@@ -84,7 +85,13 @@ def _bf16_moments(shape: tuple[int, ...], local_shape: tuple[float, ...], config
     return 4 * math.prod(local_shape)
 
 
-@register_optimizer("AdamW-bf16", state_bytes=_bf16_moments)
+def _bf16_step_bytes(tensors: list[RankTensor], config: OptimizerConfig, layout: StepLayout) -> float:
+    """Tensor by tensor: both moments in fp32, the root of the second and its quotient (16 bytes per value), while
+    the previous tensor's denominator is still bound (20 at most, for two shards of one size in a row)."""
+    return 20 * largest_shard(tensors)
+
+
+@register_optimizer("AdamW-bf16", state_bytes=_bf16_moments, step_bytes=_bf16_step_bytes)
 def build_adamw_bf16(groups: list[dict], config: OptimizerConfig, context: BuildContext) -> torch.optim.Optimizer:
     return AdamWBF16State(groups, lr=config.lr, betas=(config.beta1, config.beta2), eps=config.eps)
 
@@ -196,11 +203,19 @@ _NO_FAKE_TENSORS = MethodRefusal("dry_run_on_fake_tensors", "torchao compiles it
                                  "tensors (--comm.no_fake_tensors), or run on real devices")
 
 
-@register_optimizer("AdamW-8bit", state_bytes=_torchao_state_bytes(8, 256), refuses=(_NO_FAKE_TENSORS,))
+def _torchao_step_bytes(tensors: list[RankTensor], config: OptimizerConfig, layout: StepLayout) -> float:
+    """torchao's compiled step, tensor by tensor: by reading, both moments dequantized to fp32 and AdamW's update
+    from them (16 bytes per value of the largest shard); not traced (the dry run refuses torchao's step)."""
+    return 16 * largest_shard(tensors)
+
+
+@register_optimizer("AdamW-8bit", state_bytes=_torchao_state_bytes(8, 256), step_bytes=_torchao_step_bytes,
+                    refuses=(_NO_FAKE_TENSORS,))
 def build_adamw_8bit(groups: list[dict], config: OptimizerConfig, context: BuildContext) -> torch.optim.Optimizer:
     return _torchao_adamw("AdamW8bit", groups, config)
 
 
-@register_optimizer("AdamW-4bit", state_bytes=_torchao_state_bytes(4, 128), refuses=(_NO_FAKE_TENSORS,))
+@register_optimizer("AdamW-4bit", state_bytes=_torchao_state_bytes(4, 128), step_bytes=_torchao_step_bytes,
+                    refuses=(_NO_FAKE_TENSORS,))
 def build_adamw_4bit(groups: list[dict], config: OptimizerConfig, context: BuildContext) -> torch.optim.Optimizer:
     return _torchao_adamw("AdamW4bit", groups, config)

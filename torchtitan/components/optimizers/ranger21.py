@@ -51,7 +51,8 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor, Replicate
 
-from torchtitan.components.optimizers import BuildContext, gradient, local, register_optimizer
+from torchtitan.components.optimizers import (BuildContext, RankTensor, StepLayout, gradient, largest_shard, local,
+                                              register_optimizer)
 from torchtitan.distributed.utils import placed_like
 from torchtitan.config.job_config import Optimizer as OptimizerConfig
 
@@ -258,7 +259,21 @@ def _ranger21_state_bytes(shape: tuple[int, ...], local_shape: tuple[float, ...]
     return (16 if config.ranger21.lookahead_steps else 12) * math.prod(local_shape)
 
 
-@register_optimizer("Ranger21", state_bytes=_ranger21_state_bytes, options=Ranger21Options)
+def _ranger21_step_bytes(tensors: list[RankTensor], config: OptimizerConfig, layout: StepLayout) -> float:
+    """Every shard's clipped and centralized gradient at once (fp32); with gradient_normalization, beside them, each
+    shard's float64 copy and its square for the sums (16 bytes per value of the largest shard), then their
+    normalized copies until the division is done; then, tensor by tensor, the combined momentum, the denominator
+    and its softplus (12 bytes per value of the largest shard)."""
+    prepared = 4 * sum(math.prod(t.local_shape) for t in tensors)
+    largest = largest_shard(tensors)
+    peak = prepared + 12 * largest
+    if config.ranger21.gradient_normalization:
+        peak = max(peak, prepared + 16 * largest, 2 * prepared)
+    return peak
+
+
+@register_optimizer("Ranger21", state_bytes=_ranger21_state_bytes, step_bytes=_ranger21_step_bytes,
+                    options=Ranger21Options)
 def build_ranger21(groups: list[dict], config: OptimizerConfig, context: BuildContext) -> torch.optim.Optimizer:
     options = config.ranger21
     return Ranger21(groups, lr=config.lr, betas=(config.beta1, config.beta2), eps=config.eps,

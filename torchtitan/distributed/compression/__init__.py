@@ -23,7 +23,7 @@ from torchtitan.distributed import torch_compat
 from torchtitan.distributed.compression.loco import (LOCO_ERROR_BITS, CompressedReduceScatter, ErrorFeedback, LoCo,
                                                      LoCoOptions)
 from torchtitan.distributed.compression.qsdp import QuantizedAllGather
-from torchtitan.distributed.compression.quantize import BLOCK, VALID_BITS
+from torchtitan.distributed.compression.quantize import BLOCK, VALID_BITS, decode
 from torchtitan.distributed.utils import placed_like
 from torchtitan.errors import UserError
 
@@ -32,11 +32,14 @@ from torchtitan.errors import UserError
 class GradientMethod:
     """One `comm.gradient_compression` method: its rounding, the compensation state it keeps per FSDP module (None:
     none), and that state's bytes per value of the module's unsharded gradient, on every rank (what memory
-    predictions add: the state covers everything a rank sends, so it is not divided by the FSDP degree), and the
-    dataclass of its own options ([comm.<options.TABLE>], read as `comm.<TABLE>`; None: it has none)."""
+    predictions add: the state covers everything a rank sends, so it is not divided by the FSDP degree), what its
+    reduce-scatter holds at its peak per value of the module's unsharded gradient by gradient_bits, beyond FSDP's
+    input buffer and with the module's new (staged) state, and the dataclass of its own options
+    ([comm.<options.TABLE>], read as `comm.<TABLE>`; None: it has none)."""
     stochastic: bool
     compensation: Callable[[Comm, list[int]], ErrorFeedback | LoCo] | None
     state_bytes_per_value: float
+    reduction_bytes_per_value: dict[int, float]
     options: type | None = None
 
 
@@ -45,11 +48,19 @@ GRADIENT_COMPRESSION: dict[str, GradientMethod] = {
                            compensation=lambda comm, segments: LoCo(comm.loco.beta, comm.loco.reset_interval,
                                                                     segments),
                            # 8-bit codes and one bfloat16 scale per block
-                           state_bytes_per_value=LOCO_ERROR_BITS / 8 + 2 / BLOCK, options=LoCoOptions),
+                           state_bytes_per_value=LOCO_ERROR_BITS / 8 + 2 / BLOCK,
+                           reduction_bytes_per_value={4: 19.6, 8: 19.1}, options=LoCoOptions),
+    # 8-bit: 18 + 4 / W bytes (a row more at the peak), 20.0 at W = 2, the most.
     "error_feedback": GradientMethod(stochastic=False, compensation=lambda comm, segments: ErrorFeedback(),
-                                     state_bytes_per_value=4.0),
-    "qsdp": GradientMethod(stochastic=True, compensation=None, state_bytes_per_value=0.0),
+                                     state_bytes_per_value=4.0, reduction_bytes_per_value={4: 21.1, 8: 20.0}),
+    "qsdp": GradientMethod(stochastic=True, compensation=None, state_bytes_per_value=0.0,
+                           reduction_bytes_per_value={4: 20.1, 8: 20.1}),
 }
+"""The reductions' bytes, by reading `CompressedReduceScatter.__call__` and measured with torch's MemTracker on 2, 4
+and 8 ranks, the input and output left out (tests/unit/test_compression.py keeps them true on 2): the compensated
+rows, the quantizer's codes and restored values, the new state, the payload sent and the one received, and the
+decoded rows (fp32 each, 4 bytes per value); QSDP's stochastic rounding holds its int64 hashes where the others hold
+a state."""
 
 
 def method_options() -> dict[str, type]:
@@ -63,6 +74,30 @@ def compensation_bytes_per_value(config: JobConfig) -> float:
     keeps between steps: 0 without one."""
     method = GRADIENT_COMPRESSION.get(config.comm.gradient_compression)
     return method.state_bytes_per_value if method else 0.0
+
+
+# What encoding a row holds at its peak per value (fp32): the rows' absolute values or the codes, the restored
+# values, QSDP's hashes; measured as the reductions' (a QSDP reduction holds 20 bytes per value beyond its input).
+QUANTIZE_BYTES_PER_VALUE = 20.0
+
+
+def weight_code_bytes_per_value(config: JobConfig) -> float:
+    """Bytes per value of a rank's parameter shard that QSDP's weight all-gather keeps as codes between a module's
+    first gather of a step and the optimizer step: 0 without it."""
+    if config.comm.weight_quantization != "qsdp":
+        return 0.0
+    return config.comm.weight_bits / 8 + 2 / BLOCK
+
+
+def reduction_bytes_per_value(config: JobConfig) -> float:
+    """Bytes per value of a module's unsharded (local) gradient that the configured gradient compression's
+    reduce-scatter holds at its peak beyond FSDP's input buffer (its new state included; a reduce dtype below fp32
+    adds the rows' fp32 copy): 0 without one."""
+    method = GRADIENT_COMPRESSION.get(config.comm.gradient_compression)
+    if method is None:
+        return 0.0
+    upcast = 4.0 if config.training.mixed_precision_reduce != "float32" else 0.0
+    return method.reduction_bytes_per_value[config.comm.gradient_bits] + upcast
 
 
 def validate_compression(config: JobConfig) -> None:
@@ -208,10 +243,14 @@ class CompressionState(Stateful):
     - verbatim (`exact.compression.<first parameter of the module><replica suffix>`): every rank's own state (LoCo's
       codes, error feedback's fp32 residuals) as one DTensor sharded over the module's mesh. A resume into the same
       layout restores it bit for bit, so a resumed run repeats the uninterrupted one.
-    - per parameter (`compression.<parameter>`): what all ranks together owe each shard (the ranks' states summed
-      per shard, one reduce-scatter), sharded like the parameter, so that it reshards to any layout as the optimizer
-      state does. Where the verbatim state does not fit the layout (another data-parallel degree), each shard's
-      total is loaded into the shard's own rank.
+    - per parameter (`compression.<parameter>`): what all ranks together owe each shard, sharded like the
+      parameter, so that it reshards to any layout as the optimizer state does. Where the verbatim state does not fit
+      the layout (another data-parallel degree), each shard's total is loaded into the shard's own rank. The ranks'
+      states travel to each shard's owner as 8-bit codes (one all-to-all; the data-parallel group is the link that
+      gradient compression spares): LoCo's are its stored codes, so its totals are exact; error feedback's fp32
+      residuals are rounded to them (within half a code of each 128-value block's largest residual, per rank).
+      `save_sent_bytes` counts what this rank sent, `save_full_precision_bytes` what a reduce-scatter of fp32
+      states would have.
     LoCo's step count (for its periodic reset) is saved as `loco_steps`. Reductions stage the state; `commit` and
     `discard` settle it once the step's update is applied or dropped (OptimizersContainer calls them).
     """
@@ -219,6 +258,8 @@ class CompressionState(Stateful):
     def __init__(self, model_parts: list[nn.Module], replicate_group: dist.ProcessGroup | None = None):
         names = {id(p): name for part in model_parts for name, p in part.named_parameters()}
         self.suffix = replica_suffix(replicate_group)
+        self.save_sent_bytes = 0
+        self.save_full_precision_bytes = 0
         self.entries = []
         for group in _param_groups(model_parts):
             comm = group._reduce_scatter_comm
@@ -228,8 +269,16 @@ class CompressionState(Stateful):
     def __bool__(self) -> bool:
         return bool(self.entries)
 
+    def tensors(self) -> list[torch.Tensor]:
+        """The compensation state held now (committed, and staged by this step's reductions)."""
+        return [t for comm, _, _ in self.entries for t in comm.compensation.held() if t is not None]
+
+    def state_bytes(self) -> int:
+        """Bytes of compensation state this rank holds now."""
+        return sum(t.numel() * t.element_size() for t in self.tensors())
+
     def commit(self) -> None:
-        """The optimizer applied the step's gradients: what their reductions staged becomes the state."""
+        """The step's gradients will be applied: what their reductions staged becomes the state."""
         for comm, _, _ in self.entries:
             comm.compensation.commit()
 
@@ -268,14 +317,7 @@ class CompressionState(Stateful):
     def state_dict(self) -> dict[str, Any]:
         state: dict[str, Any] = {}
         for comm, group, fqns in self.entries:
-            process_group = group.mesh_info.shard_process_group
-            world = process_group.size()
-            row = sum(size.numel() for _, _, size in self._layout(group))
-            residual = comm.compensation.residual
-            if residual is None:
-                residual = torch.zeros(world, row, device=group.device)
-            owed = torch.empty(row, dtype=residual.dtype, device=residual.device)
-            dist.reduce_scatter_single(owed, residual.reshape(-1), group=process_group)
+            owed = self._owed(comm, group)
             for fqn, (fsdp_param, offset, size) in zip(fqns, self._layout(group)):
                 local = owed[offset:offset + size.numel()].view(size)[:fsdp_param.sharded_size[0]]
                 state[fqn] = placed_like(local.clone(), fsdp_param.sharded_param)
@@ -284,6 +326,21 @@ class CompressionState(Stateful):
             if isinstance(comm.compensation, LoCo):
                 state["loco_steps"] = torch.tensor(comm.compensation.steps, dtype=torch.int64)
         return state
+
+    def _owed(self, comm, group) -> torch.Tensor:
+        """What all ranks owe this rank's shards (fp32, the module's row): every rank's codes for them, decoded and
+        summed in rank order."""
+        process_group = group.mesh_info.shard_process_group
+        world = process_group.size()
+        row = sum(size.numel() for _, _, size in self._layout(group))
+        codes = comm.compensation.owed_codes(comm.segments)
+        if codes is None:
+            codes = LoCo.raw_template(world, comm.segments, group.device)
+        received = torch.empty_like(codes)
+        dist.all_to_all_single(received, codes, group=process_group)
+        self.save_sent_bytes += (world - 1) * codes.shape[1]
+        self.save_full_precision_bytes += (world - 1) * row * 4
+        return decode(received, row, LOCO_ERROR_BITS, segments=comm.segments).sum(dim=0)
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         for comm, group, fqns in self.entries:

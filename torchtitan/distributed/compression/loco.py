@@ -61,8 +61,8 @@ def _used_on_current_stream(tensor: torch.Tensor | None) -> None:
     out again before this stream's work on it is done.
 
     The compensation state lives on FSDP's reduce-scatter stream: made there by `update`, read there by the next
-    `compensate`. A checkpoint's load replaces it from the default stream, and a save reads it there (a
-    reduce-scatter of the residuals). The replacement is then read on the reduce-scatter stream (which waits for
+    `compensate`. A checkpoint's load replaces it from the default stream, and a save reads it there (the
+    all-to-all of its codes). The replacement is then read on the reduce-scatter stream (which waits for
     the default stream before every reduction, so the read sees the write) and released there when a later step
     replaces it; the tensor it replaced, made on the reduce-scatter stream, may still be read by the default
     stream's pending work. Each crossing is recorded here. On the CPU there are no streams."""
@@ -95,6 +95,10 @@ class _StagedCompensation:
             _used_on_current_stream(self._committed)
             self._adopt = False
         return self._staged if self._staged is not None else self._start()
+
+    def held(self) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        """The committed and the staged state (None where there is none)."""
+        return self._committed, self._staged
 
     def commit(self) -> None:
         if self._staged is not None:
@@ -134,6 +138,12 @@ class ErrorFeedback(_StagedCompensation):
 
     # What a checkpoint saves verbatim for an exact resume: the residual itself.
     raw = residual
+
+    def owed_codes(self, segments: list[int]) -> torch.Tensor | None:
+        """What this rank owes each rank's shards (one row per rank), as the 8-bit codes a save exchanges: the fp32
+        residual rounded to LoCo's storage precision (within half a code, 1/254 of each block's largest value); None
+        before the first step."""
+        return None if self._committed is None else encode(self._committed, LOCO_ERROR_BITS, segments=segments)
 
     @staticmethod
     def raw_template(world: int, segments: list[int], device: torch.device) -> torch.Tensor:
@@ -207,6 +217,11 @@ class LoCo(_StagedCompensation):
     @raw.setter
     def raw(self, value: torch.Tensor | None) -> None:
         self._set_committed(value)
+
+    def owed_codes(self, segments: list[int]) -> torch.Tensor | None:
+        """What this rank owes each rank's shards (one row per rank), as the 8-bit codes a save exchanges: the stored
+        codes themselves (None: zero)."""
+        return self._start()
 
     @staticmethod
     def raw_template(world: int, segments: list[int], device: torch.device) -> torch.Tensor:
