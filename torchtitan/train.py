@@ -46,6 +46,7 @@ from torchtitan.distributed.fault_tolerance import (GroupStopped, QuorumError, d
 from torchtitan.distributed.fsdp import TORCH_DTYPES
 from torchtitan.distributed.parallel_dims import ParallelDims
 from torchtitan.distributed.pipeline_parallel import is_multi_stage, pipeline_llama
+from torchtitan.distributed.rotated import init_rotated_weights, rotations
 from torchtitan.dry_run import FAKE_BOS_ID
 from torchtitan.dry_run import run as dry_run
 from torchtitan.errors import UserError
@@ -125,6 +126,8 @@ class Trainer:
         else:
             self.model_parts = [parallelize_llama(model, self.world_mesh, self.parallel_dims, config)]
             self.has_first_stage = self.has_last_stage = True
+        # Rotated tensor parallelism's rings, one per model part: their norms' gradients are summed once per step.
+        self.rotations = rotations(self.model_parts)
         if not self.fake_tensors and (self.device.type == "cpu" or config.training.enable_cpu_offload):
             # The gradients, not allocated yet, will take as many bytes as the parameters.
             require_host_memory(2 * self._parameter_and_gradient_bytes(), model_name,
@@ -140,7 +143,9 @@ class Trainer:
             for part in self.model_parts:
                 dist_utils.materialize_model(part, self.device, config.training.enable_cpu_offload)
                 if not self.fake_tensors:  # fake weights have no values to initialise
-                    dist_utils.init_model_weights(part, self.seed, self.device)
+                    # Under rotated tensor parallelism each rank draws its own shards only.
+                    initialise = init_rotated_weights if self.rotations else dist_utils.init_model_weights
+                    initialise(part, self.seed, self.device)
                 part.train()
 
         self.loss_fn = cross_entropy_sum
@@ -159,7 +164,8 @@ class Trainer:
                                               self.optimizers, self.lr_schedulers, self.dataloader,
                                               self.train_state, self.model_args,
                                               peer_folders=peer_checkpoint_folders(config))
-        # Mixed precision comes from FSDP/DDP's policy when they wrap the model, else from autocast.
+        # Mixed precision comes from FSDP/DDP's policy (or RTP's, the same) when they wrap the model, else from
+        # autocast.
         wrapped = self.parallel_dims.fsdp_enabled or self.parallel_dims.ddp_enabled
         param_dtype = TORCH_DTYPES[config.training.mixed_precision_param]
         self.autocast = (torch.autocast(self.device.type, dtype=param_dtype)
@@ -336,6 +342,8 @@ class Trainer:
         replica groups (fault tolerance) and clipping: (this rank's loss, the global gradient norm)."""
         self.optimizers.zero_grad()
         loss = sum(self.forward_backward(inputs, labels) for inputs, labels in batches)
+        for rotation in self.rotations:
+            rotation.sync_replicated_gradients()
         parameters = [p for part in self.model_parts for p in part.parameters()]
         if self.fault_tolerance is not None:
             self.fault_tolerance.average_gradients(parameters)
@@ -552,11 +560,16 @@ class Trainer:
         dist.all_reduce(maxima, op=dist.ReduceOp.MAX)
         peak_gib, allocated_gib, state_gib, optimizer_state_gib = maxima.tolist()
         # This rank's bytes through the compressed collectives (and FlexDeMo's exchange) per step since the last log,
-        # and what the full-precision collectives they replace send, by the arithmetic of NCCL's ring algorithms.
+        # and what the full-precision collectives they replace send, by the arithmetic of NCCL's ring algorithms;
+        # rotated tensor parallelism's rotations (weight shards and gradient buffers) and norm gradients' all-reduce
+        # are sent as they are, uncompressed.
         sent = compression_stats(self.model_parts)
         for optimizer in self.optimizers.optimizers:
             for key in sent:
                 sent[key] += getattr(optimizer, key, 0)
+        for rotation in self.rotations:
+            sent["sent_bytes"] += rotation.sent_bytes
+            sent["uncompressed_bytes"] += rotation.sent_bytes
         comm = {}
         if sent["uncompressed_bytes"]:
             steps = window["steps"] * 2**20

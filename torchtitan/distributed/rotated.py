@@ -364,6 +364,17 @@ def apply_rtp(model: nn.Module, mesh: DeviceMesh, *, param_dtype: str = "float32
     return rotation
 
 
+def rotations(model_parts: list[nn.Module]) -> list[RotatedTensorParallel]:
+    """The rotations of the model parts that apply_rtp split (one per part), in order."""
+    found: list[RotatedTensorParallel] = []
+    for part in model_parts:
+        for module in part.modules():
+            rotation = getattr(module, "rotation", None)
+            if isinstance(rotation, RotatedTensorParallel) and not any(rotation is known for known in found):
+                found.append(rotation)
+    return found
+
+
 # Values per chunk of the probe that checks an initializer draws the same values in row chunks as whole.
 _PROBE_CHUNK_VALUES = 1024
 
