@@ -203,7 +203,7 @@ class RotatedTensorParallel:
         for last, owner, _ in self._ring_turns():
             transfer = None if last else self._shift(held, _WEIGHT_TAG, backward=False)
             index, hit = _rows_hit(tokens, rows[owner])
-            out[hit] = held[index[hit]]
+            out = torch.where(hit.unsqueeze(-1), F.embedding(index, held), out)
             if transfer is not None:
                 held = transfer.wait()
         return out
@@ -214,7 +214,8 @@ class RotatedTensorParallel:
         gradient = dy.new_zeros(rows[0][1] - rows[0][0], dy.shape[-1], dtype=self.reduce_dtype)
         for last, _, gradient_owner in self._ring_turns():
             index, hit = _rows_hit(tokens, rows[gradient_owner])
-            gradient.index_add_(0, index[hit], dy[hit].to(self.reduce_dtype))
+            gradient.index_add_(0, index.flatten(), torch.where(hit.unsqueeze(-1), dy, 0).flatten(0, -2)
+                                .to(self.reduce_dtype))
             if not last:
                 gradient = self._shift(gradient, _GRADIENT_TAG, backward=True).wait()
         return gradient[:weight_shape[0]].to(weight_dtype)
@@ -242,10 +243,12 @@ def _add_product(accumulator: torch.Tensor, a: torch.Tensor, b: torch.Tensor) ->
 
 
 def _rows_hit(tokens: torch.Tensor, span: tuple[int, int]) -> tuple[torch.Tensor, torch.Tensor]:
-    """The tokens' rows inside a shard of the vocabulary [start, stop), and which tokens fall in it."""
+    """Which tokens fall in a shard of the vocabulary [start, stop), and each token's row in the shard, clamped into
+    it for the others (used under the mask: shapes that do not depend on the ids, as fake tensors need)."""
     start, stop = span
     index = tokens - start
-    return index, (index >= 0) & (index < stop - start)
+    hit = (index >= 0) & (index < stop - start)
+    return index.clamp(0, max(stop - start - 1, 0)), hit
 
 
 class _RotatedLinearFunction(torch.autograd.Function):
