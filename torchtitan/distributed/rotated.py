@@ -392,12 +392,13 @@ def init_rotated_weights(model: nn.Module, seed: int, device: torch.device) -> l
     That is exact only where drawing a tensor's rows chunk by chunk from one generator gives the whole draw's values.
     On the CPU, uniform_ draws one value per element in order and normal_ draws 16 at a time (Box-Muller over pairs 8
     apart), redrawing a tensor's last 16 when its size is no multiple of 16: chunks of multiples of 16 values give
-    the whole draw's values. torch 2.13's trunc_normal_ rejection-samples in rounds over the whole tensor (a
-    rejected value is replaced from a new draw of the whole tensor), which does not stream; nor, presumably, do
-    CUDA's generators, which assign values by launch offset and thread layout (untested here). So each parameter is
-    first probed
-    (its initializer on four chunks of its row width, against the same tensor drawn whole); one that fails, or whose
-    shards are no multiple of 16 values, is drawn whole (one parameter at a time, as init_model_weights does).
+    the whole draw's values. The model's matrices are drawn from a truncated normal by the inverse CDF of uniform_
+    draws (models/llama3/model.py, `_trunc_normal`), which streams too, so on the CPU every split matrix of the model
+    is drawn one shard at a time (torch's own trunc_normal_, which rejection-samples over the whole tensor since torch
+    2.13, would not stream). CUDA's generators assign values by launch offset and thread layout, which presumably
+    does not stream (untested here). So each parameter is first probed (its initializer on four chunks of its row
+    width, against the same tensor drawn whole); one that fails, or whose shards are no multiple of 16 values, is
+    drawn whole (one parameter at a time, as init_model_weights does).
 
     Returns the names of the split parameters drawn whole.
     """

@@ -243,12 +243,12 @@ def _delta_bytes(shape: tuple[int, ...], local_shape: tuple[float, ...], config:
 
 
 @register_optimizer("FlexDeMo", state_bytes=_delta_bytes, options=FlexDeMoOptions, refuses=(
+    MethodRefusal("rotated", "FlexDeMo's replicas are FSDP2 groups: each is sharded with fully_shard, over one "
+                  "rank too, and the replicas exchange their momentum instead of an all-reduce",
+                  "use parallelism.data_parallel_shard_method = 'fsdp' with FlexDeMo"),
     MethodRefusal("one_replica", "FlexDeMo exchanges momentum components across replicas, and this layout has one",
                   "set parallelism.data_parallel_replicate_degree to 2 or more (HSDP, or DDP when "
-                  "data_parallel_shard_degree = 1)"),
-    MethodRefusal("rotated", "FlexDeMo's replicas are FSDP2 groups (each replica is sharded with fully_shard, over "
-                  "one rank too, and the replicas exchange their momentum instead of an all-reduce)",
-                  "use parallelism.data_parallel_shard_method = 'fsdp' with FlexDeMo"),))
+                  "data_parallel_shard_degree = 1)"),))
 def build_flexdemo(groups: list[dict], config: OptimizerConfig, context: BuildContext) -> torch.optim.Optimizer:
     options = config.flexdemo
     return FlexDeMo(groups, lr=config.lr, weight_decay=config.weight_decay, chunk_size=options.chunk_size,
