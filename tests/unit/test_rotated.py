@@ -17,6 +17,7 @@ from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor, Shard
 
+from benchmarks.rotated import LiveParameterBytes
 from tests.unit.forked_ranks import run_ranks
 from torchtitan.components.checkpoint.hf import export_hf_from_dcp, load_hf_model
 from torchtitan.components.optimizer_groups import param_groups
@@ -29,6 +30,7 @@ from torchtitan.distributed.utils import clip_grad_norm_, init_model_weights, ma
 from torchtitan.models.llama3.args import model_args_for
 from torchtitan.models.llama3.model import Transformer, checkpoint_name
 from torchtitan.models.llama3.state_dict_adapter import load_hf, save_hf
+from torchtitan.planner.rotated import parameter_and_gradient_peak_bytes
 
 SEQ = 32
 LOCAL_BATCH = 2
@@ -169,6 +171,8 @@ def worker(rank: int, out_dir: str, world: int) -> None:
         results["rotations"] = (rotation.forward_rotations, rotation.backward_rotations, len(rotation.rotated))
         results["sync_bytes"] = rotation.sync_sent_bytes
         results["norms"] = sum(p.numel() for name, p in model.named_parameters() if name.endswith("norm.weight"))
+        results["live_peak"] = (live_parameter_and_gradient_peak(args, mesh, ranks),
+                                parameter_and_gradient_peak_bytes(args, world, 4))
         # Gradient clipping's norm over split and replicated gradients on one mesh counts each value once: with every
         # gradient 1 it is sqrt(parameters), exact in fp32 but for the roundings of the per-tensor norms.
         for p in model.parameters():
@@ -231,6 +235,17 @@ def checkpoint_and_precision_worker(rank: int, out_dir: str, world: int) -> None
         torch.save(results, Path(out_dir) / f"rank{rank}.pt")
     finally:
         dist.destroy_process_group()
+
+
+def live_parameter_and_gradient_peak(args, mesh, ranks: Ranks) -> int:
+    """The peak of live parameter, gradient and rotating bytes over a forward and backward (benchmarks/rotated.py's
+    tracker)."""
+    model, rotation = build(args, mesh, rtp=True)
+    with LiveParameterBytes(model) as tracker:
+        for inputs, labels in ranks.mine:
+            F.cross_entropy(model(inputs).flatten(0, 1), labels.flatten(), reduction="sum").backward()
+        rotation.sync_replicated_gradients()
+    return tracker.peak
 
 
 def hugging_face_round_trip(args, mesh, rank: int, folder: Path) -> tuple[bool, bool]:
@@ -406,6 +421,14 @@ def test_bytes_sent_are_the_arithmetic(ranks):
         assert result["sync_bytes"] == 2 * (world - 1) * result["norms"] * 4 // world
         # Each checkpointed block (7 Linears) runs its forward twice.
         assert result["checkpointed_rotations"] == (2 * LAYERS * 7 + 2, LAYERS * 7 + 2)
+
+
+def test_live_parameter_and_gradient_peak_is_the_planners(ranks):
+    """Owned shards of the parameters and gradients, the norms whole, and at the embedding's backward (the last, when
+    every other gradient exists) its gradient buffer arriving (planner/rotated.py)."""
+    for result in ranks[1][:1]:  # rank 0 holds the largest shards
+        measured, predicted = result["live_peak"]
+        assert measured == predicted
 
 
 def test_state_dict_is_fsdp2s(ranks):
