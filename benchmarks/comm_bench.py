@@ -27,6 +27,7 @@ Recipes and their baselines:
     muon            FSDP, Muon (its Newton-Schulz spread over the ranks, the results all-gathered)
     galore          FSDP, GaLore-AdamW (galore.scale 2, a subspace refresh every 75 steps)
     ranger21        FSDP, Ranger21 (weight decay 1e-4: its stable decay is in other units than AdamW's)
+    rtp             rotated tensor parallelism over both hosts instead of FSDP (its bytes from a dry run of its own)
 (The optimizers' recipes are for their bytes and speed on the link; their losses at their own learning rates,
 over seeds, are in docs/recipes.md's optimizer section.)
 
@@ -74,7 +75,11 @@ RECIPES: dict[str, tuple[str, list[str]]] = {
     "galore": ("fsdp", [*FSDP, "--optimizer.name", "GaLore-AdamW", "--optimizer.galore.scale", "2",
                         "--optimizer.galore.update_gap", "75"]),
     "ranger21": ("fsdp", [*FSDP, "--optimizer.name", "Ranger21", "--optimizer.weight_decay", "1e-4"]),
+    "rtp": ("fsdp", [*FSDP, "--parallelism.data_parallel_shard_method", "rotated"]),
 }
+# Recipes that replace their baseline's collectives by others (not by compressed ones the trainer counts beside
+# them): their ring bytes come from a dry run of their own.
+OWN_COLLECTIVES = {"rtp"}
 
 
 def recipe_options(name: str, args: argparse.Namespace) -> list[str]:
@@ -89,7 +94,9 @@ def recipe_options(name: str, args: argparse.Namespace) -> list[str]:
 # gathered output of an all-gather, the unreduced input of a reduce-scatter, the tensor of an all-reduce, the whole
 # buffer of an all-to-all), in a group of n ranks.
 RING_SHARE = {"all_gather": lambda n: (n - 1) / n, "reduce_scatter": lambda n: (n - 1) / n,
-              "all_to_all": lambda n: (n - 1) / n, "all_reduce": lambda n: 2 * (n - 1) / n}
+              "all_to_all": lambda n: (n - 1) / n, "all_reduce": lambda n: 2 * (n - 1) / n,
+              # Point-to-point (rotated tensor parallelism's shifts): a rank sends what it sends, once.
+              "send": lambda n: 1.0, "recv": lambda n: 0.0}
 
 
 def ring_bytes_per_step(baseline: str, args: argparse.Namespace, out: Path) -> float:
@@ -378,9 +385,11 @@ def main(argv: list[str] | None = None) -> int:
                 results.append(run_recipe(name, hosts, args, args.out, seed))
                 # Kept as each run ends: a long sweep stopped early still has what it measured.
                 (args.out / "results_partial.json").write_text(json.dumps({"note": note, "results": results}))
-    ring = {baseline: ring_bytes_per_step(baseline, args, args.out) for baseline in {r["baseline"] for r in results}}
+    ring = {name: ring_bytes_per_step(name, args, args.out)
+            for name in {r["baseline"] for r in results} | ({r["recipe"] for r in results} & OWN_COLLECTIVES)}
     for r in results:
-        r["ring_bytes_per_step"] = ring[r["baseline"]] + r["ring_sent_minus_replaced_per_step"]
+        r["ring_bytes_per_step"] = ring[r["recipe"]] if r["recipe"] in OWN_COLLECTIVES else \
+            ring[r["baseline"]] + r["ring_sent_minus_replaced_per_step"]
     table = report([r for r in results if r["seed"] == seeds[0]], note, args, args.out)
     if len(seeds) > 1:
         table += "\n" + seeds_report(results, args)

@@ -52,6 +52,8 @@ LAYOUTS: dict[str, tuple[int, int, list[str]]] = {
     "fsdp2": (2, 2, ["--parallelism.data_parallel_shard_degree", "2"]),
     "hsdp2x2": (4, 4, ["--parallelism.data_parallel_replicate_degree", "2",
                        "--parallelism.data_parallel_shard_degree", "2"]),
+    "rtp2": (2, 2, ["--parallelism.data_parallel_shard_degree", "2", "--parallelism.data_parallel_shard_method",
+                    "rotated"]),
     "ddp2": (2, 2, ["--parallelism.data_parallel_replicate_degree", "2",
                     "--parallelism.data_parallel_shard_degree", "1"]),
     "tp2": (2, 1, ["--parallelism.tensor_parallel_degree", "2"]),

@@ -43,13 +43,14 @@ def describe(layout: Layout) -> str:
     if layout.dp_replicate > 1:
         parts.append(f"HSDP {layout.dp_replicate}x{layout.dp_shard}")
     elif layout.dp_shard > 1:
-        parts.append(f"FSDP {layout.dp_shard}")
+        parts.append(f"{'RTP' if layout.rotated else 'FSDP'} {layout.dp_shard}")
     parts += [f"TP {layout.tp}"] if layout.tp > 1 else []
     parts += [f"PP {layout.pp} {layout.schedule} ({layout.stages_per_rank} stage(s)/rank, micro-batch "
               f"{layout.microbatch})"] if layout.pp > 1 else []
     if layout.cp > 1:
         parts.append(f"CP {layout.cp} " + ("(K/V all-gathered)" if layout.gathers_kv else
                                            f"(ring, {layout.cp_rotate})"))
+    parts += ["RTP over CP"] if layout.rotated and layout.dp_shard == 1 else []
     parts.append(layout.ac_label)
     parts += ["float8"] if layout.float8 else []
     parts += ["compile"] if layout.compile else []

@@ -36,7 +36,9 @@ def main(argv: list[str] | None = None) -> int:
     try:
         run(args)
     except ChildFailedError as failed:
-        rank, failure = min(failed.failures.items())
+        # A worker that stops on its own (a refusal at start-up: 2) makes torchrun SIGTERM the others, which then
+        # fail too, by the signal: the code that says why is the lowest rank's among those that exited themselves.
+        rank, failure = min(failed.failures.items(), key=lambda item: (item[1].exitcode <= 0, item[0]))
         print(f"torchrun: rank {rank} exited with code {failure.exitcode}; its output above says why",
               file=sys.stderr)
         return failure.exitcode if failure.exitcode > 0 else 1

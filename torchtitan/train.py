@@ -47,6 +47,7 @@ from torchtitan.distributed.fault_tolerance import (GroupStopped, QuorumError, d
 from torchtitan.distributed.fsdp import TORCH_DTYPES
 from torchtitan.distributed.parallel_dims import ParallelDims
 from torchtitan.distributed.pipeline_parallel import is_multi_stage, pipeline_model
+from torchtitan.distributed.rotated import init_rotated_weights, rotations
 from torchtitan.dry_run import FAKE_BOS_ID
 from torchtitan.dry_run import run as dry_run
 from torchtitan.errors import UserError
@@ -126,6 +127,8 @@ class Trainer:
         else:
             self.model_parts = [self.model_spec.parallelize(model, self.world_mesh, self.parallel_dims, config)]
             self.has_first_stage = self.has_last_stage = True
+        # Rotated tensor parallelism's rings, one per model part: their norms' gradients are summed once per step.
+        self.rotations = rotations(self.model_parts)
         if not self.fake_tensors and (self.device.type == "cpu" or config.training.enable_cpu_offload):
             # The gradients, not allocated yet, will take as many bytes as the parameters.
             require_host_memory(2 * self._parameter_and_gradient_bytes(), model_name,
@@ -141,7 +144,9 @@ class Trainer:
             for part in self.model_parts:
                 dist_utils.materialize_model(part, self.device, config.training.enable_cpu_offload)
                 if not self.fake_tensors:  # fake weights have no values to initialise
-                    dist_utils.init_model_weights(part, self.seed, self.device)
+                    # Under rotated tensor parallelism each rank draws its own shards only.
+                    initialise = init_rotated_weights if self.rotations else dist_utils.init_model_weights
+                    initialise(part, self.seed, self.device)
                 part.train()
 
         self.loss_fn = cross_entropy_sum
@@ -161,7 +166,8 @@ class Trainer:
                                               self.train_state, self.model_spec.recorded_shape(self.model_args),
                                               self.model_spec.hf_adapter(self.model_args),
                                               peer_folders=peer_checkpoint_folders(config))
-        # Mixed precision comes from FSDP/DDP's policy when they wrap the model, else from autocast.
+        # Mixed precision comes from FSDP/DDP's policy (or RTP's, the same) when they wrap the model, else from
+        # autocast.
         wrapped = self.parallel_dims.fsdp_enabled or self.parallel_dims.ddp_enabled
         param_dtype = TORCH_DTYPES[config.training.mixed_precision_param]
         self.autocast = (torch.autocast(self.device.type, dtype=param_dtype)
@@ -344,6 +350,8 @@ class Trainer:
         replica groups (fault tolerance) and clipping: (this rank's loss, the global gradient norm)."""
         self.optimizers.zero_grad()
         loss = sum(self.forward_backward(inputs, labels) for inputs, labels in batches)
+        for rotation in self.rotations:
+            rotation.sync_replicated_gradients()
         parameters = [p for part in self.model_parts for p in part.parameters()]
         if self.fault_tolerance is not None:
             self.fault_tolerance.average_gradients(parameters)
@@ -559,8 +567,13 @@ class Trainer:
                                optimizer_bytes / 2**30], device=self.device)
         dist.all_reduce(maxima, op=dist.ReduceOp.MAX)
         peak_gib, allocated_gib, state_gib, optimizer_state_gib = maxima.tolist()
-        # This rank's bytes sent per step since the last log, by kind (OptimizersContainer.sent_bytes).
+        # This rank's bytes sent per step since the last log, by kind (OptimizersContainer.sent_bytes); rotated tensor
+        # parallelism's rotations (weight shards and gradient buffers) and its norms' all-reduce are sent as they are,
+        # uncompressed.
         sent = self.optimizers.sent_bytes()
+        for rotation in self.rotations:
+            sent["sent_bytes"] = sent.get("sent_bytes", 0) + rotation.sent_bytes
+            sent["uncompressed_bytes"] = sent.get("uncompressed_bytes", 0) + rotation.sent_bytes
         comm = communication_metrics(sent, self._logged_sent, window["steps"])
         self._logged_sent = sent
         self.metrics.log(step, {

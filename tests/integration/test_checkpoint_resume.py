@@ -50,6 +50,10 @@ LAYOUTS = {
                        "--parallelism.data_parallel_shard_degree", "2"]),
     "fsdp2_tp2": (4, 2, ["--parallelism.data_parallel_shard_degree", "2", "--parallelism.tensor_parallel_degree", "2"]),
     "pp2": (2, 1, ["--parallelism.pipeline_parallel_degree", "2"]),
+    "rtp2": (2, 2, ["--parallelism.data_parallel_shard_degree", "2", "--parallelism.data_parallel_shard_method",
+                    "rotated"]),
+    "rtp4": (4, 4, ["--parallelism.data_parallel_shard_degree", "4", "--parallelism.data_parallel_shard_method",
+                    "rotated"]),
 }
 
 
@@ -71,7 +75,7 @@ class Runs:
         self.label, self.options = label, options
         self._straight: dict[str, list[dict]] = {}
         self._saved: dict[str, Path] = {}
-        self._resharded: dict[str, Path] = {}
+        self._resharded: dict[tuple[str, str], Path] = {}
 
     def args(self, layout: str, steps: int, *extra: str) -> list[str]:
         _, dp, options = LAYOUTS[layout]
@@ -95,14 +99,14 @@ class Runs:
             self._saved[layout] = dump
         return self._saved[layout]
 
-    def resharded(self, layout: str) -> Path:
-        """The dump folder of a run that resumed FSDP 2's step-4 checkpoint under `layout` and trained to step 8."""
-        if layout not in self._resharded:
-            dump = self.factory.mktemp(f"resharded_{layout}{self.label}")
-            shutil.copytree(self.saved("fsdp2") / "checkpoint", dump / "checkpoint")
+    def resharded(self, layout: str, source: str = "fsdp2") -> Path:
+        """The dump folder of a run that resumed `source`'s step-4 checkpoint under `layout` and trained to step 8."""
+        if (source, layout) not in self._resharded:
+            dump = self.factory.mktemp(f"resharded_{source}_{layout}{self.label}")
+            shutil.copytree(self.saved(source) / "checkpoint", dump / "checkpoint")
             self.train(dump, layout, STEPS, *CHECKPOINT)
-            self._resharded[layout] = dump
-        return self._resharded[layout]
+            self._resharded[source, layout] = dump
+        return self._resharded[source, layout]
 
 
 @pytest.fixture(scope="module")
@@ -175,7 +179,7 @@ def test_multi_rank_resume_is_exact(tmp_path, runs, layout):
 
 
 @pytest.mark.parametrize("layout", [
-    "one_process", "tp2",
+    "one_process", "tp2", "rtp2",
     pytest.param("fsdp4", marks=pytest.mark.slow),
     pytest.param("hsdp2x2", marks=pytest.mark.slow),
     # Last: pipeline parallelism is the newest layout.
@@ -187,6 +191,26 @@ def test_fsdp2_checkpoint_resumes_under_another_layout(runs, layout):
     difference = max_relative_difference(losses(rows), losses(after_save(runs.straight("fsdp2"))))
     print(f"reshard fsdp2 -> {layout}: max relative loss difference of steps 5-8 {difference:.2e}")
     assert difference <= 1e-5
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("layout", ["rtp2", "rtp4"])
+def test_rotated_checkpoint_resumes_bitwise_and_loads_under_fsdp2_and_one_process(tmp_path, runs, layout):
+    """Rotated tensor parallelism saves FSDP2's layout (the same keys, global shapes and row shards): its step-4
+    checkpoint resumes under the same ring bit for bit (the same sums in the same order), and under FSDP 2 and one
+    process it follows the rotated run within the parity bound."""
+    dump = tmp_path / layout
+    shutil.copytree(runs.saved(layout), dump)
+    rows = runs.train(dump, layout, STEPS, *CHECKPOINT)
+    assert logged_steps(rows) == list(range(1, STEPS + 1))
+    straight = after_save(runs.straight(layout))
+    assert losses(after_save(rows)) == losses(straight)
+    assert grad_norms(after_save(rows)) == grad_norms(straight)
+    for other in ("fsdp2", "one_process"):
+        difference = max_relative_difference(losses(read_metrics(runs.resharded(other, source=layout))),
+                                             losses(straight))
+        print(f"reshard {layout} -> {other}: max relative loss difference of steps 5-8 {difference:.2e}")
+        assert difference <= 1e-5
 
 
 # ----------------------------------------------------------------------------------------------------------------

@@ -2,7 +2,7 @@
 
 Each cell trains with finite losses (and the one-process losses where it is exact by construction), or stops at
 start-up with the compatibility table's one line; a hang or any other exit fails it. The whole array is slow
-(about 130 cells); a fixed sample runs in the default suite.
+(about 150 cells); a fixed sample runs in the default suite.
 """
 
 import itertools
@@ -93,10 +93,10 @@ def test_the_array_holds_every_pair_in_a_cell_that_trains_unless_the_table_refus
 
 def test_every_refusal_of_the_table_is_reached_by_a_cell_or_named_as_out_of_its_reach():
     """The array reaches the table's refusals that its factors can express; the others are checked by their own
-    tests (test_parallelize.py, test_compression.py, test_dry_run.py, test_fault_tolerance.py): a device or an option
-    the array does not vary, or a pair whose cells another refusal of the table reports first (the array's qsdp level
-    quantizes gradients and weights together; HSDP with compression trains under FlexDeMo, and is refused otherwise by
-    the first refusal that applies)."""
+    tests (test_parallelize.py, test_compression.py, test_dry_run.py, test_fault_tolerance.py): a device, a layout
+    or an option the array does not vary, or a pair whose cells another refusal of the table reports first (the
+    array's qsdp level quantizes gradients and weights together; HSDP with compression trains under FlexDeMo, and is
+    refused otherwise by the first refusal that applies)."""
     reached = {matrix.predicted_refusal(cell) for cell in CELLS} - {None}
     messages = {compatibility.refusal_message(refusal) for refusal in compatibility.refusals()}
     unreached = {message.split(":")[0] + ": " + message.split("does not compose with ")[1].split(" (")[0]
@@ -118,6 +118,16 @@ OUT_OF_REACH = {
     "option comm.gradient_compression (loco, error_feedback, qsdp): data_parallel_replicate_degree > 1",
     "option comm.weight_quantization = 'qsdp': data_parallel_shard_degree x context_parallel_degree = 1",
     "option comm.weight_quantization = 'qsdp': data_parallel_replicate_degree > 1",
+    # The array's one rotated layout is RTP 2 alone (tests/unit/test_parallelize.py refuses the others), and its qsdp
+    # level compresses gradients too, which is refused first.
+    "option parallelism.data_parallel_shard_method = 'rotated': comm.weight_quantization = 'qsdp'",
+    "option parallelism.data_parallel_shard_method = 'rotated': tensor_parallel_degree > 1",
+    "option parallelism.data_parallel_shard_method = 'rotated': parallelism.fsdp_reshard_after_forward = 'always' or "
+    "'never'",
+    "option parallelism.data_parallel_shard_method = 'rotated': data_parallel_replicate_degree > 1",
+    "option parallelism.data_parallel_shard_method = 'rotated': data_parallel_shard_degree x context_parallel_degree "
+    "= 1",
+    "option parallelism.data_parallel_shard_method = 'rotated': training.enable_cpu_offload",
 }
 
 

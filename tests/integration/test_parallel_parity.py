@@ -11,6 +11,9 @@ from pathlib import Path
 import pytest
 
 from tests.integration.harness import TINY, launch, losses, max_relative_difference, read_metrics, train
+from torchtitan.components.tokenizer import build_tokenizer
+from torchtitan.models.llama3.args import model_args_for
+from torchtitan.planner.rotated import sent_bytes
 
 pytestmark = pytest.mark.integration
 
@@ -146,6 +149,47 @@ def test_context_parallel_checkpoint_resumes_under_another_degree(tmp_path, refe
     difference = max_relative_difference(resumed, losses(reference)[5:])
     print(f"cp2 -> cp4 resume: max relative loss difference of steps 6-{STEPS} {difference:.2e}")
     assert difference <= 1e-5
+
+
+# Rotated tensor parallelism (parallelism.data_parallel_shard_method = rotated, docs/parallelism.md): the ring of
+# shard ranks passes the weight shards around instead of gathering them, and computes the same sums as one process in
+# another order. (name, processes, options); the global batch is 4 sequences in each.
+ROTATED = ["--parallelism.data_parallel_shard_method", "rotated"]
+ROTATED_LAYOUTS = [
+    pytest.param("rtp4", 4, ["--parallelism.data_parallel_shard_degree", "4", *batch_args(4)],
+                 marks=pytest.mark.slow),
+    pytest.param("rtp2_compiled", 2, ["--parallelism.data_parallel_shard_degree", "2", *batch_args(2),
+                                      "--compile.enable"], marks=pytest.mark.slow),
+    pytest.param("rtp2_per_op_ac", 2, ["--parallelism.data_parallel_shard_degree", "2", *batch_args(2),
+                                       "--activation_checkpoint.mode", "selective",
+                                       "--activation_checkpoint.selective_ac_option", "op"], marks=pytest.mark.slow),
+    pytest.param("rtp2_pp2", 4, ["--parallelism.data_parallel_shard_degree", "2",
+                                 "--parallelism.pipeline_parallel_degree", "2", *batch_args(2)],
+                 marks=pytest.mark.slow),
+    pytest.param("rtp2_cp2", 4, ["--parallelism.data_parallel_shard_degree", "2",
+                                 "--parallelism.context_parallel_degree", "2", *batch_args(2)],
+                 marks=pytest.mark.slow),
+]
+
+
+@pytest.mark.parametrize("name,nproc,options", ROTATED_LAYOUTS)
+def test_rotated_layout_matches_single_process(tmp_path, reference, name, nproc, options):
+    assert_follows_reference(tmp_path / name, name, nproc, [*BASE, *options, *ROTATED], reference)
+
+
+def test_rotated_with_accumulation_and_checkpointing_matches_single_process(tmp_path, reference):
+    """RTP 2 with two accumulated micro-batches per step and every block checkpointed (its recomputed forward rotates
+    the shards again): the one-process losses, and the bytes sent per step that the trainer logs are the
+    arithmetic's (planner/rotated.py), recomputed forwards and the norms' all-reduce once per step included."""
+    dump = tmp_path / "rtp2"
+    assert_follows_reference(dump, "rtp2 accumulated, AC full", 2,
+                             [*BASE, "--parallelism.data_parallel_shard_degree", "2", *ROTATED,
+                              "--training.local_batch_size", "1", "--training.global_batch_size", str(GLOBAL_BATCH),
+                              "--activation_checkpoint.mode", "full"], reference)
+    args = model_args_for("tiny", 32, build_tokenizer("").vocab_size)
+    expected = sent_bytes(args, 2, layers=args.n_layers, embedding=True, output=True, passes=2,
+                          recomputed_layers=args.n_layers, param_bytes=4, reduce_bytes=4)
+    assert {row["comm_sent_mib_per_step"] for row in read_metrics(dump)} == {expected.total / 2**20}
 
 
 def test_fsdp_shards_model_state(tmp_path, reference):

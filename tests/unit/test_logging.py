@@ -52,6 +52,22 @@ def test_launcher_owns_the_prefix_only_when_it_tees_stderr(monkeypatch, tee, pre
         assert LAUNCHER_PREFIXES_RANK_ENV not in seen and "TORCHELASTIC_LOG_LINE_PREFIX_TEMPLATE" not in seen
 
 
+def test_launcher_exits_with_the_code_of_the_rank_that_stopped_itself(monkeypatch, tmp_path, capsys):
+    """Rank 1 refuses the configuration (exit 2) before rank 0 does, and torchrun SIGTERMs rank 0: the launcher's
+    code is rank 1's, the refusal's, not the signal's."""
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, ProcessFailure
+
+    no_error_file = str(tmp_path / "none")
+    failures = {0: ProcessFailure(0, 100, -15, no_error_file), 1: ProcessFailure(1, 101, 2, no_error_file)}
+
+    def run(args):
+        raise ChildFailedError("torchtitan.train", failures)
+    monkeypatch.setattr(launch, "run", run)
+    monkeypatch.setattr(os, "environ", dict(os.environ))
+    assert launch.main(["--nproc_per_node", "2", "-m", "torchtitan.train"]) == 2
+    assert "rank 1 exited with code 2" in capsys.readouterr().err
+
+
 def _passes(logger_name: str, message: str, *args) -> bool:
     record = logging.LogRecord(logger_name, logging.WARNING, __file__, 1, message, args or None, None)
     return bool(logging.getLogger(logger_name).filter(record))

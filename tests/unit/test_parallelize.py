@@ -86,3 +86,60 @@ def test_tensor_parallel_embedding_gradient_is_the_ranks_slice():
         assert grad.to_local().shape == (args.vocab_size, args.dim // 2)
     finally:
         dist.destroy_process_group()
+
+
+ROTATED = ["--parallelism.data_parallel_shard_method", "rotated"]
+
+
+@pytest.mark.parametrize("options, message", [
+    (["--model.converters", "quantize.linear.float8"], "model.converters = quantize.linear.float8"),
+    (["--comm.gradient_compression", "loco"], r"comm.gradient_compression \(loco, error_feedback, qsdp\)"),
+    (["--comm.weight_quantization", "qsdp"], "comm.weight_quantization = 'qsdp'"),
+    (["--training.enable_cpu_offload"], "training.enable_cpu_offload"),
+    (["--parallelism.fsdp_reshard_after_forward", "never"],
+     "parallelism.fsdp_reshard_after_forward = 'always' or 'never'"),
+])
+def test_rotated_refuses_options_when_they_are_read(options, message):
+    """Pairs the options alone decide fail in parse_args, naming both options and FSDP as what to use instead."""
+    base = ["--model.flavor", "tiny", "--training.seq_len", "32", *options]
+    with pytest.raises(UserError, match=rf"^option parallelism.data_parallel_shard_method = 'rotated': does not "
+                                        rf"compose with {message} \(.*\); "):
+        parse_args([*base, *ROTATED])
+    parse_args(base)
+
+
+def test_flexdemo_refuses_rotated():
+    with pytest.raises(UserError, match=r"^option optimizer.name = 'FlexDeMo': does not compose with "
+                                        r"parallelism.data_parallel_shard_method = 'rotated' .*use "
+                                        r"parallelism.data_parallel_shard_method = 'fsdp' with FlexDeMo$"):
+        parse_args(["--optimizer.name", "FlexDeMo", "--parallelism.data_parallel_replicate_degree", "2", *ROTATED])
+
+
+@pytest.mark.parametrize("world, degrees, message", [
+    (1, [], r"data_parallel_shard_degree x context_parallel_degree = 1 \(no FSDP\) .*set "
+            r"data_parallel_shard_degree to 2 or more$"),
+    (4, ["--parallelism.data_parallel_replicate_degree", "2"], r"data_parallel_replicate_degree > 1 .*rotate over "
+     r"all data-parallel ranks \(data_parallel_replicate_degree = 1\), or use data_parallel_shard_method = 'fsdp' "
+     r"for HSDP or DDP$"),
+    (4, ["--parallelism.tensor_parallel_degree", "2"], r"tensor_parallel_degree > 1 .*use "
+     r"data_parallel_shard_method = 'fsdp' with TP, or rotate without TP \(tensor_parallel_degree = 1\)$"),
+])
+def test_rotated_refuses_layouts_at_start_up(world, degrees, message):
+    config = parse_args(["--model.flavor", "tiny", "--training.seq_len", "32", *degrees, *ROTATED])
+    dims = ParallelDims.from_config(config.parallelism, world)
+    with pytest.raises(UserError, match=rf"^option parallelism.data_parallel_shard_method = 'rotated': does not "
+                                        rf"compose with {message}"):
+        start_up(model_args_for("tiny", 32), dims, config, "cuda")
+    config.parallelism.data_parallel_shard_method = "fsdp"
+    start_up(model_args_for("tiny", 32), dims, config, "cuda")
+
+
+@pytest.mark.parametrize("world, degrees", [
+    (2, []), (2, ["--parallelism.data_parallel_shard_degree", "1", "--parallelism.context_parallel_degree", "2"]),
+    (4, ["--parallelism.pipeline_parallel_degree", "2"]),
+    (8, ["--parallelism.context_parallel_degree", "2", "--parallelism.pipeline_parallel_degree", "2"]),
+])
+def test_rotated_composes_with_data_context_and_pipeline_parallelism(world, degrees):
+    """The ring is FSDP's shard group, dp_shard x cp: a context-parallel group alone rotates too."""
+    config = parse_args(["--model.flavor", "tiny", "--training.seq_len", "32", *degrees, *ROTATED])
+    start_up(model_args_for("tiny", 32), ParallelDims.from_config(config.parallelism, world), config, "cpu")

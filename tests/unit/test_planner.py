@@ -1360,3 +1360,42 @@ def test_a_layout_leaning_on_more_overlap_than_validated_is_marked_and_its_range
         assert p.tps_conservative <= row.tps_per_gpu <= p.tps_optimistic, (p.tps_conservative, row.tps_per_gpu,
                                                                            p.tps_optimistic)
         assert p.tps_per_gpu > row.tps_per_gpu
+
+
+def test_plan_ranks_rotated_layouts_where_they_compose():
+    """RTP layouts are searched beside FSDP ones, only where the compatibility table lets them run (no TP, HSDP or
+    Float8), marked outside the validated envelope; their overrides run them."""
+    ranked = plan("8B", 8, GPUS["h100"], 8192, 8)
+    rotated = [p for p in ranked if p.layout.rotated]
+    assert rotated and len(rotated) < len(ranked)
+    for prediction in rotated:
+        layout = prediction.layout
+        assert layout.tp == 1 and layout.dp_replicate == 1 and not layout.float8
+        assert any("rotated tensor parallelism" in reason for reason in prediction.outside_envelope)
+        config = parse_args(["--job.config_file", "train_configs/llama3_8b.toml", *prediction.overrides])
+        assert config.parallelism.data_parallel_shard_method == "rotated"
+        assert layout_from_config(config, 8) == layout
+
+
+def test_rotations_are_exposed_only_beyond_each_shards_product():
+    """Each turn's transfer hides behind the product on the shard in hand: with unbounded links only the latency of
+    each shift stays exposed; with links a million times slower nearly all of the transfer is."""
+    import dataclasses
+
+    from torchtitan.models.llama3.args import model_args_for
+    from torchtitan.planner.cost import NVLINK_HOP_LATENCY_S, RING_BASE_LATENCY_S, Layout
+    from torchtitan.planner.rotated import rotation_time
+
+    args = model_args_for("8B", 8192)
+    layout = Layout(dp_replicate=1, dp_shard=8, tp=1, pp=1, cp=1, schedule=None, stages_per_rank=1, local_batch=1,
+                    microbatch=1, ac="none", float8=False, compile=False, async_tp=False, rotated=True)
+    fast = rotation_time(args, layout, 8192, dataclasses.replace(GPUS["h100"], nvlink_bytes_per_s=float("inf")), 0.6)
+    # Every shift is its latency alone, which each Linear's products hide: what stays exposed is the embedding's 7
+    # turns (a lookup computes next to nothing; two shifts each in backward) and the norms' all-reduce.
+    latency = RING_BASE_LATENCY_S + NVLINK_HOP_LATENCY_S
+    assert fast.exposed_s == pytest.approx((7 * 2 + 1) * latency)
+    assert fast.comm_s > 100 * fast.exposed_s
+    slow = rotation_time(args, layout, 8192, dataclasses.replace(GPUS["h100"], nvlink_bytes_per_s=1e6), 0.6)
+    assert slow.exposed_s > 0.999 * slow.comm_s
+    # Eight thinner products take longer than one whole.
+    assert fast.extra_compute_s > 0

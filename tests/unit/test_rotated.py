@@ -1,6 +1,7 @@
 """Rotated tensor parallelism (distributed/rotated.py) on forked gloo ranks against one process: losses, gradients
 and an AdamW step, with gradient accumulation, activation checkpointing and compiled blocks; the flyweight
-initialisation; FSDP2's state-dict layout and DCP checkpoints both ways; the bytes sent."""
+initialisation; FSDP2's state-dict layout, DCP checkpoints both ways and Hugging Face import and export; the bytes
+sent."""
 
 import datetime
 import functools
@@ -16,7 +17,9 @@ from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor, Shard
 
+from benchmarks.rotated import LiveParameterBytes
 from tests.unit.forked_ranks import run_ranks
+from torchtitan.components.checkpoint.hf import export_hf_from_dcp, load_hf_model
 from torchtitan.components.optimizer_groups import param_groups
 from torchtitan.config.job_config import ActivationCheckpoint
 from torchtitan.config.job_config import Optimizer as OptimizerConfig
@@ -25,8 +28,11 @@ from torchtitan.distributed.fsdp import apply_fsdp
 from torchtitan.distributed.rotated import apply_rtp, init_rotated_weights, shard_rows
 from torchtitan.distributed.utils import clip_grad_norm_, init_model_weights, materialize_model
 from torchtitan.models.llama3.args import model_args_for
+from torchtitan.components.checkpoint.hf_folder import load_hf, save_hf
 from torchtitan.models.llama3.model import Transformer
+from torchtitan.models.llama3.state_dict_adapter import Llama3StateDictAdapter
 from torchtitan.nn.parameters import checkpoint_name
+from torchtitan.planner.rotated import parameter_and_gradient_peak_bytes
 
 SEQ = 32
 LOCAL_BATCH = 2
@@ -167,6 +173,8 @@ def worker(rank: int, out_dir: str, world: int) -> None:
         results["rotations"] = (rotation.forward_rotations, rotation.backward_rotations, len(rotation.rotated))
         results["sync_bytes"] = rotation.sync_sent_bytes
         results["norms"] = sum(p.numel() for name, p in model.named_parameters() if name.endswith("norm.weight"))
+        results["live_peak"] = (live_parameter_and_gradient_peak(args, mesh, ranks),
+                                parameter_and_gradient_peak_bytes(args, world, 4))
         # Gradient clipping's norm over split and replicated gradients on one mesh counts each value once: with every
         # gradient 1 it is sqrt(parameters), exact in fp32 but for the roundings of the per-tensor norms.
         for p in model.parameters():
@@ -187,6 +195,7 @@ def worker(rank: int, out_dir: str, world: int) -> None:
         results["checkpointed_rotations"] = (rotation.forward_rotations, rotation.backward_rotations)
 
         results["uneven"] = uneven_rows(mesh, rank, world)
+        results["hugging_face"] = hugging_face_round_trip(args, mesh, rank, Path(out_dir))
         torch.save(results, Path(out_dir) / f"rank{rank}.pt")
     finally:
         dist.destroy_process_group()
@@ -228,6 +237,37 @@ def checkpoint_and_precision_worker(rank: int, out_dir: str, world: int) -> None
         torch.save(results, Path(out_dir) / f"rank{rank}.pt")
     finally:
         dist.destroy_process_group()
+
+
+def live_parameter_and_gradient_peak(args, mesh, ranks: Ranks) -> int:
+    """The peak of live parameter, gradient and rotating bytes over a forward and backward (benchmarks/rotated.py's
+    tracker)."""
+    model, rotation = build(args, mesh, rtp=True)
+    with LiveParameterBytes(model) as tracker:
+        for inputs, labels in ranks.mine:
+            F.cross_entropy(model(inputs).flatten(0, 1), labels.flatten(), reduction="sum").backward()
+        rotation.sync_replicated_gradients()
+    return tracker.peak
+
+
+def hugging_face_round_trip(args, mesh, rank: int, folder: Path) -> tuple[bool, bool]:
+    """A Hugging Face folder of the one-process weights imported into a rotated model (each rank reading its rows),
+    and the rotated model exported (through a DCP checkpoint, as the trainer does): both hold those weights exactly."""
+    expected = Transformer(args)
+    expected.init_weights(seed=0)
+    expected = expected.state_dict()
+    if rank == 0:
+        save_hf(folder / "hf", expected, Llama3StateDictAdapter(args))
+    dist.barrier()
+    model, _ = build(args, mesh, rtp=True, seed=1)
+    load_hf_model([model], folder / "hf", args)
+    imported = all(torch.equal(full(value), expected[name]) for name, value in model.state_dict().items())
+    dcp.save({"model": model.state_dict()}, checkpoint_id=folder / "scratch")
+    exported = True
+    if rank == 0:
+        export_hf_from_dcp(folder / "scratch", folder / "exported", args, torch.float32)
+        exported = all(torch.equal(value, expected[name]) for name, value in load_hf(folder / "exported", Llama3StateDictAdapter(args)).items())
+    return imported, exported
 
 
 def flyweight_draws(args, mesh, world: int) -> dict:
@@ -349,6 +389,11 @@ def test_training_step_equals_one_process(ranks, case):
         assert got["weights"]
 
 
+def test_hugging_face_import_and_export(ranks):
+    for result in ranks[1]:
+        assert result["hugging_face"] == (True, True)
+
+
 def test_gradient_clipping_counts_each_value_once(ranks):
     for result in ranks[1]:
         norm, expected = result["clip_norm"]
@@ -361,9 +406,9 @@ def test_flyweight_init_equals_one_process_and_streams(ranks):
         assert result["init_exact"]
         model, whole = result["init"]["model"], result["init"]["whole-tensor"]
         assert model["exact"] and whole["exact"]
-        # The embedding's normal_ streams; whatever is not streamed is reported as drawn whole.
-        assert "tok_embeddings.weight" in model["streamed"]
-        assert model["drawn_whole"] == model["split"] - model["streamed"]
+        # normal_ (the embedding) and the inverse-CDF truncated normal (every other matrix) stream on the CPU: no
+        # split parameter is drawn whole.
+        assert model["streamed"] == model["split"] and not model["drawn_whole"]
         assert whole["drawn_whole"] == whole["split"] and not whole["streamed"]
         assert result["misaligned_init"] == (True, ["embedding.weight"])
 
@@ -378,6 +423,14 @@ def test_bytes_sent_are_the_arithmetic(ranks):
         assert result["sync_bytes"] == 2 * (world - 1) * result["norms"] * 4 // world
         # Each checkpointed block (7 Linears) runs its forward twice.
         assert result["checkpointed_rotations"] == (2 * LAYERS * 7 + 2, LAYERS * 7 + 2)
+
+
+def test_live_parameter_and_gradient_peak_is_the_planners(ranks):
+    """Owned shards of the parameters and gradients, the norms whole, and at the embedding's backward (the last, when
+    every other gradient exists) its gradient buffer arriving (planner/rotated.py)."""
+    for result in ranks[1][:1]:  # rank 0 holds the largest shards
+        measured, predicted = result["live_peak"]
+        assert measured == predicted
 
 
 def test_state_dict_is_fsdp2s(ranks):

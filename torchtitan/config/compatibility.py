@@ -80,6 +80,9 @@ FEATURES: dict[str, Feature] = {
                          layout=True),
     "split_backward_pp": Feature("a split-backward pipeline schedule (InterleavedZeroBubble, ZBVZeroBubble, "
                                  "DualPipeV)", lambda s: s.pp > 1 and s.split_backward_schedule, layout=True),
+    "rotated": Feature("parallelism.data_parallel_shard_method = 'rotated'",
+                       lambda s: s.config.parallelism.data_parallel_shard_method == "rotated"),
+    "tp": Feature("tensor_parallel_degree > 1", lambda s: s.tp > 1, layout=True),
     "cp_block_causal": Feature("context_parallel_degree > 1 with model.attention_mask = 'block_causal'",
                                lambda s: s.cp > 1 and s.config.model.attention_mask == "block_causal"),
     "cp_alltoall": Feature("parallelism.context_parallel_rotate_method = 'alltoall'",
@@ -96,6 +99,9 @@ FEATURES: dict[str, Feature] = {
     "no_compile_model": Feature("compile.enable = false (or 'model' not in compile.components)",
                                 lambda s: not _compile_model(s)),
     "per_op_ac": Feature("activation_checkpoint.selective_ac_option = 'op'", _ac("selective", "op")),
+    "float8": Feature("model.converters = quantize.linear.float8", _float8),
+    "fsdp_reshard_policy": Feature("parallelism.fsdp_reshard_after_forward = 'always' or 'never'",
+                                   lambda s: s.config.parallelism.fsdp_reshard_after_forward != "default"),
     "float8_scale_precompute": Feature(
         "quantize.linear.float8.precompute_float8_dynamic_scale_for_fsdp",
         lambda s: _float8(s) and s.config.quantize.linear.float8.enable_fsdp_float8_all_gather
@@ -171,6 +177,25 @@ REFUSALS: list[Refusal] = [
             "turn it off, or shard over more ranks"),
     Refusal("cpu_offload", "float8_scale_precompute", "the scales' all-reduce runs over NCCL, which cannot reach the "
             "offloaded shards in host memory", "turn one of the two off"),
+    Refusal("rotated", "tp", "it splits whole nn.Linear weights by rows, and tensor parallelism has split them "
+            "already", "use data_parallel_shard_method = 'fsdp' with TP, or rotate without TP "
+            "(tensor_parallel_degree = 1)"),
+    Refusal("rotated", "no_fsdp", "it rotates the weight shards over the data_parallel_shard_degree x "
+            "context_parallel_degree ranks, and this layout has one", "set data_parallel_shard_degree to 2 or more"),
+    Refusal("rotated", "replica_all_reduce", "its ring spans the shard ranks of one replica, and the gradients of "
+            "its shards are not all-reduced across replicas", "rotate over all data-parallel ranks "
+            "(data_parallel_replicate_degree = 1), or use data_parallel_shard_method = 'fsdp' for HSDP or DDP"),
+    Refusal("rotated", "float8", "it rotates the weights of plain nn.Linear layers, and Float8 replaces them",
+            "use data_parallel_shard_method = 'fsdp' with Float8, or leave model.converters empty"),
+    Refusal("rotated", "gradient_compression", "compression replaces FSDP's reduce-scatter, and rotated tensor "
+            "parallelism reduces the gradients in its own rotation", "use data_parallel_shard_method = 'fsdp' "
+            "with compression"),
+    Refusal("rotated", "qsdp_weights", "weight quantization replaces FSDP's all-gather, which rotated tensor "
+            "parallelism does not run", "use data_parallel_shard_method = 'fsdp' with weight quantization"),
+    Refusal("rotated", "cpu_offload", "it offloads FSDP's shards, and rotated tensor parallelism computes on "
+            "its own shard in device memory", "turn it off, or use data_parallel_shard_method = 'fsdp'"),
+    Refusal("rotated", "fsdp_reshard_policy", "rotated tensor parallelism never gathers a weight, so there is "
+            "nothing to free after forward", "leave parallelism.fsdp_reshard_after_forward = 'default'"),
     Refusal("rerun_bad_steps", "fault_tolerance", "a re-run would need the other replica groups' gradients of that "
             "step again, and they have moved on", "set health.no_rerun_bad_steps"),
     Refusal("spike_guard", "fault_tolerance", "each replica group judges its own loss, and groups that decided "

@@ -321,6 +321,9 @@ class Parallelism:
     data_parallel_shard_degree: int = -1
     """Ranks that shard parameters with FSDP2. -1 = whatever the other degrees leave of the world size."""
 
+    data_parallel_shard_method: Literal["fsdp", "rotated"] = "fsdp"
+    """How the data_parallel_shard_degree x context_parallel_degree ranks share the weights: fsdp (FSDP2 gathers each block's weights before computing it) or rotated (RTP, rotated tensor parallelism: every Linear and the embedding split by rows, one shard per rank, the shards passed around the ring while each rank computes with the one in hand; no weight is ever gathered whole; norms replicated). The same checkpoints either way. See docs/parallelism.md, Rotated tensor parallelism."""
+
     fsdp_reshard_after_forward: Literal["default", "always", "never"] = "default"
     """Free gathered parameters after forward: always, never, or default (always except under pipeline parallelism)."""
 

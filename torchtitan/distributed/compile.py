@@ -12,9 +12,11 @@ from torch import nn
 from torchtitan.tools.logging import warn_once
 
 
-def apply_compile(model: nn.Module, backend: str) -> None:
+def apply_compile(model: nn.Module, backend: str, fullgraph: bool = True) -> None:
+    """`fullgraph=False` where the blocks hold code that must not be traced: rotated tensor parallelism's rotations
+    run under torch.compiler.disable, and each breaks the block's graph."""
     for block in model.layers.values():
-        block.compile(backend=backend, fullgraph=True)
+        block.compile(backend=backend, fullgraph=fullgraph)
 
 
 def compile_loss(loss_fn: Callable, backend: str, loss_parallel: bool) -> Callable:

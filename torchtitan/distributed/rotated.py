@@ -203,7 +203,7 @@ class RotatedTensorParallel:
         for last, owner, _ in self._ring_turns():
             transfer = None if last else self._shift(held, _WEIGHT_TAG, backward=False)
             index, hit = _rows_hit(tokens, rows[owner])
-            out[hit] = held[index[hit]]
+            out = torch.where(hit.unsqueeze(-1), F.embedding(index, held), out)
             if transfer is not None:
                 held = transfer.wait()
         return out
@@ -214,7 +214,8 @@ class RotatedTensorParallel:
         gradient = dy.new_zeros(rows[0][1] - rows[0][0], dy.shape[-1], dtype=self.reduce_dtype)
         for last, _, gradient_owner in self._ring_turns():
             index, hit = _rows_hit(tokens, rows[gradient_owner])
-            gradient.index_add_(0, index[hit], dy[hit].to(self.reduce_dtype))
+            gradient.index_add_(0, index.flatten(), torch.where(hit.unsqueeze(-1), dy, 0).flatten(0, -2)
+                                .to(self.reduce_dtype))
             if not last:
                 gradient = self._shift(gradient, _GRADIENT_TAG, backward=True).wait()
         return gradient[:weight_shape[0]].to(weight_dtype)
@@ -242,10 +243,12 @@ def _add_product(accumulator: torch.Tensor, a: torch.Tensor, b: torch.Tensor) ->
 
 
 def _rows_hit(tokens: torch.Tensor, span: tuple[int, int]) -> tuple[torch.Tensor, torch.Tensor]:
-    """The tokens' rows inside a shard of the vocabulary [start, stop), and which tokens fall in it."""
+    """Which tokens fall in a shard of the vocabulary [start, stop), and each token's row in the shard, clamped into
+    it for the others (used under the mask: shapes that do not depend on the ids, as fake tensors need)."""
     start, stop = span
     index = tokens - start
-    return index, (index >= 0) & (index < stop - start)
+    hit = (index >= 0) & (index < stop - start)
+    return index.clamp(0, max(stop - start - 1, 0)), hit
 
 
 class _RotatedLinearFunction(torch.autograd.Function):
@@ -364,6 +367,17 @@ def apply_rtp(model: nn.Module, mesh: DeviceMesh, *, param_dtype: str = "float32
     return rotation
 
 
+def rotations(model_parts: list[nn.Module]) -> list[RotatedTensorParallel]:
+    """The rotations of the model parts that apply_rtp split (one per part), in order."""
+    found: list[RotatedTensorParallel] = []
+    for part in model_parts:
+        for module in part.modules():
+            rotation = getattr(module, "rotation", None)
+            if isinstance(rotation, RotatedTensorParallel) and not any(rotation is known for known in found):
+                found.append(rotation)
+    return found
+
+
 # Values per chunk of the probe that checks an initializer draws the same values in row chunks as whole.
 _PROBE_CHUNK_VALUES = 1024
 
@@ -378,12 +392,13 @@ def init_rotated_weights(model: nn.Module, seed: int, device: torch.device) -> l
     That is exact only where drawing a tensor's rows chunk by chunk from one generator gives the whole draw's values.
     On the CPU, uniform_ draws one value per element in order and normal_ draws 16 at a time (Box-Muller over pairs 8
     apart), redrawing a tensor's last 16 when its size is no multiple of 16: chunks of multiples of 16 values give
-    the whole draw's values. torch 2.13's trunc_normal_ rejection-samples in rounds over the whole tensor (a
-    rejected value is replaced from a new draw of the whole tensor), which does not stream; nor, presumably, do
-    CUDA's generators, which assign values by launch offset and thread layout (untested here). So each parameter is
-    first probed
-    (its initializer on four chunks of its row width, against the same tensor drawn whole); one that fails, or whose
-    shards are no multiple of 16 values, is drawn whole (one parameter at a time, as init_model_weights does).
+    the whole draw's values. The model's matrices are drawn from a truncated normal by the inverse CDF of uniform_
+    draws (models/llama3/model.py, `_trunc_normal`), which streams too, so on the CPU every split matrix of the model
+    is drawn one shard at a time (torch's own trunc_normal_, which rejection-samples over the whole tensor since torch
+    2.13, would not stream). CUDA's generators assign values by launch offset and thread layout, which presumably
+    does not stream (untested here). So each parameter is first probed (its initializer on four chunks of its row
+    width, against the same tensor drawn whole); one that fails, or whose shards are no multiple of 16 values, is
+    drawn whole (one parameter at a time, as init_model_weights does).
 
     Returns the names of the split parameters drawn whole.
     """

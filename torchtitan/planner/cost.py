@@ -41,6 +41,9 @@ Per GPU and step (all stages of one pipeline rank together; the slowest pipeline
     each stage's gradients are reduced after its last micro-batch's backward (torch.distributed.pipelining's
     perform_reduce_grad), which then makes the compute stream wait for the reduction (FSDP's finalize_backward):
     exposed, whether it comes after the drain or, for a rank's later stage, between its earlier stage's backwards.
+  - Rotated tensor parallelism (layout.rotated) replaces FSDP's collectives by its rotations, each shard's transfer
+    hidden behind the product on the shard before it, and splits each product into N thinner ones
+    (planner/rotated.py).
   - Sequence-parallel TP's all-gathers and reduce-scatters sit between the matmuls that need them: exposed, unless
     async TP decomposes them into chunks that overlap the matmuls (then exposed only beyond the matmul time).
   - Context parallelism by default (parallelism.context_parallel_method = allgather_kv), and always under
@@ -159,6 +162,9 @@ class Layout:
     """With compile, compile the loss too (fused, it keeps no fp32 copy of the logits). TorchTitan compiled only the
     blocks when it measured the published figures: its loss stayed eager ("compiling loss function causes CUDA
     errors, turning off for now" in its train.py of late 2024)."""
+    rotated: bool = False
+    """The shard ranks rotate the weights (rotated tensor parallelism, parallelism.data_parallel_shard_method =
+    rotated) instead of FSDP's gathers: planner/rotated.py."""
     kept_pipeline_outputs: bool = False
     """Under PP, the last stage keeps every micro-batch's output until the step returns them merged
     (torch.distributed.pipelining's default, `return_outputs=True`), as TorchTitan's did when it measured the
@@ -674,6 +680,13 @@ def step_time(args: TransformerModelArgs, layout: Layout, seq_len: int, gpu: GPU
         fsdp_exposed = microbatches * (edge_s + max(0.0, fsdp_s - edge_s - compute_s / microbatches))
         fsdp_s *= microbatches
         fsdp_hidden = fsdp_s - fsdp_exposed
+    if layout.rotated:
+        from torchtitan.planner import rotated
+
+        rotation = rotated.rotation_time(args, layout, seq_len, gpu, efficiency)
+        compute_s += rotation.extra_compute_s
+        fsdp_s, fsdp_exposed, drained_s = rotation.comm_s, rotation.exposed_s, 0.0
+        fsdp_hidden = fsdp_s - fsdp_exposed
     # Each kind hides behind compute only, and the kinds that share a link share it: what a link hides in a step is
     # at most the step's compute. A layout whose communication exceeds its compute is never compute-bound.
     hidden: dict[str, float] = {}
@@ -685,6 +698,8 @@ def step_time(args: TransformerModelArgs, layout: Layout, seq_len: int, gpu: GPU
     # Under PP with FSDP the parameters are gathered and reduced once per step; otherwise once per pass.
     passes = 1 if p > 1 and shard > 1 else microbatches
     parameter_bytes = parameter_traffic_bytes(stage_params, shard, gather_bytes, gathers, passes)
+    if layout.rotated:
+        parameter_bytes = rotated.parameter_traffic_bytes(stage_params, shard, microbatches)
     if layout.float8:
         sizes = {name: fan_in * fan_out for name, (fan_in, fan_out) in block_linear_shapes(args, t).items()}
         weights = sum(sizes.values()) * layers

@@ -134,6 +134,10 @@ input; the backward of a checkpointed block holds what the eager `none` set does
 under full AC, backward peak: compiled bf16 22% below it, compiled Float8 2.5% below). Float8's linear layers cast
 their weights themselves: under autocast no bf16 weight copies.
 
+Rotated tensor parallelism (parallelism.data_parallel_shard_method = rotated) holds no gathered block: its shards
+and gradient buffers in flight instead of FSDP's buffers, and one fp32 input gradient in block backward
+(planner/rotated.py); gradients accumulate sharded under PP too, and compiled blocks keep eager's activations.
+
 Context parallelism's exchange buffers (cp_exchange_bytes, cp_saved_bytes; T = this rank's tokens, c = CP degree,
 h = the ring's key/value width: q/t on CUDA, whose kernels take the heads expanded, kv/t on CPU):
   K/V gathered        (the default, context_parallel_method = allgather_kv, and block-causal) the gathered grouped
@@ -174,6 +178,7 @@ from torchtitan.models.llama3.args import TransformerModelArgs, model_args_for
 from torchtitan.models.llama3.model import Transformer
 from torchtitan.nn.attention import cpu_attention_in_fp32
 from torchtitan.planner import pipeline_schedule
+from torchtitan.planner.rotated import block_in_flight_bytes, input_gradient_accumulator_bytes
 
 
 @dataclass(frozen=True)
@@ -415,7 +420,9 @@ def _estimate_rank(config: JobConfig, args: TransformerModelArgs, dims: Parallel
     # Float8's linear layers cast their weights themselves, from the fp32 parameters: no autocast copy.
     float8 = float8_enabled(config)
     block_copies = s.block_matmul_params() / t * 2 if autocast and not float8 else 0.0
-    compiled_blocks = config.compile.enable and "model" in config.compile.components
+    # Rotated tensor parallelism (planner/rotated.py): its rotations break a compiled block's graph at every Linear.
+    rotated = config.parallelism.data_parallel_shard_method == "rotated"
+    compiled_blocks = config.compile.enable and "model" in config.compile.components and not rotated
     # What a checkpointed block's backward holds while it recomputes: the eager `none` set, compiled or not
     # (measured on this CPU, one block under full AC, backward peak: compiled bf16 22% below it, compiled Float8
     # 2.5%).
@@ -471,7 +478,7 @@ def _estimate_rank(config: JobConfig, args: TransformerModelArgs, dims: Parallel
     # no rule that yields the row shard), and FSDP cuts it to the shard only when it reduces the gradient.
     has_embedding = any(stage[1] for stage in stages)
     whole_embedding_grad = s.vocab * s.d * (1 - 1 / t) if has_embedding and t > 1 and row_split_embedding else 0.0
-    if wrapped and dims.pp > 1:
+    if wrapped and dims.pp > 1 and not rotated:
         # The pipeline schedule turns FSDP's gradient sync off until the last micro-batch's backward
         # (torch.distributed.pipelining's stage.py): each parameter's unsharded gradient accumulates, upcast to
         # the reduce dtype (FSDPParam.to_accumulated_grad_if_needed), and is reduce-scattered at the end; the
@@ -495,6 +502,10 @@ def _estimate_rank(config: JobConfig, args: TransformerModelArgs, dims: Parallel
     else:
         forward_buffers = backward_buffers = 0.0
         forward_copies = len(blocks) * block_copies + head_copies
+    if rotated:
+        # No gathered block: in a block's backward its shards and gradient buffers in flight.
+        forward_buffers, backward_buffers = 0.0, block_in_flight_bytes(
+            args, fsdp, a, 4 if config.training.mixed_precision_reduce == "float32" else 2)
     # torch.distributed.pipelining gives a stage one receive buffer per micro-batch for the hidden states of the
     # previous stage, and one for the gradients of the next, allocated at the first step and kept (stage.py).
     receives = sum((not first) + (not last) for _, first, last in stages) if dims.pp > 1 else 0
@@ -616,7 +627,8 @@ def _estimate_rank(config: JobConfig, args: TransformerModelArgs, dims: Parallel
         copies_before = copies_before_of[index]
         # A block's compressed reduce-scatter runs beside the next block's backward (on its own stream on GPUs).
         transient = (rebuilt + 2 * tokens * s.f / t * a + float8_casts + cp_exchange + reduction * block_params
-                     + staged * sum(done.values()))
+                     + staged * sum(done.values())
+                     + (input_gradient_accumulator_bytes(args, tokens, a) if rotated else 0.0))
         candidates = [(saved_before[index] + same_after_less_one + later_held,
                        max(resident_grads if dims.pp == 1 else 0.0,
                            done[stage] * grad_bytes

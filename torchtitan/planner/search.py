@@ -112,6 +112,8 @@ def layout_overrides(layout: Layout, seq_len: int, n_layers: int) -> list[str]:
     ]
     if layout.compile:
         options += ["--compile.components", "model,loss" if layout.compiled_loss else "model"]
+    if layout.rotated:
+        options += ["--parallelism.data_parallel_shard_method", "rotated"]
     if layout.document_length:
         options += ["--model.attention_mask", "block_causal"]
     if layout.cp > 1:
@@ -214,7 +216,8 @@ def layout_from_config(config: JobConfig, world_size: int, document_length: floa
                   async_tp=parallelism.enable_async_tensor_parallel,
                   compiled_loss="loss" in config.compile.components,
                   document_length=document_length if config.model.attention_mask == "block_causal" else 0.0,
-                  cp_method=parallelism.context_parallel_method, cp_rotate=parallelism.context_parallel_rotate_method)
+                  cp_method=parallelism.context_parallel_method, cp_rotate=parallelism.context_parallel_rotate_method,
+                  rotated=parallelism.data_parallel_shard_method == "rotated")
 
 
 # The schedules searched, with their stages per rank. GPipe and LoopedBFS have 1F1B's and Interleaved1F1B's bubble
@@ -272,11 +275,16 @@ def candidate_layouts(flavor: str, gpus: int, seq_len: int, global_batch: int, g
                     continue
                 if float8 and gpu.fp8_flops == 0:
                     continue
-                candidates.append(Layout(dp_replicate=dp_replicate, dp_shard=dp_shard, tp=tp, pp=pp, cp=cp,
-                                         schedule=schedule, stages_per_rank=v, local_batch=local_batch,
-                                         microbatch=microbatch, ac=ac, float8=float8, compile=compile_,
-                                         async_tp=async_tp, document_length=document_length,
-                                         cp_method=cp_method, cp_rotate=cp_rotate))
+                layout = Layout(dp_replicate=dp_replicate, dp_shard=dp_shard, tp=tp, pp=pp, cp=cp,
+                                schedule=schedule, stages_per_rank=v, local_batch=local_batch,
+                                microbatch=microbatch, ac=ac, float8=float8, compile=compile_,
+                                async_tp=async_tp, document_length=document_length,
+                                cp_method=cp_method, cp_rotate=cp_rotate)
+                candidates.append(layout)
+                # Rotated tensor parallelism where it composes (config/compatibility.py): the shard ranks of one
+                # replica, without TP or Float8.
+                if dp_shard * cp > 1 and dp_replicate == 1 and tp == 1 and not float8:
+                    candidates.append(dataclasses.replace(layout, rotated=True))
     return candidates
 
 
@@ -336,4 +344,4 @@ def plan(flavor: str, gpus: int, gpu: GPU, seq_len: int, global_batch: int,
 
 def _complexity(layout: Layout) -> int:
     return (sum(degree > 1 for degree in (layout.dp_replicate, layout.tp, layout.pp, layout.cp))
-            + layout.float8 + layout.compile + layout.async_tp + (layout.ac != "op"))
+            + layout.float8 + layout.compile + layout.async_tp + (layout.ac != "op") + layout.rotated)

@@ -306,6 +306,9 @@ class Envelope:
                 reasons.append("activation checkpointing under a split backward: the weight passes run the blocks' "
                                "forward again, a peak the memory model does not count (CPU runs with full AC, "
                                "docs/scaling.md: 1.45-1.60x the model's)")
+        if layout.rotated:
+            reasons.append("rotated tensor parallelism (no published run: its time is the model's per-turn overlap "
+                           "of planner/rotated.py, not measured on GPUs)")
         if layout.world_size > self.max_world:
             reasons.append(f"{layout.world_size} GPUs (validated up to {self.max_world})")
         if overlap_ratio > self.max_overlap_ratio * (1 + 1e-9):

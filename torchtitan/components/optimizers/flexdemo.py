@@ -250,6 +250,9 @@ def _step_bytes(tensors: list[RankTensor], config: OptimizerConfig, layout: Step
 
 
 @register_optimizer("FlexDeMo", state_bytes=_delta_bytes, step_bytes=_step_bytes, options=FlexDeMoOptions, refuses=(
+    MethodRefusal("rotated", "FlexDeMo's replicas are FSDP2 groups: each is sharded with fully_shard, over one "
+                  "rank too, and the replicas exchange their momentum instead of an all-reduce",
+                  "use parallelism.data_parallel_shard_method = 'fsdp' with FlexDeMo"),
     MethodRefusal("one_replica", "FlexDeMo exchanges momentum components across replicas, and this layout has one",
                   "set parallelism.data_parallel_replicate_degree to 2 or more (HSDP, or DDP when "
                   "data_parallel_shard_degree = 1)"),))

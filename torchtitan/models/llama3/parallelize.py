@@ -1,9 +1,10 @@
 """How the Llama model is parallelised: which `apply_*` runs, in which order.
 
-Order: tensor parallel -> activation checkpointing -> compile -> FSDP/HSDP (or DDP). Context parallelism changes no
-module: the trainer shards the sequence around forward and backward (FSDP then shards over dp_shard x cp); where it
-gathers keys and values (packed documents, or causal with context_parallel_method = allgather_kv) the model's mask
-becomes one over the keys of every CP rank.
+Order: tensor parallel -> activation checkpointing -> compile -> FSDP/HSDP, RTP (rotated tensor parallelism,
+parallelism.data_parallel_shard_method = rotated) or DDP. Context parallelism changes no module: the trainer shards the
+sequence around forward and backward (FSDP, or RTP's ring, then spans dp_shard x cp); where it gathers keys and values
+(packed documents, or causal with context_parallel_method = allgather_kv) the model's mask becomes one over the keys
+of every CP rank.
 Under pipeline parallelism this runs once per stage.
 """
 
@@ -18,6 +19,7 @@ from torchtitan.distributed.context_parallel import (CAUSAL_CHUNKS_PER_RANK, CHU
                                                      gathers_keys_and_values)
 from torchtitan.distributed.fsdp import apply_ddp, apply_fsdp
 from torchtitan.distributed.parallel_dims import ParallelDims
+from torchtitan.distributed.rotated import apply_rtp
 from torchtitan.distributed.tensor_parallel import apply_tp
 from torchtitan.errors import UserError
 from torchtitan.models.llama3.args import TransformerModelArgs
@@ -56,15 +58,18 @@ def parallelize_llama(model: nn.Module, world_mesh: DeviceMesh, parallel_dims: P
     if parallel_dims.tp_enabled:
         apply_tp(model, world_mesh["tp"], loss_parallel=not config.parallelism.disable_loss_parallel,
                  async_tp=config.parallelism.enable_async_tensor_parallel)
+    rotated = config.parallelism.data_parallel_shard_method == "rotated"
     apply_ac(model, config.activation_checkpoint)
     if config.compile.enable and "model" in config.compile.components:
-        apply_compile(model, config.compile.backend)
+        apply_compile(model, config.compile.backend, fullgraph=not rotated)
     precision = {"param_dtype": config.training.mixed_precision_param,
                  "reduce_dtype": config.training.mixed_precision_reduce}
     # FlexDeMo owns the exchange across replicas: FSDP shards within a replica only (also over one rank, for its
     # mixed precision), and never all-reduces gradients across replicas.
     flexdemo = config.optimizer.name == "FlexDeMo"
-    if parallel_dims.fsdp_enabled or flexdemo:
+    if rotated:
+        apply_rtp(model, parallel_dims.get_mesh("dp_shard_cp"), **precision)
+    elif parallel_dims.fsdp_enabled or flexdemo:
         dp_mesh = parallel_dims.get_mesh("hsdp" if parallel_dims.hsdp_enabled and not flexdemo else "dp_shard_cp")
         apply_fsdp(model, dp_mesh, pp_enabled=parallel_dims.pp_enabled,
                    cpu_offload=config.training.enable_cpu_offload,
