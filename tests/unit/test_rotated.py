@@ -260,13 +260,14 @@ def hugging_face_round_trip(args, mesh, rank: int, folder: Path) -> tuple[bool, 
         save_hf(folder / "hf", expected, Llama3StateDictAdapter(args))
     dist.barrier()
     model, _ = build(args, mesh, rtp=True, seed=1)
-    load_hf_model([model], folder / "hf", args)
+    load_hf_model([model], folder / "hf", Llama3StateDictAdapter(args))
     imported = all(torch.equal(full(value), expected[name]) for name, value in model.state_dict().items())
     dcp.save({"model": model.state_dict()}, checkpoint_id=folder / "scratch")
     exported = True
     if rank == 0:
-        export_hf_from_dcp(folder / "scratch", folder / "exported", args, torch.float32)
-        exported = all(torch.equal(value, expected[name]) for name, value in load_hf(folder / "exported", Llama3StateDictAdapter(args)).items())
+        export_hf_from_dcp(folder / "scratch", folder / "exported", Llama3StateDictAdapter(args), torch.float32)
+        exported = all(torch.equal(value, expected[name])
+                       for name, value in load_hf(folder / "exported", Llama3StateDictAdapter(args)).items())
     return imported, exported
 
 
