@@ -380,6 +380,7 @@ MULTI_PROCESS_CASES = [
 ]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name,options,names", MULTI_PROCESS_CASES, ids=[c[0] for c in MULTI_PROCESS_CASES])
 def test_bad_input_two_processes(tmp_path, name, options, names):
     """torchrun itself prints a traceback (ChildFailedError) when a worker fails; each worker's own output, which

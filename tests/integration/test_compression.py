@@ -48,6 +48,7 @@ def after_save(rows: list[dict]) -> list[dict]:
     return [row for row in rows if "loss" in row and row["step"] > SAVED_STEP]
 
 
+@pytest.mark.slow
 def test_saving_changes_nothing_and_loco_resumes_bitwise(tmp_path, corpus, straight, saved):
     """A run that saves at steps 2 and 4, resumes from step 4 and saves at 6 and 8 has, at every step, the loss and
     gradient norm of the run that never saves: saving changes no state, and the checkpoint restores it exactly."""

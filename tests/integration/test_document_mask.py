@@ -23,6 +23,7 @@ def run(tmp_path, name: str, nproc: int, dp: int, options: list[str]) -> list[fl
                                                  *options]))
 
 
+@pytest.mark.slow
 def test_block_causal_composes_with_fsdp_tp_and_pp(tmp_path):
     reference = run(tmp_path, "one", 1, 1, BLOCK_CAUSAL)
     causal = run(tmp_path, "causal", 1, 1, [])

@@ -45,7 +45,7 @@ LAYOUTS = [
     ("cp4", 4, 1, ["--parallelism.context_parallel_degree", "4"]),
 ]
 # The ring (both rotations) is checked against one process at CP 2 and 4 in tests/unit/test_context_parallel.py.
-SLOW_LAYOUTS = {"cp2_ring", "tp2_cp2_ring", "cp4", "tp4"}
+SLOW_LAYOUTS = {"cp2_ring", "tp2_cp2_ring", "cp4", "tp4", "tp2_cp2"}
 
 
 def batch_args(dp: int) -> list[str]:

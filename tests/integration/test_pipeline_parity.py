@@ -75,6 +75,7 @@ def test_pp2_schedule_matches_single_process(tmp_path, tiny_reference, schedule)
     assert_parity(f"pp2 {schedule}", rows, tiny_reference)
 
 
+@pytest.mark.slow
 def test_pp4_interleaved_one_block_per_stage(tmp_path, debugmodel_reference):
     """8 stages of one unit each on 4 ranks: the embedding and the head get stages of their own."""
     rows = train(tmp_path / "pp4", 4, [*BASE, *batch(LOCAL_BATCH), *VALIDATION, "--model.flavor", "debugmodel",

@@ -1038,6 +1038,7 @@ def publish_trace_worker(rank: int, world_size: int, tmp: str) -> None:
         dist.destroy_process_group()
 
 
+@pytest.mark.slow
 def test_rank_0s_publish_does_not_grow_with_the_ranks(tmp_path):
     """What rank 0 alone does after every rank has written (DCP's `.metadata`, the manifest, the rename, pruning
     old checkpoints, then deleting them) makes the same file operations under 2 and 4 ranks, never touches another

@@ -154,9 +154,9 @@ LAYOUTS = [
 ]
 
 
-# Each case measures a real run and traces it (20-40 s here): one process and FSDP 2 run by default, the rest with
-# the slow ones.
-@pytest.mark.parametrize("nproc, layout", [(n, args) if name in ("one_process", "fsdp2")
+# Each case measures a real run and traces it (20-40 s here): one process runs by default, the layouts with the slow
+# ones.
+@pytest.mark.parametrize("nproc, layout", [(n, args) if name == "one_process"
                                            else pytest.param(n, args, marks=pytest.mark.slow)
                                            for name, n, args in LAYOUTS], ids=[name for name, _, _ in LAYOUTS])
 def test_dry_run_within_10_percent_of_measured_peak(nproc, layout):
