@@ -153,7 +153,14 @@ LAYOUTS = [
 ]
 
 
-@pytest.mark.parametrize("nproc, layout", [(n, args) for _, n, args in LAYOUTS], ids=[name for name, _, _ in LAYOUTS])
+# Each case runs about a minute here; RTP's (whose trace tests/unit/test_rotated.py's fake-tensor test covers) with the
+# slow ones.
+SLOW_LAYOUTS = {"rtp2"}
+
+
+@pytest.mark.parametrize("nproc, layout", [pytest.param(n, args, id=name,
+                                                        marks=[pytest.mark.slow] * (name in SLOW_LAYOUTS))
+                                           for name, n, args in LAYOUTS])
 def test_dry_run_within_10_percent_of_measured_peak(nproc, layout):
     argv = [*DEBUG_TOML, "--training.seq_len", "256", "--training.local_batch_size", "4",
             "--training.mixed_precision_param", "bfloat16", "--activation_checkpoint.mode", "none", *layout]

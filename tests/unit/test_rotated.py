@@ -505,3 +505,24 @@ def test_compiled_blocks_equal_eager(tmp_path, backend):
         assert result["loss"] < FP32_BOUND and result["grads"] < FP32_BOUND, result
         assert result["rotations"] == (LAYERS * 7 + 2, LAYERS * 7 + 2)
 
+
+
+def test_embedding_runs_on_fake_tensors():
+    """The dry run plays an RTP rank on fake tensors, which have no values: the embedding's lookups and gradient adds
+    take shapes that do not depend on the token ids (indexing by a mask of them would)."""
+    from torchtitan.distributed import torch_compat
+    from torchtitan.distributed.fake import init_fake_process_group
+
+    init_fake_process_group(0, 2)
+    try:
+        mesh = init_device_mesh("cpu", (2,))
+        with torch_compat.get("FakeTensorMode")(allow_non_fake_inputs=True):
+            with torch.device("meta"):
+                model = nn.ModuleDict({"embedding": nn.Embedding(9, 4)})
+            apply_rtp(model, mesh)
+            model.to_empty(device=CPU)
+            out = model["embedding"](torch.randint(0, 9, (2, 3)))
+            out.sum().backward()
+        assert out.shape == (2, 3, 4) and model["embedding"].weight.grad.to_local().shape == (5, 4)
+    finally:
+        dist.destroy_process_group()
