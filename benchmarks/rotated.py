@@ -16,8 +16,9 @@ point-to-point op sent or received while it lives (FSDP2's gather and reduce buf
 RTP's rotating shards and gradient buffers). Not RSS: activations, temporaries and the optimizer state are left out.
 Beside each figure, what the memory model predicts for it: the fp32 parameters and gradients, 8 P (DDP) or 8 P / N
 of them, plus FSDP2's gathered blocks in backward (planner/memory.py's buffers, (2 P_block + P_head) x p +
-P_block x (p + 4)), or for RTP its owned shards (norms whole) and, at the embedding's backward, when every other
-gradient exists, the embedding's gradient buffer in flight (planner/rotated.py, parameter_and_gradient_peak_bytes).
+P_block x (p + 4)), or for RTP its owned shards (norms whole) and what is in flight at the output layer's backward
+(before any gradient exists) or at the embedding's (after all of them: planner/rotated.py,
+parameter_and_gradient_peak_bytes).
 
 Time: after two warm-up steps of each, --rounds rounds in which the three take one step each, in turn (the order
 rotating every round), so that load from other processes falls on all alike; every step is timed between two
@@ -157,7 +158,7 @@ def predicted_bytes(method: str, args, world: int, param_bytes: int) -> float:
     from torchtitan.planner.rotated import parameter_and_gradient_peak_bytes
 
     if method == "rtp":
-        return parameter_and_gradient_peak_bytes(args, world, 4)
+        return parameter_and_gradient_peak_bytes(args, world, param_bytes, 4)
     with torch.device("meta"):
         model = Transformer(args)
     params = sum(p.numel() for p in model.parameters())

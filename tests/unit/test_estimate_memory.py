@@ -154,11 +154,11 @@ LAYOUTS = [
 ]
 
 
-# Each case measures a real run and traces it (20-40 s here): one process runs by default, the layouts with the slow
-# ones.
-@pytest.mark.parametrize("nproc, layout", [(n, args) if name == "one_process"
-                                           else pytest.param(n, args, marks=pytest.mark.slow)
-                                           for name, n, args in LAYOUTS], ids=[name for name, _, _ in LAYOUTS])
+# Each case measures a real run and traces it (20-70 s here): one process runs by default, the layouts (RTP's trace
+# is also covered by tests/unit/test_rotated.py's fake-tensor test) with the slow ones.
+@pytest.mark.parametrize("nproc, layout", [pytest.param(n, args, id=name,
+                                                        marks=[pytest.mark.slow] * (name != "one_process"))
+                                           for name, n, args in LAYOUTS])
 def test_dry_run_within_10_percent_of_measured_peak(nproc, layout):
     argv = [*DEBUG_TOML, "--training.seq_len", "256", "--training.local_batch_size", "4",
             "--training.mixed_precision_param", "bfloat16", "--activation_checkpoint.mode", "none", *layout]

@@ -174,7 +174,7 @@ def worker(rank: int, out_dir: str, world: int) -> None:
         results["sync_bytes"] = rotation.sync_sent_bytes
         results["norms"] = sum(p.numel() for name, p in model.named_parameters() if name.endswith("norm.weight"))
         results["live_peak"] = (live_parameter_and_gradient_peak(args, mesh, ranks),
-                                parameter_and_gradient_peak_bytes(args, world, 4))
+                                parameter_and_gradient_peak_bytes(args, world, 4, 4))
         # Gradient clipping's norm over split and replicated gradients on one mesh counts each value once: with every
         # gradient 1 it is sqrt(parameters), exact in fp32 but for the roundings of the per-tensor norms.
         for p in model.parameters():
@@ -427,8 +427,10 @@ def test_bytes_sent_are_the_arithmetic(ranks):
 
 
 def test_live_parameter_and_gradient_peak_is_the_planners(ranks):
-    """Owned shards of the parameters and gradients, the norms whole, and at the embedding's backward (the last, when
-    every other gradient exists) its gradient buffer arriving (planner/rotated.py)."""
+    """Owned shards of the parameters and gradients, the norms whole, and what is in flight where the planner says
+    (planner/rotated.py): at 2 ranks the embedding's gradient buffer at the end of backward, at 4 the output
+    layer's two shards and two gradient buffers at its start (a third of each, alive while a finished transfer held
+    it, was counted once)."""
     for result in ranks[1][:1]:  # rank 0 holds the largest shards
         measured, predicted = result["live_peak"]
         assert measured == predicted
@@ -506,3 +508,24 @@ def test_compiled_blocks_equal_eager(tmp_path, backend):
         assert result["loss"] < FP32_BOUND and result["grads"] < FP32_BOUND, result
         assert result["rotations"] == (LAYERS * 7 + 2, LAYERS * 7 + 2)
 
+
+
+def test_embedding_runs_on_fake_tensors():
+    """The dry run plays an RTP rank on fake tensors, which have no values: the embedding's lookups and gradient adds
+    take shapes that do not depend on the token ids (indexing by a mask of them would)."""
+    from torchtitan.distributed import torch_compat
+    from torchtitan.distributed.fake import init_fake_process_group
+
+    init_fake_process_group(0, 2)
+    try:
+        mesh = init_device_mesh("cpu", (2,))
+        with torch_compat.get("FakeTensorMode")(allow_non_fake_inputs=True):
+            with torch.device("meta"):
+                model = nn.ModuleDict({"embedding": nn.Embedding(9, 4)})
+            apply_rtp(model, mesh)
+            model.to_empty(device=CPU)
+            out = model["embedding"](torch.randint(0, 9, (2, 3)))
+            out.sum().backward()
+        assert out.shape == (2, 3, 4) and model["embedding"].weight.grad.to_local().shape == (5, 4)
+    finally:
+        dist.destroy_process_group()

@@ -93,7 +93,9 @@ class _Transfer:
             work.wait()
         if self.stream is not None:
             torch.get_device_module(self.received.device.type).current_stream().wait_stream(self.stream)
-        self.sent = None
+        # A finished work still references the tensors it sent and received: dropped, the shard sent is freed now,
+        # not when the next turn replaces this transfer (a third shard and gradient buffer alive from 3 ranks on).
+        self.works = self.sent = None
         return self.received
 
 

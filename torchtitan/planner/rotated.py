@@ -91,16 +91,21 @@ def block_in_flight_bytes(args: TransformerModelArgs, world: int, param_bytes: i
     return 2 * largest * (param_bytes + reduce_bytes)
 
 
-def parameter_and_gradient_peak_bytes(args: TransformerModelArgs, world: int, reduce_bytes: int) -> float:
-    """The peak of a rank's live parameter and gradient bytes (fp32 parameters and gradients), the whole model on
-    the ring: at the embedding's backward, the last, every other gradient exists and the embedding's gradient buffer
-    arrives beside the one whose sum becomes its gradient. Norms whole."""
+def parameter_and_gradient_peak_bytes(args: TransformerModelArgs, world: int, param_bytes: int,
+                                      reduce_bytes: int) -> float:
+    """The peak of a rank's live parameter and gradient bytes (fp32 parameters and gradients, norms whole), the whole
+    model on the ring: at the output layer's backward, the first, no gradient exists yet and its shards and gradient
+    buffers are in flight, 2 s c (p + g) (on 2 ranks in fp32 with even shards one weight shard fewer: the one sent
+    is the parameter itself); at the embedding's, the last, every other gradient exists and its gradient buffer
+    arrives beside the one whose sum becomes its gradient, s c g more. The first rank's: the largest shards."""
     norms = (2 * args.n_layers + 1) * args.dim
     shapes = [(fan_out, fan_in) for fan_in, fan_out in block_linear_shapes(args).values()] * args.n_layers \
         + [(args.vocab_size, args.dim)] * 2
-    # The first rank's: the largest shards (ceil(r / N) rows each).
-    owned = sum(_shard_values(rows, columns, world) for rows, columns in shapes)
-    return 8 * owned + 8 * norms + _shard_values(args.vocab_size, args.dim, world) * reduce_bytes
+    owned = sum(_shard_values(rows, columns, world) for rows, columns in shapes) + norms
+    vocabulary = _shard_values(args.vocab_size, args.dim, world)
+    weight_copies = 1 if world == 2 and param_bytes == 4 and args.vocab_size % world == 0 else 2
+    return max(4 * owned + vocabulary * (weight_copies * param_bytes + 2 * reduce_bytes),
+               8 * owned + vocabulary * reduce_bytes)
 
 
 def input_gradient_accumulator_bytes(args: TransformerModelArgs, tokens: float, param_bytes: int) -> float:
