@@ -192,7 +192,8 @@ def test_block_causal_with_context_parallelism_options():
     assert parse_args([*block_causal_cp, "--model.document_positions"]).parallelism.context_parallel_degree == 2
     with pytest.raises(UserError, match="option parallelism.context_parallel_rotate_method = 'alltoall': does not "
                                         "compose with context parallelism over gathered keys and values .*"
-                                        "model.attention_mask = 'block_causal'.*'allgather'$"):
+                                        "model.attention_mask = 'block_causal'.*; leave parallelism.context_parallel_rotate_method at "
+                                        "'allgather'"):
         parse_args([*block_causal_cp, "--parallelism.context_parallel_rotate_method", "alltoall"])
 
 
