@@ -1384,7 +1384,7 @@ def test_rotations_are_exposed_only_beyond_each_shards_product():
 
     from torchtitan.models.llama3.args import model_args_for
     from torchtitan.planner.cost import NVLINK_HOP_LATENCY_S, RING_BASE_LATENCY_S, Layout
-    from torchtitan.planner.rotated import rotation_time
+    from torchtitan.planner.cost import rotation_time
 
     args = model_args_for("8B", 8192)
     layout = Layout(dp_replicate=1, dp_shard=8, tp=1, pp=1, cp=1, schedule=None, stages_per_rank=1, local_batch=1,

@@ -80,6 +80,7 @@ on 8 GPUs of the published table (eager, compiled, compiled + float8) and held f
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 from torchtitan.errors import UserError
@@ -681,9 +682,7 @@ def step_time(args: TransformerModelArgs, layout: Layout, seq_len: int, gpu: GPU
         fsdp_s *= microbatches
         fsdp_hidden = fsdp_s - fsdp_exposed
     if layout.rotated:
-        from torchtitan.planner import rotated
-
-        rotation = rotated.rotation_time(args, layout, seq_len, gpu, efficiency)
+        rotation = rotation_time(args, layout, seq_len, gpu, efficiency)
         compute_s += rotation.extra_compute_s
         fsdp_s, fsdp_exposed, drained_s = rotation.comm_s, rotation.exposed_s, 0.0
         fsdp_hidden = fsdp_s - fsdp_exposed
@@ -699,7 +698,7 @@ def step_time(args: TransformerModelArgs, layout: Layout, seq_len: int, gpu: GPU
     passes = 1 if p > 1 and shard > 1 else microbatches
     parameter_bytes = parameter_traffic_bytes(stage_params, shard, gather_bytes, gathers, passes)
     if layout.rotated:
-        parameter_bytes = rotated.parameter_traffic_bytes(stage_params, shard, microbatches)
+        parameter_bytes = rotated_parameter_traffic_bytes(stage_params, shard, microbatches)
     if layout.float8:
         sizes = {name: fan_in * fan_out for name, (fan_in, fan_out) in block_linear_shapes(args, t).items()}
         weights = sum(sizes.values()) * layers
@@ -719,3 +718,83 @@ def tokens_per_second_per_gpu(args: TransformerModelArgs, layout: Layout, seq_le
     step = step_time(args, layout, seq_len, gpu, **constants)
     return layout.tokens_per_gpu(seq_len) / (
         step.seconds_alone if alone else step.seconds)
+
+
+# Rotated tensor parallelism's time terms (its bytes and memory: planner/rotated.py).
+
+def recomputed_rotations(ac: str, every: int = 2) -> float:
+    """The share of blocks whose rotations run again in backward: those activation checkpointing recomputes whole,
+    and under per-op AC every block (its policy caches matmul outputs, but the recomputed forward runs each rotated
+    Linear again, rotations included)."""
+    return 1.0 if ac == "op" else recomputed_blocks(ac, every)
+
+
+@dataclass(frozen=True)
+class RotationTime:
+    comm_s: float
+    """Seconds of rotation transfers per step, and the norms' all-reduce."""
+    exposed_s: float
+    """Of these, what no product hides."""
+    extra_compute_s: float
+    """The products split into N thinner ones take this much longer than whole."""
+
+
+def _p2p(gpu: GPU, world: int) -> tuple[float, float]:
+    """(bytes/s, seconds of latency) of one shift around a ring of `world` neighbouring ranks: NVLink within a host,
+    one NIC per rank across hosts (each rank sends one message to one neighbour)."""
+    if world <= gpu.gpus_per_host:
+        return gpu.nvlink_bytes_per_s * NCCL_BUS_FRACTION["nvlink"], RING_BASE_LATENCY_S + NVLINK_HOP_LATENCY_S
+    return gpu.rdma_bytes_per_s * NCCL_BUS_FRACTION["network"], RING_BASE_LATENCY_S + NETWORK_HOP_LATENCY_S
+
+
+def rotation_time(args: TransformerModelArgs, layout: Layout, seq_len: int, gpu: GPU,
+                  efficiency: float) -> RotationTime:
+    """The rotations of one step of a rank of `layout` (layout.rotated): planner/rotated.py's docstring says how."""
+    world = layout.dp_shard * layout.cp
+    bandwidth, latency = _p2p(gpu, world)
+    p, g = 2, 4  # bf16 compute, fp32 reductions: the planner's layouts
+    m = layout.microbatch * seq_len / layout.cp
+    passes = layout.local_batch // layout.microbatch
+    layers = args.n_layers / layout.pp
+    recomputed = layers * recomputed_rotations(layout.ac, layout.ac_every)
+    exposed = comm = extra = 0.0
+
+    def linear(rows: int, columns: int, backwards: float, forwards: float) -> None:
+        """A Linear of `rows` x `columns` running `forwards` forwards and `backwards` backwards per step."""
+        nonlocal exposed, comm, extra
+        s = math.ceil(rows / world)
+        forward_turn = gemm_seconds(m, columns, s, gpu, efficiency)
+        backward_turn = gemm_seconds(m, s, columns, gpu, efficiency) + gemm_seconds(s, m, columns, gpu, efficiency)
+        forward_x = s * columns * p / bandwidth + latency
+        backward_x = s * columns * (p + g) / bandwidth + latency
+        comm += (world - 1) * (forwards * forward_x + backwards * backward_x)
+        exposed += (world - 1) * (forwards * max(0.0, forward_x - forward_turn)
+                                  + backwards * max(0.0, backward_x - backward_turn))
+        whole_forward = gemm_seconds(m, columns, rows, gpu, efficiency)
+        whole_backward = gemm_seconds(m, rows, columns, gpu, efficiency) + gemm_seconds(rows, m, columns, gpu,
+                                                                                       efficiency)
+        extra += (forwards * (world * forward_turn - whole_forward)
+                  + backwards * (world * backward_turn - whole_backward))
+
+    for fan_in, fan_out in block_linear_shapes(args).values():
+        linear(fan_out, fan_in, passes * layers, passes * (layers + recomputed))
+    # The slowest pipeline rank sets the pace: the last stage's output layer (linear_gemms counts it on every rank);
+    # the embedding's rotations where one rank holds both ends.
+    linear(args.vocab_size, args.dim, passes, passes)
+    if layout.pp == 1:
+        s = math.ceil(args.vocab_size / world)
+        embedding_x = (world - 1) * (s * args.dim * (p + g) / bandwidth + 2 * latency) * passes
+        comm += embedding_x
+        exposed += embedding_x
+    norms = (2 * layers + 1) * args.dim * g
+    sync = 2 * (world - 1) / world * norms / bandwidth + latency
+    return RotationTime(comm_s=comm + sync, exposed_s=exposed + sync, extra_compute_s=max(0.0, extra))
+
+
+def rotated_parameter_traffic_bytes(stage_params: float, world: int, passes: int, param_bytes: int = 2) -> float:
+    """HBM bytes per step of a rank's work on its parameters: the optimizer over its shard, and per pass the cast of
+    the shard into the rotating copy in forward and again in backward (4 read, p written; fp32 compute uses the
+    shard itself), its gradient cast from the buffer (4 + 4) and added to the accumulated one (4 + 4, 4 written)."""
+    shard_params = stage_params / world
+    casts = 2 * (4 + param_bytes) if param_bytes != 4 else 0
+    return OPTIMIZER_BYTES_PER_PARAM * shard_params + passes * shard_params * (casts + 8 + 12)
