@@ -65,6 +65,7 @@ def test_debug_model_world_64_pp_fsdp_tp(tmp_path):
     assert "Other end of the pipeline, rank 35" in report["_log"]
 
 
+@pytest.mark.slow
 def test_real_tensors_time_one_rank_of_a_large_world(tmp_path):
     """--comm.no_fake_tensors: the last stage's rank of PP 2 x FSDP 8 x TP 4 on 64 ranks runs on real tensors on this
     machine's device (the CPU here), collectives still fake: every step is timed and takes its update, and tokens/s
@@ -234,6 +235,7 @@ def test_a_rank_that_compresses_gradients_is_dry_run(tmp_path, method):
     assert found[("all_gather", "dp_shard")]["count"] == 15
 
 
+@pytest.mark.slow
 def test_flexdemo_exchanges_its_components_once_per_step(tmp_path):
     """FlexDeMo's one exchange per step is one all-gather across replicas of each tile's top 32 DCT coefficients
     (6 bytes each) of the rank's shard (rows halved by FSDP 2), in place of gradient all-reduces."""

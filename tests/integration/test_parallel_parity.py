@@ -106,7 +106,7 @@ OPTIMIZERS = {
 # split along its second dimension (the embedding is split by column), so its blocks hold other values than one
 # process's, and 4-bit's coarse codes turn that into 1.1e-5 of loss over 10 steps (8-bit's into less than 1e-5).
 LOSS_BOUND = {"AdamW-4bit": 2e-5}
-FAST_OPTIMIZER_LAYOUTS = {("Ranger21", "fsdp2"), ("Ranger21", "tp2"), ("GaLore-AdamW", "fsdp2"), ("Muon", "tp2")}
+FAST_OPTIMIZER_LAYOUTS = {("Ranger21", "fsdp2"), ("Muon", "tp2")}
 OPTIMIZER_LAYOUTS = [pytest.param(optimizer, layout, marks=() if (optimizer, layout) in FAST_OPTIMIZER_LAYOUTS
                                   else pytest.mark.slow, id=f"{optimizer}-{layout}")
                      for optimizer in OPTIMIZERS for layout in ("fsdp2", "tp2")]

@@ -51,9 +51,9 @@ COMPILE_LAYOUTS = {
 }
 
 
-# FSDP 2 and PP 2 by default (FSDP's in the smoke set); the others, 20-30 s each here, with the slow ones.
+# FSDP 2 by default (and in the smoke set); the others, 10-30 s each here, with the slow ones.
 @pytest.mark.parametrize("layout", [pytest.param(layout, marks=pytest.mark.smoke) if layout == "fsdp2" else
-                                    layout if layout == "pp2" else pytest.param(layout, marks=pytest.mark.slow)
+                                    pytest.param(layout, marks=pytest.mark.slow)
                                     for layout in COMPILE_LAYOUTS])
 def test_compile_matches_eager(tmp_path, reference, layout):
     """Every block and the loss compiled with inductor, alone, with FSDP, CP, PP and full AC: fusion reorders float

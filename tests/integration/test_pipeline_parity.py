@@ -110,6 +110,7 @@ def test_pp2_fsdp2(tmp_path, tiny_reference):
     assert_parity("pp2 x fsdp2 (1F1B)", rows, tiny_reference, validated=False)
 
 
+@pytest.mark.slow
 def test_pp2_tp2(tmp_path, tiny_reference):
     """Stage boundaries carry each TP rank's sequence shard of the hidden states."""
     rows = train(tmp_path / "pp2_tp2", 4, [*BASE, *batch(LOCAL_BATCH), *VALIDATION, *pipeline(2, "Interleaved1F1B"),

@@ -1167,6 +1167,7 @@ def test_checkpoint_process_bounds_its_collectives_by_the_checkpoint_timeout(pg,
     assert backend.options._timeout.total_seconds() == 42 != before.total_seconds()
 
 
+@pytest.mark.slow
 def test_async_with_pinned_mem_process_save(tmp_path):
     """In a child process: the checkpoint process that DCP starts lives as long as its parent and must not outlive
     the test. DCP spawns it, so it imports the parent's `__main__` module: a training script must guard its entry

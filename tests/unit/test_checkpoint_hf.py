@@ -180,7 +180,7 @@ def test_hf_import_under_fsdp_and_tp_reads_only_this_ranks_blocks(tmp_path):
     run_forked(fsdp_tp_import_worker, 4, str(tmp_path))
 
 
-@pytest.mark.parametrize("layout, world_size", [("fsdp", 4), ("pipeline", 2)])
+@pytest.mark.parametrize("layout, world_size", [pytest.param("fsdp", 4, marks=pytest.mark.slow), ("pipeline", 2)])
 def test_hf_import_reads_only_this_ranks_share(tmp_path, layout, world_size):
     save_hf(tmp_path / "hf", reference_model().state_dict(), ADAPTER, max_shard_bytes=8 * MIB)
     run_forked(import_worker, world_size, str(tmp_path), layout)

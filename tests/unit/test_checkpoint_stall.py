@@ -14,6 +14,7 @@ from torchtitan.errors import UserError
 SCRIPT = Path(checkpoint_stall.__file__)
 
 
+@pytest.mark.slow
 def test_reports_the_stall_of_every_mode(tmp_path):
     # A process of its own, as it is meant to run: async_with_pinned_mem starts a checkpoint process that imports
     # the script as its __main__ and lives as long as its parent.

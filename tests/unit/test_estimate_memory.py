@@ -208,7 +208,7 @@ ANALYTIC_AGAINST_TRACE = [
     # (planner/rotated.py); measured 0.13% below the trace.
     ("rtp4_full", ["--activation_checkpoint.mode", "full", "--parallelism.data_parallel_shard_method", "rotated"]),
 ]
-SLOW_ANALYTIC = {"rtp4_full", "pp2_fsdp2"}
+SLOW_ANALYTIC = {"rtp4_full", "pp2_fsdp2", "tp2_loss_parallel", "cp2_tp2"}
 
 
 @pytest.mark.parametrize("layout", [pytest.param(args, id=name, marks=[pytest.mark.slow] * (name in SLOW_ANALYTIC))

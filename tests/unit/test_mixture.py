@@ -211,6 +211,7 @@ if __name__ == "__main__":
 """
 
 
+@pytest.mark.slow
 def test_exit_with_live_workers_is_quick(sources, tmp_path):
     # Reader threads and tokenizer processes still running when the interpreter exits: their iterations end in its
     # teardown, after the libraries' own exit handlers stopped them (waiting there for them hung).

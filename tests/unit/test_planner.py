@@ -41,7 +41,7 @@ def test_constants_are_those_fitted_on_the_named_rows():
     assert fitted == pytest.approx(used)
 
 
-@pytest.mark.parametrize("row", [0, 2, 3])
+@pytest.mark.parametrize("row", [0, 2, pytest.param(3, marks=pytest.mark.slow)])
 def test_published_layout_in_top_5_of_the_conservative_ranking(row):
     """The row's setting: its flavor, GPUs, sequence length and global batch, and its techniques (float8, compile,
     async TP) as published; the planner chooses the degrees, the schedule and the activation checkpointing, and
@@ -121,6 +121,7 @@ def test_each_layout_has_a_range_and_the_envelope_marks_what_no_row_validated():
         assert p.tps_conservative <= row.tps_per_gpu * (1 + 1e-9) <= p.tps_optimistic * (1 + 1e-9)
 
 
+@pytest.mark.slow
 def test_overrides_round_trip_through_the_trainer_config():
     # One CP method: the search's cost doubles with both, whose options round trip in the next test.
     ranked = plan("70B", 64, GPUS["h100"], 8192, 128, cp_methods=("allgather_kv",))
@@ -633,6 +634,7 @@ def test_ring_latency_counts_nvlink_and_network_hops():
     assert ring_latency_seconds(gpu, 32, 4) == pytest.approx(8.4e-6 + 3 * 14e-6)
 
 
+@pytest.mark.slow
 def test_without_overlap_bounds_each_layout_and_can_rank():
     """Every layout's speed if no communication overlapped compute is at most its prediction, equal without
     communication; ranked by it, 405B on 512 prefers another first choice than by the prediction: FSDP over 128
