@@ -93,6 +93,22 @@ def test_muon_steps_by_the_orthogonalised_nesterov_momentum(shape, nesterov):
     assert singular_values.min() > 0.6 and singular_values.max() < 1.3  # about the polar factor
 
 
+def positive_negative_momenta(grads: list[torch.Tensor], beta1: float, beta2: float, b0: float):
+    """Per step t (from 1): the gradient, Xie et al.'s positive-negative momentum (odd steps update m+, even steps
+    m-, each with beta1^2; ((1 + b0) m_this - b0 m_other) / sqrt((1 + b0)^2 + b0^2)) and Adam's bias-corrected
+    v_hat."""
+    positive, negative, v = (torch.zeros_like(grads[0]) for _ in range(3))
+    for t, grad in enumerate(grads, 1):
+        if t % 2:
+            positive = beta1 ** 2 * positive + (1 - beta1 ** 2) * grad
+            this, other = positive, negative
+        else:
+            negative = beta1 ** 2 * negative + (1 - beta1 ** 2) * grad
+            this, other = negative, positive
+        v = beta2 * v + (1 - beta2) * grad * grad
+        yield t, ((1 + b0) * this - b0 * other) / math.sqrt((1 + b0) ** 2 + b0 ** 2), v / (1 - beta2 ** t)
+
+
 def test_ranger21_positive_negative_momentum_stable_weight_decay_and_norm_loss():
     """Xie et al.'s positive-negative momentum (odd steps update m+, even steps m-, each with beta1^2; the step
     follows ((1 + b0) m_this - b0 m_other) / sqrt((1 + b0)^2 + b0^2) over Adam's sqrt(v_hat) + eps, bias-corrected
@@ -106,17 +122,7 @@ def test_ranger21_positive_negative_momentum_stable_weight_decay_and_norm_loss()
                                     norm_loss=norm_loss, lookahead_steps=0, lookahead_alpha=0.5,
                                     gradient_normalization=False, softplus=False), weight, grads)
     expected = weight.clone()
-    positive, negative, v = torch.zeros(shape), torch.zeros(shape), torch.zeros(shape)
-    for t, grad in enumerate(grads, 1):
-        if t % 2:
-            positive = beta1 ** 2 * positive + (1 - beta1 ** 2) * grad
-            this, other = positive, negative
-        else:
-            negative = beta1 ** 2 * negative + (1 - beta1 ** 2) * grad
-            this, other = negative, positive
-        v = beta2 * v + (1 - beta2) * grad * grad
-        v_hat = v / (1 - beta2 ** t)
-        momentum = ((1 + b0) * this - b0 * other) / math.sqrt((1 + b0) ** 2 + b0 ** 2)
+    for t, momentum, v_hat in positive_negative_momenta(grads, beta1, beta2, b0):
         expected = expected * (1 - LR * WD / v_hat.mean().sqrt())
         expected = expected * (1 - LR * 2 * norm_loss * (1 - 1 / (expected.norm(dim=1, keepdim=True) + 1e-8)))
         expected = expected - LR / (1 - beta1 ** t) * momentum / (v_hat.sqrt() + eps)
@@ -136,23 +142,16 @@ def test_ranger21_normalized_centralized_gradient_and_softplus_denominator(shape
     result = run(lambda p: Ranger21([{"params": [p], "weight_decay": 0.0}], lr=LR, betas=(beta1, beta2), eps=eps,
                                     agc_clip=0.0, agc_eps=1e-3, gradient_centralization=True, pnm_momentum=b0,
                                     norm_loss=0.0, lookahead_steps=0, lookahead_alpha=0.5), weight, grads)
-    expected = weight.clone()
-    positive, negative, v = torch.zeros(shape), torch.zeros(shape), torch.zeros(shape)
-    for t, grad in enumerate(grads, 1):
+    normalized = []
+    for grad in grads:
         if len(shape) > 1:
             grad = grad - grad.mean(dim=1, keepdim=True)
         n = grad.numel()
-        grad = grad / (((grad - grad.mean()) ** 2).sum() / (n - 1)).sqrt().add(1e-8)
-        if t % 2:
-            positive = beta1 ** 2 * positive + (1 - beta1 ** 2) * grad
-            this, other = positive, negative
-        else:
-            negative = beta1 ** 2 * negative + (1 - beta1 ** 2) * grad
-            this, other = negative, positive
-        v = beta2 * v + (1 - beta2) * grad * grad
-        denominator = (v / (1 - beta2 ** t)).sqrt() + eps
+        normalized.append(grad / (((grad - grad.mean()) ** 2).sum() / (n - 1)).sqrt().add(1e-8))
+    expected = weight.clone()
+    for t, momentum, v_hat in positive_negative_momenta(normalized, beta1, beta2, b0):
+        denominator = v_hat.sqrt() + eps
         denominator = denominator + torch.log1p(torch.exp(-50 * denominator)) / 50  # ln(1 + e^(50 x)) / 50, x > 0
-        momentum = ((1 + b0) * this - b0 * other) / math.sqrt((1 + b0) ** 2 + b0 ** 2)
         expected = expected - LR / (1 - beta1 ** t) * momentum / denominator
     assert torch.allclose(result, expected, atol=1e-6)
     plain = run(lambda p: Ranger21([{"params": [p], "weight_decay": 0.0}], lr=LR, betas=(beta1, beta2), eps=eps,
